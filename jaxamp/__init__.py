@@ -1,0 +1,50 @@
+"""jaxamp: automatic mixed precision for JAX and Flax.
+
+Precision policies applied to Flax models without editing them, loss scales
+whose state is a jit-safe pytree, and a train state that skips the update of
+any step whose gradients overflowed.
+
+Example:
+    >>> policy = jaxamp.get_policy("mixed_float16")
+    >>> model = jaxamp.apply_policy(ResNet18(), policy)
+    >>> state = jaxamp.TrainState.create(
+    ...     apply_fn=model.apply, params=params, tx=optax.adam(1e-3),
+    ...     loss_scale=jaxamp.default_loss_scale(policy))
+    >>> loss, grads, grads_finite = jaxamp.scaled_value_and_grad(
+    ...     loss_fn, state.loss_scale)(state.params)
+    >>> state = state.apply_gradients(grads=grads, grads_finite=grads_finite)
+"""
+
+from jaxamp.finite import all_finite, select_tree
+from jaxamp.grads import scaled_value_and_grad
+from jaxamp.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    default_loss_scale,
+)
+from jaxamp.module_policy import NORMALIZATION_LAYERS, apply_policy
+from jaxamp.policy import Policy, get_policy
+from jaxamp.report import PrecisionReport, precision_report
+from jaxamp.train_state import TrainState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DynamicLossScale",
+    "LossScale",
+    "NORMALIZATION_LAYERS",
+    "NoOpLossScale",
+    "Policy",
+    "PrecisionReport",
+    "StaticLossScale",
+    "TrainState",
+    "all_finite",
+    "apply_policy",
+    "default_loss_scale",
+    "get_policy",
+    "precision_report",
+    "scaled_value_and_grad",
+    "select_tree",
+]

@@ -1,0 +1,73 @@
+"""Finiteness checks and functional selection between pytrees.
+
+These are the two halves of a skipped step: `all_finite` decides, and
+`select_tree` keeps the old state where the decision says so, without leaving
+traced code (no ``if``, no host sync).
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+T = TypeVar("T")
+
+
+def all_finite(tree) -> jax.Array:
+    """Returns whether every floating-point value in `tree` is finite.
+
+    Integer and bool leaves are finite by definition and are skipped; so are
+    non-array leaves. Each leaf is reduced on its own and the per-leaf flags are
+    combined, which XLA fuses with whatever produced the leaves.
+
+    Args:
+        tree: a pytree of arrays (gradients, usually).
+
+    Returns:
+        A scalar bool array; ``True`` for a tree with no floating leaves.
+    """
+    leaf_flags = [
+        jnp.all(jnp.isfinite(leaf))
+        for leaf in jax.tree.leaves(tree)
+        if isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+        and jnp.issubdtype(leaf.dtype, jnp.inexact)
+    ]
+    if not leaf_flags:
+        return jnp.array(True)
+    return jnp.all(jnp.stack(leaf_flags))
+
+
+def select_tree(pred: jax.Array, on_true: T, on_false: T) -> T:
+    """Picks `on_true` or `on_false` leaf by leaf, with ``jnp.where``.
+
+    Args:
+        pred: a scalar bool (array).
+        on_true: the tree returned where `pred` is true.
+        on_false: a tree of the same structure, returned where it is false.
+
+    Returns:
+        A tree of that structure; each leaf has the dtype of `on_true`'s leaf.
+
+    Raises:
+        ValueError: `pred` is not a scalar, or the trees differ in structure.
+    """
+    pred = jnp.asarray(pred)
+    if pred.shape != ():
+        raise ValueError(f"select_tree needs a scalar predicate; got shape {pred.shape}.")
+    true_structure = jax.tree.structure(on_true)
+    false_structure = jax.tree.structure(on_false)
+    if true_structure != false_structure:
+        raise ValueError(
+            "select_tree needs two trees of the same structure; got\n"
+            f"  on_true:  {true_structure}\n  on_false: {false_structure}"
+        )
+    return jax.tree.map(
+        lambda when_true, when_false: jnp.where(pred, when_true, when_false).astype(
+            jnp.result_type(when_true)
+        ),
+        on_true,
+        on_false,
+    )

@@ -1,0 +1,81 @@
+"""Gradients through a loss scale."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp.finite import all_finite
+from jaxamp.loss_scale import LossScale
+
+
+def scaled_value_and_grad(
+    fun: Callable[..., Any],
+    loss_scale: LossScale,
+    *,
+    has_aux: bool = False,
+    argnums: int | Sequence[int] = 0,
+) -> Callable[..., tuple[Any, Any, jax.Array]]:
+    """Like `jax.value_and_grad`, through a loss scale, with a finiteness flag.
+
+    The returned function computes::
+
+        loss = fun(*args)                       # or (loss, aux) with has_aux
+        scaled_grads = grad(loss_scale.scale(float32(loss)))
+        grads = loss_scale.unscale(scaled_grads)
+        grads_finite = all_finite(grads)
+
+    The loss is cast to float32 before it is scaled, so a float16 loss cannot
+    overflow in the multiplication itself; the backward pass then carries the
+    scaled cotangent through the model's float16 computation, which is where
+    scaling keeps small gradients from flushing to zero.
+
+    Args:
+        fun: the loss function; returns a scalar loss, or ``(loss, aux)`` when
+            `has_aux` is true.
+        loss_scale: any loss scale (`NoOpLossScale`, `StaticLossScale`,
+            `DynamicLossScale`, or a `jmp` loss scale).
+        has_aux: whether `fun` returns ``(loss, aux)``.
+        argnums: which positional argument(s) to differentiate.
+
+    Returns:
+        A function with `fun`'s arguments that returns
+        ``(value, grads, grads_finite)``: `value` is `fun`'s own, unscaled
+        result (``loss`` or ``(loss, aux)``); `grads` are unscaled and in the
+        dtype of the arguments they belong to; `grads_finite` is a scalar bool
+        to pass to ``TrainState.apply_gradients`` and
+        ``DynamicLossScale.adjust``.
+    """
+
+    def scaled_loss(*args, **kwargs):
+        output = fun(*args, **kwargs)
+        if has_aux:
+            if not (isinstance(output, tuple) and len(output) == 2):
+                raise TypeError(
+                    "scaled_value_and_grad(has_aux=True) needs fun to return a "
+                    f"(loss, aux) pair; it returned {type(output).__name__}."
+                )
+            loss = output[0]
+        else:
+            loss = output
+        loss_array = jnp.asarray(loss)
+        if loss_array.shape != ():
+            raise TypeError(
+                "scaled_value_and_grad needs fun to return a scalar loss; got shape "
+                f"{loss_array.shape}. Reduce it (e.g. with .mean()) first."
+            )
+        return loss_scale.scale(loss_array.astype(jnp.float32)), output
+
+    value_and_scaled_grad = jax.value_and_grad(scaled_loss, argnums=argnums, has_aux=True)
+
+    @functools.wraps(fun)
+    def value_and_grads(*args, **kwargs):
+        (_, value), scaled_grads = value_and_scaled_grad(*args, **kwargs)
+        grads = loss_scale.unscale(scaled_grads)
+        return value, grads, all_finite(grads)
+
+    return value_and_grads

@@ -1,0 +1,382 @@
+"""Loss scales: keep small float16 gradients from flushing to zero.
+
+Backpropagation in float16 loses every gradient below about 6e-8 (the smallest
+float16 subnormal). Multiplying the loss by a scale ``S`` before
+differentiation multiplies every gradient by ``S`` too, lifting them into
+float16's range; dividing the gradients by ``S`` afterwards (in float32)
+restores their true values.
+
+Three loss scales share jmp's protocol, so calling code needs no ``if``:
+
+* ``loss_scale``: the current scale, a scalar float32 array;
+* ``scale(tree)`` / ``unscale(tree)``: multiply / divide floating leaves;
+* ``adjust(grads_finite)``: the loss scale for the next step.
+
+All of them are immutable pytrees. Every field survives ``tree_flatten`` /
+``tree_unflatten``, ``jax.jit`` in and out, ``jax.tree.map`` and
+``jax.jit(f).lower(loss_scale)``: counters and scales are array leaves,
+settings (period, factor, bounds) are static metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+T = TypeVar("T")
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+@runtime_checkable
+class LossScale(Protocol):
+    """The protocol every loss scale follows (jmp's, with a float32 scale)."""
+
+    @property
+    def loss_scale(self) -> jax.Array: ...
+
+    def scale(self, tree: T) -> T: ...
+
+    def unscale(self, tree: T) -> T: ...
+
+    def adjust(self, grads_finite: jax.Array) -> LossScale: ...
+
+
+def _register_pytree(cls):
+    """Registers a frozen dataclass as a pytree of its `_data_fields`.
+
+    Unflattening sets the fields directly instead of calling ``__init__``:
+    JAX unflattens with placeholder leaves (``object()``, tracers,
+    ShapeDtypeStructs) that the constructor's conversion and validation must
+    never see. jmp 0.0.4's ``__post_init__`` breaks ``jit(f).lower`` exactly
+    this way, and its ``tree_flatten`` drops ``min_loss_scale``; here every
+    dataclass field is either a data leaf or static metadata.
+    """
+    data_fields = cls._data_fields
+    meta_fields = tuple(
+        field.name for field in dataclasses.fields(cls) if field.name not in data_fields
+    )
+
+    def flatten_with_keys(obj):
+        children = tuple((jax.tree_util.GetAttrKey(name), getattr(obj, name)) for name in data_fields)
+        return children, tuple(getattr(obj, name) for name in meta_fields)
+
+    def flatten(obj):
+        return tuple(getattr(obj, name) for name in data_fields), tuple(
+            getattr(obj, name) for name in meta_fields
+        )
+
+    def unflatten(meta, children):
+        obj = object.__new__(cls)
+        for name, value in zip(meta_fields, meta):
+            object.__setattr__(obj, name, value)
+        for name, value in zip(data_fields, children):
+            object.__setattr__(obj, name, value)
+        return obj
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls
+
+
+def _is_concrete(value: Any) -> bool:
+    return not isinstance(value, jax.core.Tracer)
+
+
+def _scale_floating(tree: T, factor: jax.Array) -> T:
+    """Multiplies floating leaves by the float32 `factor`, keeping their dtype.
+
+    The product is formed in float32 and rounded once to the leaf's dtype, so a
+    float16 gradient is unscaled without a float16 multiply's extra rounding.
+    """
+
+    def scale_leaf(leaf):
+        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
+            leaf.dtype, jnp.floating
+        ):
+            return (leaf * factor).astype(leaf.dtype)
+        return leaf
+
+    return jax.tree.map(scale_leaf, tree)
+
+
+def _validated_scale(value: Any, name: str) -> jax.Array:
+    scale = jnp.asarray(value, jnp.float32)
+    if scale.shape != ():
+        raise ValueError(f"{name} must be a scalar; got shape {scale.shape}.")
+    if _is_concrete(scale):
+        number = float(scale)
+        if not (np.isfinite(number) and number > 0):
+            raise ValueError(f"{name} must be a positive finite number; got {value!r}.")
+    return scale
+
+
+def _validated_count(value: Any, name: str) -> jax.Array:
+    count = jnp.asarray(value, jnp.int32)
+    if count.shape != ():
+        raise ValueError(f"{name} must be a scalar; got shape {count.shape}.")
+    if _is_concrete(count) and int(count) < 0:
+        raise ValueError(f"{name} must be >= 0; got {value!r}.")
+    return count
+
+
+@_register_pytree
+@dataclasses.dataclass(frozen=True)
+class NoOpLossScale:
+    """A loss scale that does nothing: for float32 and bfloat16 training.
+
+    bfloat16 has float32's exponent range, so its gradients do not underflow
+    and need no scaling. Passing a `NoOpLossScale` where a loss scale is
+    expected keeps the training code free of ``if``\\ s.
+    """
+
+    _data_fields: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def loss_scale(self) -> jax.Array:
+        """The scale, always 1.0 (a scalar float32 array)."""
+        return jnp.ones([], jnp.float32)
+
+    def scale(self, tree: T) -> T:
+        """Returns `tree` unchanged."""
+        return tree
+
+    def unscale(self, tree: T) -> T:
+        """Returns `tree` unchanged."""
+        return tree
+
+    def adjust(self, grads_finite: jax.Array) -> NoOpLossScale:
+        """Returns `self`: there is nothing to adjust."""
+        del grads_finite
+        return self
+
+
+@_register_pytree
+@dataclasses.dataclass(frozen=True)
+class StaticLossScale:
+    """Scales the loss by a fixed constant.
+
+    Args:
+        loss_scale: the constant, a positive finite number (stored as a scalar
+            float32 array).
+    """
+
+    loss_scale: jax.Array
+    _data_fields: ClassVar[tuple[str, ...]] = ("loss_scale",)
+
+    def __post_init__(self):
+        object.__setattr__(self, "loss_scale", _validated_scale(self.loss_scale, "loss_scale"))
+
+    def scale(self, tree: T) -> T:
+        """Multiplies every floating leaf of `tree` by the loss scale."""
+        return _scale_floating(tree, self.loss_scale)
+
+    def unscale(self, tree: T) -> T:
+        """Divides every floating leaf of `tree` by the loss scale."""
+        return _scale_floating(tree, 1.0 / self.loss_scale)
+
+    def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
+        """Returns `self`: a static scale never changes."""
+        del grads_finite
+        return self
+
+
+@_register_pytree
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    """A loss scale that backs off on overflow and grows while steps are clean.
+
+    This is the algorithm of ``torch.amp.GradScaler`` and of jmp, with
+    Megatron/DeepSpeed-style hysteresis and counters a caller can log. Each
+    training step calls ``adjust(grads_finite)`` once::
+
+        if grads_finite:
+            counter += 1
+            if counter == period:       # `period` clean steps in a row
+                loss_scale = min(loss_scale * factor, max_loss_scale)
+                counter = 0
+                overflows_until_backoff = hysteresis
+            consecutive_skipped_steps = 0
+        else:                           # the step is skipped by the caller
+            counter = 0
+            overflows_until_backoff -= 1
+            if overflows_until_backoff <= 0:
+                loss_scale = max(loss_scale / factor, min_loss_scale)
+            skipped_steps += 1
+            consecutive_skipped_steps += 1
+
+    With ``hysteresis=1`` (the default) every overflow halves the scale, as in
+    torch and jmp. With ``hysteresis=N`` the first ``N - 1`` overflows since
+    the last growth leave the scale alone (those steps are still skipped), as
+    in Megatron-LM. The scale stays within ``[min_loss_scale,
+    max_loss_scale]``, so it is never inf or NaN.
+
+    Everything is traced code (``jnp.where``): no Python branching on values
+    and no host sync, so it runs inside ``jax.jit`` without retracing.
+
+    Example:
+        >>> loss_scale = DynamicLossScale(2.0**15)
+        >>> scaled_loss = loss_scale.scale(loss)
+        >>> grads = loss_scale.unscale(jax.grad(...))
+        >>> loss_scale = loss_scale.adjust(jaxamp.all_finite(grads))
+
+    Args:
+        loss_scale: the initial scale (any float dtype; stored as float32).
+        counter: clean steps since the last change (normally 0).
+        period: clean steps in a row after which the scale grows.
+        factor: growth and back-off factor (> 1).
+        min_loss_scale: lower bound of the scale.
+        max_loss_scale: upper bound of the scale (finite).
+        hysteresis: overflows tolerated (since the last growth) before the
+            scale backs off.
+        overflows_until_backoff: hysteresis state; defaults to `hysteresis`.
+        skipped_steps: total overflowed (skipped) steps so far.
+        consecutive_skipped_steps: overflowed steps in a row up to now.
+    """
+
+    loss_scale: jax.Array = 2.0**15
+    counter: jax.Array = 0
+    period: int = 2000
+    factor: float = 2
+    min_loss_scale: float = 1
+    max_loss_scale: float = 2.0**24
+    hysteresis: int = 1
+    overflows_until_backoff: jax.Array | None = None
+    skipped_steps: jax.Array = 0
+    consecutive_skipped_steps: jax.Array = 0
+
+    _data_fields: ClassVar[tuple[str, ...]] = (
+        "loss_scale",
+        "counter",
+        "overflows_until_backoff",
+        "skipped_steps",
+        "consecutive_skipped_steps",
+    )
+
+    def __post_init__(self):
+        settings = {}
+        for name in ("period", "hysteresis"):
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"DynamicLossScale {name} must be an integer >= 1; got {value!r}.")
+            settings[name] = int(value)
+        for name in ("factor", "min_loss_scale", "max_loss_scale"):
+            value = getattr(self, name)
+            try:
+                number = float(value)
+            except (TypeError, jax.errors.ConcretizationTypeError):
+                raise TypeError(
+                    f"DynamicLossScale {name} is a static setting and must be a "
+                    f"concrete number; got {value!r}."
+                ) from None
+            if not (np.isfinite(number) and number > 0):
+                raise ValueError(
+                    f"DynamicLossScale {name} must be a positive finite number; got {value!r}."
+                )
+            settings[name] = number
+        if settings["factor"] <= 1:
+            raise ValueError(f"DynamicLossScale factor must be > 1; got {self.factor!r}.")
+        if settings["min_loss_scale"] > settings["max_loss_scale"]:
+            raise ValueError(
+                f"DynamicLossScale min_loss_scale ({self.min_loss_scale!r}) must not "
+                f"exceed max_loss_scale ({self.max_loss_scale!r})."
+            )
+        if settings["max_loss_scale"] > _FLOAT32_MAX:
+            raise ValueError("DynamicLossScale max_loss_scale must fit in float32.")
+        for name, value in settings.items():
+            object.__setattr__(self, name, value)
+
+        loss_scale = _validated_scale(self.loss_scale, "loss_scale")
+        if _is_concrete(loss_scale) and not (
+            settings["min_loss_scale"] <= float(loss_scale) <= settings["max_loss_scale"]
+        ):
+            raise ValueError(
+                f"DynamicLossScale loss_scale ({float(loss_scale)}) must lie within "
+                f"[min_loss_scale, max_loss_scale] = [{settings['min_loss_scale']}, "
+                f"{settings['max_loss_scale']}]."
+            )
+        object.__setattr__(self, "loss_scale", loss_scale)
+        overflows = self.overflows_until_backoff
+        if overflows is None:
+            overflows = settings["hysteresis"]
+        object.__setattr__(self, "overflows_until_backoff", _validated_count(overflows, "overflows_until_backoff"))
+        for name in ("counter", "skipped_steps", "consecutive_skipped_steps"):
+            object.__setattr__(self, name, _validated_count(getattr(self, name), name))
+
+    def scale(self, tree: T) -> T:
+        """Multiplies every floating leaf of `tree` by the loss scale."""
+        return _scale_floating(tree, self.loss_scale)
+
+    def unscale(self, tree: T) -> T:
+        """Divides every floating leaf of `tree` by the loss scale."""
+        return _scale_floating(tree, 1.0 / self.loss_scale)
+
+    def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
+        """Returns the loss scale for the next step (see the class docstring).
+
+        Args:
+            grads_finite: scalar bool, whether this step's gradients were all
+                finite (see `jaxamp.all_finite`).
+        """
+        grads_finite = jnp.asarray(grads_finite, jnp.bool_)
+        if grads_finite.shape != ():
+            raise ValueError(
+                f"grads_finite must be a scalar bool; got shape {grads_finite.shape}. "
+                "Reduce it with jaxamp.all_finite(grads)."
+            )
+        overflowed = jnp.logical_not(grads_finite)
+        zero = jnp.zeros([], jnp.int32)
+
+        clean_steps = self.counter + 1
+        grows = grads_finite & (clean_steps >= self.period)
+        overflows_left = self.overflows_until_backoff - 1
+        backs_off = overflowed & (overflows_left <= 0)
+
+        grown = jnp.minimum(self.loss_scale * self.factor, self.max_loss_scale)
+        shrunk = jnp.maximum(self.loss_scale / self.factor, self.min_loss_scale)
+        loss_scale = jnp.where(grows, grown, jnp.where(backs_off, shrunk, self.loss_scale))
+
+        return self._replace_state(
+            loss_scale=loss_scale.astype(jnp.float32),
+            counter=jnp.where(grads_finite & ~grows, clean_steps, zero),
+            overflows_until_backoff=jnp.where(
+                grows,
+                jnp.int32(self.hysteresis),
+                jnp.where(overflowed, jnp.maximum(overflows_left, zero), self.overflows_until_backoff),
+            ),
+            skipped_steps=jnp.where(
+                overflowed, optax.safe_int32_increment(self.skipped_steps), self.skipped_steps
+            ),
+            consecutive_skipped_steps=jnp.where(
+                overflowed,
+                optax.safe_int32_increment(self.consecutive_skipped_steps),
+                zero,
+            ),
+        )
+
+    def _replace_state(self, **leaves: jax.Array) -> DynamicLossScale:
+        # Bypasses __post_init__: the new leaves are traced inside jit.
+        children = tuple(leaves[name] for name in self._data_fields)
+        treedef = jax.tree.structure(self)
+        return jax.tree.unflatten(treedef, children)
+
+
+def default_loss_scale(policy: Any) -> NoOpLossScale | DynamicLossScale:
+    """Returns the loss scale a policy needs.
+
+    float16 computation gets a `DynamicLossScale` (float16 gradients
+    underflow); float32 and bfloat16 (which has float32's exponent range) get
+    a `NoOpLossScale`.
+
+    Args:
+        policy: anything `jaxamp.get_policy` accepts.
+    """
+    from jaxamp.policy import get_policy
+
+    if get_policy(policy).compute_dtype == jnp.float16:
+        return DynamicLossScale()
+    return NoOpLossScale()

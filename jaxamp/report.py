@@ -1,0 +1,155 @@
+"""A precision report: proof of which dtype the heavy math ran in.
+
+Mixed precision that silently falls back to float32 (a promoting layer, a
+forgotten cast) looks exactly like mixed precision until the profiler says
+otherwise. `precision_report` traces a function to a jaxpr and counts every
+matrix multiplication (``dot_general``) and convolution
+(``conv_general_dilated``) by the dtype of its operands, weighted by its
+floating-point operations, including those inside nested jaxprs
+(``jit``, ``remat``, ``scan``, ``cond``, custom derivatives).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+_HEAVY_PRIMITIVES = ("dot_general", "conv_general_dilated")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRecord:
+    """One matmul or convolution found in the trace.
+
+    Attributes:
+        primitive: ``dot_general`` or ``conv_general_dilated``.
+        operand_dtypes: dtypes of its two operands.
+        output_dtype: dtype of its result.
+        flops: multiply-adds times two.
+    """
+
+    primitive: str
+    operand_dtypes: tuple[str, str]
+    output_dtype: str
+    flops: int
+
+    @property
+    def compute_dtype(self) -> str:
+        """The widest operand dtype: the precision the op runs in."""
+        return max(self.operand_dtypes, key=lambda name: np.dtype(name).itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionReport:
+    """Matmuls and convolutions of one traced function, by dtype.
+
+    Attributes:
+        ops: every matmul and convolution, in trace order.
+    """
+
+    ops: tuple[OpRecord, ...]
+
+    def flops_by_dtype(self) -> dict[str, int]:
+        """FLOPs of matmuls and convolutions per compute dtype."""
+        totals: dict[str, int] = collections.Counter()
+        for op in self.ops:
+            totals[op.compute_dtype] += op.flops
+        return dict(totals)
+
+    def count_by_dtype(self) -> dict[str, int]:
+        """Number of matmuls and convolutions per compute dtype."""
+        return dict(collections.Counter(op.compute_dtype for op in self.ops))
+
+    def fraction(self, dtype: Any) -> float:
+        """Share of matmul and convolution FLOPs computed in `dtype` (0 to 1)."""
+        total = sum(op.flops for op in self.ops)
+        if total == 0:
+            return 0.0
+        return self.flops_by_dtype().get(np.dtype(dtype).name, 0) / total
+
+    def __str__(self) -> str:
+        total = sum(op.flops for op in self.ops) or 1
+        lines = [f"{'dtype':<10} {'ops':>6} {'GFLOPs':>12} {'share':>7}"]
+        counts = self.count_by_dtype()
+        for dtype, flops in sorted(self.flops_by_dtype().items(), key=lambda item: -item[1]):
+            lines.append(f"{dtype:<10} {counts[dtype]:>6} {flops / 1e9:>12.4f} {flops / total:>7.1%}")
+        return "\n".join(lines)
+
+
+def _subjaxprs(params: dict[str, Any]) -> Iterator[jax.extend.core.Jaxpr]:
+    for value in params.values():
+        candidates = value if isinstance(value, (tuple, list)) else (value,)
+        for candidate in candidates:
+            if isinstance(candidate, jax.extend.core.ClosedJaxpr):
+                yield candidate.jaxpr
+            elif isinstance(candidate, jax.extend.core.Jaxpr):
+                yield candidate
+
+
+def _flops(primitive: str, lhs, rhs, out, params: dict[str, Any]) -> int:
+    if primitive == "dot_general":
+        (lhs_contracting, _), _ = params["dimension_numbers"]
+        contracted = math.prod(lhs.shape[axis] for axis in lhs_contracting)
+        return 2 * math.prod(out.shape) * contracted
+    # Convolution: every output element sums over the kernel's spatial window
+    # and its input features (rhs holds in_features // groups per group).
+    rhs_spec = params["dimension_numbers"].rhs_spec
+    out_feature_axis, in_feature_axis, *spatial_axes = rhs_spec
+    window = math.prod(rhs.shape[axis] for axis in spatial_axes) * rhs.shape[in_feature_axis]
+    return 2 * math.prod(out.shape) * window
+
+
+def _walk(jaxpr, records: list[OpRecord]) -> None:
+    for equation in jaxpr.eqns:
+        name = equation.primitive.name
+        if name in _HEAVY_PRIMITIVES:
+            lhs, rhs = (variable.aval for variable in equation.invars[:2])
+            out = equation.outvars[0].aval
+            records.append(
+                OpRecord(
+                    primitive=name,
+                    operand_dtypes=(lhs.dtype.name, rhs.dtype.name),
+                    output_dtype=out.dtype.name,
+                    flops=_flops(name, lhs, rhs, out, equation.params),
+                )
+            )
+        for subjaxpr in _subjaxprs(equation.params):
+            _walk(subjaxpr, records)
+
+
+def precision_report(fun: Callable[..., Any], *args, **kwargs) -> PrecisionReport:
+    """Traces ``fun(*args, **kwargs)`` and reports the dtypes of its heavy math.
+
+    Nothing is compiled or run: the function is traced to a jaxpr. Pass a
+    training step (or ``jax.value_and_grad`` of a loss) to see the backward
+    pass too.
+
+    Example:
+        >>> report = jaxamp.precision_report(model.apply, variables, images)
+        >>> print(report)
+        dtype         ops       GFLOPs   share
+        float16        21       0.5571  100.0%
+        >>> report.fraction(jnp.float16)
+        1.0
+
+    Args:
+        fun: any traceable function.
+        *args: its positional arguments (arrays or ShapeDtypeStructs).
+        **kwargs: its keyword arguments, passed as static Python values.
+
+    Returns:
+        A `PrecisionReport`.
+    """
+    # Keyword arguments are bound statically: flags such as ``train=False``
+    # must stay Python values, not tracers.
+    closed_jaxpr = jax.make_jaxpr(functools.partial(fun, **kwargs))(*args)
+    records: list[OpRecord] = []
+    _walk(closed_jaxpr.jaxpr, records)
+    return PrecisionReport(tuple(records))
