@@ -1,0 +1,1 @@
+"""Experiments that showcase jaxamp: CIFAR models, data, training loop and benchmarks."""
