@@ -136,7 +136,7 @@ def _policy_interceptor(next_fun, args, kwargs, context):
     args, kwargs = policy.cast_to_compute((args, kwargs))
     with _context_value(_PARAM_READ_DTYPE, policy.compute_dtype):
         outputs = next_fun(*args, **kwargs)
-    if policy is not module_policies.policy and context.method_name != "setup":
+    if module_policies.is_overridden(module) and context.method_name != "setup":
         outputs = policy.cast_to_output(outputs)
     return outputs
 

@@ -89,14 +89,22 @@ class ModulePolicies:
 
     def for_module(self, module: Any) -> Policy:
         """Returns the policy that `module` (an instance) runs under."""
-        return self._for_class(type(module))
+        return self._lookup(type(module))[0]
+
+    def is_overridden(self, module: Any) -> bool:
+        """Whether `module` runs under an override rather than the model's policy.
+
+        Overridden layers cast their outputs to their policy's output dtype;
+        the model's own layers hand on their outputs in the compute dtype.
+        """
+        return self._lookup(type(module))[1]
 
     @functools.lru_cache(maxsize=None)
-    def _for_class(self, module_class: type) -> Policy:
+    def _lookup(self, module_class: type) -> tuple[Policy, bool]:
         for overridden_class, policy in self.overrides:
             if issubclass(module_class, overridden_class):
-                return policy
-        return self.policy
+                return policy, True
+        return self.policy, False
 
 
 def is_floating_dtype_field(value: Any) -> bool:

@@ -57,8 +57,8 @@ def _own_params_read_as(module: nnx.Module, dtype: np.dtype):
 @functools.lru_cache(maxsize=None)
 def _policy_class(module_class: type, module_policies: ModulePolicies, is_root: bool) -> type:
     """A subclass of `module_class` whose calls run under `module_policies`."""
-    policy = module_policies._for_class(module_class)
-    cast_outputs = is_root or policy is not module_policies.policy
+    policy, is_overridden = module_policies._lookup(module_class)
+    cast_outputs = is_root or is_overridden
     output_policy = module_policies.policy if is_root else policy
 
     def __call__(self, *args, **kwargs):
