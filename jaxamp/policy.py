@@ -64,6 +64,12 @@ _GRAMMAR_KEYS = {
 
 
 def _canonical_dtype(dtype: Any, field_name: str) -> np.dtype:
+    if dtype is None:
+        # jnp.dtype(None) is float64: a missing dtype must not pass as one.
+        raise TypeError(
+            f"Policy {field_name} must be a floating dtype such as jnp.float32, "
+            "jnp.float16 or jnp.bfloat16; got None."
+        )
     try:
         canonical = jnp.dtype(dtype)
     except TypeError as error:
