@@ -6,7 +6,9 @@ otherwise. `precision_report` traces a function to a jaxpr and counts every
 matrix multiplication (``dot_general``) and convolution
 (``conv_general_dilated``) by the dtype of its operands, weighted by its
 floating-point operations, including those inside nested jaxprs
-(``jit``, ``remat``, ``scan``, ``cond``, custom derivatives).
+(``jit``, ``remat``, ``scan``, ``cond``, custom derivatives). A ``scan``
+body's FLOPs count once per iteration; a ``while_loop`` body's once, since
+its trip count is not known at trace time.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class OpRecord:
         primitive: ``dot_general`` or ``conv_general_dilated``.
         operand_dtypes: dtypes of its two operands.
         output_dtype: dtype of its result.
-        flops: multiply-adds times two.
+        flops: multiply-adds times two (times the iterations of an
+            enclosing ``scan``).
     """
 
     primitive: str
@@ -106,7 +109,7 @@ def _flops(primitive: str, lhs, rhs, out, params: dict[str, Any]) -> int:
     return 2 * math.prod(out.shape) * window
 
 
-def _walk(jaxpr, records: list[OpRecord]) -> None:
+def _walk(jaxpr, records: list[OpRecord], repeats: int = 1) -> None:
     for equation in jaxpr.eqns:
         name = equation.primitive.name
         if name in _HEAVY_PRIMITIVES:
@@ -117,11 +120,14 @@ def _walk(jaxpr, records: list[OpRecord]) -> None:
                     primitive=name,
                     operand_dtypes=(lhs.dtype.name, rhs.dtype.name),
                     output_dtype=out.dtype.name,
-                    flops=_flops(name, lhs, rhs, out, equation.params),
+                    flops=repeats * _flops(name, lhs, rhs, out, equation.params),
                 )
             )
+        # A scan body runs `length` times; a while loop's trip count is unknown
+        # at trace time, so its body counts once.
+        body_repeats = repeats * equation.params.get("length", 1) if name == "scan" else repeats
         for subjaxpr in _subjaxprs(equation.params):
-            _walk(subjaxpr, records)
+            _walk(subjaxpr, records, body_repeats)
 
 
 def precision_report(fun: Callable[..., Any], *args, **kwargs) -> PrecisionReport:
