@@ -38,25 +38,6 @@ FASHION_MNIST_FILES = (
 # ---------------------------------------------------------------------------
 
 
-@pytest.fixture
-def offline(monkeypatch):
-  """Switches the network off: every host name fails to resolve, as offline.
-
-  Proxies are cleared too, so nothing can route around the failure.
-  """
-
-  def no_network(*args, **kwargs):
-    del args, kwargs
-    raise socket.gaierror(
-        socket.EAI_NONAME, 'Name or service not known (test is offline)'
-    )
-
-  for name in list(os.environ):
-    if name.lower().endswith('_proxy'):
-      monkeypatch.delenv(name)
-  monkeypatch.setattr(socket, 'getaddrinfo', no_network)
-
-
 def random_examples(rng, count):
   images = rng.integers(0, 256, (count, 32, 32, 3), dtype=np.uint8)
   labels = rng.integers(0, 10, (count,), dtype=np.int32)

@@ -1,0 +1,42 @@
+"""Shared test settings: a persistent compilation cache and hypothesis limits."""
+
+import os
+import pathlib
+import socket
+
+import hypothesis
+import jax
+import pytest
+
+# Reruns of the suite load compiled XLA programs from disk instead of
+# recompiling them; the directory is git-ignored.
+jax.config.update(
+    "jax_compilation_cache_dir",
+    str(pathlib.Path(__file__).resolve().parent.parent / ".jax_cache"),
+)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+# JAX's first dispatch of a new shape compiles, which would trip hypothesis's
+# per-example deadline; a few dozen examples per property keep the suite fast.
+hypothesis.settings.register_profile("jaxamp", deadline=None, max_examples=30)
+hypothesis.settings.load_profile("jaxamp")
+
+
+@pytest.fixture
+def offline(monkeypatch):
+  """Switches the network off: every host name fails to resolve, as offline.
+
+  Proxies are cleared too, so nothing can route around the failure.
+  """
+
+  def no_network(*args, **kwargs):
+    del args, kwargs
+    raise socket.gaierror(
+        socket.EAI_NONAME, 'Name or service not known (test is offline)'
+    )
+
+  for name in list(os.environ):
+    if name.lower().endswith('_proxy'):
+      monkeypatch.delenv(name)
+  monkeypatch.setattr(socket, 'getaddrinfo', no_network)

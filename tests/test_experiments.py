@@ -1,0 +1,202 @@
+"""The CIFAR experiments: the real train step per model, the CLI, compare."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+from experiments import cifar, compare, train
+from experiments import data as data_lib
+from experiments.models import MODELS
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICK_RUN = ["--model", "resnet_tiny", "--data", "synthetic", "--steps-per-epoch", "2", "--no-progress"]
+
+
+def tiny_dataset(num_train=16, num_test=8):
+    return data_lib.synthetic_dataset(num_train=num_train, num_test=num_test, seed=0)
+
+
+def abstract_train_step(model_name, precision, batch_size=2):
+    """Traces (never compiles) the experiments' real train step for a model."""
+    dataset = tiny_dataset()
+    config = train.TrainConfig(model=model_name, precision=precision, batch_size=batch_size)
+    resolved = train.resolve_precision(precision)
+    state = jax.eval_shape(lambda: train.create_train_state(config, resolved, 10, steps_per_epoch=1))
+    step = train.make_train_step(config, dataset)
+    images = jax.ShapeDtypeStruct(dataset.train_images.shape, jnp.uint8)
+    labels = jax.ShapeDtypeStruct(dataset.train_labels.shape, jnp.int32)
+    indices = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
+    rng = jax.eval_shape(lambda: jax.random.key(0))
+    return state, step, (images, labels, indices, rng)
+
+
+@pytest.mark.parametrize("precision", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_every_model_trains_in_half_precision_with_float32_params_and_logits(model_name, precision):
+    state, step, batch = abstract_train_step(model_name, precision)
+    new_state, metrics = jax.eval_shape(step, state, *batch)
+
+    assert {leaf.dtype for leaf in jax.tree.leaves(new_state.params)} == {jnp.dtype(jnp.float32)}
+    assert {leaf.dtype for leaf in jax.tree.leaves(new_state.batch_stats)} == {jnp.dtype(jnp.float32)}
+    assert metrics["loss"].dtype == jnp.float32
+    logits = jax.eval_shape(
+        lambda s, x: s.apply_fn({"params": s.params, "batch_stats": s.batch_stats}, x, train=False),
+        state,
+        jax.ShapeDtypeStruct((2, 32, 32, 3), jnp.float32),
+    )
+    assert logits.shape == (2, 10) and logits.dtype == jnp.float32
+    # Every convolution and matmul, forward and backward, runs in the compute dtype.
+    report = jaxamp.precision_report(step, state, *batch)
+    assert report.fraction(jaxamp.get_policy(precision).compute_dtype) == 1.0
+
+
+@pytest.mark.parametrize("precision", ["mixed_float16", "mixed_bfloat16"])
+def test_a_compiled_step_of_the_tiny_resnet_trains_and_keeps_float32_state(precision):
+    dataset = tiny_dataset()
+    config = train.TrainConfig(model="resnet_tiny", precision=precision, batch_size=4, epochs=1)
+    state = train.create_train_state(config, train.resolve_precision(precision), 10, steps_per_epoch=4)
+    step = jax.jit(train.make_train_step(config, dataset))
+    images, labels = jnp.asarray(dataset.train_images), jnp.asarray(dataset.train_labels)
+    before = jax.tree.map(np.asarray, state.params)
+
+    for index in range(2):
+        state, metrics = step(state, images, labels, jnp.arange(4) + 4 * index, jax.random.key(index))
+
+    assert np.isfinite(float(metrics["loss"]))
+    assert int(state.step) == 2 and int(state.skipped_steps) == 0
+    changed = jax.tree.map(lambda old, new: not np.array_equal(old, new), before, state.params)
+    assert all(jax.tree.leaves(changed))
+    assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.parametrize(
+    "name, policy, matmul_precision",
+    [
+        ("fp32", "params=float32,compute=float32,output=float32", "highest"),
+        ("tf32", "params=float32,compute=float32,output=float32", "default"),
+        ("mixed", "params=float32,compute=float16,output=float32", "default"),
+        ("mixed_bf16", "params=float32,compute=bfloat16,output=float32", "default"),
+    ],
+)
+def test_precision_names_resolve_to_a_policy_and_a_matmul_precision(name, policy, matmul_precision):
+    resolved = train.resolve_precision(name)
+    assert (str(resolved.policy), resolved.matmul_precision) == (policy, matmul_precision)
+
+
+@pytest.mark.parametrize(
+    "spec, expected_type, scale",
+    [
+        ("dynamic", jaxamp.DynamicLossScale, 2.0**15),
+        ("static:1024", jaxamp.StaticLossScale, 1024.0),
+        ("none", jaxamp.NoOpLossScale, 1.0),
+    ],
+)
+def test_loss_scale_flag_values(spec, expected_type, scale):
+    loss_scale = train.resolve_loss_scale(spec, jaxamp.get_policy("mixed"))
+    assert isinstance(loss_scale, expected_type) and float(loss_scale.loss_scale) == scale
+
+
+def test_default_loss_scale_follows_the_policy():
+    assert isinstance(train.resolve_loss_scale("default", jaxamp.get_policy("mixed")), jaxamp.DynamicLossScale)
+    assert isinstance(train.resolve_loss_scale("default", jaxamp.get_policy("mixed_bf16")), jaxamp.NoOpLossScale)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--precision", "mixd"], "Unknown precision policy 'mixd'"),
+        (["--model", "resnet19"], "invalid choice: 'resnet19'"),
+        (["--loss-scale", "static:-3"], "static:N"),
+        (["--data", "imagenet"], "invalid choice: 'imagenet'"),
+        (["--epochs", "0"], "expected a positive integer"),
+        (["--resume"], "--resume needs --checkpoint-dir"),
+    ],
+)
+def test_bad_flags_get_an_argparse_error_that_names_the_choices(argv, expected, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cifar.main(argv)
+    assert exit_info.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_the_cli_runs_end_to_end_and_writes_the_promised_json(tmp_path):
+    out = tmp_path / "run.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "experiments.cifar", "--precision", "mixed", *QUICK_RUN, "--epochs", "1", "--out", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert "epoch   1/1 | train" in completed.stdout and "loss scale 32768" in completed.stdout
+
+    results = json.loads(out.read_text())
+    environment = results["environment"]
+    for key in ("device_kind", "jax", "flax", "precision", "matmul_precision", "batch_size", "policy"):
+        assert key in environment
+    assert environment["precision"] == "mixed" and environment["batch_size"] == 128
+    (epoch,) = results["epochs"]
+    for key in ("train_time_s", "test_time_s", "train_loss", "test_accuracy", "images_per_s", "loss_scale", "skipped_steps"):
+        assert key in epoch
+    assert results["compile_time_s"]["train_step"] > 0
+
+
+def test_missing_cifar10_stops_with_the_three_ways_forward(tmp_path, offline, capsys):
+    exit_code = cifar.main(["--data", "tfds", "--data-dir", str(tmp_path), "--epochs", "1"])
+
+    error = capsys.readouterr().err
+    assert exit_code == 2
+    assert str(tmp_path / "downloads" / "manual") in error
+    assert "network" in error and "--data synthetic" in error
+    assert "Traceback" not in error
+
+
+def test_a_run_resumes_from_its_checkpoint_with_loss_scale_and_counters(tmp_path, capsys):
+    checkpoints, out = str(tmp_path / "checkpoints"), str(tmp_path / "run.json")
+    common = ["--precision", "mixed", *QUICK_RUN, "--checkpoint-dir", checkpoints, "--out", out]
+    assert cifar.main([*common, "--epochs", "2"]) == 0
+    uninterrupted = json.loads(open(out).read())
+
+    # Lose epoch 2's checkpoint, as if the run had crashed during epoch 2.
+    import shutil
+
+    shutil.rmtree(os.path.join(checkpoints, "2"))
+    assert cifar.main([*common, "--epochs", "2", "--resume"]) == 0
+    resumed = json.loads(open(out).read())
+
+    assert "Resumed from" in capsys.readouterr().out
+    assert [record["epoch"] for record in resumed["epochs"]] == [1, 2]
+    assert resumed["epochs"][0] == uninterrupted["epochs"][0]
+    assert resumed["epochs"][1]["train_loss"] == pytest.approx(uninterrupted["epochs"][1]["train_loss"], rel=1e-5)
+    assert resumed["epochs"][1]["loss_scale"] == uninterrupted["epochs"][1]["loss_scale"]
+
+
+def test_compare_writes_the_study_table_and_plots(tmp_path):
+    out_dir = tmp_path / "results"
+    exit_code = compare.main(
+        ["--models", "resnet_tiny", "--precisions", "fp32,mixed", "--data", "synthetic",
+         "--steps-per-epoch", "2", "--epochs", "1", "--no-progress", "--out-dir", str(out_dir)]
+    )
+
+    assert exit_code == 0
+    table = (out_dir / "table.md").read_text()
+    assert "| fp32 | train: " in table and "| mixed | train: " in table
+    assert "| train speed-up mixed vs fp32 |" in table and "| test accuracy mixed |" in table
+    for plot in ("seconds_per_epoch.png", "accuracy.png"):
+        assert (out_dir / plot).read_bytes().startswith(b"\x89PNG")
+    runs = json.loads((out_dir / "results.json").read_text())["runs"]
+    assert set(runs) == {"resnet_tiny/fp32", "resnet_tiny/mixed"}
+
+
+def test_compare_rejects_an_unknown_model_with_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        compare.main(["--models", "resnet18,vgg16"])
+    assert "invalid choice 'vgg16'" in capsys.readouterr().err

@@ -1,0 +1,331 @@
+"""Tests for `jaxamp.Policy` and `jaxamp.get_policy`.
+
+The string grammar is checked name by name against the issue's table and,
+wherever jmp accepts a string, against `jmp.get_policy` itself. Casting is
+checked property-based over random pytrees of mixed leaf types.
+"""
+
+import dataclasses
+
+import hypothesis
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import pytest
+
+import jaxamp
+
+F32, F16, BF16 = np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16)
+HALF = np.dtype(jmp.half_dtype())  # float16 on CPU and GPU, bfloat16 on TPU
+
+# The issue's table of names: (params, compute, output).
+NAMED_POLICIES = {
+    "float32": (F32, F32, F32),
+    "fp32": (F32, F32, F32),
+    "full": (F32, F32, F32),
+    "mixed": (F32, F16, F32),
+    "mixed_float16": (F32, F16, F32),
+    "mixed_fp16": (F32, F16, F32),
+    "mixed_bfloat16": (F32, BF16, F32),
+    "mixed_bf16": (F32, BF16, F32),
+    "float16": (F16, F16, F16),
+    "fp16": (F16, F16, F16),
+    "bfloat16": (BF16, BF16, BF16),
+    "bf16": (BF16, BF16, BF16),
+}
+
+# jmp's grammar: a lone dtype alias, or key=dtype parts with jmp's defaults
+# (params float32, compute follows params, output follows compute).
+GRAMMAR_POLICIES = {
+    "f32": (F32, F32, F32),
+    "f16": (F16, F16, F16),
+    "half": (HALF, HALF, HALF),
+    "c=f16": (F32, F16, F16),
+    "compute=bfloat16": (F32, BF16, BF16),
+    "p=f16": (F16, F16, F16),
+    "params=bf16": (BF16, BF16, BF16),
+    "p=f16,c=bf16": (F16, BF16, BF16),
+    "o=bf16": (F32, F32, BF16),
+    "output=float16": (F32, F32, F16),
+    "p=f32,c=f16,o=f32": (F32, F16, F32),
+    "params=float32,compute=float16,output=float32": (F32, F16, F32),
+    "p=full,c=half,o=full": (F32, HALF, F32),
+    "o=f32,c=f16": (F32, F16, F32),
+    "c=bf16,p=full": (F32, BF16, BF16),
+}
+
+# Every dtype alias jmp 0.0.4's parser knows, and the key spellings.
+JMP_DTYPE_ALIASES = ["bf16", "bfloat16", "f16", "float16", "full", "f32", "float32", "f64", "float64", "half"]
+JMP_KEYS = {"param": ("p", "params"), "compute": ("c", "compute"), "output": ("o", "output")}
+
+
+def dtypes(policy):
+    return (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+
+
+def jmp_dtypes(policy):
+    return tuple(np.dtype(dtype) for dtype in dtypes(policy))
+
+
+# --- the grammar --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec, expected", sorted({**NAMED_POLICIES, **GRAMMAR_POLICIES}.items()))
+def test_every_name_alias_and_grammar_string_gives_its_dtypes(spec, expected):
+    policy = jaxamp.get_policy(spec)
+    assert isinstance(policy, jaxamp.Policy)
+    assert dtypes(policy) == expected
+
+
+@pytest.mark.parametrize(
+    "spec, same_as",
+    [
+        ("MIXED_FLOAT16", "mixed_float16"),
+        ("Mixed_BF16", "mixed_bf16"),
+        ("  mixed  ", "mixed"),
+        ("\tFP16\n", "fp16"),
+        ("mixed _ float 16", "mixed_float16"),
+        ("P = F32 , C = F16 , O = F32", "p=f32,c=f16,o=f32"),
+        ("Params=Float32, Compute=BFloat16", "params=float32,compute=bfloat16"),
+        ("HALF", "half"),
+    ],
+)
+def test_strings_are_case_insensitive_and_ignore_spaces(spec, same_as):
+    assert jaxamp.get_policy(spec) == jaxamp.get_policy(same_as)
+
+
+@pytest.mark.parametrize("spec", sorted(GRAMMAR_POLICIES) + ["float16", "bfloat16", "bf16", "full", "f64"])
+def test_jmp_valid_strings_parse_as_jmp_parses_them(spec):
+    assert dtypes(jaxamp.get_policy(spec)) == jmp_dtypes(jmp.get_policy(spec))
+
+
+@st.composite
+def jmp_grammar_strings(draw):
+    """A string jmp accepts: a lone alias, or key=alias parts in any order."""
+    if draw(st.booleans()):
+        return draw(st.sampled_from(JMP_DTYPE_ALIASES))
+    roles = draw(st.lists(st.sampled_from(sorted(JMP_KEYS)), min_size=1, max_size=3, unique=True))
+    return ",".join(
+        f"{draw(st.sampled_from(JMP_KEYS[role]))}={draw(st.sampled_from(JMP_DTYPE_ALIASES))}"
+        for role in roles
+    )
+
+
+@hypothesis.given(spec=jmp_grammar_strings(), data=st.data())
+def test_any_jmp_grammar_string_matches_jmp_also_respelled(spec, data):
+    expected = jmp_dtypes(jmp.get_policy(spec))
+    assert dtypes(jaxamp.get_policy(spec)) == expected
+    # jmp is case-sensitive and rejects spaces; jaxamp accepts the same string
+    # in any case, with spaces anywhere.
+    respelled = "".join(
+        (character.upper() if data.draw(st.booleans()) else character)
+        + (" " if data.draw(st.booleans()) else "")
+        for character in spec
+    )
+    assert dtypes(jaxamp.get_policy(respelled)) == expected
+
+
+def test_a_jmp_policy_is_converted():
+    policy = jaxamp.get_policy(jmp.get_policy("p=f32,c=bf16,o=f16"))
+    assert isinstance(policy, jaxamp.Policy)
+    assert dtypes(policy) == (F32, BF16, F16)
+    assert jmp_dtypes(policy.to_jmp()) == (F32, BF16, F16)
+
+
+def test_a_policy_is_returned_as_is():
+    policy = jaxamp.Policy(jnp.float32, jnp.float16, jnp.float32)
+    assert jaxamp.get_policy(policy) is policy
+
+
+NAME_LIST = list(NAMED_POLICIES)
+DTYPE_LIST = ["f32", "float32", "full", "f16", "float16", "bf16", "bfloat16", "half"]
+KEY_LIST = ["p", "params", "c", "compute", "o", "output"]
+
+
+@pytest.mark.parametrize(
+    "spec, bad_token, valid_choices",
+    [
+        ("mixd", "mixd", NAME_LIST),
+        ("float8", "float8", NAME_LIST),
+        ("mixed_float32", "mixed_float32", NAME_LIST),
+        ("", "''", NAME_LIST),
+        ("p=f8", "f8", DTYPE_LIST),
+        ("c=f16,o=double", "double", DTYPE_LIST),
+        ("q=f32", "q", KEY_LIST),
+        ("param=f32", "param", KEY_LIST),
+        ("p=f32,", "''", ["key=dtype"]),
+        ("mixed,c=f16", "mixed", ["key=dtype"]),
+        ("p=", "p=", ["key=dtype"]),
+    ],
+)
+def test_bad_strings_raise_a_value_error_naming_the_token_and_the_choices(spec, bad_token, valid_choices):
+    with pytest.raises(ValueError) as error:
+        jaxamp.get_policy(spec)
+    message = str(error.value)
+    assert bad_token in message
+    for choice in valid_choices:
+        assert choice in message
+
+
+@pytest.mark.parametrize("spec", [None, 16, 1.5, jnp.float16, np.dtype("float16"), b"mixed", ["mixed"]])
+def test_specs_of_other_types_raise_a_type_error(spec):
+    with pytest.raises(TypeError, match="string"):
+        jaxamp.get_policy(spec)
+
+
+# --- the Policy value ---------------------------------------------------------
+
+
+def test_a_policy_is_immutable():
+    policy = jaxamp.get_policy("mixed")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.compute_dtype = jnp.float32
+
+
+def test_equal_policies_hash_alike_and_jit_treats_them_as_one_static_argument():
+    spellings = [
+        jaxamp.get_policy("mixed"),
+        jaxamp.get_policy("MIXED_FP16"),
+        jaxamp.Policy(np.float32, "float16", jnp.dtype("float32")),
+        jaxamp.get_policy(jmp.get_policy("c=f16,o=f32")),
+    ]
+    assert len(set(spellings)) == 1
+    assert len({hash(policy) for policy in spellings}) == 1
+
+    traces = []
+
+    def cast(x, policy):
+        traces.append(policy)
+        return policy.cast_to_compute(x)
+
+    cast = jax.jit(cast, static_argnums=1)
+    for policy in spellings:
+        assert cast(jnp.ones(2), policy).dtype == F16
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, "banana", object()])
+def test_a_policy_rejects_non_floating_dtypes(dtype):
+    with pytest.raises(TypeError, match="floating dtype"):
+        jaxamp.Policy(jnp.float32, dtype, jnp.float32)
+
+
+@pytest.mark.parametrize("spec", sorted({**NAMED_POLICIES, **GRAMMAR_POLICIES}))
+def test_str_is_readable_and_round_trips_through_get_policy_and_jmp(spec):
+    policy = jaxamp.get_policy(spec)
+    text = str(policy)
+    assert text == (
+        f"params={policy.param_dtype.name},compute={policy.compute_dtype.name},"
+        f"output={policy.output_dtype.name}"
+    )
+    assert jaxamp.get_policy(text) == policy
+    assert jmp_dtypes(jmp.get_policy(text)) == dtypes(policy)
+
+
+def test_with_output_dtype_returns_a_new_policy_and_leaves_the_old_one_alone():
+    mixed = jaxamp.get_policy("mixed_float16")
+    half_output = mixed.with_output_dtype(jnp.float16)
+    assert dtypes(half_output) == (F32, F16, F16)
+    assert dtypes(mixed) == (F32, F16, F32)
+    assert dtypes(mixed.with_output_dtype("bfloat16")) == (F32, F16, BF16)
+    with pytest.raises(TypeError):
+        mixed.with_output_dtype(jnp.int8)
+
+
+# --- casting ------------------------------------------------------------------
+
+SHAPES = st.sampled_from([(), (3,), (2, 2)])
+
+
+def astype_quietly(values, dtype):
+    # Overflowing to inf is a legitimate result of a narrowing cast.
+    with np.errstate(over="ignore"):
+        return values.astype(dtype)
+
+
+def jax_arrays():
+    floating = st.builds(
+        lambda values, dtype: jnp.asarray(astype_quietly(values, dtype)),
+        hnp.arrays(np.float32, SHAPES),
+        st.sampled_from([np.float16, jnp.bfloat16, np.float32]),
+    )
+    integral = hnp.arrays(st.sampled_from([np.int32, np.uint8, np.bool_]), SHAPES).map(jnp.asarray)
+    return floating | integral
+
+
+def numpy_arrays():
+    floating = hnp.arrays(st.sampled_from([np.float16, np.float32, np.float64]), SHAPES)
+    bfloat16 = hnp.arrays(np.float32, SHAPES).map(lambda values: astype_quietly(values, jnp.bfloat16))
+    integral = hnp.arrays(st.sampled_from([np.int8, np.int64, np.bool_]), SHAPES)
+    return floating | bfloat16 | integral
+
+
+def numpy_scalars():
+    dtypes = st.sampled_from([np.float16, np.float32, np.float64, np.int32, np.bool_])
+    return dtypes.flatmap(lambda dtype: hnp.from_dtype(np.dtype(dtype)))
+
+
+LEAVES = (
+    jax_arrays()
+    | numpy_arrays()
+    | numpy_scalars()
+    | st.integers()
+    | st.floats()
+    | st.booleans()
+    | st.text(max_size=3)
+    | st.none()
+)
+TREES = st.recursive(
+    LEAVES,
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.tuples(children, children)
+        | st.dictionaries(st.text("abc", max_size=2), children, max_size=3)
+    ),
+    max_leaves=8,
+)
+FLOAT_DTYPES = st.sampled_from([F16, BF16, F32])
+
+
+def is_floating_array(leaf):
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(leaf.dtype, jnp.floating)
+
+
+@hypothesis.given(
+    tree=TREES,
+    policy_dtypes=st.tuples(FLOAT_DTYPES, FLOAT_DTYPES, FLOAT_DTYPES),
+    method=st.sampled_from(["param", "compute", "output"]),
+)
+def test_casting_changes_floating_array_leaves_only(tree, policy_dtypes, method):
+    policy = jaxamp.Policy(*policy_dtypes)
+    target = getattr(policy, f"{method}_dtype")
+    with np.errstate(over="ignore"):
+        cast = getattr(policy, f"cast_to_{method}")(tree)
+
+    assert jax.tree.structure(cast) == jax.tree.structure(tree)
+    for before, after in zip(jax.tree.leaves(tree), jax.tree.leaves(cast), strict=True):
+        if is_floating_array(before):
+            assert after.dtype == target
+            assert np.shape(after) == np.shape(before)
+            # A JAX array stays a JAX array; NumPy values stay NumPy values.
+            assert isinstance(after, jax.Array) == isinstance(before, jax.Array)
+            expected = astype_quietly(np.asarray(before), target)
+            # Compared in float32 (exact for every target): NumPy's NaN-aware
+            # comparison does not recognise bfloat16 NaNs.
+            np.testing.assert_array_equal(np.asarray(after).astype(np.float32), expected.astype(np.float32))
+        else:
+            assert after is before
+
+
+def test_casting_works_on_traced_values_inside_jit():
+    policy = jaxamp.get_policy("mixed_bfloat16")
+    tree = {"x": jnp.ones(3), "labels": jnp.arange(3), "mask": jnp.ones(3, bool)}
+    cast = jax.jit(policy.cast_to_compute)(tree)
+    assert jax.tree.map(lambda leaf: leaf.dtype, cast) == {
+        "x": BF16,
+        "labels": np.dtype(jnp.int32),
+        "mask": np.dtype(bool),
+    }

@@ -1,0 +1,150 @@
+"""Tests for `jaxamp.precision_report`: counts, FLOPs, fractions, text."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+
+
+def abstract(shape, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def linen_report(module, input_shape, dtype=jnp.float32):
+    inputs = abstract(input_shape, dtype)
+    variables = jax.eval_shape(module.init, jax.random.key(0), inputs)
+    return jaxamp.precision_report(module.apply, variables, inputs)
+
+
+@pytest.mark.parametrize(
+    "input_shape, features, flops",
+    [
+        ((4, 6), 5, 2 * 4 * 5 * 6),  # 2 * M * N * K
+        ((2, 3, 6), 5, 2 * (2 * 3) * 5 * 6),  # leading dims multiply M
+        ((1, 1), 1, 2),
+    ],
+)
+def test_a_dense_layer_is_one_matmul_of_2_m_n_k_flops(input_shape, features, flops):
+    report = linen_report(nn.Dense(features), input_shape)
+    assert len(report.ops) == 1
+    (op,) = report.ops
+    assert (op.primitive, op.operand_dtypes, op.output_dtype, op.flops) == (
+        "dot_general",
+        ("float32", "float32"),
+        "float32",
+        flops,
+    )
+    assert report.count_by_dtype() == {"float32": 1}
+    assert report.flops_by_dtype() == {"float32": flops}
+
+
+@pytest.mark.parametrize(
+    "conv, input_shape, output_positions, window",
+    [
+        (nn.Conv(4, (3, 3), padding="SAME"), (2, 8, 8, 3), 2 * 8 * 8, 3 * 3 * 3),
+        (nn.Conv(4, (3, 3), padding="VALID"), (2, 8, 8, 3), 2 * 6 * 6, 3 * 3 * 3),
+        (nn.Conv(4, (3, 3), strides=2), (2, 8, 8, 3), 2 * 4 * 4, 3 * 3 * 3),
+        (nn.Conv(6, (3, 3), feature_group_count=2), (2, 8, 8, 4), 2 * 8 * 8, 3 * 3 * 2),
+        (nn.Conv(6, (3, 3), feature_group_count=6), (2, 8, 8, 6), 2 * 8 * 8, 3 * 3 * 1),
+        (nn.Conv(5, (3,)), (2, 7, 2), 2 * 7, 3 * 2),
+    ],
+    ids=["same", "valid", "strided", "grouped", "depthwise", "1d"],
+)
+def test_a_conv_costs_2_flops_per_output_element_per_kernel_tap(conv, input_shape, output_positions, window):
+    report = linen_report(conv, input_shape)
+    (op,) = report.ops
+    assert op.primitive == "conv_general_dilated"
+    assert op.flops == 2 * output_positions * conv.features * window
+
+
+def test_einsum_with_a_batch_dimension_counts_each_batch():
+    report = jaxamp.precision_report(
+        functools.partial(jnp.einsum, "bij,bjk->bik"), abstract((2, 3, 4)), abstract((2, 4, 5))
+    )
+    assert [op.flops for op in report.ops] == [2 * 2 * 3 * 5 * 4]
+
+
+def two_matmuls(x16, w16, x32, w32):
+    return jnp.sum(x16 @ w16) + jnp.sum(x32 @ w32)
+
+
+def test_fraction_weights_each_dtype_by_flops_not_by_op_count():
+    report = jaxamp.precision_report(
+        two_matmuls,
+        abstract((4, 8), jnp.float16),
+        abstract((8, 8), jnp.float16),
+        abstract((4, 2)),
+        abstract((2, 2)),
+    )
+    half_flops, full_flops = 2 * 4 * 8 * 8, 2 * 4 * 2 * 2
+    assert report.count_by_dtype() == {"float16": 1, "float32": 1}
+    assert report.flops_by_dtype() == {"float16": half_flops, "float32": full_flops}
+    assert report.fraction(jnp.float16) == pytest.approx(half_flops / (half_flops + full_flops))
+    assert report.fraction("float32") == pytest.approx(full_flops / (half_flops + full_flops))
+    assert report.fraction(jnp.bfloat16) == 0.0
+
+
+def test_ops_inside_jit_cond_remat_scan_and_custom_vjp_are_found():
+    @jax.custom_vjp
+    def custom(x, w):
+        return x @ w
+
+    custom.defvjp(lambda x, w: (x @ w, (x, w)), lambda res, g: (g @ res[1].T, res[0].T @ g))
+
+    def nested(x, w):
+        y = jax.jit(lambda a: a @ w)(x)
+        y = jax.lax.cond(True, lambda a: a @ w, lambda a: a, y)
+        y = jax.checkpoint(lambda a: a @ w)(y)
+        y, _ = jax.lax.scan(lambda carry, _: (carry @ w, None), y, length=3)
+        return custom(y, w)
+
+    report = jaxamp.precision_report(nested, abstract((2, 4), jnp.bfloat16), abstract((4, 4), jnp.bfloat16))
+    assert report.count_by_dtype() == {"bfloat16": 5}
+    assert report.fraction(jnp.bfloat16) == 1.0
+
+
+def test_a_function_without_matmuls_reports_nothing():
+    report = jaxamp.precision_report(lambda x: jnp.tanh(x) * 2, abstract((3,)))
+    assert report.ops == ()
+    assert report.count_by_dtype() == {} and report.flops_by_dtype() == {}
+    assert report.fraction(jnp.float32) == 0.0
+    assert str(report).split() == ["dtype", "ops", "GFLOPs", "share"]
+
+
+def test_str_is_a_table_of_ops_gflops_and_share_per_dtype():
+    report = jaxamp.precision_report(
+        two_matmuls,
+        abstract((1000, 1000), jnp.float16),
+        abstract((1000, 1000), jnp.float16),
+        abstract((1000, 1000)),
+        abstract((1000, 3000)),
+    )
+    header, first, second = str(report).splitlines()
+    assert header.split() == ["dtype", "ops", "GFLOPs", "share"]
+    # Rows come largest share first: float32 has 6 GFLOPs, float16 2.
+    assert first.split() == ["float32", "1", "6.0000", "75.0%"]
+    assert second.split() == ["float16", "1", "2.0000", "25.0%"]
+
+
+def test_keyword_arguments_stay_static_python_values():
+    def maybe_transposed(x, w, *, transpose):
+        return x @ (w.T if transpose else w)  # would fail on a traced flag
+
+    report = jaxamp.precision_report(maybe_transposed, np.ones((2, 3)), np.ones((4, 3)), transpose=True)
+    assert [op.flops for op in report.ops] == [2 * 2 * 4 * 3]
+
+
+def test_nothing_is_computed_only_traced():
+    calls = []
+
+    def fun(x):
+        calls.append(type(x))
+        return x @ x
+
+    jaxamp.precision_report(fun, jnp.ones((3, 3)))
+    assert len(calls) == 1 and issubclass(calls[0], jax.core.Tracer)

@@ -1,0 +1,248 @@
+"""Tests for `jaxamp.TrainState`: skipped steps, resumed training, no retrace."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+
+INPUTS = jax.random.normal(jax.random.key(1), (8, 4))
+OTHER_INPUTS = jax.random.normal(jax.random.key(2), (8, 4)) * 3.0 + 1.0
+TARGETS = jnp.sum(INPUTS, axis=1, keepdims=True)
+CLEAN, INF, NAN = 1.0, float("inf"), float("nan")
+
+
+class Regressor(nn.Module):
+    @nn.compact
+    def __call__(self, x, train):
+        x = nn.Dense(8)(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        return nn.Dense(1)(nn.relu(x))
+
+
+MODEL = jaxamp.apply_policy(Regressor(), "mixed_float16")
+
+
+@functools.cache
+def initial_variables():
+    return jax.jit(functools.partial(MODEL.init, train=False))(jax.random.key(0), INPUTS)
+
+
+def create_state(loss_scale):
+    variables = initial_variables()
+    return jaxamp.TrainState.create(
+        apply_fn=MODEL.apply,
+        params=variables["params"],
+        tx=optax.adam(1e-2),
+        loss_scale=loss_scale,
+        batch_stats=variables["batch_stats"],
+    )
+
+
+def make_train_step():
+    """A jitted train step, and the list it appends to each time it is traced.
+
+    The step multiplies one gradient leaf by `poison`: 1.0 leaves it alone,
+    inf or NaN makes the step's gradients non-finite, as an overflow would.
+    """
+    traces = []
+
+    @jax.jit
+    def train_step(state, inputs, targets, poison):
+        traces.append(None)
+
+        def loss_fn(params):
+            predictions, updates = state.apply_fn(
+                {"params": params, "batch_stats": state.batch_stats}, inputs, train=True, mutable=["batch_stats"]
+            )
+            return jnp.mean((predictions - targets) ** 2), updates["batch_stats"]
+
+        (loss, batch_stats), grads, grads_finite = jaxamp.scaled_value_and_grad(
+            loss_fn, state.loss_scale, has_aux=True
+        )(state.params)
+        kernel = grads["Dense_0"]["kernel"]
+        grads = {**grads, "Dense_0": {**grads["Dense_0"], "kernel": kernel * poison}}
+        grads_finite = grads_finite & jaxamp.all_finite(grads)
+        state = state.apply_gradients(grads=grads, grads_finite=grads_finite, batch_stats=batch_stats)
+        return state, loss
+
+    return train_step, traces
+
+
+@functools.cache
+def shared_train_step():
+    return make_train_step()[0]
+
+
+def assert_bit_identical(actual, expected):
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for got, want in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        got, want = np.asarray(got), np.asarray(want)
+        np.testing.assert_array_equal(got, want)
+        assert (got.dtype, got.shape, got.tobytes()) == (want.dtype, want.shape, want.tobytes())
+
+
+def trees_differ(first, second):
+    return any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True))
+
+
+def test_create_sets_every_field_and_starts_counters_as_int32_arrays():
+    state = create_state(jaxamp.DynamicLossScale())
+    variables = initial_variables()
+    for counter in (state.step, state.skipped_steps):
+        assert isinstance(counter, jax.Array)
+        assert (counter.shape, counter.dtype, counter.item()) == ((), jnp.int32, 0)
+    assert_bit_identical(state.params, variables["params"])
+    assert_bit_identical(state.batch_stats, variables["batch_stats"])
+    assert_bit_identical(state.opt_state, optax.adam(1e-2).init(variables["params"]))
+    assert isinstance(state.loss_scale, jaxamp.DynamicLossScale)
+    assert state.apply_fn == MODEL.apply
+
+
+def test_create_defaults_to_no_loss_scale_and_no_batch_stats():
+    state = jaxamp.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
+    assert isinstance(state.loss_scale, jaxamp.NoOpLossScale)
+    assert state.batch_stats is None
+
+
+def test_create_needs_an_optax_optimizer():
+    with pytest.raises(TypeError, match="optax.GradientTransformation"):
+        jaxamp.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=lambda grads: grads)
+
+
+@pytest.mark.parametrize(
+    "loss_scale, poison, scale_after_overflow",
+    [
+        (jaxamp.DynamicLossScale(2.0**10), INF, 2.0**9),
+        (jaxamp.DynamicLossScale(2.0**10), NAN, 2.0**9),
+        (jaxamp.StaticLossScale(2.0**10), INF, 2.0**10),
+        (jaxamp.NoOpLossScale(), NAN, 1.0),
+    ],
+    ids=["dynamic-inf", "dynamic-nan", "static-inf", "no_op-nan"],
+)
+def test_an_overflow_leaves_the_state_untouched_then_clean_steps_resume_training(
+    loss_scale, poison, scale_after_overflow
+):
+    train_step = shared_train_step()
+    trained, _ = train_step(create_state(loss_scale), INPUTS, TARGETS, CLEAN)
+    assert trained.step == 1
+
+    # A finite step on these inputs would move the batch statistics...
+    stepped, _ = train_step(trained, OTHER_INPUTS, TARGETS, CLEAN)
+    assert trees_differ(stepped.batch_stats, trained.batch_stats)
+    # ...an overflowed one changes nothing but the scale and the skip counters.
+    skipped, _ = train_step(trained, OTHER_INPUTS, TARGETS, poison)
+    assert_bit_identical(skipped.params, trained.params)
+    assert_bit_identical(skipped.opt_state, trained.opt_state)
+    assert_bit_identical(skipped.batch_stats, trained.batch_stats)
+    assert_bit_identical(skipped.step, trained.step)
+    assert skipped.skipped_steps.item() == 1
+    assert skipped.loss_scale.loss_scale.item() == scale_after_overflow
+    if isinstance(loss_scale, jaxamp.DynamicLossScale):
+        assert skipped.loss_scale.skipped_steps.item() == 1
+
+    state, losses = skipped, []
+    for expected_step in range(2, 7):
+        previous = state
+        state, loss = train_step(state, INPUTS, TARGETS, CLEAN)
+        losses.append(loss.item())
+        assert state.step.item() == expected_step
+        assert trees_differ(state.params, previous.params)
+        assert trees_differ(state.batch_stats, previous.batch_stats)
+    assert state.skipped_steps.item() == 1
+    assert losses[-1] < losses[0]
+
+
+def test_the_jitted_step_traces_once_from_create_through_skipped_and_clean_steps():
+    train_step, traces = make_train_step()
+    state = create_state(jaxamp.DynamicLossScale(2.0**10, period=2))
+    for poison in [CLEAN, INF, CLEAN, CLEAN, NAN, CLEAN]:
+        state, _ = train_step(state, INPUTS, TARGETS, jnp.float32(poison))
+    assert len(traces) == 1
+    assert (state.step.item(), state.skipped_steps.item()) == (4, 2)
+
+
+def test_the_state_survives_jit_tree_map_and_lower():
+    state = create_state(jaxamp.DynamicLossScale(2.0**10, period=7, min_loss_scale=4))
+    for survivor in [
+        jax.jit(lambda s: s)(state),
+        jax.tree.map(lambda leaf: leaf, state),
+        jax.jit(lambda s: s).lower(state).compile()(state),
+    ]:
+        assert type(survivor) is jaxamp.TrainState
+        assert_bit_identical(survivor, state)
+        assert (survivor.loss_scale.period, survivor.loss_scale.min_loss_scale) == (7, 4)
+        assert survivor.apply_fn == state.apply_fn and survivor.tx is state.tx
+
+
+def primitives(jaxpr):
+    """Names of every primitive in `jaxpr`, nested jaxprs included."""
+    names = set()
+    for equation in jaxpr.eqns:
+        names.add(equation.primitive.name)
+        for param in equation.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    names |= primitives(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    names |= primitives(sub)
+    return names
+
+
+def test_skipping_is_a_select_with_no_branch_and_no_host_callback():
+    state = create_state(jaxamp.DynamicLossScale())
+    jaxpr = jax.make_jaxpr(
+        lambda state, grads, grads_finite: state.apply_gradients(
+            grads=grads, grads_finite=grads_finite, batch_stats=state.batch_stats
+        )
+    )(state, state.params, jnp.array(True))
+    used = primitives(jaxpr.jaxpr)
+    assert "select_n" in used
+    assert not used & {"cond", "while", "pure_callback", "io_callback", "debug_callback"}
+
+
+def poisoned(grads, value):
+    return jax.tree.map(lambda grad: grad.at[0].set(value) if grad.ndim else jnp.asarray(value), grads)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_apply_gradients_computes_grads_finite_when_not_given(jit):
+    state = jaxamp.TrainState.create(
+        apply_fn=None, params={"w": jnp.ones(3)}, tx=optax.sgd(0.5), loss_scale=jaxamp.DynamicLossScale(8.0)
+    )
+    grads = {"w": jnp.ones(3)}
+
+    def apply_gradients(state, grads):
+        return state.apply_gradients(grads=grads)
+
+    apply_gradients = jax.jit(apply_gradients) if jit else apply_gradients
+    skipped = apply_gradients(state, poisoned(grads, INF))
+    assert_bit_identical(skipped.params, state.params)
+    assert (skipped.step.item(), skipped.skipped_steps.item(), skipped.loss_scale.loss_scale.item()) == (0, 1, 4.0)
+    stepped = apply_gradients(skipped, grads)
+    np.testing.assert_array_equal(stepped.params["w"], [0.5, 0.5, 0.5])
+    assert (stepped.step.item(), stepped.skipped_steps.item()) == (1, 1)
+
+
+@pytest.mark.parametrize("field", ["params", "step", "opt_state", "loss_scale", "skipped_steps", "tx", "apply_fn"])
+def test_fields_that_apply_gradients_manages_cannot_be_passed_as_updates(field):
+    state = create_state(jaxamp.NoOpLossScale())
+    with pytest.raises(TypeError, match=field):
+        state.apply_gradients(grads=state.params, **{field: getattr(state, field)})
+
+
+def test_an_unknown_update_name_lists_the_updatable_fields():
+    state = create_state(jaxamp.NoOpLossScale())
+    with pytest.raises(TypeError, match="batch_statz.*batch_stats"):
+        state.apply_gradients(grads=state.params, batch_statz=state.batch_stats)
+
+
+def test_an_update_of_another_structure_is_rejected():
+    state = create_state(jaxamp.NoOpLossScale())
+    with pytest.raises(ValueError, match="batch_stats"):
+        state.apply_gradients(grads=state.params, batch_stats={})
