@@ -351,7 +351,7 @@ class Progress:
 
     The loss shown is that of a step dispatched at the previous refresh, long
     finished by now, so reading it never waits for the device to drain its
-    queue of steps.
+    queue of steps; images/s counts the steps known to be finished.
     """
 
     def __init__(self, total: int, description: str, enabled: bool, batch_size: int):
@@ -360,7 +360,7 @@ class Progress:
         self._bar = tqdm(total=total, desc=description, leave=False, disable=not enabled, unit="step")
         self._enabled = enabled
         self._batch_size = batch_size
-        self._pending_loss: jax.Array | None = None
+        self._pending: tuple[int, jax.Array] | None = None
         self._start = time.perf_counter()
         self._refresh_every = max(1, total // 50)
 
@@ -368,13 +368,15 @@ class Progress:
         self._bar.update(1)
         if not self._enabled or step % self._refresh_every:
             return
-        if self._pending_loss is not None:
+        if self._pending is not None:
+            finished_step, finished_loss = self._pending
+            loss_value = float(finished_loss)
             elapsed = time.perf_counter() - self._start
             self._bar.set_postfix(
-                loss=f"{float(self._pending_loss):.4f}",
-                img_s=f"{step * self._batch_size / elapsed:,.0f}",
+                loss=f"{loss_value:.4f}",
+                img_s=f"{finished_step * self._batch_size / elapsed:,.0f}",
             )
-        self._pending_loss = loss
+        self._pending = (step, loss)
 
     def close(self) -> None:
         self._bar.close()
