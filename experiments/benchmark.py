@@ -133,8 +133,12 @@ def benchmark(name: str, batch_size: int, rounds: int, steps: int) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.benchmark", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="mlp,cnn", help="comma-separated: mlp, cnn (default: %(default)s)")
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.benchmark", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--models", default="mlp,cnn", help="comma-separated: mlp, cnn (default: %(default)s)"
+    )
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
@@ -144,19 +148,27 @@ def main(argv: list[str] | None = None) -> int:
         if name not in _BUDGETS:
             parser.error(f"invalid model {name!r} (choose from {', '.join(_BUDGETS)})")
 
-    print(f"device: {jax.devices()[0].device_kind}; batch {args.batch_size}; "
-          f"{args.rounds} interleaved rounds of {args.steps} steps; policy mixed_float16")
-    print(f"{'model':<6} {'dynamic ms':>11} {'noop ms':>9} {'plain ms':>9} {'dynamic/noop':>13} "
-          f"{'budget':>7} {'dynamic/plain':>14}")
+    print(
+        f"device: {jax.devices()[0].device_kind}; batch {args.batch_size}; "
+        f"{args.rounds} interleaved rounds of {args.steps} steps; policy mixed_float16"
+    )
+    print(
+        f"{'model':<6} {'dynamic ms':>11} {'noop ms':>9} {'plain ms':>9} {'dynamic/noop':>13} "
+        f"{'budget':>7} {'dynamic/plain':>14}"
+    )
     within_budget = True
     for name in models:
         medians = benchmark(name, args.batch_size, args.rounds, args.steps)
         ratio = medians["dynamic"] / medians["noop"]
         within_budget &= ratio <= _BUDGETS[name]
-        print(f"{name:<6} {1e3 * medians['dynamic']:>11.3f} {1e3 * medians['noop']:>9.3f} "
-              f"{1e3 * medians['plain']:>9.3f} {ratio:>13.3f} {_BUDGETS[name]:>7.2f} "
-              f"{medians['dynamic'] / medians['plain']:>14.3f}")
-    print("all within budget" if within_budget else "over budget (timings are noisy: rerun on an idle machine)")
+        print(
+            f"{name:<6} {1e3 * medians['dynamic']:>11.3f} {1e3 * medians['noop']:>9.3f} "
+            f"{1e3 * medians['plain']:>9.3f} {ratio:>13.3f} {_BUDGETS[name]:>7.2f} "
+            f"{medians['dynamic'] / medians['plain']:>14.3f}"
+        )
+    print(
+        "all within budget" if within_budget else "over budget (timings are noisy: rerun on an idle machine)"
+    )
     return 0
 
 

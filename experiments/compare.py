@@ -71,7 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cifar.add_data_arguments(parser)
     cifar.add_training_arguments(parser)
-    parser.set_defaults(epochs=1)
     parser.add_argument("--out-dir", default=None, help="default: results/<device>/<dataset>")
     return parser
 
@@ -87,8 +86,10 @@ def write_table(results: dict[str, Any], models: list[str], precisions: list[str
         if not summary:
             return "not run"
         test = summary.get("test_time_s")
-        return f"train: {summary['train_time_s']:.1f}s test: {test:.1f}s" if test is not None else (
-            f"train: {summary['train_time_s']:.1f}s"
+        return (
+            f"train: {summary['train_time_s']:.1f}s test: {test:.1f}s"
+            if test is not None
+            else (f"train: {summary['train_time_s']:.1f}s")
         )
 
     for precision in precisions:
@@ -198,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
 
     table = write_table(results, args.models, args.precisions)
     with open(os.path.join(out_dir, "table.md"), "w") as handle:
-        handle.write(f"Device: {results['device']}. Data: {dataset.name}. Command: `{results['command']}`\n\n")
+        handle.write(
+            f"Device: {results['device']}. Data: {dataset.name}. Command: `{results['command']}`\n\n"
+        )
         handle.write(table)
     paths = plot(results, args.models, args.precisions, out_dir)
     print("\n" + table)

@@ -33,19 +33,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-DATASETS = ('cifar10', 'fashion_mnist', 'synthetic')
-SOURCES = ('tfds', 'synthetic')
+DATASETS = ("cifar10", "fashion_mnist", "synthetic")
+SOURCES = ("tfds", "synthetic")
 
 # (train, test) sizes of each real dataset, reused by its synthetic stand-in.
 _SPLIT_SIZES = {
-    'cifar10': (50_000, 10_000),
-    'fashion_mnist': (60_000, 10_000),
-    'synthetic': (50_000, 10_000),
+    "cifar10": (50_000, 10_000),
+    "fashion_mnist": (60_000, 10_000),
+    "synthetic": (50_000, 10_000),
 }
 _IMAGE_SHAPE = (32, 32, 3)
 
-_CIFAR10_URL = 'https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz'
-_CIFAR10_ARCHIVE = 'cifar-10-binary.tar.gz'
+_CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
+_CIFAR10_ARCHIVE = "cifar-10-binary.tar.gz"
 _CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 _CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 _NETWORK_PROBE_TIMEOUT_S = 5.0
@@ -54,10 +54,10 @@ _NETWORK_PROBE_TIMEOUT_S = 5.0
 _UNIFORM_MEAN = (0.5, 0.5, 0.5)
 _UNIFORM_STD = (0.2898,) * 3
 
-FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 _FASHION_MNIST_FILES = {
-    'train': ('train-images-idx3-ubyte.gz', 'train-labels-idx1-ubyte.gz'),
-    'test': ('t10k-images-idx3-ubyte.gz', 't10k-labels-idx1-ubyte.gz'),
+    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+    "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
 }
 _IDX_IMAGES_MAGIC = 0x00000803  # unsigned bytes, 3 dimensions
 _IDX_LABELS_MAGIC = 0x00000801  # unsigned bytes, 1 dimension
@@ -65,36 +65,36 @@ _AUGMENT_PADDING = 4
 
 
 class DataUnavailableError(RuntimeError):
-  """The requested data is not on disk and cannot be fetched.
+    """The requested data is not on disk and cannot be fetched.
 
-  The message is complete advice for a person (where we looked and what to do
-  next); command-line tools print it as is, without a traceback.
-  """
+    The message is complete advice for a person (where we looked and what to do
+    next); command-line tools print it as is, without a traceback.
+    """
 
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-  """A whole image classification dataset held in host memory.
+    """A whole image classification dataset held in host memory.
 
-  Attributes:
-    name: 'cifar10', 'fashion_mnist' or 'synthetic'.
-    train_images: uint8 [N, 32, 32, 3].
-    train_labels: int32 [N].
-    test_images: uint8 [M, 32, 32, 3].
-    test_labels: int32 [M].
-    num_classes: number of classes; labels are in [0, num_classes).
-    mean: per-channel mean in [0, 1] pixel units, for `normalize`.
-    std: per-channel standard deviation in [0, 1] pixel units.
-  """
+    Attributes:
+      name: 'cifar10', 'fashion_mnist' or 'synthetic'.
+      train_images: uint8 [N, 32, 32, 3].
+      train_labels: int32 [N].
+      test_images: uint8 [M, 32, 32, 3].
+      test_labels: int32 [M].
+      num_classes: number of classes; labels are in [0, num_classes).
+      mean: per-channel mean in [0, 1] pixel units, for `normalize`.
+      std: per-channel standard deviation in [0, 1] pixel units.
+    """
 
-  name: str
-  train_images: np.ndarray
-  train_labels: np.ndarray
-  test_images: np.ndarray
-  test_labels: np.ndarray
-  num_classes: int
-  mean: tuple[float, float, float]
-  std: tuple[float, float, float]
+    name: str
+    train_images: np.ndarray
+    train_labels: np.ndarray
+    test_images: np.ndarray
+    test_labels: np.ndarray
+    num_classes: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
 
 
 # ---------------------------------------------------------------------------
@@ -103,45 +103,41 @@ class Dataset:
 
 
 def load_dataset(
-    dataset: str = 'cifar10',
-    source: str = 'tfds',
+    dataset: str = "cifar10",
+    source: str = "tfds",
     data_dir: str | None = None,
     *,
     seed: int = 0,
 ) -> Dataset:
-  """Loads a whole dataset into uint8 numpy arrays.
+    """Loads a whole dataset into uint8 numpy arrays.
 
-  Args:
-    dataset: 'cifar10', 'fashion_mnist', or 'synthetic' (random CIFAR-shaped
-      data, whatever the source).
-    source: 'tfds' reads the real data; 'synthetic' returns random data with
-      the real dataset's split sizes, for timing and offline runs.
-    data_dir: for 'cifar10', the TFDS data directory (default: TFDS's own,
-      usually ~/tensorflow_datasets); for 'fashion_mnist', the directory with
-      the four IDX .gz files (default: /usr/share/datasets/fashion-mnist).
-    seed: seed of the synthetic data; unused for real data.
+    Args:
+      dataset: 'cifar10', 'fashion_mnist', or 'synthetic' (random CIFAR-shaped
+        data, whatever the source).
+      source: 'tfds' reads the real data; 'synthetic' returns random data with
+        the real dataset's split sizes, for timing and offline runs.
+      data_dir: for 'cifar10', the TFDS data directory (default: TFDS's own,
+        usually ~/tensorflow_datasets); for 'fashion_mnist', the directory with
+        the four IDX .gz files (default: /usr/share/datasets/fashion-mnist).
+      seed: seed of the synthetic data; unused for real data.
 
-  Returns:
-    The dataset, with uint8 [N, 32, 32, 3] images and int32 labels.
+    Returns:
+      The dataset, with uint8 [N, 32, 32, 3] images and int32 labels.
 
-  Raises:
-    ValueError: `dataset` or `source` is not one of the valid choices.
-    DataUnavailableError: the real data is neither on disk nor downloadable.
-  """
-  if dataset not in DATASETS:
-    raise ValueError(
-        f'Unknown dataset {dataset!r}; choose one of {", ".join(DATASETS)}.'
-    )
-  if source not in SOURCES:
-    raise ValueError(
-        f'Unknown data source {source!r}; choose one of {", ".join(SOURCES)}.'
-    )
-  if dataset == 'synthetic' or source == 'synthetic':
-    num_train, num_test = _SPLIT_SIZES[dataset]
-    return synthetic_dataset(num_train, num_test, seed=seed)
-  if dataset == 'cifar10':
-    return _load_cifar10_tfds(data_dir)
-  return _load_fashion_mnist(data_dir or FASHION_MNIST_DIR)
+    Raises:
+      ValueError: `dataset` or `source` is not one of the valid choices.
+      DataUnavailableError: the real data is neither on disk nor downloadable.
+    """
+    if dataset not in DATASETS:
+        raise ValueError(f"Unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}.")
+    if source not in SOURCES:
+        raise ValueError(f"Unknown data source {source!r}; choose one of {', '.join(SOURCES)}.")
+    if dataset == "synthetic" or source == "synthetic":
+        num_train, num_test = _SPLIT_SIZES[dataset]
+        return synthetic_dataset(num_train, num_test, seed=seed)
+    if dataset == "cifar10":
+        return _load_cifar10_tfds(data_dir)
+    return _load_fashion_mnist(data_dir or FASHION_MNIST_DIR)
 
 
 def synthetic_dataset(
@@ -150,304 +146,286 @@ def synthetic_dataset(
     num_classes: int = 10,
     seed: int = 0,
 ) -> Dataset:
-  """Returns random CIFAR-shaped data: uniform uint8 pixels, uniform labels.
+    """Returns random CIFAR-shaped data: uniform uint8 pixels, uniform labels.
 
-  Nothing can be learned from it; it exists so that timing runs and tests need
-  neither a download nor a disk.
+    Nothing can be learned from it; it exists so that timing runs and tests need
+    neither a download nor a disk.
 
-  Args:
-    num_train: number of training examples.
-    num_test: number of test examples.
-    num_classes: labels are drawn uniformly from [0, num_classes).
-    seed: seed of numpy's random generator; equal seeds give equal data.
+    Args:
+      num_train: number of training examples.
+      num_test: number of test examples.
+      num_classes: labels are drawn uniformly from [0, num_classes).
+      seed: seed of numpy's random generator; equal seeds give equal data.
 
-  Returns:
-    A `Dataset` named 'synthetic' whose mean and std are those of uniform
-    uint8 pixels.
-  """
-  rng = np.random.default_rng(seed)
+    Returns:
+      A `Dataset` named 'synthetic' whose mean and std are those of uniform
+      uint8 pixels.
+    """
+    rng = np.random.default_rng(seed)
 
-  def images(count):
-    return rng.integers(0, 256, (count, *_IMAGE_SHAPE), dtype=np.uint8)
+    def images(count):
+        return rng.integers(0, 256, (count, *_IMAGE_SHAPE), dtype=np.uint8)
 
-  def labels(count):
-    return rng.integers(0, num_classes, (count,), dtype=np.int32)
+    def labels(count):
+        return rng.integers(0, num_classes, (count,), dtype=np.int32)
 
-  return Dataset(
-      name='synthetic',
-      train_images=images(num_train),
-      train_labels=labels(num_train),
-      test_images=images(num_test),
-      test_labels=labels(num_test),
-      num_classes=num_classes,
-      mean=_UNIFORM_MEAN,
-      std=_UNIFORM_STD,
-  )
+    return Dataset(
+        name="synthetic",
+        train_images=images(num_train),
+        train_labels=labels(num_train),
+        test_images=images(num_test),
+        test_labels=labels(num_test),
+        num_classes=num_classes,
+        mean=_UNIFORM_MEAN,
+        std=_UNIFORM_STD,
+    )
 
 
 def _load_cifar10_tfds(data_dir: str | None) -> Dataset:
-  """Prepares CIFAR-10 with TFDS if needed, then reads both splits whole."""
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+    """Prepares CIFAR-10 with TFDS if needed, then reads both splits whole."""
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
-  builder = tfds.builder('cifar10', data_dir=data_dir)
-  data_dir_root = os.fspath(builder.data_dir_root)
-  manual_dir = os.path.join(data_dir_root, 'downloads', 'manual')
-  _prepare_cifar10(builder, manual_dir)
-  train_images, train_labels = _read_tfds_split(builder, 'train')
-  test_images, test_labels = _read_tfds_split(builder, 'test')
-  return Dataset(
-      name='cifar10',
-      train_images=train_images,
-      train_labels=train_labels,
-      test_images=test_images,
-      test_labels=test_labels,
-      num_classes=builder.info.features['label'].num_classes,
-      mean=_CIFAR10_MEAN,
-      std=_CIFAR10_STD,
-  )
+    builder = tfds.builder("cifar10", data_dir=data_dir)
+    data_dir_root = os.fspath(builder.data_dir_root)
+    manual_dir = os.path.join(data_dir_root, "downloads", "manual")
+    _prepare_cifar10(builder, manual_dir)
+    train_images, train_labels = _read_tfds_split(builder, "train")
+    test_images, test_labels = _read_tfds_split(builder, "test")
+    return Dataset(
+        name="cifar10",
+        train_images=train_images,
+        train_labels=train_labels,
+        test_images=test_images,
+        test_labels=test_labels,
+        num_classes=builder.info.features["label"].num_classes,
+        mean=_CIFAR10_MEAN,
+        std=_CIFAR10_STD,
+    )
 
 
 def _prepare_cifar10(builder, manual_dir: str) -> None:
-  """Runs `download_and_prepare`, turning every way it can fail into advice.
+    """Runs `download_and_prepare`, turning every way it can fail into advice.
 
-  TFDS takes the archive from `manual_dir` when it is there (checking its
-  checksum), and downloads it otherwise. Without a network its downloader
-  retries with exponential backoff for more than three minutes before giving
-  up, so when the data is neither prepared nor placed by hand we first check
-  that the download host is reachable at all, and fail at once if not.
-  """
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+    TFDS takes the archive from `manual_dir` when it is there (checking its
+    checksum), and downloads it otherwise. Without a network its downloader
+    retries with exponential backoff for more than three minutes before giving
+    up, so when the data is neither prepared nor placed by hand we first check
+    that the download host is reachable at all, and fail at once if not.
+    """
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
-  archive = os.path.join(manual_dir, _CIFAR10_ARCHIVE)
-  needs_download = not (
-      builder.is_prepared()
-      or os.path.exists(archive)
-      or _has_cached_download(builder)
-  )
-  if needs_download:
-    unreachable_reason = _unreachable_reason(_CIFAR10_URL)
-    if unreachable_reason:
-      raise DataUnavailableError(
-          _cifar10_unavailable_message(builder, manual_dir, unreachable_reason)
-      )
-  config = tfds.download.DownloadConfig(
-      manual_dir=manual_dir,
-      # Prepared copies on GCS are only a shortcut; offline, some TFDS
-      # versions block for minutes trying to reach them.
-      try_download_gcs=False,
-  )
-  try:
-    builder.download_and_prepare(download_config=config)
-  except tfds.download.download_manager.NonMatchingChecksumError as err:
-    checked = archive if os.path.exists(archive) else 'The downloaded archive'
-    raise DataUnavailableError(
-        f'{checked} is not the CIFAR-10 archive TFDS expects: its size or'
-        ' checksum differs from the ones TFDS registered for'
-        f' {_CIFAR10_URL} (an interrupted download, or another file).\n'
-        'Ways forward:\n'
-        f'  1. Download {_CIFAR10_URL} again, replace the file, and rerun.\n'
-        '  2. Delete the file and run with network access; TFDS downloads it.\n'
-        '  3. Pass `--data synthetic` for timing or offline runs.'
-    ) from err
-  except Exception as err:  # pylint: disable=broad-except
-    # TFDS reports a failed download through many exception types (requests,
-    # urllib3, its own DownloadError, OSError); all mean the same to a user.
-    raise DataUnavailableError(
-        _cifar10_unavailable_message(
-            builder, manual_dir, f'{type(err).__name__}: {_first_line(err)}'
-        )
-    ) from err
+    archive = os.path.join(manual_dir, _CIFAR10_ARCHIVE)
+    needs_download = not (builder.is_prepared() or os.path.exists(archive) or _has_cached_download(builder))
+    if needs_download:
+        unreachable_reason = _unreachable_reason(_CIFAR10_URL)
+        if unreachable_reason:
+            raise DataUnavailableError(_cifar10_unavailable_message(builder, manual_dir, unreachable_reason))
+    config = tfds.download.DownloadConfig(
+        manual_dir=manual_dir,
+        # Prepared copies on GCS are only a shortcut; offline, some TFDS
+        # versions block for minutes trying to reach them.
+        try_download_gcs=False,
+    )
+    try:
+        builder.download_and_prepare(download_config=config)
+    except tfds.download.download_manager.NonMatchingChecksumError as err:
+        checked = archive if os.path.exists(archive) else "The downloaded archive"
+        raise DataUnavailableError(
+            f"{checked} is not the CIFAR-10 archive TFDS expects: its size or"
+            " checksum differs from the ones TFDS registered for"
+            f" {_CIFAR10_URL} (an interrupted download, or another file).\n"
+            "Ways forward:\n"
+            f"  1. Download {_CIFAR10_URL} again, replace the file, and rerun.\n"
+            "  2. Delete the file and run with network access; TFDS downloads it.\n"
+            "  3. Pass `--data synthetic` for timing or offline runs."
+        ) from err
+    except Exception as err:  # pylint: disable=broad-except
+        # TFDS reports a failed download through many exception types (requests,
+        # urllib3, its own DownloadError, OSError); all mean the same to a user.
+        raise DataUnavailableError(
+            _cifar10_unavailable_message(builder, manual_dir, f"{type(err).__name__}: {_first_line(err)}")
+        ) from err
 
 
 def _has_cached_download(builder) -> bool:
-  """Whether a previous run downloaded the archive but did not prepare it."""
-  downloads_dir = os.path.join(os.fspath(builder.data_dir_root), 'downloads')
-  return bool(glob.glob(os.path.join(downloads_dir, '*cifar-10-binary*')))
+    """Whether a previous run downloaded the archive but did not prepare it."""
+    downloads_dir = os.path.join(os.fspath(builder.data_dir_root), "downloads")
+    return bool(glob.glob(os.path.join(downloads_dir, "*cifar-10-binary*")))
 
 
 def _unreachable_reason(url: str) -> str | None:
-  """Returns why `url`'s host cannot be reached, or None if it can (or may).
+    """Returns why `url`'s host cannot be reached, or None if it can (or may).
 
-  With a proxy configured the host is reached through it, so we cannot tell
-  cheaply and leave the answer to the download itself.
-  """
-  parsed = urllib.parse.urlparse(url)
-  if urllib.request.getproxies().get(parsed.scheme):
-    return None
-  port = parsed.port or (443 if parsed.scheme == 'https' else 80)
-  try:
-    with socket.create_connection(
-        (parsed.hostname, port), timeout=_NETWORK_PROBE_TIMEOUT_S
-    ):
-      return None
-  except OSError as err:
-    return f'cannot reach {parsed.hostname}: {err}'
+    With a proxy configured the host is reached through it, so we cannot tell
+    cheaply and leave the answer to the download itself.
+    """
+    parsed = urllib.parse.urlparse(url)
+    if urllib.request.getproxies().get(parsed.scheme):
+        return None
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname, port), timeout=_NETWORK_PROBE_TIMEOUT_S):
+            return None
+    except OSError as err:
+        return f"cannot reach {parsed.hostname}: {err}"
 
 
 def _cifar10_unavailable_message(builder, manual_dir: str, reason: str) -> str:
-  if os.path.exists(os.path.join(manual_dir, _CIFAR10_ARCHIVE)):
-    archive_status = 'found, but preparing from it failed'
-  else:
-    archive_status = 'not there'
-  return (
-      f'CIFAR-10 is not prepared in the TFDS data dir {builder.data_dir_root}'
-      f' and TFDS could not get it ({reason}).\n'
-      f'Looked for a manually downloaded {_CIFAR10_ARCHIVE} in {manual_dir}:'
-      f' {archive_status}.\n'
-      'Ways forward:\n'
-      '  1. Run once with network access; TFDS downloads CIFAR-10 (170 MB)'
-      f' and prepares it in {builder.data_dir_root}.\n'
-      f'  2. Download {_CIFAR10_URL} elsewhere, place {_CIFAR10_ARCHIVE} in'
-      f' {manual_dir}, and rerun (TFDS checks its checksum).\n'
-      '  3. Pass `--data synthetic` for timing or offline runs (random'
-      ' images; accuracy means nothing).'
-  )
+    if os.path.exists(os.path.join(manual_dir, _CIFAR10_ARCHIVE)):
+        archive_status = "found, but preparing from it failed"
+    else:
+        archive_status = "not there"
+    return (
+        f"CIFAR-10 is not prepared in the TFDS data dir {builder.data_dir_root}"
+        f" and TFDS could not get it ({reason}).\n"
+        f"Looked for a manually downloaded {_CIFAR10_ARCHIVE} in {manual_dir}:"
+        f" {archive_status}.\n"
+        "Ways forward:\n"
+        "  1. Run once with network access; TFDS downloads CIFAR-10 (170 MB)"
+        f" and prepares it in {builder.data_dir_root}.\n"
+        f"  2. Download {_CIFAR10_URL} elsewhere, place {_CIFAR10_ARCHIVE} in"
+        f" {manual_dir}, and rerun (TFDS checks its checksum).\n"
+        "  3. Pass `--data synthetic` for timing or offline runs (random"
+        " images; accuracy means nothing)."
+    )
 
 
 def _first_line(err: Exception) -> str:
-  text = str(err).strip()
-  return text.splitlines()[0] if text else 'no details'
+    text = str(err).strip()
+    return text.splitlines()[0] if text else "no details"
 
 
 def _read_tfds_split(builder, split: str) -> tuple[np.ndarray, np.ndarray]:
-  """Reads a whole prepared split as (uint8 images, int32 labels)."""
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+    """Reads a whole prepared split as (uint8 images, int32 labels)."""
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
-  images, labels = tfds.as_numpy(
-      builder.as_dataset(split=split, batch_size=-1, as_supervised=True)
-  )
-  return images.astype(np.uint8), labels.astype(np.int32)
+    images, labels = tfds.as_numpy(builder.as_dataset(split=split, batch_size=-1, as_supervised=True))
+    return images.astype(np.uint8), labels.astype(np.int32)
 
 
 def _load_fashion_mnist(data_dir: str) -> Dataset:
-  """Reads Fashion-MNIST from its original IDX files, as CIFAR-shaped images.
+    """Reads Fashion-MNIST from its original IDX files, as CIFAR-shaped images.
 
-  The files are read directly rather than through TFDS because Debian's
-  dataset-fashion-mnist package recompresses them, so TFDS's checksums of the
-  upstream archives do not match.
+    The files are read directly rather than through TFDS because Debian's
+    dataset-fashion-mnist package recompresses them, so TFDS's checksums of the
+    upstream archives do not match.
 
-  Each 28x28 grey image becomes 32x32x3: it is zero-padded by 2 pixels on
-  every side (black, like Fashion-MNIST's own background) and its grey value is
-  copied to all three channels, so CIFAR models run on it unchanged. Mean and
-  std are computed over these converted training images, padding included, as
-  that is what `normalize` sees.
-  """
-  _check_fashion_mnist_files(data_dir)
-  splits = {}
-  for split, (images_file, labels_file) in _FASHION_MNIST_FILES.items():
-    images = _read_idx_images(os.path.join(data_dir, images_file))
-    labels = _read_idx_labels(os.path.join(data_dir, labels_file))
-    if len(images) != len(labels):
-      raise DataUnavailableError(
-          f'{images_file} holds {len(images)} images but {labels_file} holds'
-          f' {len(labels)} labels (in {data_dir}); the files are from'
-          ' different releases or damaged. Reinstall them with'
-          ' `apt-get install --reinstall dataset-fashion-mnist`.'
-      )
-    splits[split] = (_grey28_to_rgb32(images), labels)
-  mean, std = _pixel_mean_std(splits['train'][0][..., 0])
-  return Dataset(
-      name='fashion_mnist',
-      train_images=splits['train'][0],
-      train_labels=splits['train'][1],
-      test_images=splits['test'][0],
-      test_labels=splits['test'][1],
-      num_classes=10,
-      mean=(mean,) * 3,
-      std=(std,) * 3,
-  )
+    Each 28x28 grey image becomes 32x32x3: it is zero-padded by 2 pixels on
+    every side (black, like Fashion-MNIST's own background) and its grey value is
+    copied to all three channels, so CIFAR models run on it unchanged. Mean and
+    std are computed over these converted training images, padding included, as
+    that is what `normalize` sees.
+    """
+    _check_fashion_mnist_files(data_dir)
+    splits = {}
+    for split, (images_file, labels_file) in _FASHION_MNIST_FILES.items():
+        images = _read_idx_images(os.path.join(data_dir, images_file))
+        labels = _read_idx_labels(os.path.join(data_dir, labels_file))
+        if len(images) != len(labels):
+            raise DataUnavailableError(
+                f"{images_file} holds {len(images)} images but {labels_file} holds"
+                f" {len(labels)} labels (in {data_dir}); the files are from"
+                " different releases or damaged. Reinstall them with"
+                " `apt-get install --reinstall dataset-fashion-mnist`."
+            )
+        splits[split] = (_grey28_to_rgb32(images), labels)
+    mean, std = _pixel_mean_std(splits["train"][0][..., 0])
+    return Dataset(
+        name="fashion_mnist",
+        train_images=splits["train"][0],
+        train_labels=splits["train"][1],
+        test_images=splits["test"][0],
+        test_labels=splits["test"][1],
+        num_classes=10,
+        mean=(mean,) * 3,
+        std=(std,) * 3,
+    )
 
 
 def _check_fashion_mnist_files(data_dir: str) -> None:
-  expected = [name for pair in _FASHION_MNIST_FILES.values() for name in pair]
-  missing = [
-      name
-      for name in expected
-      if not os.path.isfile(os.path.join(data_dir, name))
-  ]
-  if missing:
-    if missing == expected:
-      found = 'none is there'
-    else:
-      found = f'{", ".join(missing)} missing'
-    raise DataUnavailableError(
-        f'Fashion-MNIST not found in {data_dir}: expected the IDX files'
-        f' {", ".join(expected)}; {found}.\n'
-        'Ways forward:\n'
-        '  1. `apt-get install dataset-fashion-mnist`, which puts them in'
-        f' {FASHION_MNIST_DIR}.\n'
-        '  2. Pass `--data-dir DIR` naming a directory that holds the four'
-        ' original IDX .gz files.\n'
-        '  3. Pass `--data synthetic` for timing or offline runs.'
-    )
+    expected = [name for pair in _FASHION_MNIST_FILES.values() for name in pair]
+    missing = [name for name in expected if not os.path.isfile(os.path.join(data_dir, name))]
+    if missing:
+        if missing == expected:
+            found = "none is there"
+        else:
+            found = f"{', '.join(missing)} missing"
+        raise DataUnavailableError(
+            f"Fashion-MNIST not found in {data_dir}: expected the IDX files"
+            f" {', '.join(expected)}; {found}.\n"
+            "Ways forward:\n"
+            "  1. `apt-get install dataset-fashion-mnist`, which puts them in"
+            f" {FASHION_MNIST_DIR}.\n"
+            "  2. Pass `--data-dir DIR` naming a directory that holds the four"
+            " original IDX .gz files.\n"
+            "  3. Pass `--data synthetic` for timing or offline runs."
+        )
 
 
 def _read_idx(path: str, magic: int, num_dims: int) -> np.ndarray:
-  """Reads a gzipped IDX file of unsigned bytes, checking its header."""
-  with gzip.open(path, 'rb') as f:
-    data = f.read()
-  header_size = 4 * (1 + num_dims)
-  if len(data) < header_size:
-    raise DataUnavailableError(
-        f'{path} is {len(data)} bytes, too short for an IDX header of'
-        f' {header_size} bytes; the file is damaged. Reinstall it.'
-    )
-  header = np.frombuffer(data, dtype='>u4', count=1 + num_dims)
-  if header[0] != magic:
-    raise DataUnavailableError(
-        f'{path} starts with magic number {int(header[0]):#010x}, expected'
-        f' {magic:#010x} (IDX unsigned bytes, {num_dims} dimensions); it is'
-        ' not the file its name says. Reinstall it.'
-    )
-  shape = tuple(int(d) for d in header[1:])
-  expected_size = header_size + int(np.prod(shape))
-  if len(data) != expected_size:
-    raise DataUnavailableError(
-        f'{path} is {len(data)} bytes uncompressed but its header {shape}'
-        f' implies {expected_size}; the file is truncated or damaged.'
-        ' Reinstall it.'
-    )
-  return np.frombuffer(data, dtype=np.uint8, offset=header_size).reshape(shape)
+    """Reads a gzipped IDX file of unsigned bytes, checking its header."""
+    with gzip.open(path, "rb") as f:
+        data = f.read()
+    header_size = 4 * (1 + num_dims)
+    if len(data) < header_size:
+        raise DataUnavailableError(
+            f"{path} is {len(data)} bytes, too short for an IDX header of"
+            f" {header_size} bytes; the file is damaged. Reinstall it."
+        )
+    header = np.frombuffer(data, dtype=">u4", count=1 + num_dims)
+    if header[0] != magic:
+        raise DataUnavailableError(
+            f"{path} starts with magic number {int(header[0]):#010x}, expected"
+            f" {magic:#010x} (IDX unsigned bytes, {num_dims} dimensions); it is"
+            " not the file its name says. Reinstall it."
+        )
+    shape = tuple(int(d) for d in header[1:])
+    expected_size = header_size + int(np.prod(shape))
+    if len(data) != expected_size:
+        raise DataUnavailableError(
+            f"{path} is {len(data)} bytes uncompressed but its header {shape}"
+            f" implies {expected_size}; the file is truncated or damaged."
+            " Reinstall it."
+        )
+    return np.frombuffer(data, dtype=np.uint8, offset=header_size).reshape(shape)
 
 
 def _read_idx_images(path: str) -> np.ndarray:
-  images = _read_idx(path, _IDX_IMAGES_MAGIC, num_dims=3)
-  if images.shape[1:] != (28, 28):
-    raise DataUnavailableError(
-        f'{path} holds images of shape {images.shape[1:]}, expected (28, 28)'
-        ' for Fashion-MNIST.'
-    )
-  return images
+    images = _read_idx(path, _IDX_IMAGES_MAGIC, num_dims=3)
+    if images.shape[1:] != (28, 28):
+        raise DataUnavailableError(
+            f"{path} holds images of shape {images.shape[1:]}, expected (28, 28) for Fashion-MNIST."
+        )
+    return images
 
 
 def _read_idx_labels(path: str) -> np.ndarray:
-  labels = _read_idx(path, _IDX_LABELS_MAGIC, num_dims=1)
-  if labels.size and labels.max() > 9:
-    raise DataUnavailableError(
-        f'{path} holds label {int(labels.max())}, expected labels in 0..9 for'
-        ' Fashion-MNIST.'
-    )
-  return labels.astype(np.int32)
+    labels = _read_idx(path, _IDX_LABELS_MAGIC, num_dims=1)
+    if labels.size and labels.max() > 9:
+        raise DataUnavailableError(
+            f"{path} holds label {int(labels.max())}, expected labels in 0..9 for Fashion-MNIST."
+        )
+    return labels.astype(np.int32)
 
 
 def _grey28_to_rgb32(images: np.ndarray) -> np.ndarray:
-  """[N, 28, 28] grey -> [N, 32, 32, 3]: zero-pad 2 pixels, copy to RGB."""
-  padded = np.pad(images, ((0, 0), (2, 2), (2, 2)))
-  return np.repeat(padded[..., None], 3, axis=-1)
+    """[N, 28, 28] grey -> [N, 32, 32, 3]: zero-pad 2 pixels, copy to RGB."""
+    padded = np.pad(images, ((0, 0), (2, 2), (2, 2)))
+    return np.repeat(padded[..., None], 3, axis=-1)
 
 
 def _pixel_mean_std(pixels: np.ndarray) -> tuple[float, float]:
-  """Mean and std of uint8 pixels in [0, 1] units.
+    """Mean and std of uint8 pixels in [0, 1] units.
 
-  Computed from a 256-bin histogram, which is exact and needs no float copy of
-  the images.
-  """
-  counts = np.bincount(pixels.ravel(), minlength=256).astype(np.float64)
-  values = np.arange(256, dtype=np.float64) / 255.0
-  total = counts.sum()
-  mean = (counts * values).sum() / total
-  variance = (counts * (values - mean) ** 2).sum() / total
-  return float(mean), float(np.sqrt(variance))
+    Computed from a 256-bin histogram, which is exact and needs no float copy of
+    the images.
+    """
+    counts = np.bincount(pixels.ravel(), minlength=256).astype(np.float64)
+    values = np.arange(256, dtype=np.float64) / 255.0
+    total = counts.sum()
+    mean = (counts * values).sum() / total
+    variance = (counts * (values - mean) ** 2).sum() / total
+    return float(mean), float(np.sqrt(variance))
 
 
 # ---------------------------------------------------------------------------
@@ -456,86 +434,82 @@ def _pixel_mean_std(pixels: np.ndarray) -> tuple[float, float]:
 
 
 def normalize(images_uint8: jax.Array, mean, std) -> jax.Array:
-  """Maps uint8 pixels to float32 `(x / 255 - mean) / std`, per channel.
+    """Maps uint8 pixels to float32 `(x / 255 - mean) / std`, per channel.
 
-  Args:
-    images_uint8: uint8 [..., C] images.
-    mean: C per-channel means in [0, 1] pixel units (e.g. `Dataset.mean`).
-    std: C per-channel standard deviations in [0, 1] pixel units.
+    Args:
+      images_uint8: uint8 [..., C] images.
+      mean: C per-channel means in [0, 1] pixel units (e.g. `Dataset.mean`).
+      std: C per-channel standard deviations in [0, 1] pixel units.
 
-  Returns:
-    float32 array of the same shape. Mixed-precision policies cast it to their
-    compute dtype later; keeping float32 here keeps the data pipeline
-    independent of the policy.
-  """
-  pixels = jnp.asarray(images_uint8).astype(jnp.float32) / 255.0
-  mean = jnp.asarray(mean, dtype=jnp.float32)
-  std = jnp.asarray(std, dtype=jnp.float32)
-  return (pixels - mean) / std
+    Returns:
+      float32 array of the same shape. Mixed-precision policies cast it to their
+      compute dtype later; keeping float32 here keeps the data pipeline
+      independent of the policy.
+    """
+    pixels = jnp.asarray(images_uint8).astype(jnp.float32) / 255.0
+    mean = jnp.asarray(mean, dtype=jnp.float32)
+    std = jnp.asarray(std, dtype=jnp.float32)
+    return (pixels - mean) / std
 
 
 def augment(rng: jax.Array, images_uint8: jax.Array) -> jax.Array:
-  """Standard CIFAR augmentation: random 4-pixel-padded crop, random flip.
+    """Standard CIFAR augmentation: random 4-pixel-padded crop, random flip.
 
-  For each image independently::
+    For each image independently::
 
-    padded = zero-pad the image by 4 pixels on each side (H+8, W+8)
-    dy, dx = uniform integers in [0, 8]
-    image  = padded[dy:dy+H, dx:dx+W]
-    image  = image[:, ::-1] with probability 1/2
+      padded = zero-pad the image by 4 pixels on each side (H+8, W+8)
+      dy, dx = uniform integers in [0, 8]
+      image  = padded[dy:dy+H, dx:dx+W]
+      image  = image[:, ::-1] with probability 1/2
 
-  Pure jax (vmap of `dynamic_slice`), so it jits and runs on the device.
+    Pure jax (vmap of `dynamic_slice`), so it jits and runs on the device.
 
-  Args:
-    rng: a PRNG key; each image gets its own key split from it.
-    images_uint8: uint8 [N, H, W, C] images.
+    Args:
+      rng: a PRNG key; each image gets its own key split from it.
+      images_uint8: uint8 [N, H, W, C] images.
 
-  Returns:
-    uint8 [N, H, W, C] augmented images. Labels are unaffected by design.
-  """
-  keys = jax.random.split(rng, images_uint8.shape[0])
-  return jax.vmap(_crop_and_flip)(keys, images_uint8)
+    Returns:
+      uint8 [N, H, W, C] augmented images. Labels are unaffected by design.
+    """
+    keys = jax.random.split(rng, images_uint8.shape[0])
+    return jax.vmap(_crop_and_flip)(keys, images_uint8)
 
 
 def _crop_and_flip(rng: jax.Array, image: jax.Array) -> jax.Array:
-  height, width, channels = image.shape
-  pad = _AUGMENT_PADDING
-  offset_rng, flip_rng = jax.random.split(rng)
-  padded = jnp.pad(image, ((pad, pad), (pad, pad), (0, 0)))
-  dy, dx = jax.random.randint(offset_rng, (2,), 0, 2 * pad + 1)
-  cropped = jax.lax.dynamic_slice(
-      padded, (dy, dx, 0), (height, width, channels)
-  )
-  flip = jax.random.bernoulli(flip_rng)
-  return jnp.where(flip, cropped[:, ::-1, :], cropped)
+    height, width, channels = image.shape
+    pad = _AUGMENT_PADDING
+    offset_rng, flip_rng = jax.random.split(rng)
+    padded = jnp.pad(image, ((pad, pad), (pad, pad), (0, 0)))
+    dy, dx = jax.random.randint(offset_rng, (2,), 0, 2 * pad + 1)
+    cropped = jax.lax.dynamic_slice(padded, (dy, dx, 0), (height, width, channels))
+    flip = jax.random.bernoulli(flip_rng)
+    return jnp.where(flip, cropped[:, ::-1, :], cropped)
 
 
-def epoch_batches(
-    rng: jax.Array, num_examples: int, batch_size: int
-) -> jax.Array:
-  """Shuffled example indices for one epoch, one row per step.
+def epoch_batches(rng: jax.Array, num_examples: int, batch_size: int) -> jax.Array:
+    """Shuffled example indices for one epoch, one row per step.
 
-  The last `num_examples % batch_size` examples of the permutation are
-  dropped, so every step has the same static batch shape (one compilation).
-  Jittable with `num_examples` and `batch_size` static.
+    The last `num_examples % batch_size` examples of the permutation are
+    dropped, so every step has the same static batch shape (one compilation).
+    Jittable with `num_examples` and `batch_size` static.
 
-  Args:
-    rng: a PRNG key; a new key per epoch gives a new order.
-    num_examples: size of the dataset being indexed.
-    batch_size: examples per step.
+    Args:
+      rng: a PRNG key; a new key per epoch gives a new order.
+      num_examples: size of the dataset being indexed.
+      batch_size: examples per step.
 
-  Returns:
-    int32 [num_examples // batch_size, batch_size] indices; no index repeats.
+    Returns:
+      int32 [num_examples // batch_size, batch_size] indices; no index repeats.
 
-  Raises:
-    ValueError: `batch_size` is not positive or exceeds `num_examples`.
-  """
-  if not 0 < batch_size <= num_examples:
-    raise ValueError(
-        f'batch_size={batch_size} must be in 1..num_examples={num_examples};'
-        ' lower the batch size or use more examples.'
-    )
-  num_steps = num_examples // batch_size
-  order = jax.random.permutation(rng, num_examples)
-  kept = order[: num_steps * batch_size]
-  return kept.reshape(num_steps, batch_size).astype(jnp.int32)
+    Raises:
+      ValueError: `batch_size` is not positive or exceeds `num_examples`.
+    """
+    if not 0 < batch_size <= num_examples:
+        raise ValueError(
+            f"batch_size={batch_size} must be in 1..num_examples={num_examples};"
+            " lower the batch size or use more examples."
+        )
+    num_steps = num_examples // batch_size
+    order = jax.random.permutation(rng, num_examples)
+    kept = order[: num_steps * batch_size]
+    return kept.reshape(num_steps, batch_size).astype(jnp.int32)

@@ -54,7 +54,7 @@ class TrainConfig:
     dataset: str = "cifar10"
     data: str = "tfds"
     data_dir: str | None = None
-    epochs: int = 30
+    epochs: int = 2
     batch_size: int = 128
     eval_batch_size: int = 500
     lr: float = 0.1
@@ -146,9 +146,7 @@ def create_train_state(
     """Builds the mixed-precision model and its `jaxamp.TrainState`."""
     model = jaxamp.apply_policy(create_model(config.model, num_classes), precision.policy)
     sample = jnp.zeros((1, 32, 32, 3), jnp.float32)
-    variables = jax.jit(lambda rng: model.init(rng, sample, train=False))(
-        jax.random.key(config.seed)
-    )
+    variables = jax.jit(lambda rng: model.init(rng, sample, train=False))(jax.random.key(config.seed))
     return jaxamp.TrainState.create(
         apply_fn=model.apply,
         params=variables["params"],
@@ -191,9 +189,7 @@ def make_train_step(config: TrainConfig, dataset: data_lib.Dataset) -> Callable:
         (loss, (logits, new_batch_stats)), grads, grads_finite = jaxamp.scaled_value_and_grad(
             loss_fn, state.loss_scale, has_aux=True
         )(state.params)
-        state = state.apply_gradients(
-            grads=grads, grads_finite=grads_finite, batch_stats=new_batch_stats
-        )
+        state = state.apply_gradients(grads=grads, grads_finite=grads_finite, batch_stats=new_batch_stats)
         metrics = {
             "loss": loss,
             "correct": jnp.sum(jnp.argmax(logits, -1) == batch_labels),
@@ -231,8 +227,8 @@ class DeviceData:
     train_images: jax.Array
     train_labels: jax.Array
     test_batches: list[tuple[jax.Array, jax.Array, jax.Array]]
+    test_batch_sizes: list[int]
     num_train: int
-    num_test: int
 
 
 def put_on_device(dataset: data_lib.Dataset, eval_batch_size: int) -> DeviceData:
@@ -254,8 +250,10 @@ def put_on_device(dataset: data_lib.Dataset, eval_batch_size: int) -> DeviceData
         train_images=jax.device_put(dataset.train_images),
         train_labels=jax.device_put(dataset.train_labels.astype(np.int32)),
         test_batches=test_batches,
+        test_batch_sizes=[
+            int(mask[start : start + eval_batch_size].sum()) for start in range(0, padded, eval_batch_size)
+        ],
         num_train=len(dataset.train_labels),
-        num_test=num_test,
     )
 
 
@@ -327,9 +325,7 @@ class Checkpointer:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _checkpointed(state))
         restored = self._manager.restore(
             epoch,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), results=ocp.args.JsonRestore()
-            ),
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), results=ocp.args.JsonRestore()),
         )
         return state.replace(**restored["state"]), restored["results"]
 
@@ -447,7 +443,7 @@ def train_and_evaluate(
             )
             record = {"epoch": epoch, **train_metrics}
             if epoch % config.eval_every == 0 or epoch == config.epochs:
-                record.update(_evaluate(eval_step, state, device_data))
+                record.update(_evaluate(eval_step, state, device_data, config.steps_per_epoch))
             record["loss_scale"] = float(state.loss_scale.loss_scale)
             record["skipped_steps"] = int(state.skipped_steps)
             results["epochs"].append(record)
@@ -512,15 +508,19 @@ def _train_epoch(config, train_step, state, device_data, rng, steps_per_epoch, e
     }
 
 
-def _evaluate(eval_step, state, device_data):
+def _evaluate(eval_step, state, device_data, max_batches: int | None):
+    """The test pass: all test batches, or the first `max_batches` for quick runs."""
+    batches = device_data.test_batches[:max_batches]
+    num_examples = sum(device_data.test_batch_sizes[:max_batches])
     start = time.perf_counter()
-    totals = [eval_step(state, *batch) for batch in device_data.test_batches]
+    totals = [eval_step(state, *batch) for batch in batches]
     totals = jax.block_until_ready(totals)
     test_time = time.perf_counter() - start
     return {
         "test_time_s": test_time,
-        "test_loss": float(sum(total["loss"] for total in totals)) / device_data.num_test,
-        "test_accuracy": float(sum(total["correct"] for total in totals)) / device_data.num_test,
+        "test_examples": num_examples,
+        "test_loss": float(sum(total["loss"] for total in totals)) / num_examples,
+        "test_accuracy": float(sum(total["correct"] for total in totals)) / num_examples,
     }
 
 

@@ -32,9 +32,9 @@ from jaxamp.train_state import TrainState
 __version__ = "0.1.0"
 
 __all__ = [
+    "NORMALIZATION_LAYERS",
     "DynamicLossScale",
     "LossScale",
-    "NORMALIZATION_LAYERS",
     "NoOpLossScale",
     "Policy",
     "PrecisionReport",

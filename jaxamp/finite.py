@@ -32,8 +32,7 @@ def all_finite(tree) -> jax.Array:
     leaf_flags = [
         jnp.all(jnp.isfinite(leaf))
         for leaf in jax.tree.leaves(tree)
-        if isinstance(leaf, (jax.Array, np.ndarray, np.generic))
-        and jnp.issubdtype(leaf.dtype, jnp.inexact)
+        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(leaf.dtype, jnp.inexact)
     ]
     if not leaf_flags:
         return jnp.array(True)

@@ -48,8 +48,8 @@ _PARAM_READ_DTYPE: contextvars.ContextVar[np.dtype | None] = contextvars.Context
     "jaxamp_param_read_dtype", default=None
 )
 # During PolicyModule.init: module path -> param dtype of that module.
-_INIT_PARAM_DTYPES: contextvars.ContextVar[dict[tuple[str, ...], np.dtype] | None] = (
-    contextvars.ContextVar("jaxamp_init_param_dtypes", default=None)
+_INIT_PARAM_DTYPES: contextvars.ContextVar[dict[tuple[str, ...], np.dtype] | None] = contextvars.ContextVar(
+    "jaxamp_init_param_dtypes", default=None
 )
 
 
@@ -207,9 +207,7 @@ class PolicyModule(nn.Module):
             return kwargs
         name = method if isinstance(method, str) else getattr(method, "__name__", None)
         if not name or not callable(getattr(self.module, name, None)):
-            raise AttributeError(
-                f"{type(self.module).__name__} has no method {method!r} to apply."
-            )
+            raise AttributeError(f"{type(self.module).__name__} has no method {method!r} to apply.")
         return {**kwargs, "method": PolicyModule._run_method, "jaxamp_method_name": name}
 
     def init_with_output(self, rngs, *args, **kwargs):

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxamp.policy import get_policy, is_floating_array
+
 T = TypeVar("T")
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -58,9 +60,7 @@ def _register_pytree(cls):
     dataclass field is either a data leaf or static metadata.
     """
     data_fields = cls._data_fields
-    meta_fields = tuple(
-        field.name for field in dataclasses.fields(cls) if field.name not in data_fields
-    )
+    meta_fields = tuple(field.name for field in dataclasses.fields(cls) if field.name not in data_fields)
 
     def flatten_with_keys(obj):
         children = tuple((jax.tree_util.GetAttrKey(name), getattr(obj, name)) for name in data_fields)
@@ -95,9 +95,7 @@ def _scale_floating(tree: T, factor: jax.Array) -> T:
     """
 
     def scale_leaf(leaf):
-        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
-            leaf.dtype, jnp.floating
-        ):
+        if is_floating_array(leaf):
             return (leaf * factor).astype(leaf.dtype)
         return leaf
 
@@ -274,9 +272,7 @@ class DynamicLossScale:
                     f"concrete number; got {value!r}."
                 ) from None
             if not (np.isfinite(number) and number > 0):
-                raise ValueError(
-                    f"DynamicLossScale {name} must be a positive finite number; got {value!r}."
-                )
+                raise ValueError(f"DynamicLossScale {name} must be a positive finite number; got {value!r}.")
             settings[name] = number
         if settings["factor"] <= 1:
             raise ValueError(f"DynamicLossScale factor must be > 1; got {self.factor!r}.")
@@ -303,7 +299,9 @@ class DynamicLossScale:
         overflows = self.overflows_until_backoff
         if overflows is None:
             overflows = settings["hysteresis"]
-        object.__setattr__(self, "overflows_until_backoff", _validated_count(overflows, "overflows_until_backoff"))
+        object.__setattr__(
+            self, "overflows_until_backoff", _validated_count(overflows, "overflows_until_backoff")
+        )
         for name in ("counter", "skipped_steps", "consecutive_skipped_steps"):
             object.__setattr__(self, name, _validated_count(getattr(self, name), name))
 
@@ -375,8 +373,6 @@ def default_loss_scale(policy: Any) -> NoOpLossScale | DynamicLossScale:
     Args:
         policy: anything `jaxamp.get_policy` accepts.
     """
-    from jaxamp.policy import get_policy
-
     if get_policy(policy).compute_dtype == jnp.float16:
         return DynamicLossScale()
     return NoOpLossScale()

@@ -59,9 +59,7 @@ class ModulePolicies:
     overrides: tuple[tuple[type, Policy], ...]
 
     @classmethod
-    def create(
-        cls, policy: PolicySpec, overrides: Mapping[type, PolicySpec] | None = None
-    ) -> ModulePolicies:
+    def create(cls, policy: PolicySpec, overrides: Mapping[type, PolicySpec] | None = None) -> ModulePolicies:
         """Validates `overrides` and adds the normalization default."""
         policy = get_policy(policy)
         if overrides is None:
@@ -74,10 +72,7 @@ class ModulePolicies:
             )
         user_overrides = []
         for module_class, spec in overrides.items():
-            if not (
-                isinstance(module_class, type)
-                and issubclass(module_class, (linen.Module, nnx.Module))
-            ):
+            if not (isinstance(module_class, type) and issubclass(module_class, (linen.Module, nnx.Module))):
                 raise TypeError(
                     "overrides keys must be Flax module classes (e.g. nn.Dense, "
                     f"nn.BatchNorm); got {module_class!r}."
@@ -89,7 +84,7 @@ class ModulePolicies:
 
     def for_module(self, module: Any) -> Policy:
         """Returns the policy that `module` (an instance) runs under."""
-        return self._lookup(type(module))[0]
+        return self.lookup(type(module))[0]
 
     def is_overridden(self, module: Any) -> bool:
         """Whether `module` runs under an override rather than the model's policy.
@@ -97,14 +92,21 @@ class ModulePolicies:
         Overridden layers cast their outputs to their policy's output dtype;
         the model's own layers hand on their outputs in the compute dtype.
         """
-        return self._lookup(type(module))[1]
+        return self.lookup(type(module))[1]
 
-    @functools.lru_cache(maxsize=None)
-    def _lookup(self, module_class: type) -> tuple[Policy, bool]:
-        for overridden_class, policy in self.overrides:
-            if issubclass(module_class, overridden_class):
-                return policy, True
-        return self.policy, False
+    def lookup(self, module_class: type) -> tuple[Policy, bool]:
+        """Returns ``(policy, is_overridden)`` for instances of `module_class`."""
+        return _lookup(self, module_class)
+
+
+@functools.lru_cache(maxsize=1024)
+def _lookup(module_policies: ModulePolicies, module_class: type) -> tuple[Policy, bool]:
+    # Called for every module call while tracing; the answer depends only on
+    # the (hashable) policies and the class.
+    for overridden_class, policy in module_policies.overrides:
+        if issubclass(module_class, overridden_class):
+            return policy, True
+    return module_policies.policy, False
 
 
 def is_floating_dtype_field(value: Any) -> bool:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any
 
 import jax
 import numpy as np
@@ -44,7 +43,11 @@ def _own_params_read_as(module: nnx.Module, dtype: np.dtype):
     for name, variable in vars(module).items():
         if isinstance(variable, nnx.Param):
             value = variable.get_value()
-            if isinstance(value, jax.Array) and np.issubdtype(value.dtype, np.floating) and value.dtype != dtype:
+            if (
+                isinstance(value, jax.Array)
+                and np.issubdtype(value.dtype, np.floating)
+                and value.dtype != dtype
+            ):
                 stored[name] = value
                 variable.set_value(value.astype(dtype))
     try:
@@ -54,10 +57,10 @@ def _own_params_read_as(module: nnx.Module, dtype: np.dtype):
             getattr(module, name).set_value(value)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _policy_class(module_class: type, module_policies: ModulePolicies, is_root: bool) -> type:
     """A subclass of `module_class` whose calls run under `module_policies`."""
-    policy, is_overridden = module_policies._lookup(module_class)
+    policy, is_overridden = module_policies.lookup(module_class)
     cast_outputs = is_root or is_overridden
     output_policy = module_policies.policy if is_root else policy
 
@@ -79,6 +82,11 @@ def _policy_class(module_class: type, module_policies: ModulePolicies, is_root: 
     )
 
 
+def _defines_call(module_class: type) -> bool:
+    # getattr(cls, "__call__") would find the metaclass's __call__ on any class.
+    return any("__call__" in vars(klass) for klass in module_class.__mro__ if klass is not object)
+
+
 def apply_nnx_policy(module: nnx.Module, module_policies: ModulePolicies) -> nnx.Module:
     """Returns a copy of `module` that runs under `module_policies`.
 
@@ -86,8 +94,7 @@ def apply_nnx_policy(module: nnx.Module, module_policies: ModulePolicies) -> nnx
     """
     if isinstance(type(module).__dict__.get("jaxamp_policies"), ModulePolicies):
         raise ValueError(
-            "This NNX module already runs under a jaxamp policy; apply_policy to the "
-            "original module instead."
+            "This NNX module already runs under a jaxamp policy; apply_policy to the original module instead."
         )
     model = nnx.clone(module)
     modules = dict(nnx.iter_modules(model))
@@ -107,6 +114,6 @@ def apply_nnx_policy(module: nnx.Module, module_policies: ModulePolicies) -> nnx
                 node.set_value(value.astype(param_dtype))
 
     for path, submodule in modules.items():
-        if callable(getattr(type(submodule), "__call__", None)):
+        if _defines_call(type(submodule)):
             submodule.__class__ = _policy_class(type(submodule), module_policies, path == ())
     return model

@@ -85,6 +85,11 @@ def _canonical_dtype(dtype: Any, field_name: str) -> np.dtype:
     return canonical
 
 
+def is_floating_array(leaf: Any) -> bool:
+    """Whether `leaf` is a floating-point JAX array, NumPy array or NumPy scalar."""
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(leaf.dtype, jnp.floating)
+
+
 def _cast_floating(tree: T, dtype: np.dtype) -> T:
     """Casts every floating-point array leaf of `tree` to `dtype`.
 
@@ -94,11 +99,8 @@ def _cast_floating(tree: T, dtype: np.dtype) -> T:
     """
 
     def cast_leaf(leaf):
-        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
-            leaf.dtype, jnp.floating
-        ):
-            if leaf.dtype != dtype:
-                return leaf.astype(dtype)
+        if is_floating_array(leaf) and leaf.dtype != dtype:
+            return leaf.astype(dtype)
         return leaf
 
     return jax.tree.map(cast_leaf, tree)
@@ -131,9 +133,7 @@ class Policy:
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            object.__setattr__(
-                self, field.name, _canonical_dtype(getattr(self, field.name), field.name)
-            )
+            object.__setattr__(self, field.name, _canonical_dtype(getattr(self, field.name), field.name))
 
     def cast_to_param(self, tree: T) -> T:
         """Casts the floating-point array leaves of `tree` to `param_dtype`."""
@@ -198,8 +198,7 @@ def _parse_grammar(normalized: str, spec: str) -> Policy:
             )
         if key not in _GRAMMAR_KEYS:
             raise ValueError(
-                f"Unknown key {key!r} in precision policy {spec!r}. Valid keys: "
-                f"{', '.join(_GRAMMAR_KEYS)}."
+                f"Unknown key {key!r} in precision policy {spec!r}. Valid keys: {', '.join(_GRAMMAR_KEYS)}."
             )
         dtypes[_GRAMMAR_KEYS[key]] = _parse_dtype(value, spec)
     param_dtype = dtypes.get("param_dtype", jnp.float32)

@@ -104,7 +104,7 @@ def _flops(primitive: str, lhs, rhs, out, params: dict[str, Any]) -> int:
     # Convolution: every output element sums over the kernel's spatial window
     # and its input features (rhs holds in_features // groups per group).
     rhs_spec = params["dimension_numbers"].rhs_spec
-    out_feature_axis, in_feature_axis, *spatial_axes = rhs_spec
+    _, in_feature_axis, *spatial_axes = rhs_spec
     window = math.prod(rhs.shape[axis] for axis in spatial_axes) * rhs.shape[in_feature_axis]
     return 2 * math.prod(out.shape) * window
 

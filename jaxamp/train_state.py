@@ -14,9 +14,7 @@ from jaxamp.finite import all_finite, select_tree
 from jaxamp.loss_scale import LossScale, NoOpLossScale
 
 # Fields that apply_gradients itself manages; callers cannot pass them as updates.
-_MANAGED_FIELDS = frozenset(
-    {"step", "params", "opt_state", "loss_scale", "skipped_steps", "apply_fn", "tx"}
-)
+_MANAGED_FIELDS = frozenset({"step", "params", "opt_state", "loss_scale", "skipped_steps", "apply_fn", "tx"})
 
 
 class TrainState(train_state.TrainState):
@@ -74,9 +72,7 @@ class TrainState(train_state.TrainState):
             **kwargs: further fields of subclasses.
         """
         if not isinstance(tx, optax.GradientTransformation):
-            raise TypeError(
-                f"TrainState.create needs tx to be an optax.GradientTransformation; got {tx!r}."
-            )
+            raise TypeError(f"TrainState.create needs tx to be an optax.GradientTransformation; got {tx!r}.")
         return cls(
             step=jnp.zeros([], jnp.int32),
             apply_fn=apply_fn,

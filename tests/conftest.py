@@ -25,18 +25,16 @@ hypothesis.settings.load_profile("jaxamp")
 
 @pytest.fixture
 def offline(monkeypatch):
-  """Switches the network off: every host name fails to resolve, as offline.
+    """Switches the network off: every host name fails to resolve, as offline.
 
-  Proxies are cleared too, so nothing can route around the failure.
-  """
+    Proxies are cleared too, so nothing can route around the failure.
+    """
 
-  def no_network(*args, **kwargs):
-    del args, kwargs
-    raise socket.gaierror(
-        socket.EAI_NONAME, 'Name or service not known (test is offline)'
-    )
+    def no_network(*args, **kwargs):
+        del args, kwargs
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known (test is offline)")
 
-  for name in list(os.environ):
-    if name.lower().endswith('_proxy'):
-      monkeypatch.delenv(name)
-  monkeypatch.setattr(socket, 'getaddrinfo', no_network)
+    for name in list(os.environ):
+        if name.lower().endswith("_proxy"):
+            monkeypatch.delenv(name)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)

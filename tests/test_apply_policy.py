@@ -11,12 +11,11 @@ import functools
 from typing import Any
 
 import flax.linen as nn
-from flax import nnx
-from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx, traverse_util
 
 import jaxamp
 
@@ -312,7 +311,9 @@ def test_linen_a_model_pinned_to_float32_still_computes_in_the_policy_dtype(poli
 def test_linen_overrides_run_a_layer_class_under_its_own_policy(overrides, changed):
     expected = {"conv": F16, "norm": F32, "dense": F16, "head": F16, **changed}
     overrides = tuple(overrides.items())
-    assert linen_read_dtypes("mixed_float16", overrides) == {layer: {dtype} for layer, dtype in expected.items()}
+    assert linen_read_dtypes("mixed_float16", overrides) == {
+        layer: {dtype} for layer, dtype in expected.items()
+    }
 
     model, variables = linen_model("mixed_float16", overrides)
     assert dtypes_of(variables["params"]) == {F32}
@@ -333,7 +334,9 @@ def test_linen_method_is_routed_through_the_policy(method):
     assert (features.shape, features.dtype) == ((2, 64), F32)
     report = jaxamp.precision_report(functools.partial(model.apply, method=method), variables, IMAGES)
     assert report.count_by_dtype() == {"float16": 1}
-    partial_variables = jax.eval_shape(functools.partial(model.init, method=method), jax.random.key(0), IMAGES)
+    partial_variables = jax.eval_shape(
+        functools.partial(model.init, method=method), jax.random.key(0), IMAGES
+    )
     assert set(partial_variables["params"]) == {"conv", "norm"}
     assert dtypes_of(partial_variables["params"]) == {F32}
 
@@ -460,7 +463,9 @@ def test_nnx_scaled_value_and_grad_works_on_the_param_state():
     def loss(params):
         return jnp.mean(nnx.merge(graphdef, params, rest)(IMAGES) ** 2)
 
-    value, grads, grads_finite = jax.jit(jaxamp.scaled_value_and_grad(loss, jaxamp.DynamicLossScale()))(params)
+    value, grads, grads_finite = jax.jit(jaxamp.scaled_value_and_grad(loss, jaxamp.DynamicLossScale()))(
+        params
+    )
     _, expected = jax.value_and_grad(loss)(params)
     assert value.dtype == F32 and grads_finite
     for grad, reference in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):

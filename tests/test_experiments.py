@@ -2,8 +2,10 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -104,8 +106,12 @@ def test_loss_scale_flag_values(spec, expected_type, scale):
 
 
 def test_default_loss_scale_follows_the_policy():
-    assert isinstance(train.resolve_loss_scale("default", jaxamp.get_policy("mixed")), jaxamp.DynamicLossScale)
-    assert isinstance(train.resolve_loss_scale("default", jaxamp.get_policy("mixed_bf16")), jaxamp.NoOpLossScale)
+    assert isinstance(
+        train.resolve_loss_scale("default", jaxamp.get_policy("mixed")), jaxamp.DynamicLossScale
+    )
+    assert isinstance(
+        train.resolve_loss_scale("default", jaxamp.get_policy("mixed_bf16")), jaxamp.NoOpLossScale
+    )
 
 
 @pytest.mark.parametrize(
@@ -129,11 +135,23 @@ def test_bad_flags_get_an_argparse_error_that_names_the_choices(argv, expected, 
 def test_the_cli_runs_end_to_end_and_writes_the_promised_json(tmp_path):
     out = tmp_path / "run.json"
     completed = subprocess.run(
-        [sys.executable, "-m", "experiments.cifar", "--precision", "mixed", *QUICK_RUN, "--epochs", "1", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "experiments.cifar",
+            "--precision",
+            "mixed",
+            *QUICK_RUN,
+            "--epochs",
+            "1",
+            "--out",
+            str(out),
+        ],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=300,
+        check=False,
     )
     assert completed.returncode == 0, completed.stderr
     assert "epoch   1/1 | train" in completed.stdout and "loss scale 32768" in completed.stdout
@@ -144,7 +162,15 @@ def test_the_cli_runs_end_to_end_and_writes_the_promised_json(tmp_path):
         assert key in environment
     assert environment["precision"] == "mixed" and environment["batch_size"] == 128
     (epoch,) = results["epochs"]
-    for key in ("train_time_s", "test_time_s", "train_loss", "test_accuracy", "images_per_s", "loss_scale", "skipped_steps"):
+    for key in (
+        "train_time_s",
+        "test_time_s",
+        "train_loss",
+        "test_accuracy",
+        "images_per_s",
+        "loss_scale",
+        "skipped_steps",
+    ):
         assert key in epoch
     assert results["compile_time_s"]["train_step"] > 0
 
@@ -163,27 +189,40 @@ def test_a_run_resumes_from_its_checkpoint_with_loss_scale_and_counters(tmp_path
     checkpoints, out = str(tmp_path / "checkpoints"), str(tmp_path / "run.json")
     common = ["--precision", "mixed", *QUICK_RUN, "--checkpoint-dir", checkpoints, "--out", out]
     assert cifar.main([*common, "--epochs", "2"]) == 0
-    uninterrupted = json.loads(open(out).read())
+    uninterrupted = json.loads(Path(out).read_text())
 
     # Lose epoch 2's checkpoint, as if the run had crashed during epoch 2.
-    import shutil
-
     shutil.rmtree(os.path.join(checkpoints, "2"))
     assert cifar.main([*common, "--epochs", "2", "--resume"]) == 0
-    resumed = json.loads(open(out).read())
+    resumed = json.loads(Path(out).read_text())
 
     assert "Resumed from" in capsys.readouterr().out
     assert [record["epoch"] for record in resumed["epochs"]] == [1, 2]
     assert resumed["epochs"][0] == uninterrupted["epochs"][0]
-    assert resumed["epochs"][1]["train_loss"] == pytest.approx(uninterrupted["epochs"][1]["train_loss"], rel=1e-5)
+    assert resumed["epochs"][1]["train_loss"] == pytest.approx(
+        uninterrupted["epochs"][1]["train_loss"], rel=1e-5
+    )
     assert resumed["epochs"][1]["loss_scale"] == uninterrupted["epochs"][1]["loss_scale"]
 
 
 def test_compare_writes_the_study_table_and_plots(tmp_path):
     out_dir = tmp_path / "results"
     exit_code = compare.main(
-        ["--models", "resnet_tiny", "--precisions", "fp32,mixed", "--data", "synthetic",
-         "--steps-per-epoch", "2", "--epochs", "1", "--no-progress", "--out-dir", str(out_dir)]
+        [
+            "--models",
+            "resnet_tiny",
+            "--precisions",
+            "fp32,mixed",
+            "--data",
+            "synthetic",
+            "--steps-per-epoch",
+            "2",
+            "--epochs",
+            "1",
+            "--no-progress",
+            "--out-dir",
+            str(out_dir),
+        ]
     )
 
     assert exit_code == 0

@@ -37,7 +37,9 @@ def assert_trees_equal(actual, expected):
 
 @pytest.mark.parametrize("name", sorted(LOSS_SCALES))
 def test_value_is_unscaled_and_float32_grads_equal_jax_value_and_grad(name):
-    value, grads, grads_finite = jaxamp.scaled_value_and_grad(squared_error, LOSS_SCALES[name])(PARAMS, INPUTS)
+    value, grads, grads_finite = jaxamp.scaled_value_and_grad(squared_error, LOSS_SCALES[name])(
+        PARAMS, INPUTS
+    )
     expected_value, expected_grads = jax.value_and_grad(squared_error)(PARAMS, INPUTS)
     # A power-of-two scale multiplies and divides float32 exactly.
     assert value == expected_value

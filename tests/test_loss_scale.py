@@ -8,12 +8,12 @@ import dataclasses
 import functools
 
 import hypothesis
-from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import jmp
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 import jaxamp
 from jaxamp import DynamicLossScale, NoOpLossScale, StaticLossScale
@@ -169,11 +169,20 @@ def test_default_period_grows_on_exactly_the_2000th_clean_step():
     "loss_scale, grads_finite, expected",
     [
         (DynamicLossScale(loss_scale=1, period=1, max_loss_scale=F32_MAX), True, F32_MAX),
-        (DynamicLossScale(loss_scale=F32_MAX, min_loss_scale=2.0**-100, max_loss_scale=F32_MAX), False, 2.0**-100),
+        (
+            DynamicLossScale(loss_scale=F32_MAX, min_loss_scale=2.0**-100, max_loss_scale=F32_MAX),
+            False,
+            2.0**-100,
+        ),
         (DynamicLossScale(loss_scale=2.0**24, period=1), True, 2.0**24),
         (DynamicLossScale(), False, 1.0),
     ],
-    ids=["growth_to_float32_max", "back_off_to_tiny_floor", "growth_to_default_cap", "back_off_to_default_floor"],
+    ids=[
+        "growth_to_float32_max",
+        "back_off_to_tiny_floor",
+        "growth_to_default_cap",
+        "back_off_to_default_floor",
+    ],
 )
 def test_the_scale_never_becomes_inf_or_nan(loss_scale, grads_finite, expected):
     @jax.jit
@@ -368,7 +377,9 @@ def test_scale_and_unscale_multiply_floating_leaves_and_keep_their_dtype(name, j
     for key, leaf in tree.items():
         if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating):
             assert scaled[key].dtype == restored[key].dtype == leaf.dtype, key
-            np.testing.assert_array_equal(np.asarray(scaled[key], np.float32), np.asarray(leaf, np.float32) * factor)
+            np.testing.assert_array_equal(
+                np.asarray(scaled[key], np.float32), np.asarray(leaf, np.float32) * factor
+            )
             np.testing.assert_array_equal(restored[key], leaf)
         elif jit:
             np.testing.assert_array_equal(scaled[key], leaf)
@@ -411,7 +422,11 @@ def test_adjust_needs_a_scalar_flag():
         (lambda: DynamicLossScale(factor=0.5), ValueError, "factor"),
         (lambda: DynamicLossScale(factor=None), TypeError, "factor"),
         (lambda: DynamicLossScale(min_loss_scale=0), ValueError, "min_loss_scale"),
-        (lambda: DynamicLossScale(loss_scale=4, min_loss_scale=8, max_loss_scale=2), ValueError, "min_loss_scale"),
+        (
+            lambda: DynamicLossScale(loss_scale=4, min_loss_scale=8, max_loss_scale=2),
+            ValueError,
+            "min_loss_scale",
+        ),
         (lambda: DynamicLossScale(max_loss_scale=float("inf")), ValueError, "max_loss_scale"),
         (lambda: DynamicLossScale(max_loss_scale=1e39), ValueError, "float32"),
         (lambda: DynamicLossScale(loss_scale=0), ValueError, "loss_scale"),

@@ -8,13 +8,13 @@ checked property-based over random pytrees of mixed leaf types.
 import dataclasses
 
 import hypothesis
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 import jax
 import jax.numpy as jnp
 import jmp
 import numpy as np
 import pytest
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 import jaxamp
 

@@ -58,7 +58,10 @@ def make_train_step():
 
         def loss_fn(params):
             predictions, updates = state.apply_fn(
-                {"params": params, "batch_stats": state.batch_stats}, inputs, train=True, mutable=["batch_stats"]
+                {"params": params, "batch_stats": state.batch_stats},
+                inputs,
+                train=True,
+                mutable=["batch_stats"],
             )
             return jnp.mean((predictions - targets) ** 2), updates["batch_stats"]
 
@@ -88,7 +91,9 @@ def assert_bit_identical(actual, expected):
 
 
 def trees_differ(first, second):
-    return any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True))
+    return any(
+        not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True)
+    )
 
 
 def test_create_sets_every_field_and_starts_counters_as_int32_arrays():
@@ -223,13 +228,19 @@ def test_apply_gradients_computes_grads_finite_when_not_given(jit):
     apply_gradients = jax.jit(apply_gradients) if jit else apply_gradients
     skipped = apply_gradients(state, poisoned(grads, INF))
     assert_bit_identical(skipped.params, state.params)
-    assert (skipped.step.item(), skipped.skipped_steps.item(), skipped.loss_scale.loss_scale.item()) == (0, 1, 4.0)
+    assert (skipped.step.item(), skipped.skipped_steps.item(), skipped.loss_scale.loss_scale.item()) == (
+        0,
+        1,
+        4.0,
+    )
     stepped = apply_gradients(skipped, grads)
     np.testing.assert_array_equal(stepped.params["w"], [0.5, 0.5, 0.5])
     assert (stepped.step.item(), stepped.skipped_steps.item()) == (1, 1)
 
 
-@pytest.mark.parametrize("field", ["params", "step", "opt_state", "loss_scale", "skipped_steps", "tx", "apply_fn"])
+@pytest.mark.parametrize(
+    "field", ["params", "step", "opt_state", "loss_scale", "skipped_steps", "tx", "apply_fn"]
+)
 def test_fields_that_apply_gradients_manages_cannot_be_passed_as_updates(field):
     state = create_state(jaxamp.NoOpLossScale())
     with pytest.raises(TypeError, match=field):

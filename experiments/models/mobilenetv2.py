@@ -12,7 +12,8 @@ the outside which parts compute in half precision.
 """
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -32,89 +33,85 @@ CIFAR_STAGES = (
 
 
 class InvertedResidual(nn.Module):
-  """Expand with 1x1, filter with depthwise 3x3, project with linear 1x1.
+    """Expand with 1x1, filter with depthwise 3x3, project with linear 1x1.
 
-  Blocks with stride 1 add a shortcut: the identity when the channel count is
-  unchanged, otherwise a 1x1 convolution and norm. Blocks with stride 2 have
-  no shortcut.
+    Blocks with stride 1 add a shortcut: the identity when the channel count is
+    unchanged, otherwise a 1x1 convolution and norm. Blocks with stride 2 have
+    no shortcut.
 
-  Attributes:
-    expansion: Ratio of hidden to input channels.
-    out_features: Output channels.
-    conv: Convolution constructor, without bias.
-    norm: BatchNorm constructor, already bound to train or eval mode.
-    act: Activation after the expansion and the depthwise convolution.
-    strides: Strides of the depthwise convolution.
-  """
+    Attributes:
+      expansion: Ratio of hidden to input channels.
+      out_features: Output channels.
+      conv: Convolution constructor, without bias.
+      norm: BatchNorm constructor, already bound to train or eval mode.
+      act: Activation after the expansion and the depthwise convolution.
+      strides: Strides of the depthwise convolution.
+    """
 
-  expansion: int
-  out_features: int
-  conv: ModuleDef
-  norm: ModuleDef
-  act: Callable
-  strides: tuple[int, int] = (1, 1)
+    expansion: int
+    out_features: int
+    conv: ModuleDef
+    norm: ModuleDef
+    act: Callable
+    strides: tuple[int, int] = (1, 1)
 
-  @nn.compact
-  def __call__(self, x):
-    hidden = x.shape[-1] * self.expansion
-    y = self.conv(hidden, (1, 1))(x)
-    y = self.norm()(y)
-    y = self.act(y)
-    y = self.conv(
-        hidden, (3, 3), self.strides, feature_group_count=hidden
-    )(y)
-    y = self.norm()(y)
-    y = self.act(y)
-    y = self.conv(self.out_features, (1, 1))(y)
-    y = self.norm()(y)
+    @nn.compact
+    def __call__(self, x):
+        hidden = x.shape[-1] * self.expansion
+        y = self.conv(hidden, (1, 1))(x)
+        y = self.norm()(y)
+        y = self.act(y)
+        y = self.conv(hidden, (3, 3), self.strides, feature_group_count=hidden)(y)
+        y = self.norm()(y)
+        y = self.act(y)
+        y = self.conv(self.out_features, (1, 1))(y)
+        y = self.norm()(y)
 
-    if self.strides != (1, 1):
-      return y
-    shortcut = x
-    if x.shape[-1] != self.out_features:
-      shortcut = self.conv(self.out_features, (1, 1), name='shortcut_conv')(x)
-      shortcut = self.norm(name='shortcut_norm')(shortcut)
-    return shortcut + y
+        if self.strides != (1, 1):
+            return y
+        shortcut = x
+        if x.shape[-1] != self.out_features:
+            shortcut = self.conv(self.out_features, (1, 1), name="shortcut_conv")(x)
+            shortcut = self.norm(name="shortcut_norm")(shortcut)
+        return shortcut + y
 
 
 class MobileNetV2(nn.Module):
-  """A CIFAR MobileNetV2: 3x3 stem, inverted residual stages, 1280-wide head.
+    """A CIFAR MobileNetV2: 3x3 stem, inverted residual stages, 1280-wide head.
 
-  Attributes:
-    num_classes: Size of the logits.
-    stages: `(expansion, out_channels, num_blocks, stride)` per stage; only
-      the first block of a stage uses the stage's stride.
-    act: Activation used throughout.
-  """
+    Attributes:
+      num_classes: Size of the logits.
+      stages: `(expansion, out_channels, num_blocks, stride)` per stage; only
+        the first block of a stage uses the stage's stride.
+      act: Activation used throughout.
+    """
 
-  num_classes: int = 10
-  stages: tuple[tuple[int, int, int, int], ...] = CIFAR_STAGES
-  act: Callable = nn.relu
+    num_classes: int = 10
+    stages: tuple[tuple[int, int, int, int], ...] = CIFAR_STAGES
+    act: Callable = nn.relu
 
-  @nn.compact
-  def __call__(self, x, train: bool = True):
-    """Maps images [B, H, W, C] to logits [B, num_classes]."""
-    conv = functools.partial(nn.Conv, use_bias=False, padding='SAME')
-    norm = functools.partial(
-        nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5
-    )
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        """Maps images [B, H, W, C] to logits [B, num_classes]."""
+        conv = functools.partial(nn.Conv, use_bias=False, padding="SAME")
+        norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5)
 
-    x = conv(32, (3, 3), name='conv_init')(x)
-    x = norm(name='bn_init')(x)
-    x = self.act(x)
-    for expansion, out_features, num_blocks, stride in self.stages:
-      for j in range(num_blocks):
-        strides = (stride, stride) if j == 0 else (1, 1)
-        x = InvertedResidual(
-            expansion,
-            out_features,
-            strides=strides,
-            conv=conv,
-            norm=norm,
-            act=self.act,
-        )(x)
-    x = conv(1280, (1, 1), name='conv_final')(x)
-    x = norm(name='bn_final')(x)
-    x = self.act(x)
-    x = jnp.mean(x, axis=(1, 2))
-    return nn.Dense(self.num_classes)(x)
+        x = conv(32, (3, 3), name="conv_init")(x)
+        x = norm(name="bn_init")(x)
+        x = self.act(x)
+        for expansion, out_features, num_blocks, stride in self.stages:
+            for j in range(num_blocks):
+                strides = (stride, stride) if j == 0 else (1, 1)
+                x = InvertedResidual(
+                    expansion,
+                    out_features,
+                    strides=strides,
+                    conv=conv,
+                    norm=norm,
+                    act=self.act,
+                )(x)
+        x = conv(1280, (1, 1), name="conv_final")(x)
+        x = norm(name="bn_final")(x)
+        x = self.act(x)
+        x = jnp.mean(x, axis=(1, 2))
+        return nn.Dense(self.num_classes)(x)
