@@ -52,7 +52,7 @@ class TrainState(train_state.TrainState):
         *,
         apply_fn,
         params,
-        tx: optax.GradientTransformation,
+        tx: optax.GradientTransformation | optax.MultiSteps,
         loss_scale: LossScale | None = None,
         batch_stats: Any = None,
         **kwargs,
@@ -66,13 +66,18 @@ class TrainState(train_state.TrainState):
         Args:
             apply_fn: usually ``model.apply``.
             params: the parameters (in the policy's param dtype).
-            tx: the optax optimizer.
+            tx: the optax optimizer (a GradientTransformation, MultiSteps, ...).
             loss_scale: a loss scale; `NoOpLossScale()` when None.
             batch_stats: the model's mutable state, if any.
             **kwargs: further fields of subclasses.
         """
-        if not isinstance(tx, optax.GradientTransformation):
-            raise TypeError(f"TrainState.create needs tx to be an optax.GradientTransformation; got {tx!r}.")
+        # Duck-typed like Flax: optax.MultiSteps has init/update but is no
+        # GradientTransformation instance.
+        if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+            raise TypeError(
+                "TrainState.create needs tx to be an optax optimizer (with init and update); "
+                f"got {tx!r}."
+            )
         return cls(
             step=jnp.zeros([], jnp.int32),
             apply_fn=apply_fn,
