@@ -5,17 +5,20 @@ input meeting a float32 kernel computes in float32. `PolicyModule` therefore
 works at three points, none of which needs the model's code to change:
 
 1. **Every module call.** A method interceptor (``nn.intercept_methods``)
-   sees each call of each submodule. It sets the module's ``dtype`` field (if
-   it has one) to the compute dtype of the policy that module runs under and
-   its ``param_dtype`` field to the param dtype, casts the call's floating
-   inputs to that compute dtype, and, for modules under an override policy
-   (normalization layers by default), casts their outputs to that policy's
-   output dtype.
-2. **Every param read.** For `apply`, each param is wrapped in a Flax
-   ``AxisMetadata`` box whose ``unbox`` (what ``self.param`` returns) casts
-   it to the compute dtype of the module reading it. Custom layers that do
-   ``x @ self.param(...)`` therefore compute in half precision too.
-   Gradients flow back through the cast, so they arrive in the param dtype.
+   sees each call of each submodule and works out the policy that module runs
+   under (see `jaxamp.module_policy`). It sets the module's ``dtype`` field
+   (if it has one) to that policy's compute dtype and its ``param_dtype``
+   field to the param dtype, and casts the call's floating inputs to the
+   compute dtype (recurrent cells excepted). Where the call crosses into
+   another policy (a normalization layer, an overridden class), it casts the
+   outputs to the callee's output dtype.
+2. **Apply.** Before the wrapped model runs, each param is cast to the
+   compute dtype of the module that owns it, so custom layers that compute
+   with ``self.param(...)`` or ``self.variables`` directly run in half
+   precision too. Which module runs under which policy is found by tracing
+   the call once abstractly (``jax.eval_shape``, cached per params structure
+   and static arguments). The casts are differentiable: gradients arrive in
+   the param dtype.
 3. **Init.** Params that a layer created in another dtype (a custom
    ``self.param`` with a float32 initializer under a float16 policy) are cast
    to the param dtype of the module that owns them.
@@ -34,22 +37,25 @@ from typing import Any
 import jax
 import numpy as np
 from flax import linen as nn
-from flax import struct
-from flax.core import meta
 
-from jaxamp.module_policy import ModulePolicies, is_floating_dtype_field
+from jaxamp.module_policy import RECURRENT_CELLS, ModulePolicies, cast_by_owner, is_floating_dtype_field
+from jaxamp.policy import Policy
 
-# The ModulePolicies of the innermost PolicyModule being called.
-_ACTIVE_POLICIES: contextvars.ContextVar[ModulePolicies | None] = contextvars.ContextVar(
-    "jaxamp_active_policies", default=None
+
+@dataclasses.dataclass(frozen=True)
+class _ActiveCall:
+    """What the interceptor needs to know about the call in progress."""
+
+    module_policies: ModulePolicies
+    policy: Policy  # the policy of the module whose method is running
+
+
+_ACTIVE_CALL: contextvars.ContextVar[_ActiveCall | None] = contextvars.ContextVar(
+    "jaxamp_active_call", default=None
 )
-# The dtype in which params are read by the module being called.
-_PARAM_READ_DTYPE: contextvars.ContextVar[np.dtype | None] = contextvars.ContextVar(
-    "jaxamp_param_read_dtype", default=None
-)
-# During PolicyModule.init: module path -> param dtype of that module.
-_INIT_PARAM_DTYPES: contextvars.ContextVar[dict[tuple[str, ...], np.dtype] | None] = contextvars.ContextVar(
-    "jaxamp_init_param_dtypes", default=None
+# While recording: module path -> the policy that module ran under.
+_RECORDED_POLICIES: contextvars.ContextVar[dict[tuple[str, ...], Policy] | None] = contextvars.ContextVar(
+    "jaxamp_recorded_policies", default=None
 )
 
 
@@ -62,52 +68,7 @@ def _context_value(variable: contextvars.ContextVar, value: Any):
         variable.reset(token)
 
 
-class CastOnRead(struct.PyTreeNode, meta.AxisMetadata):
-    """A param box that casts its value to the reading module's compute dtype.
-
-    Flax's ``self.param`` unboxes ``AxisMetadata`` before returning a param;
-    this box's ``unbox`` casts floating values to the compute dtype of the
-    module whose method is running. Outside a `PolicyModule` call it returns
-    the value unchanged.
-    """
-
-    value: Any
-
-    def unbox(self) -> Any:
-        dtype = _PARAM_READ_DTYPE.get()
-        value = self.value
-        if (
-            dtype is not None
-            and isinstance(value, jax.Array)
-            and np.issubdtype(value.dtype, np.floating)
-            and value.dtype != dtype
-        ):
-            return value.astype(dtype)
-        return value
-
-    def replace_boxed(self, val: Any) -> CastOnRead:
-        return self.replace(value=val)
-
-    def add_axis(self, index: int, params: dict[Any, Any]) -> CastOnRead:
-        return self
-
-    def remove_axis(self, index: int, params: dict[Any, Any]) -> CastOnRead:
-        return self
-
-
-def _box_params(tree: Any) -> Any:
-    return jax.tree.map(CastOnRead, tree)
-
-
-def _unbox_params(tree: Any) -> Any:
-    return jax.tree.map(
-        lambda leaf: leaf.value if isinstance(leaf, CastOnRead) else leaf,
-        tree,
-        is_leaf=lambda leaf: isinstance(leaf, CastOnRead),
-    )
-
-
-def _set_dtype_fields(module: nn.Module, policy) -> None:
+def _set_dtype_fields(module: nn.Module, policy: Policy) -> None:
     """Points a bound module's ``dtype``/``param_dtype`` fields at `policy`.
 
     Linen modules are frozen dataclasses, but the instance here is the bound
@@ -123,39 +84,35 @@ def _set_dtype_fields(module: nn.Module, policy) -> None:
 
 
 def _policy_interceptor(next_fun, args, kwargs, context):
-    """Runs one module method under the policy of that module's class."""
-    module_policies = _ACTIVE_POLICIES.get()
-    if module_policies is None or context.module.scope is None:
-        return next_fun(*args, **kwargs)
+    """Runs one module method under the policy of that module."""
+    active = _ACTIVE_CALL.get()
     module = context.module
-    policy = module_policies.for_module(module)
+    if active is None or module.scope is None:
+        return next_fun(*args, **kwargs)
+    policy = active.module_policies.policy_for(type(module), active.policy)
     _set_dtype_fields(module, policy)
-    init_param_dtypes = _INIT_PARAM_DTYPES.get()
-    if init_param_dtypes is not None:
-        init_param_dtypes[tuple(module.scope.path)] = policy.param_dtype
-    args, kwargs = policy.cast_to_compute((args, kwargs))
-    with _context_value(_PARAM_READ_DTYPE, policy.compute_dtype):
+    recorded = _RECORDED_POLICIES.get()
+    if recorded is not None:
+        recorded[tuple(module.scope.path)] = policy
+    is_setup = context.method_name == "setup"
+    if not (is_setup or isinstance(module, RECURRENT_CELLS)):
+        args, kwargs = policy.cast_to_compute((args, kwargs))
+    crosses_boundary = policy != active.policy and not is_setup
+    with _context_value(_ACTIVE_CALL, dataclasses.replace(active, policy=policy)):
         outputs = next_fun(*args, **kwargs)
-    if module_policies.is_overridden(module) and context.method_name != "setup":
+    if crosses_boundary:
         outputs = policy.cast_to_output(outputs)
     return outputs
 
 
-def _cast_params_to_owner_dtype(params: Any, param_dtypes: dict[tuple[str, ...], np.dtype], default):
-    """Casts each param to the param dtype of the deepest module that owns it."""
-
-    def cast(path, leaf):
-        if not (isinstance(leaf, jax.Array) and np.issubdtype(leaf.dtype, np.floating)):
-            return leaf
-        names = tuple(str(key.key) for key in path if isinstance(key, jax.tree_util.DictKey))
-        dtype = default
-        for depth in range(len(names), -1, -1):
-            if names[:depth] in param_dtypes:
-                dtype = param_dtypes[names[:depth]]
-                break
-        return leaf if leaf.dtype == dtype else leaf.astype(dtype)
-
-    return jax.tree_util.tree_map_with_path(cast, params)
+def _static_signature(args: tuple, kwargs: dict) -> tuple | None:
+    """The hashable non-array arguments of a call, or None if some are not hashable."""
+    leaves = [leaf for leaf in jax.tree.leaves((args, kwargs)) if not isinstance(leaf, (jax.Array, np.ndarray))]
+    try:
+        hash(tuple(leaves))
+    except TypeError:
+        return None
+    return (jax.tree.structure((args, kwargs)), tuple(leaves))
 
 
 class PolicyModule(nn.Module):
@@ -175,7 +132,7 @@ class PolicyModule(nn.Module):
     module_policies: ModulePolicies
 
     @property
-    def policy(self):
+    def policy(self) -> Policy:
         """The model's `jaxamp.Policy`."""
         return self.module_policies.policy
 
@@ -188,12 +145,10 @@ class PolicyModule(nn.Module):
     def _run(self, method_name: str, *args, **kwargs):
         policy = self.module_policies.policy
         args, kwargs = policy.cast_to_compute((args, kwargs))
-        outer = _ACTIVE_POLICIES.get()
         with contextlib.ExitStack() as stack:
-            if outer is None:
+            if _ACTIVE_CALL.get() is None:
                 stack.enter_context(nn.intercept_methods(_policy_interceptor))
-            stack.enter_context(_context_value(_ACTIVE_POLICIES, self.module_policies))
-            stack.enter_context(_context_value(_PARAM_READ_DTYPE, policy.compute_dtype))
+            stack.enter_context(_context_value(_ACTIVE_CALL, _ActiveCall(self.module_policies, policy)))
             outputs = getattr(self.module, method_name)(*args, **kwargs)
         return policy.cast_to_output(outputs)
 
@@ -212,23 +167,39 @@ class PolicyModule(nn.Module):
 
     def init_with_output(self, rngs, *args, **kwargs):
         """Like ``nn.Module.init_with_output``; params come out in param dtypes."""
-        param_dtypes: dict[tuple[str, ...], np.dtype] = {}
-        with _context_value(_INIT_PARAM_DTYPES, param_dtypes):
+        recorded: dict[tuple[str, ...], Policy] = {}
+        with _context_value(_RECORDED_POLICIES, recorded):
             outputs, variables = super().init_with_output(rngs, *args, **self._route_method(kwargs))
         if "params" in variables:
-            params = _cast_params_to_owner_dtype(
-                variables["params"], param_dtypes, self.module_policies.policy.param_dtype
-            )
+            param_dtypes = {path: policy.param_dtype for path, policy in recorded.items()}
+            params = cast_by_owner(variables["params"], param_dtypes, self.policy.param_dtype)
             variables = {**variables, "params": params}
         return outputs, variables
 
     def apply(self, variables, *args, **kwargs):
-        """Like ``nn.Module.apply``, with params read in each layer's compute dtype."""
+        """Like ``nn.Module.apply``, with each param cast to its layer's compute dtype."""
+        kwargs = self._route_method(kwargs)
         if "params" in variables:
-            variables = {**variables, "params": _box_params(variables["params"])}
-        mutable = kwargs.get("mutable", False)
-        result = super().apply(variables, *args, **self._route_method(kwargs))
-        if mutable is False:
-            return result
-        outputs, updated = result
-        return outputs, _unbox_params(updated)
+            compute_dtypes = self._compute_dtypes_by_path(variables, args, kwargs)
+            params = cast_by_owner(variables["params"], compute_dtypes, self.policy.compute_dtype)
+            variables = {**variables, "params": params}
+        return super().apply(variables, *args, **kwargs)
+
+    def _compute_dtypes_by_path(self, variables, args, kwargs) -> dict[tuple[str, ...], np.dtype]:
+        """Module path -> compute dtype, found by tracing the call abstractly once."""
+        cache = self.__dict__.setdefault("_jaxamp_compute_dtypes", {})
+        signature = _static_signature(args, kwargs)
+        key = None if signature is None else (jax.tree.structure(variables["params"]), signature)
+        if key is not None and key in cache:
+            return cache[key]
+        recorded: dict[tuple[str, ...], Policy] = {}
+        with _context_value(_RECORDED_POLICIES, recorded):
+            abstract_variables = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype), variables)
+            jax.eval_shape(
+                lambda variables: super(PolicyModule, self).apply(variables, *args, **kwargs), abstract_variables
+            )
+        compute_dtypes = {path: policy.compute_dtype for path, policy in recorded.items()}
+        if key is not None:
+            cache[key] = compute_dtypes
+        return compute_dtypes
+

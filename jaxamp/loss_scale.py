@@ -90,8 +90,7 @@ def _is_concrete(value: Any) -> bool:
 def _scale_floating(tree: T, factor: jax.Array) -> T:
     """Multiplies floating leaves by the float32 `factor`, keeping their dtype.
 
-    The product is formed in float32 and rounded once to the leaf's dtype, so a
-    float16 gradient is unscaled without a float16 multiply's extra rounding.
+    The product is formed in float32 and rounded once to the leaf's dtype.
     """
 
     def scale_leaf(leaf):
@@ -100,6 +99,21 @@ def _scale_floating(tree: T, factor: jax.Array) -> T:
         return leaf
 
     return jax.tree.map(scale_leaf, tree)
+
+
+def _unscale_floating(tree: T, divisor: jax.Array) -> T:
+    """Divides floating leaves by the float32 `divisor`, keeping their dtype.
+
+    A true division (not a multiplication by ``1 / divisor``) is exact to the
+    rounding of float32 for any scale, not only for powers of two.
+    """
+
+    def unscale_leaf(leaf):
+        if is_floating_array(leaf):
+            return (leaf / divisor).astype(leaf.dtype)
+        return leaf
+
+    return jax.tree.map(unscale_leaf, tree)
 
 
 def _validated_scale(value: Any, name: str) -> jax.Array:
@@ -175,7 +189,7 @@ class StaticLossScale:
 
     def unscale(self, tree: T) -> T:
         """Divides every floating leaf of `tree` by the loss scale."""
-        return _scale_floating(tree, 1.0 / self.loss_scale)
+        return _unscale_floating(tree, self.loss_scale)
 
     def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
         """Returns `self`: a static scale never changes."""
@@ -224,28 +238,31 @@ class DynamicLossScale:
 
     Args:
         loss_scale: the initial scale (any float dtype; stored as float32).
-        counter: clean steps since the last change (normally 0).
         period: clean steps in a row after which the scale grows.
         factor: growth and back-off factor (> 1).
         min_loss_scale: lower bound of the scale.
         max_loss_scale: upper bound of the scale (finite).
-        hysteresis: overflows tolerated (since the last growth) before the
-            scale backs off.
-        overflows_until_backoff: hysteresis state; defaults to `hysteresis`.
-        skipped_steps: total overflowed (skipped) steps so far.
-        consecutive_skipped_steps: overflowed steps in a row up to now.
+        hysteresis: the overflow (counted since the last growth) on which the
+            scale backs off; ``hysteresis - 1`` overflows are tolerated
+            (Megatron-LM's and DeepSpeed's meaning; 1 backs off at once).
+        counter: keyword-only state: clean steps since the last change.
+        overflows_until_backoff: keyword-only hysteresis state; defaults to `hysteresis`.
+        skipped_steps: keyword-only state: total overflowed (skipped) steps.
+        consecutive_skipped_steps: keyword-only state: overflowed steps in a
+            row up to now.
     """
 
     loss_scale: jax.Array = 2.0**15
-    counter: jax.Array = 0
     period: int = 2000
     factor: float = 2
     min_loss_scale: float = 1
     max_loss_scale: float = 2.0**24
     hysteresis: int = 1
-    overflows_until_backoff: jax.Array | None = None
-    skipped_steps: jax.Array = 0
-    consecutive_skipped_steps: jax.Array = 0
+    # State: keyword-only, so positional arguments follow the settings above.
+    counter: jax.Array = dataclasses.field(default=0, kw_only=True)
+    overflows_until_backoff: jax.Array | None = dataclasses.field(default=None, kw_only=True)
+    skipped_steps: jax.Array = dataclasses.field(default=0, kw_only=True)
+    consecutive_skipped_steps: jax.Array = dataclasses.field(default=0, kw_only=True)
 
     _data_fields: ClassVar[tuple[str, ...]] = (
         "loss_scale",
@@ -311,7 +328,7 @@ class DynamicLossScale:
 
     def unscale(self, tree: T) -> T:
         """Divides every floating leaf of `tree` by the loss scale."""
-        return _scale_floating(tree, 1.0 / self.loss_scale)
+        return _unscale_floating(tree, self.loss_scale)
 
     def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
         """Returns the loss scale for the next step (see the class docstring).
@@ -347,11 +364,11 @@ class DynamicLossScale:
                 jnp.where(overflowed, jnp.maximum(overflows_left, zero), self.overflows_until_backoff),
             ),
             skipped_steps=jnp.where(
-                overflowed, optax.safe_int32_increment(self.skipped_steps), self.skipped_steps
+                overflowed, optax.safe_increment(self.skipped_steps), self.skipped_steps
             ),
             consecutive_skipped_steps=jnp.where(
                 overflowed,
-                optax.safe_int32_increment(self.consecutive_skipped_steps),
+                optax.safe_increment(self.consecutive_skipped_steps),
                 zero,
             ),
         )

@@ -1,9 +1,24 @@
 """Which policy each layer of a model runs under, and `apply_policy`.
 
-A model runs under one policy, except for the layers that must not: by default
-normalization layers compute in float32 (their mean and variance lose too much
-in float16), and `overrides` maps further module classes to policies of their
-own, the way Haiku's ``set_policy`` does by class.
+A model runs under one policy, except where it must not, the way Haiku's
+``set_policy`` works by class:
+
+* a layer whose class (or a base class) is in `overrides` runs under that
+  policy, and so do the layers it calls, unless they have an override of
+  their own;
+* a normalization layer computes in float32 (means and variances lose too
+  much in float16) and hands its result back in the compute dtype of the
+  policy it was called under;
+* every other layer runs under the policy of the layer that called it.
+
+Every layer call casts its floating inputs to the layer's compute dtype, as
+Haiku's policies do, so an activation that some stray float32 constant
+promoted goes back to half precision at the next layer. Recurrent cells are
+the exception: their carry must keep the dtype the cell gives it, or the
+``scan`` over time steps rejects it; their inner layers cast for them.
+Where a call crosses from one policy into another (a *policy boundary*: a
+normalization layer, an overridden class), the outputs are cast to the
+callee's output dtype.
 """
 
 from __future__ import annotations
@@ -13,10 +28,11 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import linen, nnx
 
-from jaxamp.policy import Policy, PolicySpec, get_policy
+from jaxamp.policy import Policy, PolicySpec, get_policy, is_floating_array
 
 NORMALIZATION_LAYERS: tuple[type, ...] = (
     linen.BatchNorm,
@@ -32,27 +48,28 @@ NORMALIZATION_LAYERS: tuple[type, ...] = (
 )
 """Layers that compute in float32 unless `overrides` says otherwise."""
 
+RECURRENT_CELLS: tuple[type, ...] = (linen.RNNCellBase, nnx.RNNCellBase)
+"""Layers whose call arguments (the carry) are never cast."""
+
 
 def normalization_policy(policy: Policy) -> Policy:
-    """The default policy of a normalization layer inside a model under `policy`.
+    """The policy of a normalization layer called under `policy`.
 
-    Params stay in the model's param dtype, the statistics and the
-    normalization itself are computed in float32, and the result goes back to
-    the model's compute dtype, so the next layer gets what it expects.
+    Params stay in the param dtype, the statistics and the normalization
+    itself are computed in float32, and the result goes back to the caller's
+    compute dtype, so the next layer gets what it expects.
     """
     return Policy(policy.param_dtype, jnp.float32, policy.compute_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModulePolicies:
-    """The policy of a model and of the module classes that differ from it.
+    """The policy of a model and the per-class overrides.
 
     Attributes:
         policy: the model's policy.
-        overrides: ``(module class, policy)`` pairs, looked up in order with
-            ``isinstance`` semantics; the first match wins. The user's
-            overrides come first, then the float32 default of normalization
-            layers.
+        overrides: the user's ``(module class, policy)`` pairs, looked up in
+            order with ``isinstance`` semantics; the first match wins.
     """
 
     policy: Policy
@@ -60,15 +77,14 @@ class ModulePolicies:
 
     @classmethod
     def create(cls, policy: PolicySpec, overrides: Mapping[type, PolicySpec] | None = None) -> ModulePolicies:
-        """Validates `overrides` and adds the normalization default."""
+        """Validates and resolves `policy` and `overrides`."""
         policy = get_policy(policy)
         if overrides is None:
             overrides = {}
         if not isinstance(overrides, Mapping):
             raise TypeError(
                 "overrides must map module classes to policies, e.g. "
-                "{nn.Dense: 'float32'}; got "
-                f"{type(overrides).__name__}."
+                f"{{nn.Dense: 'float32'}}; got {type(overrides).__name__}."
             )
         user_overrides = []
         for module_class, spec in overrides.items():
@@ -78,35 +94,26 @@ class ModulePolicies:
                     f"nn.BatchNorm); got {module_class!r}."
                 )
             user_overrides.append((module_class, get_policy(spec)))
-        norm_policy = normalization_policy(policy)
-        defaults = [(layer, norm_policy) for layer in NORMALIZATION_LAYERS]
-        return cls(policy, tuple(user_overrides + defaults))
+        return cls(policy, tuple(user_overrides))
 
-    def for_module(self, module: Any) -> Policy:
-        """Returns the policy that `module` (an instance) runs under."""
-        return self.lookup(type(module))[0]
-
-    def is_overridden(self, module: Any) -> bool:
-        """Whether `module` runs under an override rather than the model's policy.
-
-        Overridden layers cast their outputs to their policy's output dtype;
-        the model's own layers hand on their outputs in the compute dtype.
-        """
-        return self.lookup(type(module))[1]
-
-    def lookup(self, module_class: type) -> tuple[Policy, bool]:
-        """Returns ``(policy, is_overridden)`` for instances of `module_class`."""
-        return _lookup(self, module_class)
+    def policy_for(self, module_class: type, caller_policy: Policy) -> Policy:
+        """The policy of a `module_class` layer called under `caller_policy`."""
+        override = _user_override(self, module_class)
+        if override is not None:
+            return override
+        if issubclass(module_class, NORMALIZATION_LAYERS):
+            return normalization_policy(caller_policy)
+        return caller_policy
 
 
 @functools.lru_cache(maxsize=1024)
-def _lookup(module_policies: ModulePolicies, module_class: type) -> tuple[Policy, bool]:
+def _user_override(module_policies: ModulePolicies, module_class: type) -> Policy | None:
     # Called for every module call while tracing; the answer depends only on
     # the (hashable) policies and the class.
     for overridden_class, policy in module_policies.overrides:
         if issubclass(module_class, overridden_class):
-            return policy, True
-    return module_policies.policy, False
+            return policy
+    return None
 
 
 def is_floating_dtype_field(value: Any) -> bool:
@@ -133,7 +140,7 @@ def apply_policy(module: Any, policy: PolicySpec, *, overrides: Mapping[type, Po
     (often set to float32 and passed down by published models) compute in the
     policy's compute dtype all the same. Normalization layers compute in
     float32 and keep their statistics in float32; `overrides` changes the
-    policy of any module class.
+    policy of any module class and of the layers it calls.
 
     The variables have exactly the structure and names of the original
     model's, so checkpoints and pretrained weights move between policies
@@ -147,13 +154,16 @@ def apply_policy(module: Any, policy: PolicySpec, *, overrides: Mapping[type, Po
     Args:
         module: a ``flax.linen.Module`` or a ``flax.nnx.Module``.
         policy: anything `jaxamp.get_policy` accepts.
-        overrides: maps module classes to the policy (or policy spec) they run
-            under instead, e.g. ``{nn.Dense: "float32"}``.
+        overrides: maps module classes to the policy (or policy spec) they,
+            and the layers they call, run under instead, e.g.
+            ``{nn.Dense: "float32"}`` or ``{MyHead: "float32"}``.
 
     Returns:
         For linen, a `jaxamp.linen_policy.PolicyModule` wrapping `module`; for
         NNX, a copy of `module` (the original is untouched) with its state
         cast to ``param_dtype`` and its calls running under the policy.
+        Wrap the outermost model: params are cast for computation when the
+        wrapper's own ``apply`` (or NNX ``__call__``) runs.
 
     Raises:
         TypeError: `module` is not a Flax module, or `overrides` is malformed.
@@ -173,3 +183,27 @@ def apply_policy(module: Any, policy: PolicySpec, *, overrides: Mapping[type, Po
         f"{type(module).__name__}. For a plain function, cast with "
         "policy.cast_to_compute(...) / policy.cast_to_output(...)."
     )
+
+
+def cast_by_owner(tree: Any, owner_dtypes: Mapping[tuple, Any], default_dtype: Any) -> Any:
+    """Casts each floating leaf to the dtype of the deepest module that owns it.
+
+    Args:
+        tree: variables keyed by module path (a linen ``params`` collection, an
+            NNX ``State``).
+        owner_dtypes: module path (a tuple of names and indices) -> dtype.
+        default_dtype: the dtype of leaves that no listed module owns.
+    """
+
+    def cast(path, leaf):
+        if not is_floating_array(leaf):
+            return leaf
+        names = tuple(key.key for key in path if isinstance(key, jax.tree_util.DictKey))
+        dtype = default_dtype
+        for depth in range(len(names), -1, -1):
+            if names[:depth] in owner_dtypes:
+                dtype = owner_dtypes[names[:depth]]
+                break
+        return leaf if leaf.dtype == dtype else leaf.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, tree)

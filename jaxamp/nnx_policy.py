@@ -1,85 +1,34 @@
 """Mixed precision for `flax.nnx` models, from the outside.
 
 NNX modules are Python objects holding their state, so the policy is applied
-to a copy of the model:
+to a copy of the model, once:
 
-* every ``nnx.Param`` is cast to the param dtype of the module that owns it;
-* every module's ``dtype`` / ``param_dtype`` attributes (if it has them) are
-  set to the compute / param dtype of the policy it runs under;
-* every module's class is swapped for a subclass whose ``__call__`` casts the
-  floating inputs to that compute dtype, reads the module's own params in
-  that dtype for the duration of the call (so custom layers that use
-  ``self.w.value`` directly compute in half precision too), and casts the
-  outputs of the top-level model (and of overridden layers) to their policy's
-  output dtype.
+* each module's policy is worked out from the root down (see
+  `jaxamp.module_policy`), its ``dtype`` / ``param_dtype`` attributes (if it
+  has them) are set to that policy's compute / param dtype, and every
+  ``nnx.Param`` is cast to the param dtype of the module that owns it;
+* each module's class is swapped for a subclass whose ``__call__`` casts the
+  floating inputs to the module's compute dtype (recurrent cells excepted)
+  and, at a policy boundary, the outputs to the module's output dtype;
+* the top-level model's ``__call__`` runs on a view of the model whose params
+  are cast to the compute dtype of the module that owns them (``nnx.split``,
+  cast, ``nnx.merge``: no Param is mutated, so the model also works inside
+  plain ``jax.jit``), writes back any state the call changed (batch
+  statistics, RNG counts), and casts its outputs to the output dtype.
 
-Params are restored to their stored values when the call returns, so the
-model's state stays in the param dtype and gradients arrive in it.
+Params therefore stay in the param dtype and gradients arrive in it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
+from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
-from jaxamp.module_policy import ModulePolicies, is_floating_dtype_field
-
-
-def _owner_path(path: tuple, module_paths: set[tuple]) -> tuple:
-    for depth in range(len(path) - 1, -1, -1):
-        if path[:depth] in module_paths:
-            return path[:depth]
-    return ()
-
-
-@contextlib.contextmanager
-def _own_params_read_as(module: nnx.Module, dtype: np.dtype):
-    """Temporarily holds the module's own floating params in `dtype`."""
-    stored = {}
-    for name, variable in vars(module).items():
-        if isinstance(variable, nnx.Param):
-            value = variable.get_value()
-            if (
-                isinstance(value, jax.Array)
-                and np.issubdtype(value.dtype, np.floating)
-                and value.dtype != dtype
-            ):
-                stored[name] = value
-                variable.set_value(value.astype(dtype))
-    try:
-        yield
-    finally:
-        for name, value in stored.items():
-            getattr(module, name).set_value(value)
-
-
-@functools.cache
-def _policy_class(module_class: type, module_policies: ModulePolicies, is_root: bool) -> type:
-    """A subclass of `module_class` whose calls run under `module_policies`."""
-    policy, is_overridden = module_policies.lookup(module_class)
-    cast_outputs = is_root or is_overridden
-    output_policy = module_policies.policy if is_root else policy
-
-    def __call__(self, *args, **kwargs):
-        args, kwargs = policy.cast_to_compute((args, kwargs))
-        with _own_params_read_as(self, policy.compute_dtype):
-            outputs = module_class.__call__(self, *args, **kwargs)
-        return output_policy.cast_to_output(outputs) if cast_outputs else outputs
-
-    return type(module_class)(
-        module_class.__name__,
-        (module_class,),
-        {
-            "__call__": __call__,
-            "__module__": module_class.__module__,
-            "__qualname__": module_class.__qualname__,
-            "jaxamp_policies": module_policies,
-        },
-    )
+from jaxamp.module_policy import RECURRENT_CELLS, ModulePolicies, cast_by_owner, is_floating_dtype_field
+from jaxamp.policy import Policy
 
 
 def _defines_call(module_class: type) -> bool:
@@ -87,33 +36,89 @@ def _defines_call(module_class: type) -> bool:
     return any("__call__" in vars(klass) for klass in module_class.__mro__ if klass is not object)
 
 
+def _policies_by_path(modules: dict[tuple, nnx.Module], module_policies: ModulePolicies) -> dict[tuple, Policy]:
+    """Each module's policy, inherited from the module that holds it."""
+    policies: dict[tuple, Policy] = {}
+    for path in sorted(modules, key=len):
+        parent = next((path[:depth] for depth in range(len(path) - 1, -1, -1) if path[:depth] in policies), None)
+        caller_policy = module_policies.policy if parent is None else policies[parent]
+        policies[path] = module_policies.policy_for(type(modules[path]), caller_policy)
+    return policies
+
+
+@functools.lru_cache(maxsize=1024)
+def _layer_class(module_class: type, policy: Policy, output_policy: Policy | None) -> type:
+    """A subclass of `module_class` whose calls run under `policy`."""
+    casts_inputs = not issubclass(module_class, RECURRENT_CELLS)
+
+    def __call__(self, *args, **kwargs):
+        if casts_inputs:
+            args, kwargs = policy.cast_to_compute((args, kwargs))
+        outputs = module_class.__call__(self, *args, **kwargs)
+        return outputs if output_policy is None else output_policy.cast_to_output(outputs)
+
+    return _subclass(module_class, __call__)
+
+
+def _root_class(module_class: type, module_policies: ModulePolicies, compute_dtypes: dict[tuple, Any]) -> type:
+    """A subclass of the top-level model's class that casts params per call."""
+    policy = module_policies.policy
+
+    def __call__(self, *args, **kwargs):
+        graphdef, params, state = nnx.split(self, nnx.Param, ...)
+        compute_view = nnx.merge(graphdef, cast_by_owner(params, compute_dtypes, policy.compute_dtype), state)
+        outputs = module_class.__call__(compute_view, *policy.cast_to_compute(args), **policy.cast_to_compute(kwargs))
+        new_state = nnx.state(compute_view, nnx.Not(nnx.Param))
+        # Write back only when the call changed something, so that a call that
+        # changes nothing (inference) mutates no Variable and works in jax.jit.
+        if any(new is not old for new, old in zip(jax.tree.leaves(new_state), jax.tree.leaves(state), strict=True)):
+            nnx.update(self, new_state)
+        return policy.cast_to_output(outputs)
+
+    root_class = _subclass(module_class, __call__)
+    root_class.jaxamp_policies = module_policies
+    return root_class
+
+
+def _subclass(module_class: type, call) -> type:
+    return type(module_class)(
+        module_class.__name__,
+        (module_class,),
+        {"__call__": call, "__module__": module_class.__module__, "__qualname__": module_class.__qualname__},
+    )
+
+
 def apply_nnx_policy(module: nnx.Module, module_policies: ModulePolicies) -> nnx.Module:
     """Returns a copy of `module` that runs under `module_policies`.
 
     See this file's docstring; `jaxamp.apply_policy` is the public entry point.
     """
-    if isinstance(type(module).__dict__.get("jaxamp_policies"), ModulePolicies):
+    if isinstance(getattr(type(module), "jaxamp_policies", None), ModulePolicies):
         raise ValueError(
             "This NNX module already runs under a jaxamp policy; apply_policy to the original module instead."
         )
     model = nnx.clone(module)
     modules = dict(nnx.iter_modules(model))
+    policies = _policies_by_path(modules, module_policies)
+
     for path, submodule in modules.items():
-        policy = module_policies.for_module(submodule)
+        policy = policies[path]
         for attribute, dtype in (("dtype", policy.compute_dtype), ("param_dtype", policy.param_dtype)):
             if hasattr(submodule, attribute) and is_floating_dtype_field(getattr(submodule, attribute)):
                 setattr(submodule, attribute, dtype)
 
-    module_paths = set(modules)
-    for path, node in list(nnx.iter_graph(model)):
-        if isinstance(node, nnx.Param):
-            owner = modules[_owner_path(tuple(path), module_paths)]
-            value = node.get_value()
-            param_dtype = module_policies.for_module(owner).param_dtype
-            if isinstance(value, jax.Array) and np.issubdtype(value.dtype, np.floating):
-                node.set_value(value.astype(param_dtype))
+    param_dtypes = {path: policy.param_dtype for path, policy in policies.items()}
+    nnx.update(model, cast_by_owner(nnx.state(model, nnx.Param), param_dtypes, module_policies.policy.param_dtype))
 
     for path, submodule in modules.items():
-        if _defines_call(type(submodule)):
-            submodule.__class__ = _policy_class(type(submodule), module_policies, path == ())
+        if path == () or not _defines_call(type(submodule)):
+            continue
+        parent_policy = policies[next(path[:depth] for depth in range(len(path) - 1, -1, -1) if path[:depth] in policies)]
+        output_policy = policies[path] if policies[path] != parent_policy else None
+        submodule.__class__ = _layer_class(type(submodule), policies[path], output_policy)
+
+    if not _defines_call(type(model)):
+        raise TypeError(f"apply_policy needs an NNX model with a __call__ method; {type(model).__name__} has none.")
+    compute_dtypes = {path: policy.compute_dtype for path, policy in policies.items()}
+    model.__class__ = _root_class(type(model), module_policies, compute_dtypes)
     return model

@@ -70,6 +70,17 @@ def _canonical_dtype(dtype: Any, field_name: str) -> np.dtype:
             f"Policy {field_name} must be a floating dtype such as jnp.float32, "
             "jnp.float16 or jnp.bfloat16; got None."
         )
+    if isinstance(dtype, str):
+        # NumPy would read "f16" as a 16-byte float; take jmp's aliases instead.
+        key = dtype.strip().lower()
+        if key == "half":
+            return jnp.dtype(jmp.half_dtype())
+        if key not in _DTYPE_ALIASES:
+            raise TypeError(
+                f"Policy {field_name} must be a floating dtype; {dtype!r} is not one of "
+                f"{', '.join(sorted(_DTYPE_ALIASES))}, half (or pass a dtype such as jnp.float16)."
+            )
+        return jnp.dtype(_DTYPE_ALIASES[key])
     try:
         canonical = jnp.dtype(dtype)
     except TypeError as error:

@@ -151,6 +151,6 @@ class TrainState(train_state.TrainState):
             **selected,
             loss_scale=self.loss_scale.adjust(grads_finite),
             skipped_steps=jnp.where(
-                grads_finite, self.skipped_steps, optax.safe_int32_increment(self.skipped_steps)
+                grads_finite, self.skipped_steps, optax.safe_increment(self.skipped_steps)
             ),
         )

@@ -572,3 +572,133 @@ def test_bad_overrides_are_a_type_error(make_model, overrides):
 def test_a_bad_policy_string_is_a_value_error(policy, overrides):
     with pytest.raises(ValueError, match="mixd_float16|flaot32"):
         jaxamp.apply_policy(ConvNet(), policy, overrides=overrides)
+
+
+# --- models that exercise the edges of the mechanism -------------------------------
+
+
+# (nn.SimpleCell is left out: it breaks its own scan in float16 even when
+# given dtype=jnp.float16 directly, without jaxamp.)
+@pytest.mark.parametrize("cell", [nn.LSTMCell, nn.GRUCell, nn.OptimizedLSTMCell])
+def test_linen_a_recurrent_model_keeps_its_carry_and_computes_in_half_precision(cell):
+    sequence = jnp.ones((2, 5, 3))
+    model = jaxamp.apply_policy(nn.RNN(cell(8)), "mixed_float16")
+    variables = model.init(jax.random.key(0), sequence)
+
+    outputs = model.apply(variables, sequence)
+
+    assert outputs.shape == (2, 5, 8) and outputs.dtype == F32
+    assert jaxamp.precision_report(model.apply, variables, sequence).fraction(F16) == 1.0
+
+
+def test_nnx_a_recurrent_model_keeps_its_carry_and_computes_in_half_precision():
+    sequence = jnp.ones((2, 5, 3))
+    model = jaxamp.apply_policy(nnx.RNN(nnx.LSTMCell(3, 8, rngs=nnx.Rngs(0))), "mixed_float16")
+
+    outputs = model(sequence)
+
+    assert outputs.shape == (2, 5, 8) and outputs.dtype == F32
+    # Traced functionally: the RNN draws carry RNGs, which NNX forbids on a
+    # module closed over by a trace, with or without jaxamp.
+    call, state = functional(model)
+    assert jaxamp.precision_report(call, state, sequence).fraction(F16) == 1.0
+
+
+class Head(nn.Module):
+    """A container: the override on it must reach the Dense inside."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(nn.relu(nn.Dense(4)(x)))
+
+
+class Classifier(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return Head()(nn.Dense(4)(x))
+
+
+def test_linen_an_override_on_a_container_reaches_the_layers_it_calls():
+    inputs = jnp.ones((2, 3))
+    model = jaxamp.apply_policy(Classifier(), "mixed_float16", overrides={Head: "float32"})
+    variables = model.init(jax.random.key(0), inputs)
+
+    report = jaxamp.precision_report(model.apply, variables, inputs)
+
+    assert [op.compute_dtype for op in report.ops] == ["float16", "float32", "float32"]
+
+
+def test_linen_an_override_on_attention_covers_its_projections():
+    tokens = jnp.ones((2, 5, 8))
+    attention = nn.MultiHeadDotProductAttention(num_heads=2)
+    model = jaxamp.apply_policy(
+        attention, "mixed_float16", overrides={nn.MultiHeadDotProductAttention: "float32"}
+    )
+    variables = model.init(jax.random.key(0), tokens)
+
+    assert jaxamp.precision_report(model.apply, variables, tokens).fraction(F32) == 1.0
+
+
+class TiedLanguageModel(nn.Module):
+    """Reads the embedding back through `self.variables`, as tied LM heads do."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        hidden = nn.Embed(11, 6, name="embed")(tokens)
+        hidden = nn.Dense(6)(hidden)
+        embedding = self.variables["params"]["embed"]["embedding"]
+        return hidden @ embedding.T
+
+
+@pytest.mark.parametrize("policy", HALF_POLICIES)
+def test_linen_params_read_through_self_variables_are_cast_too(policy):
+    _, compute_dtype, output_dtype = POLICIES[policy]
+    tokens = jnp.array([[1, 2, 3]])
+    model = jaxamp.apply_policy(TiedLanguageModel(), policy)
+    variables = model.init(jax.random.key(0), tokens)
+
+    logits = model.apply(variables, tokens)
+
+    assert logits.shape == (1, 3, 11) and logits.dtype == output_dtype
+    assert jaxamp.precision_report(model.apply, variables, tokens).fraction(compute_dtype) == 1.0
+
+
+def test_linen_numpy_weights_are_cast_like_jax_arrays():
+    model = jaxamp.apply_policy(ConvNet(), "mixed_float16")
+    numpy_variables = jax.tree.map(np.asarray, model.init(jax.random.key(0), IMAGES))
+
+    report = jaxamp.precision_report(lambda x: model.apply(numpy_variables, x), IMAGES)
+
+    assert report.fraction(F16) == 1.0
+
+
+class StackedProjections(nnx.Module):
+    """Params held in an nnx.List and used directly."""
+
+    def __init__(self, rngs):
+        self.kernels = nnx.List([nnx.Param(jax.random.normal(rngs.params(), (3, 3))) for _ in range(2)])
+
+    def __call__(self, x):
+        for kernel in self.kernels:
+            x = x @ kernel[...]
+        return x
+
+
+def test_nnx_params_in_containers_are_read_in_the_compute_dtype():
+    model = jaxamp.apply_policy(StackedProjections(nnx.Rngs(0)), "mixed_float16")
+
+    report = jaxamp.precision_report(lambda x: model(x), jnp.ones((2, 3)))
+
+    assert [op.operand_dtypes for op in report.ops] == [("float16", "float16")] * 2
+    assert param_dtypes(model) == {F32}
+
+
+@pytest.mark.parametrize("policy", HALF_POLICIES)
+def test_nnx_a_model_in_eval_mode_runs_inside_plain_jax_jit(policy):
+    _, compute_dtype, output_dtype = POLICIES[policy]
+    model = jaxamp.apply_policy(NnxConvNet(rngs=nnx.Rngs(0)), policy)
+
+    outputs = jax.jit(lambda images: model(images))(IMAGES)
+
+    assert outputs.dtype == output_dtype
+    assert jaxamp.precision_report(lambda images: model(images), IMAGES).fraction(compute_dtype) == 1.0

@@ -473,3 +473,17 @@ def test_default_loss_scale_scales_only_float16_compute(policy, expected):
     assert type(loss_scale) is expected
     if expected is DynamicLossScale:
         assert describe(loss_scale) == describe(DynamicLossScale())
+
+
+def test_dynamic_loss_scale_takes_its_settings_positionally_in_the_documented_order():
+    loss_scale = jaxamp.DynamicLossScale(2.0**10, 100, 4, 2, 2.0**20, 3)
+    assert (float(loss_scale.loss_scale), loss_scale.period, loss_scale.factor) == (1024.0, 100, 4.0)
+    assert (loss_scale.min_loss_scale, loss_scale.max_loss_scale, loss_scale.hysteresis) == (2.0, 2.0**20, 3)
+    assert int(loss_scale.counter) == 0
+
+
+@pytest.mark.parametrize("make", [jaxamp.StaticLossScale, jaxamp.DynamicLossScale])
+def test_unscale_divides_exactly_even_by_a_scale_that_is_no_power_of_two(make):
+    values = jnp.array([0.3, 0.7, 1e-3], jnp.float32)
+    loss_scale = make(3.0)
+    np.testing.assert_array_equal(loss_scale.unscale(values * 3.0), (values * 3.0) / jnp.float32(3.0))

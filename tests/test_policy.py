@@ -329,3 +329,13 @@ def test_casting_works_on_traced_values_inside_jit():
         "labels": np.dtype(jnp.int32),
         "mask": np.dtype(bool),
     }
+
+
+@pytest.mark.parametrize(
+    "names, dtypes",
+    [(("f32", "f16", "bf16"), (F32, F16, BF16)), (("float32", "Float16", "full"), (F32, F16, F32))],
+)
+def test_a_policy_reads_dtype_names_with_jmps_aliases_not_numpys(names, dtypes):
+    # NumPy alone would read "f16" as a 16-byte float.
+    policy = jaxamp.Policy(*names)
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == dtypes
