@@ -104,8 +104,7 @@ def _scale_floating(tree: T, factor: jax.Array) -> T:
 def _unscale_floating(tree: T, divisor: jax.Array) -> T:
     """Divides floating leaves by the float32 `divisor`, keeping their dtype.
 
-    A true division (not a multiplication by ``1 / divisor``) is exact to the
-    rounding of float32 for any scale, not only for powers of two.
+    The quotient is formed in float32 and rounded once to the leaf's dtype.
     """
 
     def unscale_leaf(leaf):
