@@ -183,7 +183,15 @@ def synthetic_dataset(
 
 def _load_cifar10_tfds(data_dir: str | None) -> Dataset:
     """Prepares CIFAR-10 with TFDS if needed, then reads both splits whole."""
-    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+    try:
+        import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+    except ImportError as err:
+        raise DataUnavailableError(
+            f"CIFAR-10 is read with tensorflow-datasets, which cannot be imported here ({err}).\n"
+            "Ways forward:\n"
+            "  1. Install the experiments' extra: pip install -e '.[experiments]'.\n"
+            "  2. Pass `--data synthetic` for timing or offline runs."
+        ) from err
 
     builder = tfds.builder("cifar10", data_dir=data_dir)
     data_dir_root = os.fspath(builder.data_dir_root)

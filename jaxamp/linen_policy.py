@@ -107,7 +107,9 @@ def _policy_interceptor(next_fun, args, kwargs, context):
 
 def _static_signature(args: tuple, kwargs: dict) -> tuple | None:
     """The hashable non-array arguments of a call, or None if some are not hashable."""
-    leaves = [leaf for leaf in jax.tree.leaves((args, kwargs)) if not isinstance(leaf, (jax.Array, np.ndarray))]
+    leaves = [
+        leaf for leaf in jax.tree.leaves((args, kwargs)) if not isinstance(leaf, (jax.Array, np.ndarray))
+    ]
     try:
         hash(tuple(leaves))
     except TypeError:
@@ -194,12 +196,14 @@ class PolicyModule(nn.Module):
             return cache[key]
         recorded: dict[tuple[str, ...], Policy] = {}
         with _context_value(_RECORDED_POLICIES, recorded):
-            abstract_variables = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype), variables)
+            abstract_variables = jax.tree.map(
+                lambda leaf: jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype), variables
+            )
             jax.eval_shape(
-                lambda variables: super(PolicyModule, self).apply(variables, *args, **kwargs), abstract_variables
+                lambda variables: super(PolicyModule, self).apply(variables, *args, **kwargs),
+                abstract_variables,
             )
         compute_dtypes = {path: policy.compute_dtype for path, policy in recorded.items()}
         if key is not None:
             cache[key] = compute_dtypes
         return compute_dtypes
-

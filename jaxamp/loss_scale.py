@@ -362,9 +362,7 @@ class DynamicLossScale:
                 jnp.int32(self.hysteresis),
                 jnp.where(overflowed, jnp.maximum(overflows_left, zero), self.overflows_until_backoff),
             ),
-            skipped_steps=jnp.where(
-                overflowed, optax.safe_increment(self.skipped_steps), self.skipped_steps
-            ),
+            skipped_steps=jnp.where(overflowed, optax.safe_increment(self.skipped_steps), self.skipped_steps),
             consecutive_skipped_steps=jnp.where(
                 overflowed,
                 optax.safe_increment(self.consecutive_skipped_steps),

@@ -36,11 +36,15 @@ def _defines_call(module_class: type) -> bool:
     return any("__call__" in vars(klass) for klass in module_class.__mro__ if klass is not object)
 
 
-def _policies_by_path(modules: dict[tuple, nnx.Module], module_policies: ModulePolicies) -> dict[tuple, Policy]:
+def _policies_by_path(
+    modules: dict[tuple, nnx.Module], module_policies: ModulePolicies
+) -> dict[tuple, Policy]:
     """Each module's policy, inherited from the module that holds it."""
     policies: dict[tuple, Policy] = {}
     for path in sorted(modules, key=len):
-        parent = next((path[:depth] for depth in range(len(path) - 1, -1, -1) if path[:depth] in policies), None)
+        parent = next(
+            (path[:depth] for depth in range(len(path) - 1, -1, -1) if path[:depth] in policies), None
+        )
         caller_policy = module_policies.policy if parent is None else policies[parent]
         policies[path] = module_policies.policy_for(type(modules[path]), caller_policy)
     return policies
@@ -60,18 +64,25 @@ def _layer_class(module_class: type, policy: Policy, output_policy: Policy | Non
     return _subclass(module_class, __call__)
 
 
-def _root_class(module_class: type, module_policies: ModulePolicies, compute_dtypes: dict[tuple, Any]) -> type:
+def _root_class(
+    module_class: type, module_policies: ModulePolicies, compute_dtypes: dict[tuple, Any]
+) -> type:
     """A subclass of the top-level model's class that casts params per call."""
     policy = module_policies.policy
 
     def __call__(self, *args, **kwargs):
         graphdef, params, state = nnx.split(self, nnx.Param, ...)
         compute_view = nnx.merge(graphdef, cast_by_owner(params, compute_dtypes, policy.compute_dtype), state)
-        outputs = module_class.__call__(compute_view, *policy.cast_to_compute(args), **policy.cast_to_compute(kwargs))
+        outputs = module_class.__call__(
+            compute_view, *policy.cast_to_compute(args), **policy.cast_to_compute(kwargs)
+        )
         new_state = nnx.state(compute_view, nnx.Not(nnx.Param))
         # Write back only when the call changed something, so that a call that
         # changes nothing (inference) mutates no Variable and works in jax.jit.
-        if any(new is not old for new, old in zip(jax.tree.leaves(new_state), jax.tree.leaves(state), strict=True)):
+        if any(
+            new is not old
+            for new, old in zip(jax.tree.leaves(new_state), jax.tree.leaves(state), strict=True)
+        ):
             nnx.update(self, new_state)
         return policy.cast_to_output(outputs)
 
@@ -108,17 +119,23 @@ def apply_nnx_policy(module: nnx.Module, module_policies: ModulePolicies) -> nnx
                 setattr(submodule, attribute, dtype)
 
     param_dtypes = {path: policy.param_dtype for path, policy in policies.items()}
-    nnx.update(model, cast_by_owner(nnx.state(model, nnx.Param), param_dtypes, module_policies.policy.param_dtype))
+    nnx.update(
+        model, cast_by_owner(nnx.state(model, nnx.Param), param_dtypes, module_policies.policy.param_dtype)
+    )
 
     for path, submodule in modules.items():
         if path == () or not _defines_call(type(submodule)):
             continue
-        parent_policy = policies[next(path[:depth] for depth in range(len(path) - 1, -1, -1) if path[:depth] in policies)]
+        parent_policy = policies[
+            next(path[:depth] for depth in range(len(path) - 1, -1, -1) if path[:depth] in policies)
+        ]
         output_policy = policies[path] if policies[path] != parent_policy else None
         submodule.__class__ = _layer_class(type(submodule), policies[path], output_policy)
 
     if not _defines_call(type(model)):
-        raise TypeError(f"apply_policy needs an NNX model with a __call__ method; {type(model).__name__} has none.")
+        raise TypeError(
+            f"apply_policy needs an NNX model with a __call__ method; {type(model).__name__} has none."
+        )
     compute_dtypes = {path: policy.compute_dtype for path, policy in policies.items()}
     model.__class__ = _root_class(type(model), module_policies, compute_dtypes)
     return model

@@ -75,8 +75,7 @@ class TrainState(train_state.TrainState):
         # GradientTransformation instance.
         if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
             raise TypeError(
-                "TrainState.create needs tx to be an optax optimizer (with init and update); "
-                f"got {tx!r}."
+                f"TrainState.create needs tx to be an optax optimizer (with init and update); got {tx!r}."
             )
         return cls(
             step=jnp.zeros([], jnp.int32),

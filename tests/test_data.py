@@ -10,6 +10,7 @@ import gzip
 import hashlib
 import io
 import os
+import sys
 import tarfile
 import time
 
@@ -453,3 +454,11 @@ def test_epoch_batches_are_a_permutation_without_the_remainder():
 def test_epoch_batches_rejects_impossible_batch_size(batch_size):
     with pytest.raises(ValueError, match=f"batch_size={batch_size}"):
         data.epoch_batches(jax.random.key(0), 103, batch_size)
+
+
+def test_cifar10_without_tensorflow_datasets_says_how_to_get_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # makes the import fail
+
+    with pytest.raises(data.DataUnavailableError, match=r"\[experiments\]") as error:
+        data.load_dataset("cifar10", "tfds")
+    assert "--data synthetic" in str(error.value)

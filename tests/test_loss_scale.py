@@ -480,4 +480,3 @@ def test_dynamic_loss_scale_takes_its_settings_positionally_in_the_documented_or
     assert (float(loss_scale.loss_scale), loss_scale.period, loss_scale.factor) == (1024.0, 100, 4.0)
     assert (loss_scale.min_loss_scale, loss_scale.max_loss_scale, loss_scale.hysteresis) == (2.0, 2.0**20, 3)
     assert int(loss_scale.counter) == 0
-
