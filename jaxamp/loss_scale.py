@@ -87,32 +87,15 @@ def _is_concrete(value: Any) -> bool:
     return not isinstance(value, jax.core.Tracer)
 
 
-def _scale_floating(tree: T, factor: jax.Array) -> T:
-    """Multiplies floating leaves by the float32 `factor`, keeping their dtype.
+def _map_floating(tree: T, operation) -> T:
+    """Applies `operation` to the floating leaves of `tree`, keeping their dtype.
 
-    The product is formed in float32 and rounded once to the leaf's dtype.
+    `operation` combines a leaf with the float32 scale, so the result is formed
+    in float32 and rounded once to the leaf's dtype; other leaves pass through.
     """
-
-    def scale_leaf(leaf):
-        if is_floating_array(leaf):
-            return (leaf * factor).astype(leaf.dtype)
-        return leaf
-
-    return jax.tree.map(scale_leaf, tree)
-
-
-def _unscale_floating(tree: T, divisor: jax.Array) -> T:
-    """Divides floating leaves by the float32 `divisor`, keeping their dtype.
-
-    The quotient is formed in float32 and rounded once to the leaf's dtype.
-    """
-
-    def unscale_leaf(leaf):
-        if is_floating_array(leaf):
-            return (leaf / divisor).astype(leaf.dtype)
-        return leaf
-
-    return jax.tree.map(unscale_leaf, tree)
+    return jax.tree.map(
+        lambda leaf: operation(leaf).astype(leaf.dtype) if is_floating_array(leaf) else leaf, tree
+    )
 
 
 def _validated_scale(value: Any, name: str) -> jax.Array:
@@ -184,11 +167,11 @@ class StaticLossScale:
 
     def scale(self, tree: T) -> T:
         """Multiplies every floating leaf of `tree` by the loss scale."""
-        return _scale_floating(tree, self.loss_scale)
+        return _map_floating(tree, lambda leaf: leaf * self.loss_scale)
 
     def unscale(self, tree: T) -> T:
         """Divides every floating leaf of `tree` by the loss scale."""
-        return _unscale_floating(tree, self.loss_scale)
+        return _map_floating(tree, lambda leaf: leaf / self.loss_scale)
 
     def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
         """Returns `self`: a static scale never changes."""
@@ -323,11 +306,11 @@ class DynamicLossScale:
 
     def scale(self, tree: T) -> T:
         """Multiplies every floating leaf of `tree` by the loss scale."""
-        return _scale_floating(tree, self.loss_scale)
+        return _map_floating(tree, lambda leaf: leaf * self.loss_scale)
 
     def unscale(self, tree: T) -> T:
         """Divides every floating leaf of `tree` by the loss scale."""
-        return _unscale_floating(tree, self.loss_scale)
+        return _map_floating(tree, lambda leaf: leaf / self.loss_scale)
 
     def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
         """Returns the loss scale for the next step (see the class docstring).
