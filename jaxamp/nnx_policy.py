@@ -16,7 +16,10 @@ to a copy of the model, once:
   plain ``jax.jit``), writes back any state the call changed (batch
   statistics, RNG counts), and casts its outputs to the output dtype.
 
-Params therefore stay in the param dtype and gradients arrive in it.
+Params therefore stay in the param dtype and gradients arrive in it. A
+module's policy is decided by where it is stored (its path from the root),
+not by who calls it: a module shared between two places takes the policy of
+the first path NNX lists.
 """
 
 from __future__ import annotations
@@ -29,6 +32,22 @@ from flax import nnx
 
 from jaxamp.module_policy import RECURRENT_CELLS, ModulePolicies, cast_by_owner, is_floating_dtype_field
 from jaxamp.policy import Policy
+
+
+def _cast_call_arguments(policy: Policy, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Casts the floating arrays among a call's arguments to the compute dtype.
+
+    NNX objects passed along (``nnx.Rngs``, modules, variables) are handed on
+    as they are: mapping over them would rebuild them as copies whose updates
+    (an RNG count, a module's state) would be lost.
+    """
+
+    def cast(leaf):
+        return leaf if isinstance(leaf, (nnx.Pytree, nnx.Variable)) else policy.cast_to_compute(leaf)
+
+    return jax.tree.map(
+        cast, (args, kwargs), is_leaf=lambda leaf: isinstance(leaf, (nnx.Pytree, nnx.Variable))
+    )
 
 
 def _defines_call(module_class: type) -> bool:
@@ -57,11 +76,13 @@ def _layer_class(module_class: type, policy: Policy, output_policy: Policy | Non
 
     def __call__(self, *args, **kwargs):
         if casts_inputs:
-            args, kwargs = policy.cast_to_compute((args, kwargs))
+            args, kwargs = _cast_call_arguments(policy, args, kwargs)
         outputs = module_class.__call__(self, *args, **kwargs)
         return outputs if output_policy is None else output_policy.cast_to_output(outputs)
 
-    return _subclass(module_class, __call__)
+    layer_class = _subclass(module_class, __call__)
+    layer_class.jaxamp_layer = True
+    return layer_class
 
 
 def _root_class(
@@ -73,16 +94,17 @@ def _root_class(
     def __call__(self, *args, **kwargs):
         graphdef, params, state = nnx.split(self, nnx.Param, ...)
         compute_view = nnx.merge(graphdef, cast_by_owner(params, compute_dtypes, policy.compute_dtype), state)
-        outputs = module_class.__call__(
-            compute_view, *policy.cast_to_compute(args), **policy.cast_to_compute(kwargs)
-        )
+        args, kwargs = _cast_call_arguments(policy, args, kwargs)
+        outputs = module_class.__call__(compute_view, *args, **kwargs)
         new_state = nnx.state(compute_view, nnx.Not(nnx.Param))
-        # Write back only when the call changed something, so that a call that
-        # changes nothing (inference) mutates no Variable and works in jax.jit.
-        if any(
-            new is not old
-            for new, old in zip(jax.tree.leaves(new_state), jax.tree.leaves(state), strict=True)
-        ):
+        # Write back only when the call changed something (batch statistics, RNG
+        # counts, sown values), so that a call that changes nothing (inference)
+        # mutates no Variable and works inside plain jax.jit.
+        old_leaves, new_leaves = jax.tree.leaves(state), jax.tree.leaves(new_state)
+        changed = jax.tree.structure(new_state) != jax.tree.structure(state) or any(
+            new is not old for new, old in zip(new_leaves, old_leaves, strict=True)
+        )
+        if changed:
             nnx.update(self, new_state)
         return policy.cast_to_output(outputs)
 
@@ -110,6 +132,14 @@ def apply_nnx_policy(module: nnx.Module, module_policies: ModulePolicies) -> nnx
         )
     model = nnx.clone(module)
     modules = dict(nnx.iter_modules(model))
+    for path, submodule in modules.items():
+        if getattr(type(submodule), "jaxamp_layer", False) or isinstance(
+            getattr(type(submodule), "jaxamp_policies", None), ModulePolicies
+        ):
+            raise ValueError(
+                f"The NNX submodule at {'.'.join(map(str, path))} already runs under a jaxamp policy; "
+                "apply_policy to the original model, and give that part its own policy with overrides."
+            )
     policies = _policies_by_path(modules, module_policies)
 
     for path, submodule in modules.items():

@@ -187,8 +187,10 @@ def test_linen_every_intermediate_is_in_the_compute_dtype_and_the_output_in_the_
     assert {layer: intermediates[layer] for layer in LAYERS} == {
         layer: {"__call__": (compute_dtype,)} for layer in LAYERS
     }
+    # One root entry, as for the unwrapped model: the model's own result, which
+    # the wrapper then returns in the output dtype.
+    assert intermediates["__call__"] == (compute_dtype,)
     assert outputs.dtype == output_dtype
-    assert intermediates["__call__"][-1] == output_dtype
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
@@ -702,3 +704,61 @@ def test_nnx_a_model_in_eval_mode_runs_inside_plain_jax_jit(policy):
 
     assert outputs.dtype == output_dtype
     assert jaxamp.precision_report(lambda images: model(images), IMAGES).fraction(compute_dtype) == 1.0
+
+
+class NnxDropoutNet(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5)
+
+    def __call__(self, x, *, rngs):
+        hidden = self.dropout(self.linear(x), rngs=rngs)
+        self.sow(nnx.Intermediate, "hidden", hidden)
+        return hidden
+
+
+# sow() outside nnx.capture() is deprecated in flax 0.12 but still the way a
+# call adds state, which is what this checks.
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)' outside")
+def test_nnx_rngs_passed_to_a_call_advance_and_sown_values_come_back():
+    model = jaxamp.apply_policy(NnxDropoutNet(nnx.Rngs(0)), "mixed_float16")
+    rngs, inputs = nnx.Rngs(dropout=1), jnp.ones((2, 4))
+
+    first, second = model(inputs, rngs=rngs), model(inputs, rngs=rngs)
+
+    assert not np.array_equal(first == 0, second == 0)  # fresh masks each call
+    assert rngs.dropout.count[...] == 2
+    assert dtypes_of(nnx.state(model, nnx.Intermediate)) == {F16}
+
+
+def test_nnx_a_submodule_already_under_a_policy_is_rejected_with_the_way_out():
+    model = NnxTwoLinear(rngs=nnx.Rngs(0))
+    model.first = jaxamp.apply_policy(model.first, "float32")
+    with pytest.raises(ValueError, match="overrides"):
+        jaxamp.apply_policy(model, "mixed_float16")
+
+
+def test_linen_method_may_be_any_function_of_the_model_as_in_flax():
+    model, variables = linen_model("mixed_float16")
+
+    def features_plus_one(module, x):
+        return module.features(x) + 1
+
+    outputs = jax.eval_shape(functools.partial(model.apply, method=features_plus_one), variables, IMAGES)
+
+    assert outputs.shape == (2, 64) and outputs.dtype == F32
+
+
+class Scaled(nn.Module):
+    @nn.compact
+    def __call__(self, x, scale):
+        return nn.Dense(2)(x) * scale
+
+
+def test_linen_a_changing_python_scalar_does_not_trace_the_call_again():
+    model = jaxamp.apply_policy(Scaled(), "mixed_float16")
+    variables = model.init(jax.random.key(0), jnp.ones((1, 3)), 1.0)
+    for scale in (0.5, 1.5, 2.5):
+        model.apply(variables, jnp.ones((1, 3)), scale)
+    # One abstract trace for init (mutable, rngs) and one for all the applies.
+    assert len(model.__dict__["_jaxamp_policies_by_path"]) == 2
