@@ -57,15 +57,19 @@ def _defines_call(module_class: type) -> bool:
 
 def _policies_by_path(
     modules: dict[tuple, nnx.Module], module_policies: ModulePolicies
-) -> dict[tuple, Policy]:
-    """Each module's policy, inherited from the module that holds it."""
-    policies: dict[tuple, Policy] = {}
+) -> dict[tuple, tuple[Policy, Policy]]:
+    """Each module's ``(policy, holder's policy)``, inherited from the module that holds it.
+
+    The holder is the module at the longest proper prefix of the path; the
+    root's holder policy is the model's own policy.
+    """
+    policies: dict[tuple, tuple[Policy, Policy]] = {}
     for path in sorted(modules, key=len):
-        parent = next(
+        holder = next(
             (path[:depth] for depth in range(len(path) - 1, -1, -1) if path[:depth] in policies), None
         )
-        caller_policy = module_policies.policy if parent is None else policies[parent]
-        policies[path] = module_policies.policy_for(type(modules[path]), caller_policy)
+        holder_policy = module_policies.policy if holder is None else policies[holder][0]
+        policies[path] = (module_policies.policy_for(type(modules[path]), holder_policy), holder_policy)
     return policies
 
 
@@ -126,29 +130,26 @@ def apply_nnx_policy(module: nnx.Module, module_policies: ModulePolicies) -> nnx
 
     See this file's docstring; `jaxamp.apply_policy` is the public entry point.
     """
-    if isinstance(getattr(type(module), "jaxamp_policies", None), ModulePolicies):
-        raise ValueError(
-            "This NNX module already runs under a jaxamp policy; apply_policy to the original module instead."
-        )
     model = nnx.clone(module)
     modules = dict(nnx.iter_modules(model))
     for path, submodule in modules.items():
         if getattr(type(submodule), "jaxamp_layer", False) or isinstance(
             getattr(type(submodule), "jaxamp_policies", None), ModulePolicies
         ):
+            where = f"submodule at {'.'.join(map(str, path))}" if path else "module"
             raise ValueError(
-                f"The NNX submodule at {'.'.join(map(str, path))} already runs under a jaxamp policy; "
-                "apply_policy to the original model, and give that part its own policy with overrides."
+                f"This NNX {where} already runs under a jaxamp policy; apply_policy to the original model, "
+                "and give any part its own policy with overrides."
             )
     policies = _policies_by_path(modules, module_policies)
 
     for path, submodule in modules.items():
-        policy = policies[path]
+        policy = policies[path][0]
         for attribute, dtype in (("dtype", policy.compute_dtype), ("param_dtype", policy.param_dtype)):
             if hasattr(submodule, attribute) and is_floating_dtype_field(getattr(submodule, attribute)):
                 setattr(submodule, attribute, dtype)
 
-    param_dtypes = {path: policy.param_dtype for path, policy in policies.items()}
+    param_dtypes = {path: policy.param_dtype for path, (policy, _) in policies.items()}
     nnx.update(
         model, cast_by_owner(nnx.state(model, nnx.Param), param_dtypes, module_policies.policy.param_dtype)
     )
@@ -156,16 +157,14 @@ def apply_nnx_policy(module: nnx.Module, module_policies: ModulePolicies) -> nnx
     for path, submodule in modules.items():
         if path == () or not _defines_call(type(submodule)):
             continue
-        parent_policy = policies[
-            next(path[:depth] for depth in range(len(path) - 1, -1, -1) if path[:depth] in policies)
-        ]
-        output_policy = policies[path] if policies[path] != parent_policy else None
-        submodule.__class__ = _layer_class(type(submodule), policies[path], output_policy)
+        policy, holder_policy = policies[path]
+        output_policy = policy if policy != holder_policy else None
+        submodule.__class__ = _layer_class(type(submodule), policy, output_policy)
 
     if not _defines_call(type(model)):
         raise TypeError(
             f"apply_policy needs an NNX model with a __call__ method; {type(model).__name__} has none."
         )
-    compute_dtypes = {path: policy.compute_dtype for path, policy in policies.items()}
+    compute_dtypes = {path: policy.compute_dtype for path, (policy, _) in policies.items()}
     model.__class__ = _root_class(type(model), module_policies, compute_dtypes)
     return model
