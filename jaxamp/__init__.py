@@ -24,7 +24,8 @@ from jaxamp.loss_scale import (
     StaticLossScale,
     default_loss_scale,
 )
-from jaxamp.module_policy import NORMALIZATION_LAYERS, apply_policy
+from jaxamp.layer_policies import NORMALIZATION_LAYERS
+from jaxamp.module_policy import apply_policy
 from jaxamp.policy import Policy, get_policy
 from jaxamp.report import PrecisionReport, precision_report
 from jaxamp.train_state import TrainState

@@ -6,7 +6,7 @@ works at three points, none of which needs the model's code to change:
 
 1. **Every module call.** A method interceptor (``nn.intercept_methods``)
    sees each call of each submodule and works out the policy that module runs
-   under (see `jaxamp.module_policy`). It sets the module's ``dtype`` field
+   under (see `jaxamp.layer_policies`). It sets the module's ``dtype`` field
    (if it has one) to that policy's compute dtype and its ``param_dtype``
    field to the param dtype, and casts the call's floating inputs to the
    compute dtype (recurrent cells excepted). Where the call crosses into
@@ -40,7 +40,7 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from jaxamp.module_policy import RECURRENT_CELLS, ModulePolicies, cast_by_owner, is_floating_dtype_field
+from jaxamp.layer_policies import RECURRENT_CELLS, ModulePolicies, cast_by_owner, is_floating_dtype_field
 from jaxamp.policy import Policy, is_floating_array
 
 

@@ -4,7 +4,7 @@ NNX modules are Python objects holding their state, so the policy is applied
 to a copy of the model, once:
 
 * each module's policy is worked out from the root down (see
-  `jaxamp.module_policy`), its ``dtype`` / ``param_dtype`` attributes (if it
+  `jaxamp.layer_policies`), its ``dtype`` / ``param_dtype`` attributes (if it
   has them) are set to that policy's compute / param dtype, and every
   ``nnx.Param`` is cast to the param dtype of the module that owns it;
 * each module's class is swapped for a subclass whose ``__call__`` casts the
@@ -30,7 +30,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxamp.module_policy import RECURRENT_CELLS, ModulePolicies, cast_by_owner, is_floating_dtype_field
+from jaxamp.layer_policies import RECURRENT_CELLS, ModulePolicies, cast_by_owner, is_floating_dtype_field
 from jaxamp.policy import Policy
 
 

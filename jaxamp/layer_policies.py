@@ -1,0 +1,158 @@
+"""Which policy each layer of a Flax model runs under: the rules both routes share.
+
+`jaxamp.linen_policy` and `jaxamp.nnx_policy` apply these rules to linen and
+NNX models; `jaxamp.module_policy.apply_policy` chooses between them. Neither
+route imports the other, and this module imports neither.
+
+A model runs under one policy, except where it must not, the way Haiku's
+``set_policy`` works by class:
+
+* a layer whose class (or a base class) is in `overrides` runs under that
+  policy, and so do the layers it calls, unless they have an override of
+  their own;
+* a normalization layer computes in float32 (means and variances lose too
+  much in float16) and hands its result back in the compute dtype of the
+  policy it was called under;
+* every other layer runs under the policy of the layer that called it.
+
+Every layer call casts its floating inputs to the layer's compute dtype, as
+Haiku's policies do, so an activation that some stray float32 constant
+promoted goes back to half precision at the next layer. Recurrent cells are
+the exception: their carry must keep the dtype the cell gives it, or the
+``scan`` over time steps rejects it; their inner layers cast for them.
+Where a call crosses from one policy into another (a *policy boundary*: a
+normalization layer, an overridden class), the outputs are cast to the
+callee's output dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen, nnx
+
+from jaxamp.policy import Policy, PolicySpec, get_policy, is_floating_array
+
+NORMALIZATION_LAYERS: tuple[type, ...] = (
+    linen.BatchNorm,
+    linen.LayerNorm,
+    linen.GroupNorm,
+    linen.RMSNorm,
+    linen.InstanceNorm,
+    nnx.BatchNorm,
+    nnx.LayerNorm,
+    nnx.GroupNorm,
+    nnx.RMSNorm,
+    nnx.InstanceNorm,
+)
+"""Layers that compute in float32 unless `overrides` says otherwise."""
+
+RECURRENT_CELLS: tuple[type, ...] = (linen.RNNCellBase, nnx.RNNCellBase)
+"""Layers whose call arguments (the carry) are never cast."""
+
+
+def normalization_policy(policy: Policy) -> Policy:
+    """The policy of a normalization layer called under `policy`.
+
+    Params stay in the param dtype, the statistics and the normalization
+    itself are computed in float32, and the result goes back to the caller's
+    compute dtype, so the next layer gets what it expects.
+    """
+    return Policy(policy.param_dtype, jnp.float32, policy.compute_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModulePolicies:
+    """The policy of a model and the per-class overrides.
+
+    Attributes:
+        policy: the model's policy.
+        overrides: the user's ``(module class, policy)`` pairs, looked up in
+            order with ``isinstance`` semantics; the first match wins.
+    """
+
+    policy: Policy
+    overrides: tuple[tuple[type, Policy], ...]
+
+    @classmethod
+    def create(cls, policy: PolicySpec, overrides: Mapping[type, PolicySpec] | None = None) -> ModulePolicies:
+        """Validates and resolves `policy` and `overrides`."""
+        policy = get_policy(policy)
+        if overrides is None:
+            overrides = {}
+        if not isinstance(overrides, Mapping):
+            raise TypeError(
+                "overrides must map module classes to policies, e.g. "
+                f"{{nn.Dense: 'float32'}}; got {type(overrides).__name__}."
+            )
+        user_overrides = []
+        for module_class, spec in overrides.items():
+            if not (isinstance(module_class, type) and issubclass(module_class, (linen.Module, nnx.Module))):
+                raise TypeError(
+                    "overrides keys must be Flax module classes (e.g. nn.Dense, "
+                    f"nn.BatchNorm); got {module_class!r}."
+                )
+            user_overrides.append((module_class, get_policy(spec)))
+        return cls(policy, tuple(user_overrides))
+
+    def policy_for(self, module_class: type, caller_policy: Policy) -> Policy:
+        """The policy of a `module_class` layer called under `caller_policy`."""
+        override = _user_override(self, module_class)
+        if override is not None:
+            return override
+        if issubclass(module_class, NORMALIZATION_LAYERS):
+            return normalization_policy(caller_policy)
+        return caller_policy
+
+
+@functools.lru_cache(maxsize=1024)
+def _user_override(module_policies: ModulePolicies, module_class: type) -> Policy | None:
+    # Called for every module call while tracing; the answer depends only on
+    # the (hashable) policies and the class.
+    for overridden_class, policy in module_policies.overrides:
+        if issubclass(module_class, overridden_class):
+            return policy
+    return None
+
+
+def is_floating_dtype_field(value: Any) -> bool:
+    """Whether a module's ``dtype``-like field may be set to a float dtype.
+
+    ``None`` (infer) and floating dtypes may; an integer or any other value
+    means the field is not a compute dtype, and it is left alone.
+    """
+    if value is None:
+        return True
+    try:
+        return jnp.issubdtype(jnp.dtype(value), jnp.floating)
+    except TypeError:
+        return False
+
+
+def cast_by_owner(tree: Any, owner_dtypes: Mapping[tuple, Any], default_dtype: Any) -> Any:
+    """Casts each floating leaf to the dtype of the deepest module that owns it.
+
+    Args:
+        tree: variables keyed by module path (a linen ``params`` collection, an
+            NNX ``State``).
+        owner_dtypes: module path (a tuple of names and indices) -> dtype.
+        default_dtype: the dtype of leaves that no listed module owns.
+    """
+
+    def cast(path, leaf):
+        if not is_floating_array(leaf):
+            return leaf
+        names = tuple(key.key for key in path if isinstance(key, jax.tree_util.DictKey))
+        dtype = default_dtype
+        for depth in range(len(names), -1, -1):
+            if names[:depth] in owner_dtypes:
+                dtype = owner_dtypes[names[:depth]]
+                break
+        return leaf if leaf.dtype == dtype else leaf.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, tree)
