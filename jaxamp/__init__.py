@@ -1,6 +1,7 @@
 """jaxamp: automatic mixed precision for JAX and Flax.
 
-Precision policies applied to Flax models without editing them, loss scales
+Precision policies applied to Flax models without editing them (or to any
+JAX function with `autocast`), loss scales
 whose state is a jit-safe pytree, and a train state that skips the update of
 any step whose gradients overflowed.
 
@@ -15,6 +16,7 @@ Example:
     >>> state = state.apply_gradients(grads=grads, grads_finite=grads_finite)
 """
 
+from jaxamp.autocast import autocast, float32_scope
 from jaxamp.finite import all_finite, select_tree
 from jaxamp.grads import scaled_value_and_grad
 from jaxamp.loss_scale import (
@@ -43,7 +45,9 @@ __all__ = [
     "TrainState",
     "all_finite",
     "apply_policy",
+    "autocast",
     "default_loss_scale",
+    "float32_scope",
     "get_policy",
     "precision_report",
     "scaled_value_and_grad",

@@ -1,0 +1,102 @@
+"""A call split into array leaves and a hashable rest, NNX modules included.
+
+`jaxamp.autocast` traces with the arrays abstract and everything else
+static. NNX modules are split (``nnx.split``) into a static graph and their
+state, whose arrays are traced like any other; the state the call leaves
+behind (batch statistics, RNG counts) is written back to the caller's
+modules afterwards, or it would be silently lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+_ARRAY = "array"  # placeholder for a traced leaf in the static key
+
+
+def _is_nnx_module(value: Any) -> bool:
+    return isinstance(value, nnx.Module)
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, (jax.Array, np.ndarray, np.generic))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModuleSlot:
+    graphdef: Any
+    state_tree: Any
+    num_leaves: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitCall:
+    """``fun(*args, **kwargs)`` as traced leaves plus a static description.
+
+    Attributes:
+        leaves: the arrays, NNX state included, in order.
+        static_key: everything else, hashable when the static values are.
+        modules: the caller's NNX modules, in the order of their slots.
+    """
+
+    leaves: tuple
+    static_key: Hashable
+    modules: tuple
+    _call_tree: Any
+    _slots: tuple
+
+    def run(self, *leaves) -> tuple[Any, list]:
+        """Calls the function on `leaves`; returns its outputs and the modules' new states."""
+        leaf_iter = iter(leaves)
+        merged_modules, rebuilt = [], []
+        for slot in self._slots:
+            if slot == _ARRAY:
+                rebuilt.append(next(leaf_iter))
+            elif isinstance(slot, _ModuleSlot):
+                state = jax.tree.unflatten(slot.state_tree, [next(leaf_iter) for _ in range(slot.num_leaves)])
+                module = nnx.merge(slot.graphdef, state)
+                merged_modules.append(module)
+                rebuilt.append(module)
+            else:
+                rebuilt.append(slot[1])
+        fun, args, kwargs = jax.tree.unflatten(self._call_tree, rebuilt)
+        return fun(*args, **kwargs), [nnx.state(module) for module in merged_modules]
+
+    def write_back(self, states: list) -> None:
+        """Updates each caller's module whose state the call changed."""
+        for module, state in zip(self.modules, states, strict=True):
+            old_leaves = jax.tree.leaves(nnx.state(module))
+            new_leaves = jax.tree.leaves(state)
+            # Updating an unchanged module would still mutate its Variables,
+            # which plain jax.jit rejects for a module closed over.
+            if len(old_leaves) != len(new_leaves) or any(
+                new is not old for new, old in zip(new_leaves, old_leaves)
+            ):
+                nnx.update(module, state)
+
+
+def split_call(fun: Callable[..., Any], args: tuple, kwargs: dict) -> SplitCall:
+    """Splits a call: arrays (from `fun` itself too: an Equinox module is a
+    pytree) are traced, NNX modules are split, anything else is static."""
+    leaves, call_tree = jax.tree.flatten((fun, args, kwargs), is_leaf=_is_nnx_module)
+    traced, slots, modules = [], [], []
+    for leaf in leaves:
+        if _is_nnx_module(leaf):
+            graphdef, state = nnx.split(leaf)
+            state_leaves, state_tree = jax.tree.flatten(state)
+            traced.extend(state_leaves)
+            slots.append(_ModuleSlot(graphdef, state_tree, len(state_leaves)))
+            modules.append(leaf)
+        elif _is_array(leaf):
+            traced.append(leaf)
+            slots.append(_ARRAY)
+        else:
+            slots.append(("static", leaf))
+    slots = tuple(slots)
+    return SplitCall(tuple(traced), (call_tree, slots), tuple(modules), call_tree, slots)

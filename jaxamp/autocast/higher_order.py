@@ -1,0 +1,263 @@
+"""Rules for primitives that carry jaxprs: their bodies are rewritten too.
+
+Each rule rewrites the body with the same interpreter and binds the same
+primitive again with every other param kept (shardings and donation of a
+nested ``jit``, the policy and ``prevent_cse`` of ``remat``, the length,
+direction and unrolling of a ``scan``):
+
+* ``jit`` / ``pjit`` / ``closed_call`` / ``core_call``: the body is
+  rewritten for the current input dtypes.
+* ``remat`` (``jax.checkpoint``): likewise; constants the rewrite creates
+  become leading operands, since its body must be constant-free.
+* ``scan`` and ``while``: the carry is pinned to its traced dtype, cast on
+  entry and at the end of the body, so the loop's types are fixed points.
+* ``cond``: each branch is rewritten, and each output is cast to the widest
+  dtype the branches give it, so the branches agree.
+* ``custom_jvp_call``: a new ``jax.custom_jvp`` whose primal is the
+  rewritten body and whose rule is the rewritten JVP of the original (the
+  user's rule, traced and rewritten), so the rule's arithmetic runs in half
+  precision as well.
+* ``custom_vjp_call`` (``custom_vjp_call_jaxpr`` before JAX 0.7): a new
+  ``jax.custom_vjp`` whose forward is the user's forward, rewritten, with the
+  user's residuals (``jax.vjp``'s pullback is a pytree of them), and whose
+  backward is the user's backward, rewritten: keeping the user's backward as
+  it is would leave its matmuls in float32.
+
+Custom derivatives take their inputs and give their outputs in the traced
+dtypes, so the user's rules see the dtypes they were written for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+
+from jaxamp.autocast.interpreter import Rewrite, RewriteCache, abstract, interpret, lift_consts, rewrite_jaxpr
+from jaxamp.autocast.rules import Rule, bind, cast, is_floating, traced_dtypes
+
+
+def jit_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
+    """A nested ``jit``: the same primitive and params around the rewritten body."""
+    body_param = "jaxpr" if "jaxpr" in equation.params else "call_jaxpr"
+    body = rewrite_jaxpr(context, equation.params[body_param], [abstract(value) for value in invals])
+    return bind(equation, invals, **{body_param: body})
+
+
+def remat_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
+    """``jax.checkpoint``: rewritten body, ``policy``/``prevent_cse``/``differentiated`` kept."""
+    body = ClosedJaxpr(equation.params["jaxpr"], ())
+    rewritten, consts = lift_consts(rewrite_jaxpr(context, body, [abstract(value) for value in invals]))
+    return bind(equation, [*consts, *invals], jaxpr=rewritten)
+
+
+def _scan_counts(params: dict) -> tuple[int, int]:
+    """How many of a ``scan``'s operands are constants and how many the carry.
+
+    Before JAX 0.12 the params say so (``num_consts``, ``num_carry``); from
+    0.12 they hold the operands' flat tree structure (``ft_in``).
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts_tree, carry_tree, _ = params["ft_in"].unpack()
+    return len(consts_tree), len(carry_tree)
+
+
+def scan_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
+    """``lax.scan`` with its carry pinned to the traced dtypes.
+
+    Rebuilt with ``lax.scan`` (length, direction and unrolling kept), which
+    closes over the constants; the primitive's params describe its operands
+    differently in each JAX release.
+    """
+    num_consts, num_carry = _scan_counts(equation.params)
+    consts = invals[:num_consts]
+    carry_dtypes = traced_dtypes(equation.invars[num_consts : num_consts + num_carry])
+    init = [cast(value, dtype) for value, dtype in zip(invals[num_consts : num_consts + num_carry], carry_dtypes)]
+    xs = invals[num_consts + num_carry :]
+    body_avals = [
+        *(abstract(value) for value in (*consts, *init)),
+        *(abstract(value, drop_leading_axis=True) for value in xs),
+    ]
+    num_ys = len(equation.outvars) - num_carry
+    body = jaxpr_as_fun(
+        rewrite_jaxpr(context, equation.params["jaxpr"], body_avals, [*carry_dtypes, *([None] * num_ys)])
+    )
+
+    def step(carry, x):
+        outvals = body(*consts, *carry, *x)
+        return outvals[:num_carry], outvals[num_carry:]
+
+    carry, ys = lax.scan(
+        step,
+        init,
+        xs,
+        length=equation.params["length"],
+        reverse=equation.params["reverse"],
+        unroll=equation.params["unroll"],
+    )
+    return [*carry, *ys]
+
+
+def while_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
+    """``lax.while_loop`` (and ``fori_loop``) with its carry pinned to the traced dtypes."""
+    cond_nconsts, body_nconsts = equation.params["cond_nconsts"], equation.params["body_nconsts"]
+    cond_consts = invals[:cond_nconsts]
+    body_consts = invals[cond_nconsts : cond_nconsts + body_nconsts]
+    carry_dtypes = traced_dtypes(equation.invars[cond_nconsts + body_nconsts :])
+    init = [cast(value, dtype) for value, dtype in zip(invals[cond_nconsts + body_nconsts :], carry_dtypes)]
+    carry_avals = [abstract(value) for value in init]
+    cond = rewrite_jaxpr(
+        context, equation.params["cond_jaxpr"], [*(abstract(value) for value in cond_consts), *carry_avals]
+    )
+    body = rewrite_jaxpr(
+        context,
+        equation.params["body_jaxpr"],
+        [*(abstract(value) for value in body_consts), *carry_avals],
+        carry_dtypes,
+    )
+    cond_jaxpr, new_cond_consts = lift_consts(cond)
+    body_jaxpr, new_body_consts = lift_consts(body)
+    return bind(
+        equation,
+        [*new_cond_consts, *cond_consts, *new_body_consts, *body_consts, *init],
+        cond_jaxpr=ClosedJaxpr(cond_jaxpr, ()),
+        cond_nconsts=len(new_cond_consts) + cond_nconsts,
+        body_jaxpr=ClosedJaxpr(body_jaxpr, ()),
+        body_nconsts=len(new_body_consts) + body_nconsts,
+    )
+
+
+def cond_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
+    """``lax.cond`` / ``lax.switch``: rewritten branches, outputs unified to the widest dtype.
+
+    Rebuilt with ``lax.switch``, which hoists the constants the rewrite
+    created into operands shared by every branch.
+    """
+    index, *operands = invals
+    avals = [abstract(value) for value in operands]
+    branches = equation.params["branches"]
+    first_pass = [rewrite_jaxpr(context, branch, avals) for branch in branches]
+    out_dtypes = [
+        jnp.result_type(*(branch.out_avals[position].dtype for branch in first_pass))
+        for position in range(len(equation.outvars))
+    ]
+    unified = [rewrite_jaxpr(context, branch, avals, out_dtypes) for branch in branches]
+    return list(lax.switch(index, [jaxpr_as_fun(branch) for branch in unified], *operands))
+
+
+def _body_as_function(context: Rewrite, body: ClosedJaxpr, out_dtypes: Sequence[Any]):
+    """The rewritten body of a custom-derivative call, outputs in their traced dtypes."""
+
+    def evaluate(*args):
+        outvals = interpret(context, body.jaxpr, body.consts, args)
+        return [cast(value, dtype) for value, dtype in zip(outvals, out_dtypes)]
+
+    return evaluate
+
+
+def _float0_zeros(value_or_aval) -> np.ndarray:
+    return np.zeros(np.shape(value_or_aval), dtype=jax.dtypes.float0)
+
+
+def custom_jvp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
+    """``jax.custom_jvp``: rewritten primal, rule = the rewritten JVP of the original."""
+    in_dtypes, out_dtypes = traced_dtypes(equation.invars), traced_dtypes(equation.outvars)
+    differentiable_in = [is_floating(dtype) for dtype in in_dtypes]
+    differentiable_out = [is_floating(dtype) for dtype in out_dtypes]
+    jvp_rewrites = RewriteCache(context.compute_dtype, context.rules)
+
+    def original(*primals):
+        return bind(equation, primals)
+
+    autocast_call = jax.custom_jvp(_body_as_function(context, equation.params["call_jaxpr"], out_dtypes))
+
+    def autocast_jvp(primals, tangents):
+        float_tangents = [tangent for tangent, keep in zip(tangents, differentiable_in) if keep]
+
+        def user_jvp(*leaves):
+            primal_leaves, tangent_leaves = leaves[: len(primals)], iter(leaves[len(primals) :])
+            all_tangents = [
+                next(tangent_leaves) if keep else _float0_zeros(primal)
+                for primal, keep in zip(primal_leaves, differentiable_in)
+            ]
+            outs, out_tangents = jax.jvp(original, tuple(primal_leaves), tuple(all_tangents))
+            return outs, [tangent for tangent, keep in zip(out_tangents, differentiable_out) if keep]
+
+        outs, float_out_tangents = jvp_rewrites.call(user_jvp, [*primals, *float_tangents], static_key=())
+        float_out_tangents = iter(float_out_tangents)
+        out_tangents = [
+            next(float_out_tangents) if keep else _float0_zeros(out) for out, keep in zip(outs, differentiable_out)
+        ]
+        return outs, out_tangents
+
+    autocast_call.defjvp(autocast_jvp)
+    return list(autocast_call(*(cast(value, dtype) for value, dtype in zip(invals, in_dtypes))))
+
+
+def custom_vjp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
+    """``jax.custom_vjp``: rewritten primal, forward and backward."""
+    in_dtypes, out_dtypes = traced_dtypes(equation.invars), traced_dtypes(equation.outvars)
+    differentiable_in = [is_floating(dtype) for dtype in in_dtypes]
+    differentiable_out = [is_floating(dtype) for dtype in out_dtypes]
+    forward_rewrites = RewriteCache(context.compute_dtype, context.rules)
+    backward_rewrites = RewriteCache(context.compute_dtype, context.rules)
+    body = equation.params["call_jaxpr"] if "call_jaxpr" in equation.params else equation.params["fun_jaxpr"]
+
+    def original(*primals):
+        return bind(equation, primals)
+
+    autocast_call = jax.custom_vjp(_body_as_function(context, body, out_dtypes))
+
+    def forward(*primals):
+        # jax.vjp's pullback is a pytree whose leaves are the user's residuals.
+        return forward_rewrites.call(lambda *leaves: jax.vjp(original, *leaves), primals, static_key=())
+
+    def backward(pullback, cotangents):
+        float_cotangents = [ct for ct, keep in zip(cotangents, differentiable_out) if keep]
+        residuals, pullback_tree = jax.tree.flatten(pullback)
+
+        def user_backward(*leaves):
+            user_pullback = jax.tree.unflatten(pullback_tree, leaves[: len(residuals)])
+            given = iter(leaves[len(residuals) :])
+            all_cotangents = [
+                next(given) if keep else _float0_zeros(aval) for aval, keep in zip(outvar_avals, differentiable_out)
+            ]
+            input_cotangents = user_pullback(all_cotangents)
+            return [ct for ct, keep in zip(input_cotangents, differentiable_in) if keep]
+
+        float_input_cotangents = iter(
+            backward_rewrites.call(user_backward, [*residuals, *float_cotangents], static_key=pullback_tree)
+        )
+        return tuple(next(float_input_cotangents) if keep else None for keep in differentiable_in)
+
+    outvar_avals = [abstract_aval(atom) for atom in equation.outvars]
+    autocast_call.defvjp(forward, backward)
+    return list(autocast_call(*(cast(value, dtype) for value, dtype in zip(invals, in_dtypes))))
+
+
+def abstract_aval(atom) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(atom.aval.shape, atom.aval.dtype)
+
+
+HIGHER_ORDER_RULES: dict[str, Rule] = {
+    "jit": jit_rule,
+    "pjit": jit_rule,
+    "closed_call": jit_rule,
+    "core_call": jit_rule,
+    "remat": remat_rule,
+    "remat2": remat_rule,
+    "checkpoint": remat_rule,
+    "scan": scan_rule,
+    "while": while_rule,
+    "cond": cond_rule,
+    "custom_jvp_call": custom_jvp_rule,
+    "custom_vjp_call": custom_vjp_rule,
+    "custom_vjp_call_jaxpr": custom_vjp_rule,
+}
+"""Primitive name -> rule, for primitives whose jaxprs are rewritten."""

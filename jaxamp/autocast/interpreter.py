@@ -1,0 +1,217 @@
+"""The jaxpr interpreter at the heart of `jaxamp.autocast`.
+
+A function is traced to a jaxpr once, with the dtypes its caller gave it,
+and the jaxpr is evaluated again equation by equation: each equation's rule
+(`jaxamp.autocast.rules` for first-order primitives,
+`jaxamp.autocast.higher_order` for those carrying jaxprs) sees the current
+input values, whose dtypes may differ from the traced ones, and decides
+which dtypes the primitive runs in. Tracing that evaluation gives the
+rewritten jaxpr, which `RewriteCache` keeps per input shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
+
+from jaxamp.autocast.rules import Rule, cast, restore_rule
+from jaxamp.autocast.scope import in_float32_scope
+
+
+def _carries_jaxpr(equation) -> bool:
+    for value in equation.params.values():
+        candidates = value if isinstance(value, (tuple, list)) else (value,)
+        if any(isinstance(candidate, (Jaxpr, ClosedJaxpr)) for candidate in candidates):
+            return True
+    return False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rewrite:
+    """What one rewrite needs: the compute dtype and the rule of each primitive.
+
+    Attributes:
+        compute_dtype: the policy's compute dtype.
+        rules: primitive name -> rule.
+        memo: rewritten bodies of higher-order primitives, per (body, input
+            avals, output dtypes), so that a body used many times (the same
+            jitted layer called in a loop) is rewritten once.
+    """
+
+    compute_dtype: np.dtype
+    rules: Mapping[str, Rule]
+    memo: dict = dataclasses.field(default_factory=dict)
+
+    def rule_for(self, equation) -> Rule:
+        """The rule of `equation`; code under `float32_scope` runs as traced.
+
+        Raises:
+            NotImplementedError: the primitive carries a jaxpr and has no rule.
+        """
+        if in_float32_scope(equation):
+            return restore_rule
+        name = equation.primitive.name
+        rule = self.rules.get(name)
+        if rule is not None:
+            return rule
+        if _carries_jaxpr(equation):
+            raise NotImplementedError(
+                f"jaxamp.autocast has no rule for the higher-order primitive {name!r} "
+                f"(params: {', '.join(sorted(equation.params))}), so it cannot rewrite the jaxpr "
+                f"it carries. Run it as traced with autocast(..., overrides={{{name!r}: 'restore'}}), "
+                "or wrap that code in jaxamp.float32_scope()."
+            )
+        return restore_rule
+
+
+def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list:
+    """Evaluates `jaxpr` on `args`, each equation through its rule.
+
+    Literals are read as NumPy values of their traced dtype, so a rule can
+    cast them without creating a traced constant.
+    """
+    env: dict[Any, Any] = {}
+
+    def read(atom):
+        if isinstance(atom, Literal):
+            return np.asarray(atom.val, dtype=atom.aval.dtype)
+        return env[atom]
+
+    for variable, value in zip(jaxpr.constvars, consts, strict=True):
+        env[variable] = value
+    for variable, value in zip(jaxpr.invars, args, strict=True):
+        env[variable] = value
+    for equation in jaxpr.eqns:
+        invals = [read(atom) for atom in equation.invars]
+        outvals = context.rule_for(equation)(context, equation, invals)
+        for variable, value in zip(equation.outvars, outvals, strict=True):
+            env[variable] = value
+    return [read(atom) for atom in jaxpr.outvars]
+
+
+def abstract(value: Any, *, drop_leading_axis: bool = False) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of `value` (of one slice along axis 0 if asked)."""
+    shape = np.shape(value)[1:] if drop_leading_axis else np.shape(value)
+    return jax.ShapeDtypeStruct(shape, value.dtype)
+
+
+def _aval_key(aval: jax.ShapeDtypeStruct) -> tuple:
+    return (tuple(aval.shape), str(aval.dtype))
+
+
+def rewrite_jaxpr(
+    context: Rewrite,
+    closed: ClosedJaxpr,
+    in_avals: Sequence[jax.ShapeDtypeStruct],
+    out_dtypes: Sequence[Any] | None = None,
+) -> ClosedJaxpr:
+    """`closed` evaluated under the rules, traced for inputs of `in_avals`.
+
+    Args:
+        context: the rewrite.
+        closed: the traced jaxpr.
+        in_avals: shapes and current dtypes of its inputs.
+        out_dtypes: per output, the dtype to cast it to, or None to keep the
+            dtype the rules gave it (``None`` for all: keep every one).
+    """
+    pins = None if out_dtypes is None else tuple(None if dtype is None else str(dtype) for dtype in out_dtypes)
+    key = (closed, tuple(_aval_key(aval) for aval in in_avals), pins)
+    if key in context.memo:
+        return context.memo[key]
+
+    def evaluate(*args):
+        outvals = interpret(context, closed.jaxpr, closed.consts, args)
+        if out_dtypes is None:
+            return outvals
+        return [value if dtype is None else cast(value, dtype) for value, dtype in zip(outvals, out_dtypes)]
+
+    rewritten = jax.make_jaxpr(evaluate)(*in_avals)
+    context.memo[key] = rewritten
+    return rewritten
+
+
+# From JAX 0.12 a Jaxpr holds its constants and ClosedJaxpr is another name for it.
+_JAXPR_HOLDS_CONSTS = ClosedJaxpr is Jaxpr
+
+
+def lift_consts(closed: ClosedJaxpr) -> tuple[Jaxpr, list]:
+    """`closed` as a jaxpr without constants, which become its leading inputs.
+
+    For primitives whose body must be constant-free (``remat``, ``scan``,
+    ``while``): the constants are passed as extra leading operands.
+    """
+    jaxpr = closed.jaxpr
+    if not jaxpr.constvars:
+        return jaxpr, []
+    updates = {"constvars": [], "invars": [*jaxpr.constvars, *jaxpr.invars], "debug_info": None}
+    if _JAXPR_HOLDS_CONSTS:
+        updates["consts"] = []
+    return jaxpr.replace(**updates), list(closed.consts)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    rewritten: ClosedJaxpr
+    out_tree: Any
+
+
+class RewriteCache:
+    """Traces, rewrites and evaluates functions, keeping each rewrite for reuse.
+
+    `call` traces ``fun(*leaves)`` for the leaves' shapes and dtypes, rewrites
+    the jaxpr (outputs cast back to the dtypes `fun` returns) and evaluates
+    it. The rewritten jaxpr is kept per (`static_key`, shapes, dtypes), so a
+    second call with the same signature neither traces nor rewrites again,
+    and the jitted parts inside it (the same jaxpr objects) hit JAX's compile
+    cache. A trace that closed over another transformation's tracers is not
+    kept: those tracers die with that transformation.
+    """
+
+    def __init__(self, compute_dtype: np.dtype, rules: Mapping[str, Rule], max_entries: int = 64):
+        self._compute_dtype = compute_dtype
+        self._rules = rules
+        self._max_entries = max_entries
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+        self.traces = 0
+
+    def call(self, fun: Callable[..., Any], leaves: Sequence[Any], static_key: Hashable | None) -> Any:
+        """``fun(*leaves)`` with dtypes changed per primitive; outputs in fun's dtypes.
+
+        Args:
+            fun: a function of array leaves returning a pytree of arrays.
+            leaves: the arrays.
+            static_key: everything besides the leaves' shapes and dtypes that
+                decides what `fun` traces to, hashable; ``None`` to trace
+                every call.
+        """
+        avals = [abstract(leaf) for leaf in leaves]
+        key = None if static_key is None else (static_key, tuple(_aval_key(aval) for aval in avals))
+        try:
+            entry = None if key is None else self._entries.get(key)
+        except TypeError:  # an unhashable static argument
+            key, entry = None, None
+        if entry is None:
+            entry, cacheable = self._build(fun, avals)
+            if key is not None and cacheable:
+                self._entries[key] = entry
+                if len(self._entries) > self._max_entries:
+                    self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        outvals = jaxpr_as_fun(entry.rewritten)(*leaves)
+        return jax.tree.unflatten(entry.out_tree, outvals)
+
+    def _build(self, fun, avals) -> tuple[_Entry, bool]:
+        self.traces += 1
+        traced, out_shapes = jax.make_jaxpr(fun, return_shape=True)(*avals)
+        context = Rewrite(self._compute_dtype, self._rules)
+        out_dtypes = [aval.dtype for aval in traced.out_avals]
+        rewritten = rewrite_jaxpr(context, traced, avals, out_dtypes)
+        cacheable = not any(isinstance(const, jax.core.Tracer) for const in traced.consts)
+        return _Entry(rewritten, jax.tree.structure(out_shapes)), cacheable
