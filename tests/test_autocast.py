@@ -1,0 +1,274 @@
+"""`jaxamp.autocast`: the dtype rules, the opt-out, the cache, NNX, training.
+
+Model families are in test_autocast_models.py and the higher-order
+primitives in test_autocast_higher_order.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive
+
+import jaxamp
+from tests.autocast_models import NnxMLP, _batch, _dense_params, _xent, plain_mlp
+
+
+def _all_equations(jaxpr):
+    for equation in jaxpr.eqns:
+        yield equation
+        for value in equation.params.values():
+            if isinstance(value, (ClosedJaxpr, Jaxpr)):
+                yield from _all_equations(getattr(value, "jaxpr", value))
+
+
+def _equation_dtypes(fun, *args, primitive):
+    """The output dtype of each `primitive` equation in the jaxpr of `fun`, nested jits included."""
+    return [
+        equation.outvars[0].aval.dtype
+        for equation in _all_equations(jax.make_jaxpr(fun)(*args).jaxpr)
+        if equation.primitive.name == primitive
+    ]
+
+
+X = jax.random.normal(jax.random.key(0), (4, 8))
+W = jax.random.normal(jax.random.key(1), (8, 8)) / 3
+
+
+def test_outputs_come_back_in_exactly_the_dtypes_the_function_returns():
+    def fun(x, w):
+        h = x @ w
+        return {"f32": h, "i32": jnp.argmax(h, axis=-1), "bf16": h.astype(jnp.bfloat16), "f16": (x @ w).astype(jnp.float16)}
+
+    expected = jax.tree.map(lambda leaf: leaf.dtype, fun(X, W))
+    assert jax.tree.map(lambda leaf: leaf.dtype, jaxamp.autocast(fun)(X, W)) == expected
+
+
+def test_a_scalar_literal_does_not_pull_a_float16_value_back_to_float32():
+    assert _equation_dtypes(jaxamp.autocast(lambda x, w: 0.5 * (x @ w)), X, W, primitive="mul") == [jnp.float16]
+
+
+def test_a_mask_constant_that_float16_cannot_hold_keeps_the_logits_in_float32():
+    mask = jnp.tril(jnp.ones((4, 4), bool))
+
+    def attention_weights(q, k):
+        logits = jnp.where(mask, q @ k.T, -1e9)  # -1e9 is -inf in float16
+        return jax.nn.softmax(logits, axis=-1)
+
+    q, k = X, X[::-1]
+    assert _equation_dtypes(jaxamp.autocast(attention_weights), q, k, primitive="select_n") == [jnp.float32]
+    weights = jaxamp.autocast(attention_weights)(q, k)
+    assert bool(jnp.all(jnp.isfinite(weights)))
+    np.testing.assert_allclose(weights, attention_weights(q, k), atol=1e-2)
+
+
+def test_a_matmul_output_beyond_float16_range_overflows_unless_bfloat16_or_the_float32_scope():
+    x, w = jnp.full((2, 256), 30.0), jnp.full((256, 2), 30.0)  # every output is 230400 > 65504
+
+    def scoped(x, w):
+        with jaxamp.float32_scope():
+            return x @ w
+
+    assert bool(jnp.all(jnp.isinf(jaxamp.autocast(lambda x, w: x @ w)(x, w))))
+    np.testing.assert_allclose(jaxamp.autocast(scoped)(x, w), x @ w)
+    np.testing.assert_allclose(jaxamp.autocast(lambda x, w: x @ w, "mixed_bfloat16")(x, w), x @ w, rtol=1e-2)
+
+
+def test_a_user_written_square_overflows_float16_where_jnp_square_does_not():
+    x, w = jnp.full((1, 2), 300.0), jnp.eye(2)  # the matmul output 300 is a float16 value; 300**2 is not
+
+    assert bool(jnp.isinf(jaxamp.autocast(lambda x, w: (x @ w) * (x @ w))(x, w)).all())
+    np.testing.assert_allclose(jaxamp.autocast(lambda x, w: jnp.square(x @ w))(x, w), 90000.0)
+
+
+def test_an_explicit_cast_in_the_users_code_is_honoured():
+    def fun(x, w):
+        return (x @ w).astype(jnp.bfloat16) * 2
+
+    assert _equation_dtypes(jaxamp.autocast(fun), X, W, primitive="mul") == [jnp.bfloat16]
+
+
+def test_an_int8_matmul_is_left_alone():
+    def fun(x, w):
+        return jax.lax.dot(x, w, preferred_element_type=jnp.int32)
+
+    x, w = X.astype(jnp.int8), W.astype(jnp.int8)
+    assert _equation_dtypes(jaxamp.autocast(fun), x, w, primitive="dot_general") == [jnp.int32]
+    np.testing.assert_array_equal(jaxamp.autocast(fun)(x, w), fun(x, w))
+
+
+def test_the_float32_scope_keeps_its_matmuls_in_float32_forward_and_backward():
+    def loss(x, w):
+        h = jnp.tanh(x @ w)
+        with jaxamp.float32_scope():
+            h = h @ w
+        return h.sum()
+
+    forward = jaxamp.precision_report(jaxamp.autocast(loss), X, W)
+    assert forward.count_by_dtype() == {"float16": 1, "float32": 1}
+    for backward in (jax.grad(jaxamp.autocast(loss)), jaxamp.autocast(jax.grad(loss))):
+        counts = jaxamp.precision_report(backward, X, W).count_by_dtype()
+        assert counts["float32"] >= 2 and counts["float16"] >= 1, counts
+
+
+def test_overrides_change_the_rule_of_a_primitive():
+    no_half = jaxamp.autocast(lambda x, w: x @ w, overrides={"dot_general": "restore"})
+    assert jaxamp.precision_report(no_half, X, W).fraction(jnp.float32) == 1.0
+    tanh_in_float32 = jaxamp.autocast(lambda x, w: jnp.tanh(x @ w), overrides={"tanh": "float32"})
+    assert _equation_dtypes(tanh_in_float32, X, W, primitive="tanh") == [jnp.float32]
+
+
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        ({"exp": "half"}, ValueError, "Unknown autocast rule 'half' for primitive 'exp'.*compute, float32"),
+        ({"scan": "follow"}, ValueError, "'scan' carries a jaxpr; its only override is 'restore'"),
+        ([("exp", "follow")], TypeError, "must map primitive names to rule names"),
+    ],
+)
+def test_a_bad_override_is_an_error_naming_it(overrides, error, match):
+    with pytest.raises(error, match=match):
+        jaxamp.autocast(jnp.exp, overrides=overrides)
+
+
+def _primitive_with_a_body(name):
+    primitive = Primitive(name)
+    primitive.def_impl(lambda x, *, body: x)
+    primitive.def_abstract_eval(lambda x, *, body: x)
+    body = jax.make_jaxpr(jnp.sin)(1.0)
+    return lambda x: primitive.bind(x, body=body)
+
+
+def test_an_unknown_primitive_that_carries_a_jaxpr_is_an_error_naming_it():
+    opaque = _primitive_with_a_body("my_opaque_loop")
+    with pytest.raises(NotImplementedError, match="'my_opaque_loop'.*overrides=\\{'my_opaque_loop': 'restore'\\}"):
+        jaxamp.autocast(opaque)(X)
+    np.testing.assert_array_equal(jaxamp.autocast(opaque, overrides={"my_opaque_loop": "restore"})(X), X)
+
+
+def test_a_second_eager_call_neither_traces_nor_rewrites_again():
+    traces = []
+
+    @jaxamp.autocast
+    def fun(x, w, *, scale):
+        traces.append(scale)
+        return jnp.tanh(x @ w) * scale
+
+    first = fun(X, W, scale=2.0)
+    np.testing.assert_array_equal(fun(X, W, scale=2.0), first)
+    assert (len(traces), fun.rewrites.traces) == (1, 1)
+    fun(X[:2], W, scale=2.0)  # a new shape traces again
+    fun(X, W, scale=3.0)  # so does a new static argument
+    assert (len(traces), fun.rewrites.traces) == (3, 3)
+
+
+def test_decorator_forms_take_the_policy():
+    @jaxamp.autocast
+    def default(x, w):
+        return x @ w
+
+    @functools.partial(jaxamp.autocast, policy="mixed_bfloat16")
+    def bfloat16(x, w):
+        return x @ w
+
+    assert jaxamp.precision_report(default, X, W).fraction(jnp.float16) == 1.0
+    assert jaxamp.precision_report(bfloat16, X, W).fraction(jnp.bfloat16) == 1.0
+    assert default.__name__ == "default"
+
+
+def test_jit_of_autocast_compiles_the_same_matmuls_as_a_hand_written_float16_model():
+    loss_fn, params, (x, y) = plain_mlp()
+
+    def hand_written(params, x, y):
+        h = x.astype(jnp.float16)
+        for layer in params[:-1]:
+            h = jax.nn.gelu(h @ layer["w"].astype(jnp.float16) + layer["b"].astype(jnp.float16))
+            h = 0.5 * h
+        logits = h @ params[-1]["w"].astype(jnp.float16) + params[-1]["b"].astype(jnp.float16)
+        return _xent(logits.astype(jnp.float32), y)
+
+    def dots(fun):
+        text = jax.jit(fun).lower(params, x, y).as_text()
+        return [line.split("->")[-1].strip() for line in text.splitlines() if "dot_general" in line]
+
+    assert dots(jaxamp.autocast(loss_fn)) == dots(hand_written)
+    assert all("f16" in dot for dot in dots(jaxamp.autocast(loss_fn)))
+
+
+def test_nnx_batch_statistics_are_written_back_eagerly_and_under_nnx_jit():
+    x, _ = _batch()
+    reference = NnxMLP(nnx.Rngs(0), use_running_average=False)
+    reference(x)
+    expected_mean = reference.norm.mean[...]
+
+    eager = NnxMLP(nnx.Rngs(0), use_running_average=False)
+    jaxamp.autocast(eager)(x)
+    jitted = NnxMLP(nnx.Rngs(0), use_running_average=False)
+    nnx.jit(jaxamp.autocast(lambda model, x: model(x)))(jitted, x)
+
+    for model in (eager, jitted):
+        assert model.norm.mean[...].dtype == jnp.float32
+        assert not np.allclose(model.norm.mean[...], 0.0)
+        np.testing.assert_allclose(model.norm.mean[...], expected_mean, rtol=2e-2, atol=1e-3)
+
+
+def test_training_with_scaled_value_and_grad_and_train_state():
+    loss_fn, params, (x, y) = plain_mlp()
+    policy = jaxamp.get_policy("mixed_float16")
+    state = jaxamp.TrainState.create(
+        apply_fn=None, params=params, tx=optax.adam(1e-2), loss_scale=jaxamp.default_loss_scale(policy)
+    )
+
+    @jax.jit
+    def train_step(state, x, y):
+        loss, grads, grads_finite = jaxamp.scaled_value_and_grad(jaxamp.autocast(loss_fn, policy), state.loss_scale)(
+            state.params, x, y
+        )
+        return state.apply_gradients(grads=grads, grads_finite=grads_finite), loss, grads_finite
+
+    losses = []
+    for _ in range(5):
+        state, loss, grads_finite = train_step(state, x, y)
+        assert bool(grads_finite)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    assert jax.tree.map(lambda leaf: leaf.dtype, state.params) == jax.tree.map(lambda leaf: leaf.dtype, params)
+
+
+def _final_training_loss(policy, steps=60):
+    inputs = jax.random.normal(jax.random.key(11), (64, 6))
+    labels = jax.nn.one_hot((inputs[:, 0] + inputs[:, 1] > 0).astype(jnp.int32), 3)
+    params = _dense_params(jax.random.key(12), [6, 16, 3])
+    optimizer = optax.adam(3e-2)
+
+    def loss_fn(params):
+        h = jax.nn.relu(inputs @ params[0]["w"] + params[0]["b"])
+        return _xent(h @ params[1]["w"] + params[1]["b"], labels)
+
+    loss_fn = jaxamp.autocast(loss_fn, policy)
+
+    @jax.jit
+    def train(params):
+        def step(carry, _):
+            params, opt_state = carry
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, opt_state = optimizer.update(grads, opt_state)
+            return (optax.apply_updates(params, updates), opt_state), loss
+
+        (params, _), losses = jax.lax.scan(step, (params, optimizer.init(params)), None, length=steps)
+        return loss_fn(params), losses[0]
+
+    return train(params)
+
+
+def test_bfloat16_without_a_loss_scale_trains_a_small_model_as_well_as_float32():
+    final32, initial32 = _final_training_loss("float32")
+    final16, initial16 = _final_training_loss("mixed_bfloat16")
+    assert final32 < 0.3 * initial32  # the task is learnable
+    assert abs(float(final16) - float(final32)) < 0.1 * float(initial32)
