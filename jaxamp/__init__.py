@@ -1,9 +1,9 @@
 """jaxamp: automatic mixed precision for JAX and Flax.
 
-Precision policies applied to Flax models without editing them (or to any
-JAX function with `autocast`), loss scales
-whose state is a jit-safe pytree, and a train state that skips the update of
-any step whose gradients overflowed.
+Precision policies applied to Flax models without editing them, or to any
+JAX function with `autocast`; loss scales whose state is a jit-safe pytree;
+and a train state that skips the update of any step whose gradients
+overflowed.
 
 Example:
     >>> policy = jaxamp.get_policy("mixed_float16")

@@ -22,12 +22,12 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jaxamp  # noqa: E402
+import jaxamp
 
 
 def _block(fun, *args):
@@ -83,8 +83,10 @@ def jit_cost():
     float32_time = _seconds(float32_step, params, x, repeats=10)
     half_time = _seconds(half_step, params, x, repeats=10)
     print(f"2. jit(grad) of an MLP 512x1024, 3 matmuls, on {jax.default_backend()}, median ms")
-    print(f"   float32 {float32_time * 1e3:.1f}   autocast float16 {half_time * 1e3:.1f}   "
-          f"autocast/float32 = {half_time / float32_time:.2f}")
+    print(
+        f"   float32 {float32_time * 1e3:.1f}   autocast float16 {half_time * 1e3:.1f}   "
+        f"autocast/float32 = {half_time / float32_time:.2f}"
+    )
 
 
 class SmallCNN(nn.Module):

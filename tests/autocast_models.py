@@ -85,7 +85,8 @@ def checkpointed_mlp():
 
 
 @jax.custom_vjp
-def _clipped_matmul(x, w):
+def clipped_matmul(x, w):
+    """``x @ w`` whose backward clips the cotangent: a custom VJP with matmuls in it."""
     return x @ w
 
 
@@ -99,25 +100,26 @@ def _clipped_matmul_backward(residuals, cotangent):
     return cotangent @ w.T, x.T @ cotangent
 
 
-_clipped_matmul.defvjp(_clipped_matmul_forward, _clipped_matmul_backward)
+clipped_matmul.defvjp(_clipped_matmul_forward, _clipped_matmul_backward)
 
 
 @jax.custom_jvp
-def _softplus(x):
+def softplus(x):
+    """Softplus with a custom JVP whose rule has a matmul of its own."""
     return jnp.logaddexp(x, 0.0)
 
 
-@_softplus.defjvp
+@softplus.defjvp
 def _softplus_jvp(primals, tangents):
     (x,), (t,) = primals, tangents
-    return _softplus(x), t * jax.nn.sigmoid(x)
+    return softplus(x), (t * jax.nn.sigmoid(x)) @ jnp.eye(x.shape[-1])
 
 
 def control_flow_mix():
     """custom_vjp (whose backward has matmuls), custom_jvp, cond and fori_loop."""
 
     def loss_fn(params, x, y):
-        h = _softplus(_clipped_matmul(x, params["w1"]))
+        h = softplus(clipped_matmul(x, params["w1"]))
         h = jax.lax.cond(h.mean() > 0, lambda h: h @ params["w2"], lambda h: -h @ params["w2"], h)
         h = jax.lax.fori_loop(0, 2, lambda i, h: jnp.tanh(h @ params["w3"]), h)
         return _xent(h @ params["wo"], y)
@@ -180,9 +182,7 @@ class ScannedRemat(nn.Module):
     @nn.compact
     def __call__(self, x):
         h = nn.Dense(8)(x)
-        layers = nn.scan(
-            nn.remat(_Step), variable_axes={"params": 0}, split_rngs={"params": True}, length=3
-        )
+        layers = nn.scan(nn.remat(_Step), variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
         h, _ = layers()(h, None)
         return nn.Dense(CLASSES)(h)
 

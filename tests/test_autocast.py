@@ -44,14 +44,21 @@ W = jax.random.normal(jax.random.key(1), (8, 8)) / 3
 def test_outputs_come_back_in_exactly_the_dtypes_the_function_returns():
     def fun(x, w):
         h = x @ w
-        return {"f32": h, "i32": jnp.argmax(h, axis=-1), "bf16": h.astype(jnp.bfloat16), "f16": (x @ w).astype(jnp.float16)}
+        return {
+            "f32": h,
+            "i32": jnp.argmax(h, axis=-1),
+            "bf16": h.astype(jnp.bfloat16),
+            "f16": (x @ w).astype(jnp.float16),
+        }
 
     expected = jax.tree.map(lambda leaf: leaf.dtype, fun(X, W))
     assert jax.tree.map(lambda leaf: leaf.dtype, jaxamp.autocast(fun)(X, W)) == expected
 
 
 def test_a_scalar_literal_does_not_pull_a_float16_value_back_to_float32():
-    assert _equation_dtypes(jaxamp.autocast(lambda x, w: 0.5 * (x @ w)), X, W, primitive="mul") == [jnp.float16]
+    assert _equation_dtypes(jaxamp.autocast(lambda x, w: 0.5 * (x @ w)), X, W, primitive="mul") == [
+        jnp.float16
+    ]
 
 
 def test_a_mask_constant_that_float16_cannot_hold_keeps_the_logits_in_float32():
@@ -147,7 +154,9 @@ def _primitive_with_a_body(name):
 
 def test_an_unknown_primitive_that_carries_a_jaxpr_is_an_error_naming_it():
     opaque = _primitive_with_a_body("my_opaque_loop")
-    with pytest.raises(NotImplementedError, match="'my_opaque_loop'.*overrides=\\{'my_opaque_loop': 'restore'\\}"):
+    with pytest.raises(
+        NotImplementedError, match="'my_opaque_loop'.*overrides=\\{'my_opaque_loop': 'restore'\\}"
+    ):
         jaxamp.autocast(opaque)(X)
     np.testing.assert_array_equal(jaxamp.autocast(opaque, overrides={"my_opaque_loop": "restore"})(X), X)
 
@@ -227,9 +236,9 @@ def test_training_with_scaled_value_and_grad_and_train_state():
 
     @jax.jit
     def train_step(state, x, y):
-        loss, grads, grads_finite = jaxamp.scaled_value_and_grad(jaxamp.autocast(loss_fn, policy), state.loss_scale)(
-            state.params, x, y
-        )
+        loss, grads, grads_finite = jaxamp.scaled_value_and_grad(
+            jaxamp.autocast(loss_fn, policy), state.loss_scale
+        )(state.params, x, y)
         return state.apply_gradients(grads=grads, grads_finite=grads_finite), loss, grads_finite
 
     losses = []
@@ -238,7 +247,9 @@ def test_training_with_scaled_value_and_grad_and_train_state():
         assert bool(grads_finite)
         losses.append(float(loss))
     assert losses[-1] < losses[0]
-    assert jax.tree.map(lambda leaf: leaf.dtype, state.params) == jax.tree.map(lambda leaf: leaf.dtype, params)
+    assert jax.tree.map(lambda leaf: leaf.dtype, state.params) == jax.tree.map(
+        lambda leaf: leaf.dtype, params
+    )
 
 
 def _final_training_loss(policy, steps=60):
@@ -269,6 +280,6 @@ def _final_training_loss(policy, steps=60):
 
 def test_bfloat16_without_a_loss_scale_trains_a_small_model_as_well_as_float32():
     final32, initial32 = _final_training_loss("float32")
-    final16, initial16 = _final_training_loss("mixed_bfloat16")
+    final16, _ = _final_training_loss("mixed_bfloat16")
     assert final32 < 0.3 * initial32  # the task is learnable
     assert abs(float(final16) - float(final32)) < 0.1 * float(initial32)

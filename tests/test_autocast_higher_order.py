@@ -18,36 +18,7 @@ import pytest
 from jax import lax
 
 import jaxamp
-
-
-@jax.custom_jvp
-def _softplus(x):
-    return jnp.logaddexp(x, 0.0)
-
-
-@_softplus.defjvp
-def _softplus_jvp(primals, tangents):
-    (x,), (t,) = primals, tangents
-    # A matmul in the rule itself: autocast must rewrite the rule too.
-    return _softplus(x), (t * jax.nn.sigmoid(x)) @ jnp.eye(x.shape[-1])
-
-
-@jax.custom_vjp
-def _clipped_matmul(x, w):
-    return x @ w
-
-
-def _clipped_forward(x, w):
-    return x @ w, (x, w)
-
-
-def _clipped_backward(residuals, cotangent):
-    x, w = residuals
-    cotangent = jnp.clip(cotangent, -1.0, 1.0)
-    return cotangent @ w.T, x.T @ cotangent
-
-
-_clipped_matmul.defvjp(_clipped_forward, _clipped_backward)
+from tests.autocast_models import clipped_matmul, softplus
 
 
 def with_jit(x, w):
@@ -68,7 +39,9 @@ def with_scan(x, w):
 
 
 def with_while(x, w):
-    _, h = lax.while_loop(lambda carry: carry[0] < 3, lambda carry: (carry[0] + 1, jnp.tanh(carry[1] @ w)), (0, x))
+    _, h = lax.while_loop(
+        lambda carry: carry[0] < 3, lambda carry: (carry[0] + 1, jnp.tanh(carry[1] @ w)), (0, x)
+    )
     return h
 
 
@@ -77,11 +50,11 @@ def with_cond(x, w):
 
 
 def with_custom_jvp(x, w):
-    return _softplus(x @ w)
+    return softplus(x @ w)
 
 
 def with_custom_vjp(x, w):
-    return jnp.tanh(_clipped_matmul(x, w))
+    return jnp.tanh(clipped_matmul(x, w))
 
 
 def _sum_of(f):

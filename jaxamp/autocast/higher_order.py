@@ -2,8 +2,10 @@
 
 Each rule rewrites the body with the same interpreter and binds the same
 primitive again with every other param kept (shardings and donation of a
-nested ``jit``, the policy and ``prevent_cse`` of ``remat``, the length,
-direction and unrolling of a ``scan``):
+nested ``jit``, the policy, ``prevent_cse`` and ``differentiated`` of
+``remat``), or, where the primitive's params change shape between JAX
+releases (``scan``, ``cond``), calls the public API that builds it (the
+length, direction and unrolling of a ``scan`` kept):
 
 * ``jit`` / ``pjit`` / ``closed_call`` / ``core_call``: the body is
   rewritten for the current input dtypes.
@@ -78,7 +80,9 @@ def scan_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     num_consts, num_carry = _scan_counts(equation.params)
     consts = invals[:num_consts]
     carry_dtypes = traced_dtypes(equation.invars[num_consts : num_consts + num_carry])
-    init = [cast(value, dtype) for value, dtype in zip(invals[num_consts : num_consts + num_carry], carry_dtypes)]
+    init = [
+        cast(value, dtype) for value, dtype in zip(invals[num_consts : num_consts + num_carry], carry_dtypes)
+    ]
     xs = invals[num_consts + num_carry :]
     body_avals = [
         *(abstract(value) for value in (*consts, *init)),
@@ -162,6 +166,7 @@ def _body_as_function(context: Rewrite, body: ClosedJaxpr, out_dtypes: Sequence[
 
 
 def _float0_zeros(value_or_aval) -> np.ndarray:
+    """The zero tangent of a non-floating value (JAX's ``float0``)."""
     return np.zeros(np.shape(value_or_aval), dtype=jax.dtypes.float0)
 
 
@@ -192,7 +197,8 @@ def custom_jvp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
         outs, float_out_tangents = jvp_rewrites.call(user_jvp, [*primals, *float_tangents], static_key=())
         float_out_tangents = iter(float_out_tangents)
         out_tangents = [
-            next(float_out_tangents) if keep else _float0_zeros(out) for out, keep in zip(outs, differentiable_out)
+            next(float_out_tangents) if keep else _float0_zeros(out)
+            for out, keep in zip(outs, differentiable_out)
         ]
         return outs, out_tangents
 
@@ -205,6 +211,7 @@ def custom_vjp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     in_dtypes, out_dtypes = traced_dtypes(equation.invars), traced_dtypes(equation.outvars)
     differentiable_in = [is_floating(dtype) for dtype in in_dtypes]
     differentiable_out = [is_floating(dtype) for dtype in out_dtypes]
+    outvar_avals = [atom.aval for atom in equation.outvars]
     forward_rewrites = RewriteCache(context.compute_dtype, context.rules)
     backward_rewrites = RewriteCache(context.compute_dtype, context.rules)
     body = equation.params["call_jaxpr"] if "call_jaxpr" in equation.params else equation.params["fun_jaxpr"]
@@ -226,7 +233,8 @@ def custom_vjp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
             user_pullback = jax.tree.unflatten(pullback_tree, leaves[: len(residuals)])
             given = iter(leaves[len(residuals) :])
             all_cotangents = [
-                next(given) if keep else _float0_zeros(aval) for aval, keep in zip(outvar_avals, differentiable_out)
+                next(given) if keep else _float0_zeros(aval)
+                for aval, keep in zip(outvar_avals, differentiable_out)
             ]
             input_cotangents = user_pullback(all_cotangents)
             return [ct for ct, keep in zip(input_cotangents, differentiable_in) if keep]
@@ -236,13 +244,8 @@ def custom_vjp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
         )
         return tuple(next(float_input_cotangents) if keep else None for keep in differentiable_in)
 
-    outvar_avals = [abstract_aval(atom) for atom in equation.outvars]
     autocast_call.defvjp(forward, backward)
     return list(autocast_call(*(cast(value, dtype) for value, dtype in zip(invals, in_dtypes))))
-
-
-def abstract_aval(atom) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(atom.aval.shape, atom.aval.dtype)
 
 
 HIGHER_ORDER_RULES: dict[str, Rule] = {

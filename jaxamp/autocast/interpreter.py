@@ -120,7 +120,9 @@ def rewrite_jaxpr(
         out_dtypes: per output, the dtype to cast it to, or None to keep the
             dtype the rules gave it (``None`` for all: keep every one).
     """
-    pins = None if out_dtypes is None else tuple(None if dtype is None else str(dtype) for dtype in out_dtypes)
+    pins = (
+        None if out_dtypes is None else tuple(None if dtype is None else str(dtype) for dtype in out_dtypes)
+    )
     key = (closed, tuple(_aval_key(aval) for aval in in_avals), pins)
     if key in context.memo:
         return context.memo[key]

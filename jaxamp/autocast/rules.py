@@ -86,7 +86,9 @@ def traced_dtypes(atoms: Sequence[Any]) -> list:
 
 def restore_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     """Runs `equation` exactly as traced: inputs cast back to their traced dtypes."""
-    return bind(equation, [cast(value, dtype) for value, dtype in zip(invals, traced_dtypes(equation.invars))])
+    return bind(
+        equation, [cast(value, dtype) for value, dtype in zip(invals, traced_dtypes(equation.invars))]
+    )
 
 
 def pass_through_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
