@@ -119,6 +119,8 @@ def test_the_float32_scope_keeps_its_matmuls_in_float32_forward_and_backward():
 
     forward = jaxamp.precision_report(jaxamp.autocast(loss), X, W)
     assert forward.count_by_dtype() == {"float16": 1, "float32": 1}
+    twice = jaxamp.autocast(jaxamp.autocast(loss))  # the rewritten jaxpr keeps the scope's name
+    assert jaxamp.precision_report(twice, X, W).count_by_dtype() == {"float16": 1, "float32": 1}
     for backward in (jax.grad(jaxamp.autocast(loss)), jaxamp.autocast(jax.grad(loss))):
         counts = jaxamp.precision_report(backward, X, W).count_by_dtype()
         assert counts["float32"] >= 2 and counts["float16"] >= 1, counts
@@ -175,6 +177,41 @@ def test_a_second_eager_call_neither_traces_nor_rewrites_again():
     fun(X[:2], W, scale=2.0)  # a new shape traces again
     fun(X, W, scale=3.0)  # so does a new static argument
     assert (len(traces), fun.rewrites.traces) == (3, 3)
+
+
+def test_a_second_eager_call_compiles_nothing_even_with_a_nested_jit():
+    compiles = []
+
+    def count(event, *args, **kwargs):
+        if "compile" in event:
+            compiles.append(event)
+
+    fun = jaxamp.autocast(lambda x, w: jax.jit(lambda x, w: jnp.tanh(x @ w))(x, w).sum())
+    fun(X, W)
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        fun(X, W)
+        assert compiles == []
+        jaxamp.autocast(fun.__wrapped__)(X, W)  # a fresh autocast rewrites and compiles the jit again
+        assert compiles != []
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+
+
+def test_an_int_and_a_float_static_argument_are_different_signatures():
+    fun = jaxamp.autocast(lambda x, power: x**power)
+    assert fun(X, 2).dtype == jnp.float32
+    assert fun(X, 2.0).dtype == jnp.float32
+    assert fun.rewrites.traces == 2
+
+
+def test_a_function_closing_over_traced_params_differentiates_through_them():
+    def loss(w):
+        return jaxamp.autocast(lambda x: jnp.tanh(x @ w).sum())(X)
+
+    np.testing.assert_allclose(
+        jax.grad(loss)(W), jax.grad(lambda w: jnp.tanh(X @ w).sum())(W), rtol=2e-2, atol=2e-2
+    )
 
 
 def test_decorator_forms_take_the_policy():

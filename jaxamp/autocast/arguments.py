@@ -64,7 +64,7 @@ class SplitCall:
                 merged_modules.append(module)
                 rebuilt.append(module)
             else:
-                rebuilt.append(slot[1])
+                rebuilt.append(slot[2])
         fun, args, kwargs = jax.tree.unflatten(self._call_tree, rebuilt)
         return fun(*args, **kwargs), [nnx.state(module) for module in merged_modules]
 
@@ -97,6 +97,7 @@ def split_call(fun: Callable[..., Any], args: tuple, kwargs: dict) -> SplitCall:
             traced.append(leaf)
             slots.append(_ARRAY)
         else:
-            slots.append(("static", leaf))
+            # The type too: 1, 1.0 and True are equal keys but trace differently.
+            slots.append(("static", type(leaf), leaf))
     slots = tuple(slots)
     return SplitCall(tuple(traced), (call_tree, slots), tuple(modules), call_tree, slots)

@@ -21,7 +21,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
 from jaxamp.autocast.rules import Rule, cast, restore_rule
-from jaxamp.autocast.scope import in_float32_scope
+from jaxamp.autocast.scope import equation_context, in_float32_scope
 
 
 def _carries_jaxpr(equation) -> bool:
@@ -89,7 +89,8 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
         env[variable] = value
     for equation in jaxpr.eqns:
         invals = [read(atom) for atom in equation.invars]
-        outvals = context.rule_for(equation)(context, equation, invals)
+        with equation_context(equation):
+            outvals = context.rule_for(equation)(context, equation, invals)
         for variable, value in zip(equation.outvars, outvals, strict=True):
             env[variable] = value
     return [read(atom) for atom in jaxpr.outvars]

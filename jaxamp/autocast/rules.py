@@ -183,7 +183,7 @@ _FOLLOW = (
     # structure
     "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev", "slice",
     "dynamic_slice", "dynamic_update_slice", "gather", "concatenate", "pad", "sort", "top_k",
-    "split", "select_and_gather_add", "select_and_scatter_add", "sharding_constraint",
+    "split", "select_and_gather_add", "select_and_scatter_add", "sharding_constraint", "stop_gradient",
 )  # fmt: skip
 
 # Operand-wise primitives: each output is its own operand, so no promotion.

@@ -8,6 +8,11 @@ from collections.abc import Iterator
 
 import jax
 
+try:  # JAX's own eval_jaxpr re-enters each equation's source info this way.
+    from jax._src.source_info_util import user_context as _user_context
+except ImportError:  # pragma: no cover - a JAX release that moved it
+    _user_context = None
+
 FLOAT32_SCOPE_NAME = "jaxamp_float32"
 
 # The scope name as one component of a name stack such as
@@ -44,3 +49,17 @@ def in_float32_scope(equation) -> bool:
     an attribute JAX does not document (``source_info.name_stack``).
     """
     return bool(_SCOPE_COMPONENT.search(str(equation.source_info.name_stack)))
+
+
+def equation_context(equation) -> contextlib.AbstractContextManager:
+    """Re-enters `equation`'s name scopes and source location while its rule runs.
+
+    So the rewritten jaxpr keeps the names the traced one had: profiles and
+    compiled programs keep the model's layer names, errors point at the
+    user's line, and a `float32_scope` survives a second rewrite. JAX has no
+    public API for this, so it is the one place autocast imports from
+    ``jax._src``; without it the names are dropped and nothing else changes.
+    """
+    if _user_context is None:
+        return contextlib.nullcontext()
+    return _user_context(equation.source_info.traceback, name_stack=equation.source_info.name_stack)
