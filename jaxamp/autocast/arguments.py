@@ -82,8 +82,12 @@ class SplitCall:
 
 
 def split_call(fun: Callable[..., Any], args: tuple, kwargs: dict) -> SplitCall:
-    """Splits a call: arrays (from `fun` itself too: an Equinox module is a
-    pytree) are traced, NNX modules are split, anything else is static."""
+    """Splits ``fun(*args, **kwargs)`` into traced arrays and a static rest.
+
+    Arrays are traced wherever they are, `fun` included (an Equinox module is
+    a pytree of its arrays and static fields); NNX modules are split into
+    their graph (static) and state (traced); anything else is static.
+    """
     leaves, call_tree = jax.tree.flatten((fun, args, kwargs), is_leaf=_is_nnx_module)
     traced, slots, modules = [], [], []
     for leaf in leaves:

@@ -90,7 +90,8 @@ def autocast(
             no rule (``shard_map``) accepts ``"restore"``.
 
     Returns:
-        The function under the policy.
+        The function under the policy. Its ``rewrites.traces`` counts how
+        many times it traced and rewrote `fun`.
 
     Raises:
         ValueError: the policy or an override names no valid choice.
@@ -110,9 +111,7 @@ def autocast(
         call.write_back(module_states)
         return outputs
 
-    try:
-        autocast_fun = functools.wraps(fun)(autocast_fun)
-    except AttributeError:  # a callable object without a name
-        pass
+    # updated=(): a module's attributes are not copied onto the function.
+    autocast_fun = functools.wraps(fun, updated=())(autocast_fun)
     autocast_fun.rewrites = rewrites
     return autocast_fun
