@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import collections
+import os
 import pathlib
 import statistics
 import sys
@@ -34,13 +35,19 @@ def _block(fun, *args):
     return jax.block_until_ready(fun(*args))
 
 
-def _seconds(fun, *args, repeats):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        _block(fun, *args)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _interleaved_medians(functions, *args, rounds):
+    """Median seconds per call of each function, timed in alternating rounds.
+
+    Alternating spreads a busy machine's noise over all of them alike, so
+    their ratios hold even when the absolute times do not.
+    """
+    times = [[] for _ in functions]
+    for _ in range(rounds):
+        for fun, samples in zip(functions, times):
+            start = time.perf_counter()
+            _block(fun, *args)
+            samples.append(time.perf_counter() - start)
+    return [statistics.median(samples) for samples in times]
 
 
 def _mlp(width):
@@ -60,14 +67,13 @@ def eager_cost():
     mlp, params = _mlp(256)
     x = jax.random.normal(jax.random.key(1), (64, 256))
     _block(mlp, params, x)
-    plain = _seconds(mlp, params, x, repeats=20)
     autocast_mlp = jaxamp.autocast(mlp)
     start = time.perf_counter()
     _block(autocast_mlp, params, x)
     first = time.perf_counter() - start
-    cached = _seconds(autocast_mlp, params, x, repeats=20)
-    naive = _seconds(lambda params, x: jaxamp.autocast(mlp)(params, x), params, x, repeats=5)
-    print("1. eager calls, MLP 64x256, 3 matmuls (one in a nested jit), median ms")
+    naive_mlp = lambda params, x: jaxamp.autocast(mlp)(params, x)
+    plain, cached, naive = _interleaved_medians((mlp, autocast_mlp, naive_mlp), params, x, rounds=7)
+    print("1. eager calls, MLP 64x256, 3 matmuls (one in a nested jit), median ms (7 interleaved rounds)")
     print(f"   float32 function itself          {plain * 1e3:9.2f}")
     print(f"   autocast, first call             {first * 1e3:9.2f}")
     print(f"   autocast, later calls (cached)   {cached * 1e3:9.2f}   cached/float32 = {cached / plain:.2f}")
@@ -80,9 +86,10 @@ def jit_cost():
     float32_step, half_step = jax.jit(jax.grad(mlp)), jax.jit(jax.grad(jaxamp.autocast(mlp)))
     _block(float32_step, params, x)
     _block(half_step, params, x)
-    float32_time = _seconds(float32_step, params, x, repeats=10)
-    half_time = _seconds(half_step, params, x, repeats=10)
-    print(f"2. jit(grad) of an MLP 512x1024, 3 matmuls, on {jax.default_backend()}, median ms")
+    float32_time, half_time = _interleaved_medians((float32_step, half_step), params, x, rounds=10)
+    print(
+        f"2. jit(grad) of an MLP 512x1024, 3 matmuls, on {jax.default_backend()}, median ms (10 interleaved rounds)"
+    )
     print(
         f"   float32 {float32_time * 1e3:.1f}   autocast float16 {half_time * 1e3:.1f}   "
         f"autocast/float32 = {half_time / float32_time:.2f}"
@@ -129,7 +136,10 @@ def activation_bytes():
 
 
 if __name__ == "__main__":
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
+    print(
+        f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+    )
     eager_cost()
     jit_cost()
     activation_bytes()
