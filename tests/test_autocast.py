@@ -264,6 +264,12 @@ def test_nnx_batch_statistics_are_written_back_eagerly_and_under_nnx_jit():
         np.testing.assert_allclose(model.norm.mean[...], expected_mean, rtol=2e-2, atol=1e-3)
 
 
+def test_a_module_closed_over_by_plain_jit_cannot_take_its_new_statistics_and_says_what_to_use():
+    model = NnxMLP(nnx.Rngs(0), use_running_average=False)
+    with pytest.raises(ValueError, match="could not write the changed state.*NnxMLP.*Use nnx.jit"):
+        jax.jit(lambda x: jaxamp.autocast(model)(x))(_batch()[0])
+
+
 def test_training_with_scaled_value_and_grad_and_train_state():
     loss_fn, params, (x, y) = plain_mlp()
     policy = jaxamp.get_policy("mixed_float16")

@@ -2,9 +2,9 @@
 
 Every function below runs its matmul inside one higher-order primitive
 (nested ``jit``, ``checkpoint``, ``scan``, ``while_loop``, ``cond``,
-``custom_jvp``, ``custom_vjp``). Each is checked forward, under ``jax.grad``
-on either side of autocast, ``jax.jit`` on either side, ``jax.vmap`` and
-``jax.jvp``: the same transformation of the float32 function is the
+``custom_jvp``, ``custom_vjp``). Each is checked forward, and under
+``jax.grad``, ``jax.jit``, ``jax.vmap`` and ``jax.jvp``, each on either side
+of autocast: the same transformation of the float32 function is the
 reference (values within float16 rounding, see test_autocast_models.py,
 and identical dtypes), and the matmuls, forward and backward, are float16.
 """
@@ -68,7 +68,9 @@ TRANSFORMS = {
     "jit(autocast)": lambda f, cast: jax.jit(cast(f)),
     "autocast(jit)": lambda f, cast: cast(jax.jit(f)),
     "vmap": lambda f, cast: jax.vmap(cast(f), in_axes=(0, None)),
-    "jvp": lambda f, cast: lambda x, w: jax.jvp(lambda x: cast(f)(x, w), (x,), (jnp.ones_like(x),)),
+    "autocast(vmap)": lambda f, cast: cast(jax.vmap(f, in_axes=(0, None))),
+    "jvp(autocast)": lambda f, cast: lambda x, w: jax.jvp(lambda x: cast(f)(x, w), (x,), (jnp.ones_like(x),)),
+    "autocast(jvp)": lambda f, cast: cast(lambda x, w: jax.jvp(lambda x: f(x, w), (x,), (jnp.ones_like(x),))),
 }
 
 FUNCTIONS = {
@@ -85,14 +87,15 @@ FUNCTIONS = {
 UNSUPPORTED = {
     ("while", "grad(autocast)"),  # reverse mode through a while_loop
     ("while", "autocast(grad)"),
-    ("custom_vjp", "jvp"),  # forward mode through a custom_vjp
+    ("custom_vjp", "jvp(autocast)"),  # forward mode through a custom_vjp
+    ("custom_vjp", "autocast(jvp)"),
 }
 
 
 def _inputs(transform_name):
     x = jax.random.normal(jax.random.key(0), (3, 4)) / 2
     w = jax.random.normal(jax.random.key(1), (4, 4)) / 2
-    if transform_name == "vmap":
+    if "vmap" in transform_name:
         x = jnp.stack([x, -x])
     return x, w
 

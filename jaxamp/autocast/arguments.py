@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable, Hashable
 from typing import Any
 
+import flax.errors
 import jax
 import numpy as np
 from flax import nnx
@@ -78,7 +79,19 @@ class SplitCall:
             if len(old_leaves) != len(new_leaves) or any(
                 new is not old for new, old in zip(new_leaves, old_leaves)
             ):
-                nnx.update(module, state)
+                _update(module, state)
+
+
+def _update(module: nnx.Module, state) -> None:
+    try:
+        nnx.update(module, state)
+    except flax.errors.TraceContextError as error:
+        raise ValueError(
+            f"autocast could not write the changed state (batch statistics, RNG counts) back to the "
+            f"{type(module).__name__} module: NNX forbids it for a module that a plain JAX transformation "
+            "(jax.jit, jax.grad, make_jaxpr) closes over. Use nnx.jit / nnx.grad, or pass the module as "
+            "an argument of the transformed function."
+        ) from error
 
 
 def split_call(fun: Callable[..., Any], args: tuple, kwargs: dict) -> SplitCall:

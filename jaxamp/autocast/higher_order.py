@@ -7,7 +7,7 @@ nested ``jit``, the policy, ``prevent_cse`` and ``differentiated`` of
 releases (``scan``, ``cond``), calls the public API that builds it (the
 length, direction and unrolling of a ``scan`` kept):
 
-* ``jit`` / ``pjit`` / ``closed_call`` / ``core_call``: the body is
+* ``jit`` (``pjit`` in older JAX releases) / ``closed_call``: the body is
   rewritten for the current input dtypes.
 * ``remat`` (``jax.checkpoint``): likewise; constants the rewrite creates
   become leading operands, since its body must be constant-free.
@@ -19,7 +19,7 @@ length, direction and unrolling of a ``scan`` kept):
   rewritten body and whose rule is the rewritten JVP of the original (the
   user's rule, traced and rewritten), so the rule's arithmetic runs in half
   precision as well.
-* ``custom_vjp_call`` (``custom_vjp_call_jaxpr`` before JAX 0.7): a new
+* ``custom_vjp_call`` (``custom_vjp_call_jaxpr`` in older JAX releases): a new
   ``jax.custom_vjp`` whose forward is the user's forward, rewritten, with the
   user's residuals (``jax.vjp``'s pullback is a pytree of them), and whose
   backward is the user's backward, rewritten: keeping the user's backward as
@@ -249,10 +249,11 @@ def custom_vjp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
 
 
 HIGHER_ORDER_RULES: dict[str, Rule] = {
+    # Older names ("pjit", "checkpoint", "custom_vjp_call_jaxpr") are listed
+    # too; jax 0.10.2 and 0.12.0.1, where this is tested, use the others.
     "jit": jit_rule,
     "pjit": jit_rule,
     "closed_call": jit_rule,
-    "core_call": jit_rule,
     "remat": remat_rule,
     "remat2": remat_rule,
     "checkpoint": remat_rule,
