@@ -16,7 +16,7 @@ Example:
     >>> state = state.apply_gradients(grads=grads, grads_finite=grads_finite)
 """
 
-from jaxamp.autocast import autocast, float32_scope
+from jaxamp.jaxpr_policy import autocast, float32_scope
 from jaxamp.finite import all_finite, select_tree
 from jaxamp.grads import scaled_value_and_grad
 from jaxamp.loss_scale import (

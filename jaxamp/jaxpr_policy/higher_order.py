@@ -40,8 +40,8 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
-from jaxamp.autocast.interpreter import Rewrite, RewriteCache, abstract, interpret, lift_consts, rewrite_jaxpr
-from jaxamp.autocast.rules import Rule, bind, cast, is_floating, traced_dtypes
+from jaxamp.jaxpr_policy.interpreter import Rewrite, RewriteCache, abstract, interpret, lift_consts, rewrite_jaxpr
+from jaxamp.jaxpr_policy.rules import Rule, bind, cast, is_floating, traced_dtypes
 
 
 def jit_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:

@@ -6,10 +6,10 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jaxamp.autocast.arguments import split_call
-from jaxamp.autocast.higher_order import HIGHER_ORDER_RULES
-from jaxamp.autocast.interpreter import RewriteCache
-from jaxamp.autocast.rules import FIRST_ORDER_RULES, RULES_BY_NAME, Rule
+from jaxamp.jaxpr_policy.arguments import split_call
+from jaxamp.jaxpr_policy.higher_order import HIGHER_ORDER_RULES
+from jaxamp.jaxpr_policy.interpreter import RewriteCache
+from jaxamp.jaxpr_policy.rules import FIRST_ORDER_RULES, RULES_BY_NAME, Rule
 from jaxamp.policy import PolicySpec, get_policy
 
 

@@ -2,8 +2,8 @@
 
 A function is traced to a jaxpr once, with the dtypes its caller gave it,
 and the jaxpr is evaluated again equation by equation: each equation's rule
-(`jaxamp.autocast.rules` for first-order primitives,
-`jaxamp.autocast.higher_order` for those carrying jaxprs) sees the current
+(`jaxamp.jaxpr_policy.rules` for first-order primitives,
+`jaxamp.jaxpr_policy.higher_order` for those carrying jaxprs) sees the current
 input values, whose dtypes may differ from the traced ones, and decides
 which dtypes the primitive runs in. Tracing that evaluation gives the
 rewritten jaxpr, which `RewriteCache` keeps per input shapes and dtypes.
@@ -20,8 +20,8 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
-from jaxamp.autocast.rules import Rule, cast, restore_rule
-from jaxamp.autocast.scope import equation_context, in_float32_scope
+from jaxamp.jaxpr_policy.rules import Rule, cast, restore_rule
+from jaxamp.jaxpr_policy.scope import equation_context, in_float32_scope
 
 
 def _carries_jaxpr(equation) -> bool:

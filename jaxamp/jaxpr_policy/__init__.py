@@ -1,7 +1,8 @@
-"""`autocast`: mixed precision for any JAX function, as a jaxpr transformation.
+"""The jaxpr route to a policy: `autocast`, mixed precision for any JAX function.
 
-The third route to a policy, beside the linen and NNX ones of
-`jaxamp.apply_policy`: it works on primitives, not on layers, so it needs no
+The third route to a policy, beside `jaxamp.linen_policy` and
+`jaxamp.nnx_policy` (which `jaxamp.apply_policy` chooses between): it works
+on the primitives of a traced function, not on layers, so it needs no
 framework. One module per job:
 
 * `transform`: the public `autocast` and its options;
@@ -14,7 +15,7 @@ framework. One module per job:
 * `scope`: `float32_scope`, the opt-out.
 """
 
-from jaxamp.autocast.scope import float32_scope
-from jaxamp.autocast.transform import autocast
+from jaxamp.jaxpr_policy.scope import float32_scope
+from jaxamp.jaxpr_policy.transform import autocast
 
 __all__ = ["autocast", "float32_scope"]

@@ -39,7 +39,7 @@ from jax import lax
 from jax.extend.core import Literal
 
 if TYPE_CHECKING:
-    from jaxamp.autocast.interpreter import Rewrite
+    from jaxamp.jaxpr_policy.interpreter import Rewrite
 
 Rule = Callable[["Rewrite", Any, Sequence[Any]], list]
 
