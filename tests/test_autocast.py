@@ -228,6 +228,24 @@ def test_decorator_forms_take_the_policy():
     assert default.__name__ == "default"
 
 
+def test_a_float32_policy_changes_nothing():
+    loss_fn, params, batch = plain_mlp()
+    assert (
+        jaxamp.precision_report(jaxamp.autocast(loss_fn, "float32"), params, *batch).fraction(jnp.float32)
+        == 1.0
+    )
+    np.testing.assert_allclose(
+        jaxamp.autocast(loss_fn, "float32")(params, *batch), loss_fn(params, *batch), rtol=1e-6
+    )
+
+
+def test_autocast_of_something_that_is_not_a_function_says_so():
+    with pytest.raises(TypeError, match="autocast needs a function to transform; got Array"):
+        jaxamp.autocast(X)
+    with pytest.raises(ValueError, match="Unknown precision policy 'half_float'"):
+        jaxamp.autocast(jnp.exp, "half_float")
+
+
 def test_jit_of_autocast_compiles_the_same_matmuls_as_a_hand_written_float16_model():
     loss_fn, params, (x, y) = plain_mlp()
 
