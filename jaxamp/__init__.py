@@ -25,6 +25,7 @@ from jaxamp.loss_scale import (
     default_loss_scale,
 )
 from jaxamp.module_policy import NORMALIZATION_LAYERS, apply_policy
+from jaxamp.overflow_guard import LossScaleStuckError, OverflowGuard
 from jaxamp.policy import Policy, get_policy
 from jaxamp.report import PrecisionReport, precision_report
 from jaxamp.train_state import TrainState
@@ -35,7 +36,9 @@ __all__ = [
     "NORMALIZATION_LAYERS",
     "DynamicLossScale",
     "LossScale",
+    "LossScaleStuckError",
     "NoOpLossScale",
+    "OverflowGuard",
     "Policy",
     "PrecisionReport",
     "StaticLossScale",
