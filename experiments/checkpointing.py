@@ -147,6 +147,8 @@ class Checkpointer:
                 f"--checkpoint-dir {directory} already holds checkpoints (the latest after step "
                 f"{latest}); pass --resume to continue that run, or name a new folder."
             )
+        if resume:
+            self._check_signature(self._latest_meta())
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -176,33 +178,10 @@ class Checkpointer:
             CheckpointError: there is no checkpoint, it is not readable, or it
                 was made with other settings (the message names each).
         """
+        meta = self._latest_meta()
+        self._check_signature(meta)
         step = self._manager.latest_step()
-        if step is None:
-            raise CheckpointError(
-                f"--resume found no checkpoint in {self.directory}; run without --resume to start "
-                "afresh, or name the folder of the run to continue."
-            )
         where = os.path.join(self.directory, str(step))
-        try:
-            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-            saved_signature = meta["signature"]
-        except Exception as error:  # orbax reports a damaged checkpoint through many types
-            raise CheckpointError(
-                f"{where} is not a readable checkpoint of this experiment ({type(error).__name__}: "
-                f"{error}); delete it to resume from an earlier one, or start afresh in a new folder."
-            ) from error
-        differences = [
-            f"{SIGNATURE_FIELDS.get(name, name)}: checkpoint {saved_signature.get(name)!r}, "
-            f"this run {value!r}"
-            for name, value in self._signature.items()
-            if saved_signature.get(name) != value
-        ]
-        if differences:
-            raise CheckpointError(
-                f"The checkpoint in {where} was made with other settings; "
-                + "; ".join(differences)
-                + ". Resume with the checkpoint's settings, or start afresh in a new folder."
-            )
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, saved_parts(state))
         try:
             restored = self._manager.restore(
@@ -214,6 +193,41 @@ class Checkpointer:
                 "checkpoint to resume from an earlier one, or start afresh in a new folder."
             ) from error
         return state.replace(**restored), Position(**meta["position"]), meta["results"]
+
+    def _latest_meta(self) -> dict[str, Any]:
+        """The latest checkpoint's JSON item; raises CheckpointError if none is readable."""
+        step = self._manager.latest_step()
+        if step is None:
+            raise CheckpointError(
+                f"--resume found no checkpoint in {self.directory}; run without --resume to start "
+                "afresh, or name the folder of the run to continue."
+            )
+        where = os.path.join(self.directory, str(step))
+        try:
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            if not isinstance(meta.get("signature"), dict) or "position" not in meta:
+                raise KeyError("signature or position")
+            return meta
+        except Exception as error:  # orbax reports a damaged checkpoint through many types
+            raise CheckpointError(
+                f"{where} is not a readable checkpoint of this experiment ({type(error).__name__}: "
+                f"{error}); delete it to resume from an earlier one, or start afresh in a new folder."
+            ) from error
+
+    def _check_signature(self, meta: dict[str, Any]) -> None:
+        saved = meta["signature"]
+        differences = [
+            f"{SIGNATURE_FIELDS.get(name, name)} (checkpoint {saved.get(name)!r}, this run {value!r})"
+            for name, value in self._signature.items()
+            if saved.get(name) != value
+        ]
+        if differences:
+            where = os.path.join(self.directory, str(self._manager.latest_step()))
+            raise CheckpointError(
+                f"Refusing to resume from {where}: it was made with other settings: "
+                + "; ".join(differences)
+                + ". Resume with the checkpoint's settings, or start afresh in a new folder."
+            )
 
 
 def saved_parts(state: jaxamp.TrainState) -> dict[str, Any]:

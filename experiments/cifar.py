@@ -17,6 +17,8 @@ import argparse
 import math
 import sys
 
+import jax
+
 import jaxamp
 from experiments import checkpointing, distributed, fault_injection, train
 from experiments import data as data_lib
@@ -83,7 +85,7 @@ def precision_arg(text: str) -> str:
 def loss_scale_arg(text: str) -> str:
     """An argparse type: default, dynamic, none or static:N."""
     try:
-        train.resolve_loss_scale(text, train.resolve_precision("mixed").policy)
+        train.parse_loss_scale(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text
@@ -117,6 +119,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         help="(default: %(default)s; 30 for accuracy)",
     )
     parser.add_argument("--batch-size", type=positive_int, default=train.TrainConfig.batch_size)
+    parser.add_argument(
+        "--eval-batch-size", type=positive_int, default=train.TrainConfig.eval_batch_size, help="test batch size"
+    )
     parser.add_argument("--lr", type=positive_float, default=train.TrainConfig.lr, help="peak learning rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -207,6 +212,7 @@ def config_from_args(args: argparse.Namespace, **overrides) -> train.TrainConfig
     fields = {
         "epochs": args.epochs,
         "batch_size": args.batch_size,
+        "eval_batch_size": args.eval_batch_size,
         "lr": args.lr,
         "seed": args.seed,
         "steps_per_epoch": args.steps_per_epoch,
@@ -271,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             else ""
         )
     )
-    if config.out:
+    if config.out and jax.process_index() == 0:
         print(f"results written to {config.out}")
     return 0
 

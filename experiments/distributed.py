@@ -160,7 +160,7 @@ class DataParallel:
             raise DistributedSetupError(
                 f"--batch-size {batch_size}{split} does not split over {self.device_count} devices "
                 f"in {self.process_count} process(es); choose a batch size whose micro-batch is a "
-                f"multiple of {self.device_count}, e.g. {self.device_count * grad_accum * max(1, micro_batch // self.device_count)}."
+                f"multiple of {self.device_count}, e.g. {self.device_count * grad_accum * -(-micro_batch // self.device_count)}."
             )
 
 

@@ -125,7 +125,8 @@ def validate_config(config: TrainConfig) -> None:
         fail("--data", config.data, f"one of {', '.join(data_lib.SOURCES)}")
     try:
         validate_rate(config.inject_nonfinite)
-        resolve_loss_scale(config.loss_scale, resolve_precision(config.precision).policy)
+        resolve_precision(config.precision)
+        parse_loss_scale(config.loss_scale)
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None
 
@@ -158,24 +159,41 @@ def resolve_precision(name: str) -> Precision:
     return Precision(name, jaxamp.get_policy(name), "default")
 
 
-def resolve_loss_scale(spec: str, policy: jaxamp.Policy) -> jaxamp.LossScale:
-    """Resolves ``--loss-scale``: ``default``, ``dynamic``, ``static:N`` or ``none``."""
+def parse_loss_scale(spec: str) -> tuple[str, float | None]:
+    """Checks ``--loss-scale`` without building anything: ``(kind, static value)``.
+
+    Builds no array, so a flag parser can call it before ``jax.distributed``
+    is initialised.
+
+    Raises:
+        ValueError: naming the spec and the valid forms.
+    """
     key = "".join(spec.split()).lower()
-    if key == "default":
-        return jaxamp.default_loss_scale(policy)
-    if key == "dynamic":
-        return jaxamp.DynamicLossScale()
-    if key == "none":
-        return jaxamp.NoOpLossScale()
+    if key in ("default", "dynamic", "none"):
+        return key, None
     if key.startswith("static:"):
         try:
-            return jaxamp.StaticLossScale(float(key.removeprefix("static:")))
+            value = float(key.removeprefix("static:"))
         except ValueError:
-            pass
+            value = math.nan
+        if math.isfinite(value) and value > 0:
+            return "static", value
     raise ValueError(
         f"Unknown loss scale {spec!r}; choose default, dynamic, none or static:N "
         "with N a positive number (e.g. static:1024)."
     )
+
+
+def resolve_loss_scale(spec: str, policy: jaxamp.Policy) -> jaxamp.LossScale:
+    """Resolves ``--loss-scale``: ``default``, ``dynamic``, ``static:N`` or ``none``."""
+    kind, value = parse_loss_scale(spec)
+    if kind == "default":
+        return jaxamp.default_loss_scale(policy)
+    if kind == "dynamic":
+        return jaxamp.DynamicLossScale()
+    if kind == "none":
+        return jaxamp.NoOpLossScale()
+    return jaxamp.StaticLossScale(value)
 
 
 def create_optimizer(config: TrainConfig, steps_per_epoch: int) -> optax.GradientTransformation:
