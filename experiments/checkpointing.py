@@ -95,7 +95,7 @@ def check_folder_usable(directory: str) -> None:
     existing = path
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.access(existing, os.R_OK | os.W_OK | os.X_OK):
+    if not os.access(existing, os.R_OK | os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
         raise CheckpointError(
             f"No permission to write checkpoints in {existing}"
             + (f" (to create {path})" if existing != path else "")
