@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 
 import jax
 
@@ -28,36 +29,33 @@ _DATASETS = ("cifar10", "fashion_mnist")
 _DATA_SOURCES = ("tfds", "synthetic")
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def integer_at_least(minimum: int, description: str) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum`, called `description` in errors."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {description}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {description}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = integer_at_least(1, "a positive integer")
+non_negative_int = integer_at_least(0, "an integer >= 0")
 
 
 def positive_float(text: str) -> float:
-    """An argparse type: a number > 0."""
+    """An argparse type: a finite number > 0."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"expected a positive finite number, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
 
 

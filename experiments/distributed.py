@@ -73,8 +73,7 @@ def initialize(
         raise DistributedSetupError(
             f"--process-id {process_id} must lie in 0..{num_processes - 1} for --num-processes {num_processes}."
         )
-    # CPU processes exchange gradients through gloo; GPUs use NCCL regardless.
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    _use_gloo_for_cpu_collectives()
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator_address,
@@ -88,6 +87,18 @@ def initialize(
             "process got the same --coordinator-address and --num-processes, that process 0 "
             "runs, and that the port is free."
         ) from error
+
+
+def _use_gloo_for_cpu_collectives() -> None:
+    """CPU processes exchange gradients through gloo (GPUs use NCCL regardless).
+
+    JAX 0.10 needs the option set; should a later JAX drop it, it chooses
+    its CPU collectives itself, and the run goes on.
+    """
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except (AttributeError, KeyError, ValueError):
+        pass
 
 
 @dataclasses.dataclass(frozen=True)

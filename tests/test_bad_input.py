@@ -31,6 +31,7 @@ QUICK = ["--model", "resnet_tiny", "--data", "synthetic", "--no-progress", "--ep
         (["--loss-scale", "adaptive"], "Unknown loss scale 'adaptive'"),
         (["--loss-scale", "static:inf"], "Unknown loss scale 'static:inf'"),
         (["--dataset", "imagenet"], "invalid choice: 'imagenet'"),
+        (["--data", "imagenet"], "invalid choice: 'imagenet'"),
         (["--batch-size", "0"], "expected a positive integer, got 0"),
         (["--batch-size", "-8"], "expected a positive integer, got -8"),
         (["--batch-size", "8.5"], "expected a positive integer, got '8.5'"),

@@ -112,24 +112,6 @@ def test_default_loss_scale_follows_the_policy():
     )
 
 
-@pytest.mark.parametrize(
-    "argv, expected",
-    [
-        (["--precision", "mixd"], "Unknown precision policy 'mixd'"),
-        (["--model", "resnet19"], "invalid choice: 'resnet19'"),
-        (["--loss-scale", "static:-3"], "static:N"),
-        (["--data", "imagenet"], "invalid choice: 'imagenet'"),
-        (["--epochs", "0"], "expected a positive integer"),
-        (["--resume"], "--resume needs --checkpoint-dir"),
-    ],
-)
-def test_bad_flags_get_an_argparse_error_that_names_the_choices(argv, expected, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        cifar.main(argv)
-    assert exit_info.value.code == 2
-    assert expected in capsys.readouterr().err
-
-
 def test_the_cli_runs_end_to_end_and_writes_the_promised_json(tmp_path):
     out = tmp_path / "run.json"
     completed = subprocess.run(
