@@ -62,6 +62,9 @@ def test_two_devices_of_one_process_train_like_one_device_and_reject_an_indivisi
 
     assert results["environment"]["device_count"] == 2
     assert_same_training(results["epochs"][0], one_device)
+    # orbax's multi-process save: both processes call it, one complete checkpoint per save
+    assert sorted(os.listdir(checkpoints)) == ["2", "3"]
+    assert all((checkpoints / step / "commit_success.txt").exists() for step in ("2", "3"))
 
     rejected = run_experiment(["--batch-size", "7"], devices=2)
     _, stderr = rejected.communicate(timeout=300)
@@ -75,13 +78,16 @@ def free_port():
         return probe.getsockname()[1]
 
 
-def test_two_processes_on_loopback_end_identical_and_train_like_one_process(tmp_path, one_device):
+def test_two_processes_on_loopback_end_identical_train_like_one_process_and_checkpoint(
+    tmp_path, one_device
+):
     address = f"127.0.0.1:{free_port()}"
     outs = [tmp_path / f"process{index}.json" for index in range(2)]
+    checkpoints = tmp_path / "checkpoints"
     processes = [
         run_experiment(
             ["--coordinator-address", address, "--num-processes", "2", "--process-id", str(index),
-             "--out", str(outs[index])]
+             "--out", str(outs[index]), "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2"]
         )  # fmt: skip
         for index in range(2)
     ]
