@@ -52,6 +52,7 @@ SIGNATURE_FIELDS = {
 _STEP_FOLDER = re.compile(r"^\d+$")
 _ORBAX_TEMPORARY = re.compile(r"^\d+\.orbax-checkpoint-tmp")
 _MAX_TO_KEEP = 3
+_EFFECTIVE_IDS = os.access in os.supports_effective_ids
 
 
 class CheckpointError(RuntimeError):
@@ -95,7 +96,8 @@ def check_folder_usable(directory: str) -> None:
     existing = path
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.access(existing, os.R_OK | os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+    # effective ids: what this process may do (also after seteuid), not its real user
+    if not os.access(existing, os.R_OK | os.W_OK | os.X_OK, effective_ids=_EFFECTIVE_IDS):
         raise CheckpointError(
             f"No permission to write checkpoints in {existing}"
             + (f" (to create {path})" if existing != path else "")

@@ -118,7 +118,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch-size", type=positive_int, default=train.TrainConfig.batch_size)
     parser.add_argument(
-        "--eval-batch-size", type=positive_int, default=train.TrainConfig.eval_batch_size, help="test batch size"
+        "--eval-batch-size",
+        type=positive_int,
+        default=train.TrainConfig.eval_batch_size,
+        help="test batch size (default: %(default)s)",
     )
     parser.add_argument("--lr", type=positive_float, default=train.TrainConfig.lr, help="peak learning rate")
     parser.add_argument("--seed", type=int, default=0)
@@ -164,7 +167,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         help="test hook: make the gradients of a seeded random RATE share of steps inf or NaN",
     )
     parser.add_argument(
-        "--no-progress", action="store_true", help="no progress bar inside epochs (never drawn off a terminal)"
+        "--no-progress",
+        action="store_true",
+        help="no progress bar inside epochs (never drawn off a terminal anyway)",
     )
 
 
@@ -187,13 +192,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-dir", default=None, help="save the state here after every epoch (orbax, atomic)"
     )
     parser.add_argument(
-        "--checkpoint-every", type=positive_int, default=None, help="also save every N steps (needs --checkpoint-dir)"
+        "--checkpoint-every",
+        type=positive_int,
+        default=None,
+        help="also save every N steps (needs --checkpoint-dir)",
     )
     parser.add_argument(
-        "--resume", action="store_true", help="continue exactly from the latest checkpoint in --checkpoint-dir"
+        "--resume",
+        action="store_true",
+        help="continue exactly from the latest checkpoint in --checkpoint-dir",
     )
-    parser.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0, for several processes")
-    parser.add_argument("--num-processes", type=positive_int, default=None, help="processes in a multi-process run")
+    parser.add_argument(
+        "--coordinator-address", default=None, help="HOST:PORT of process 0, for several processes"
+    )
+    parser.add_argument(
+        "--num-processes", type=positive_int, default=None, help="processes in a multi-process run"
+    )
     parser.add_argument("--process-id", type=non_negative_int, default=None, help="this process's index")
     parser.add_argument(
         "--distributed",

@@ -63,6 +63,8 @@ _FASHION_MNIST_FILES = {
 _IDX_IMAGES_MAGIC = 0x00000803  # unsigned bytes, 3 dimensions
 _IDX_LABELS_MAGIC = 0x00000801  # unsigned bytes, 1 dimension
 _AUGMENT_PADDING = 4
+# os.access with effective ids: what this process may do, also after seteuid.
+_EFFECTIVE_IDS = os.access in os.supports_effective_ids
 
 
 class DataUnavailableError(RuntimeError):
@@ -363,7 +365,7 @@ def _check_readable_folder(data_dir: str, name: str, writable: bool = False) -> 
     if not os.path.isdir(data_dir):
         return
     mode = os.R_OK | os.X_OK | (os.W_OK if writable else 0)
-    if not os.access(data_dir, mode, effective_ids=os.access in os.supports_effective_ids):
+    if not os.access(data_dir, mode, effective_ids=_EFFECTIVE_IDS):
         needed = "read and write" if writable else "read"
         raise DataUnavailableError(
             f"No permission to {needed} the {name} data folder {data_dir}; fix its permissions,"

@@ -71,7 +71,8 @@ def initialize(
         )
     if given and not 0 <= process_id < num_processes:
         raise DistributedSetupError(
-            f"--process-id {process_id} must lie in 0..{num_processes - 1} for --num-processes {num_processes}."
+            f"--process-id {process_id} must lie in 0..{num_processes - 1} "
+            f"for --num-processes {num_processes}."
         )
     _use_gloo_for_cpu_collectives()
     try:
@@ -167,11 +168,12 @@ class DataParallel:
             )
         micro_batch = batch_size // grad_accum
         if micro_batch % self.device_count:
+            suggestion = self.device_count * grad_accum * -(-micro_batch // self.device_count)
             split = f" ({grad_accum} micro-batches of {micro_batch})" if grad_accum > 1 else ""
             raise DistributedSetupError(
                 f"--batch-size {batch_size}{split} does not split over {self.device_count} devices "
                 f"in {self.process_count} process(es); choose a batch size whose micro-batch is a "
-                f"multiple of {self.device_count}, e.g. {self.device_count * grad_accum * -(-micro_batch // self.device_count)}."
+                f"multiple of {self.device_count}, e.g. {suggestion}."
             )
 
 

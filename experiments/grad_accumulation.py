@@ -81,5 +81,7 @@ def accumulate_gradients(
     (grads_sum, grads_finite, carry, metrics), _ = jax.lax.scan(
         accumulate, (zeros, jnp.array(True), carry, metrics_zeros), micro_batches
     )
-    grads = jax.tree.map(lambda total, leaf: (total / num_micro_batches).astype(leaf.dtype), grads_sum, params)
+    grads = jax.tree.map(
+        lambda total, leaf: (total / num_micro_batches).astype(leaf.dtype), grads_sum, params
+    )
     return carry, grads, grads_finite, metrics

@@ -561,7 +561,9 @@ def _run_epoch(run: _Run, state, epoch: int, resumed_at: Position | None):
     sums = resumed_at.epoch_sums if resumed_at else _zero_sums()
     start = time.perf_counter()
     batches, step_rngs = run.epoch_plan(run.epoch_key(epoch))
-    progress = Progress(steps, f"epoch {epoch}/{config.epochs}", config.progress, config.batch_size, steps_done)
+    progress = Progress(
+        steps, f"epoch {epoch}/{config.epochs}", config.progress, config.batch_size, initial=steps_done
+    )
     pending: list[dict[str, jax.Array]] = []
     for step in range(steps_done, steps):
         state, metrics = run.train_step(

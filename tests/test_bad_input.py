@@ -6,7 +6,6 @@ through the same finite check).
 """
 
 import contextlib
-import gzip
 import os
 import pathlib
 import shutil
@@ -20,7 +19,9 @@ import jaxamp
 from experiments import checkpointing, cifar
 from test_data import write_cifar10_archive, write_fashion_mnist
 
-QUICK = ["--model", "resnet_tiny", "--data", "synthetic", "--no-progress", "--epochs", "1", "--batch-size", "8"]
+QUICK = [
+    "--model", "resnet_tiny", "--data", "synthetic", "--no-progress", "--epochs", "1", "--batch-size", "8",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -89,8 +90,8 @@ def test_a_truncated_cifar10_archive_exits_1_with_the_ways_forward(tmp_path, off
     archive = tmp_path / "downloads" / "manual" / "cifar-10-binary.tar.gz"
     write_cifar10_archive(archive)
     archive.write_bytes(archive.read_bytes()[:-200])
-    exit_code, error = run_cli([*QUICK, "--dataset", "cifar10", "--data", "tfds", "--data-dir", str(tmp_path)],
-                               capsys)  # fmt: skip
+    argv = [*QUICK, "--dataset", "cifar10", "--data", "tfds", "--data-dir", str(tmp_path)]
+    exit_code, error = run_cli(argv, capsys)
     assert exit_code == 1 and str(archive) in error and "Download" in error
 
 

@@ -93,7 +93,8 @@ def test_two_processes_on_loopback_end_identical_train_like_one_process_and_chec
     ]
     stdouts = [finish(process) for process in processes]
 
-    checksums = [re.findall(r"\[process \d\] epoch +1/1 .* state ([0-9a-f]{12})", stdout) for stdout in stdouts]
+    epoch_line = re.compile(r"\[process \d\] epoch +1/1 .* state ([0-9a-f]{12})")
+    checksums = [epoch_line.findall(stdout) for stdout in stdouts]
     assert len(checksums[0]) == 1 and checksums[0] == checksums[1]
     assert not outs[1].exists()  # only process 0 writes results
     results = json.loads(outs[0].read_text())

@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 import jaxamp
 from experiments import data as data_lib
@@ -56,7 +55,10 @@ def accumulated_step(state, inputs, targets, num_micro_batches):
 
 def linear_state(params):
     return jaxamp.TrainState.create(
-        apply_fn=None, params=params, tx=optax.sgd(0.1, momentum=0.9), loss_scale=jaxamp.DynamicLossScale(2.0**10)
+        apply_fn=None,
+        params=params,
+        tx=optax.sgd(0.1, momentum=0.9),
+        loss_scale=jaxamp.DynamicLossScale(2.0**10),
     )
 
 
@@ -68,7 +70,9 @@ def test_k_accumulated_micro_batches_give_the_update_of_one_batch_k_times_the_si
 
     for name in params:
         assert not np.allclose(one_batch.params[name], params[name])
-        np.testing.assert_allclose(four_micro_batches.params[name], one_batch.params[name], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(
+            four_micro_batches.params[name], one_batch.params[name], rtol=1e-6, atol=1e-7
+        )
 
 
 def test_an_overflowed_micro_batch_never_reaches_the_accumulator_and_later_steps_train():
@@ -84,7 +88,8 @@ def test_an_overflowed_micro_batch_never_reaches_the_accumulator_and_later_steps
     for _ in range(3):
         state = step(state, inputs, targets, 4)
     assert (int(state.step), int(state.skipped_steps)) == (3, 1)
-    assert jaxamp.all_finite((state.params, state.opt_state)) and not np.allclose(state.params["w"], params["w"])
+    assert jaxamp.all_finite((state.params, state.opt_state))
+    assert not np.allclose(state.params["w"], params["w"])
 
 
 def test_nan_in_the_input_images_of_a_micro_batch_is_a_counted_skipped_step_of_the_experiment():
@@ -98,7 +103,9 @@ def test_nan_in_the_input_images_of_a_micro_batch_is_a_counted_skipped_step_of_t
 
     state, _ = step(state, images, labels, jnp.arange(4), jax.random.key(0))  # holds image 1
     assert (int(state.step), int(state.skipped_steps)) == (0, 1)
-    same = jax.tree.map(np.array_equal, (state.params, state.batch_stats), (before.params, before.batch_stats))
+    same = jax.tree.map(
+        np.array_equal, (state.params, state.batch_stats), (before.params, before.batch_stats)
+    )
     assert all(jax.tree.leaves(same))
 
     state, metrics = step(state, images, labels, jnp.arange(4) + 4, jax.random.key(1))  # clean images

@@ -57,8 +57,10 @@ def test_a_restored_checkpoint_holds_every_loss_scale_field_skipped_steps_and_st
     for name in ("step", "skipped_steps"):
         assert getattr(restored, name).dtype == jnp.int32
         assert int(getattr(restored, name)) == int(getattr(state, name)), name
-    chex_equal = jax.tree.map(np.array_equal, (restored.params, restored.opt_state), (state.params, state.opt_state))
-    assert all(jax.tree.leaves(chex_equal))
+    equal = jax.tree.map(
+        np.array_equal, (restored.params, restored.opt_state), (state.params, state.opt_state)
+    )
+    assert all(jax.tree.leaves(equal))
     assert train.state_checksum(restored) == train.state_checksum(state)
     assert restored_position == position()
 
