@@ -3,41 +3,72 @@
 python -m experiments.cifar --precision mixed
 python -m experiments.cifar --precision fp32 --model mobilenetv2 --out fp32.json
 python -m experiments.cifar --precision mixed --data synthetic --steps-per-epoch 5
+python -m experiments.cifar --checkpoint-dir ckpt --checkpoint-every 100 --resume
+python -m experiments.cifar --coordinator-address 10.0.0.1:1234 --num-processes 2 --process-id 0
+
+Exit status: 0 on success, 2 for a bad flag, 1 for anything found later (data
+missing or damaged, an unusable checkpoint, a batch that does not split over
+the devices, an overflow storm), each with one message and no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Callable
 
+import jax
+
+import jaxamp
+from experiments import checkpointing, distributed, fault_injection, train
 from experiments import data as data_lib
-from experiments import train
 from experiments.models import MODELS
 
 _DATASETS = ("cifar10", "fashion_mnist")
 _DATA_SOURCES = ("tfds", "synthetic")
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def integer_at_least(minimum: int, description: str) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum`, called `description` in errors."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {description}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {description}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = integer_at_least(1, "a positive integer")
+non_negative_int = integer_at_least(0, "an integer >= 0")
 
 
 def positive_float(text: str) -> float:
-    """An argparse type: a number > 0."""
+    """An argparse type: a finite number > 0."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {value}")
     return value
+
+
+def injection_rate(text: str) -> float:
+    """An argparse type: a share of steps in [0, 1)."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    try:
+        return fault_injection.validate_rate(rate)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def precision_arg(text: str) -> str:
@@ -52,7 +83,7 @@ def precision_arg(text: str) -> str:
 def loss_scale_arg(text: str) -> str:
     """An argparse type: default, dynamic, none or static:N."""
     try:
-        train.resolve_loss_scale(text, train.resolve_precision("mixed").policy)
+        train.parse_loss_scale(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text
@@ -86,6 +117,12 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         help="(default: %(default)s; 30 for accuracy)",
     )
     parser.add_argument("--batch-size", type=positive_int, default=train.TrainConfig.batch_size)
+    parser.add_argument(
+        "--eval-batch-size",
+        type=positive_int,
+        default=train.TrainConfig.eval_batch_size,
+        help="test batch size (default: %(default)s)",
+    )
     parser.add_argument("--lr", type=positive_float, default=train.TrainConfig.lr, help="peak learning rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -104,7 +141,36 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         help="default (dynamic for float16, none otherwise), dynamic, none or static:N",
     )
     parser.add_argument("--label-smoothing", type=float, default=0.0)
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar inside epochs")
+    parser.add_argument(
+        "--grad-accum",
+        type=positive_int,
+        default=1,
+        help="accumulate gradients over K micro-batches per step; --batch-size is the global batch",
+    )
+    parser.add_argument(
+        "--max-consecutive-skips",
+        type=non_negative_int,
+        default=train.TrainConfig.max_consecutive_skips,
+        help="stop (exit 1) after this many overflowed steps in a row; 0 turns it off (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-overflows-at-min-scale",
+        type=non_negative_int,
+        default=0,
+        help="stop after this many overflows in a row with the loss scale at its minimum; 0: off (default)",
+    )
+    parser.add_argument(
+        "--inject-nonfinite",
+        type=injection_rate,
+        default=0.0,
+        metavar="RATE",
+        help="test hook: make the gradients of a seeded random RATE share of steps inf or NaN",
+    )
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar inside epochs (never drawn off a terminal anyway)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,10 +189,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_arguments(parser)
     add_training_arguments(parser)
     parser.add_argument(
-        "--checkpoint-dir", default=None, help="save the state here after every epoch (orbax)"
+        "--checkpoint-dir", default=None, help="save the state here after every epoch (orbax, atomic)"
     )
     parser.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir"
+        "--checkpoint-every",
+        type=positive_int,
+        default=None,
+        help="also save every N steps (needs --checkpoint-dir)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue exactly from the latest checkpoint in --checkpoint-dir",
+    )
+    parser.add_argument(
+        "--coordinator-address", default=None, help="HOST:PORT of process 0, for several processes"
+    )
+    parser.add_argument(
+        "--num-processes", type=positive_int, default=None, help="processes in a multi-process run"
+    )
+    parser.add_argument("--process-id", type=non_negative_int, default=None, help="this process's index")
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a multi-process run described by the cluster environment (SLURM, Open MPI, ...)",
     )
     parser.add_argument(
         "--out", default=None, help="write per-epoch results and the environment to this JSON file"
@@ -138,6 +224,7 @@ def config_from_args(args: argparse.Namespace, **overrides) -> train.TrainConfig
     fields = {
         "epochs": args.epochs,
         "batch_size": args.batch_size,
+        "eval_batch_size": args.eval_batch_size,
         "lr": args.lr,
         "seed": args.seed,
         "steps_per_epoch": args.steps_per_epoch,
@@ -148,6 +235,10 @@ def config_from_args(args: argparse.Namespace, **overrides) -> train.TrainConfig
         "data": args.data,
         "data_dir": args.data_dir,
         "progress": not args.no_progress,
+        "grad_accum": args.grad_accum,
+        "max_consecutive_skips": args.max_consecutive_skips,
+        "max_overflows_at_min_scale": args.max_overflows_at_min_scale,
+        "inject_nonfinite": args.inject_nonfinite,
     }
     fields.update(overrides)
     return train.TrainConfig(**fields)
@@ -158,19 +249,36 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        parser.error("--checkpoint-every needs --checkpoint-dir")
     config = config_from_args(
         args,
         model=args.model,
         precision=args.precision,
         checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         out=args.out,
     )
     try:
+        distributed.initialize(
+            args.coordinator_address,
+            args.num_processes,
+            args.process_id,
+            from_cluster_environment=args.distributed,
+        )
         results = train.train_and_evaluate(config)
-    except data_lib.DataUnavailableError as error:
+    except jaxamp.LossScaleStuckError as error:
+        print(f"error: {stuck_advice(error, config)}", file=sys.stderr)
+        return 1
+    except (
+        data_lib.DataUnavailableError,
+        checkpointing.CheckpointError,
+        distributed.DistributedSetupError,
+        train.ConfigError,
+    ) as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return 1
     summary = results["summary"]
     print(
         f"median per epoch: train {summary['train_time_s']:.2f}s"
@@ -181,9 +289,24 @@ def main(argv: list[str] | None = None) -> int:
             else ""
         )
     )
-    if config.out:
+    if config.out and jax.process_index() == 0:
         print(f"results written to {config.out}")
     return 0
+
+
+def stuck_advice(error: jaxamp.LossScaleStuckError, config: train.TrainConfig) -> str:
+    """The one message printed when the overflow guard stops a run."""
+    kept = (
+        f" The last good checkpoint in {config.checkpoint_dir} is kept; --resume continues from it."
+        if config.checkpoint_dir
+        else ""
+    )
+    return (
+        f"stopped at step {error.steps}: {error.reason}; the loss scale is {error.loss_scale:g} and "
+        f"{error.skipped_steps} steps were skipped in all.{kept} Try --precision mixed_bf16, a lower "
+        f"--lr (now {config.lr:g}), or --loss-scale static:N; --max-consecutive-skips 0 turns this "
+        "check off."
+    )
 
 
 if __name__ == "__main__":

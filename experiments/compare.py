@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         dataset = data_lib.load_dataset(args.dataset, args.data, args.data_dir, seed=args.seed)
     except data_lib.DataUnavailableError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return 1
     out_dir = args.out_dir or os.path.join("results", device_slug(), dataset.name)
     os.makedirs(out_dir, exist_ok=True)
     results_path = os.path.join(out_dir, "results.json")

@@ -28,6 +28,7 @@ import os
 import socket
 import urllib.parse
 import urllib.request
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +63,8 @@ _FASHION_MNIST_FILES = {
 _IDX_IMAGES_MAGIC = 0x00000803  # unsigned bytes, 3 dimensions
 _IDX_LABELS_MAGIC = 0x00000801  # unsigned bytes, 1 dimension
 _AUGMENT_PADDING = 4
+# os.access with effective ids: what this process may do, also after seteuid.
+_EFFECTIVE_IDS = os.access in os.supports_effective_ids
 
 
 class DataUnavailableError(RuntimeError):
@@ -193,6 +196,8 @@ def _load_cifar10_tfds(data_dir: str | None) -> Dataset:
             "  2. Pass `--data synthetic` for timing or offline runs."
         ) from err
 
+    if data_dir is not None:
+        _check_readable_folder(data_dir, "CIFAR-10", writable=True)
     builder = tfds.builder("cifar10", data_dir=data_dir)
     data_dir_root = os.fspath(builder.data_dir_root)
     manual_dir = os.path.join(data_dir_root, "downloads", "manual")
@@ -324,6 +329,7 @@ def _load_fashion_mnist(data_dir: str) -> Dataset:
     std are computed over these converted training images, padding included, as
     that is what `normalize` sees.
     """
+    _check_readable_folder(data_dir, "Fashion-MNIST")
     _check_fashion_mnist_files(data_dir)
     splits = {}
     for split, (images_file, labels_file) in _FASHION_MNIST_FILES.items():
@@ -350,6 +356,23 @@ def _load_fashion_mnist(data_dir: str) -> Dataset:
     )
 
 
+def _check_readable_folder(data_dir: str, name: str, writable: bool = False) -> None:
+    """Raises DataUnavailableError if `data_dir` exists but this user may not use it.
+
+    TFDS writes into its data dir (it prepares the data there), so CIFAR-10's
+    must be writable too; Fashion-MNIST's IDX files are only read.
+    """
+    if not os.path.isdir(data_dir):
+        return
+    mode = os.R_OK | os.X_OK | (os.W_OK if writable else 0)
+    if not os.access(data_dir, mode, effective_ids=_EFFECTIVE_IDS):
+        needed = "read and write" if writable else "read"
+        raise DataUnavailableError(
+            f"No permission to {needed} the {name} data folder {data_dir}; fix its permissions,"
+            " or pass --data-dir naming a folder you can use."
+        )
+
+
 def _check_fashion_mnist_files(data_dir: str) -> None:
     expected = [name for pair in _FASHION_MNIST_FILES.values() for name in pair]
     missing = [name for name in expected if not os.path.isfile(os.path.join(data_dir, name))]
@@ -372,8 +395,18 @@ def _check_fashion_mnist_files(data_dir: str) -> None:
 
 def _read_idx(path: str, magic: int, num_dims: int) -> np.ndarray:
     """Reads a gzipped IDX file of unsigned bytes, checking its header."""
-    with gzip.open(path, "rb") as f:
-        data = f.read()
+    try:
+        with gzip.open(path, "rb") as f:
+            data = f.read()
+    except PermissionError as err:
+        raise DataUnavailableError(
+            f"No permission to read {path}; fix its permissions or pass --data-dir with a readable copy."
+        ) from err
+    except (OSError, EOFError, zlib.error) as err:
+        raise DataUnavailableError(
+            f"{path} is not a readable gzip file ({type(err).__name__}: {_first_line(err)}); it is"
+            " truncated or damaged. Reinstall it."
+        ) from err
     header_size = 4 * (1 + num_dims)
     if len(data) < header_size:
         raise DataUnavailableError(

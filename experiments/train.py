@@ -9,36 +9,46 @@ Read top to bottom, this is the whole recipe:
    decay, warm-up and cosine decay) and the policy's loss scale.
 3. `train_step` gathers, augments and normalizes a batch on the device,
    differentiates through the loss scale with
-   `jaxamp.scaled_value_and_grad`, and lets `TrainState.apply_gradients`
-   skip the step if the gradients overflowed.
-4. `train_and_evaluate` keeps the uint8 data set on the device, compiles the
-   steps ahead of time, and runs epochs with a progress bar, timing train and
-   test passes with ``block_until_ready``, checkpointing and writing results
-   as it goes.
+   `jaxamp.scaled_value_and_grad` (over ``--grad-accum`` micro-batches), and
+   lets `TrainState.apply_gradients` skip the step if the gradients
+   overflowed.
+4. `train_and_evaluate` keeps the uint8 data set on every device, shards each
+   batch over a mesh of all devices (`experiments.distributed`), compiles the
+   steps ahead of time, and runs epochs: it checkpoints
+   (`experiments.checkpointing`), stops an overflow storm with
+   `jaxamp.OverflowGuard`, and writes results (`experiments.results`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import os
-import platform
-import tempfile
+import math
 import time
 from collections.abc import Callable
 from typing import Any
 
-import flax
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 import optax
 
 import jaxamp
 from experiments import data as data_lib
-from experiments.models import create_model
+from experiments.checkpointing import Checkpointer, CheckpointError, Position, signature
+from experiments.distributed import DataParallel, host_value
+from experiments.fault_injection import inject_nonfinite, validate_rate
+from experiments.grad_accumulation import accumulate_gradients
+from experiments.models import MODELS, create_model
+from experiments.progress import Progress
+from experiments.results import (  # noqa: F401  (re-exported: compare and older callers use them here)
+    environment,
+    format_epoch,
+    state_checksum,
+    state_finite,
+    summarize,
+    write_json_atomically,
+)
 
 # Precisions beyond jaxamp.get_policy's: float32 with an explicit matmul precision.
 _FLOAT32_PRECISIONS = {"fp32": "highest", "tf32": "default"}
@@ -69,6 +79,56 @@ class TrainConfig:
     resume: bool = False
     out: str | None = None
     progress: bool = True
+    grad_accum: int = 1
+    checkpoint_every: int | None = None
+    max_consecutive_skips: int = 50
+    max_overflows_at_min_scale: int = 0
+    inject_nonfinite: float = 0.0
+
+
+class ConfigError(ValueError):
+    """A setting of `TrainConfig` is invalid; the message names it and the valid values."""
+
+
+def validate_config(config: TrainConfig) -> None:
+    """Checks every setting before anything loads or compiles.
+
+    Raises:
+        ConfigError: naming the flag, the bad value and what is valid.
+    """
+
+    def fail(flag, value, valid):
+        raise ConfigError(f"{flag} {value!r} is invalid: expected {valid}.")
+
+    def is_int(value):
+        return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+    for name in ("epochs", "batch_size", "eval_batch_size", "eval_every", "grad_accum"):
+        value = getattr(config, name)
+        if not (is_int(value) and value >= 1):
+            fail(f"--{name.replace('_', '-')}", value, "an integer >= 1")
+    for name in ("steps_per_epoch", "checkpoint_every"):
+        value = getattr(config, name)
+        if value is not None and not (is_int(value) and value >= 1):
+            fail(f"--{name.replace('_', '-')}", value, "an integer >= 1, or none")
+    for name in ("max_consecutive_skips", "max_overflows_at_min_scale"):
+        value = getattr(config, name)
+        if not (is_int(value) and value >= 0):
+            fail(f"--{name.replace('_', '-')}", value, "an integer >= 0 (0 turns the limit off)")
+    if not (isinstance(config.lr, (int, float)) and math.isfinite(config.lr) and config.lr > 0):
+        fail("--lr", config.lr, "a finite number > 0")
+    if config.model not in MODELS:
+        fail("--model", config.model, f"one of {', '.join(sorted(MODELS))}")
+    if config.dataset not in data_lib.DATASETS:
+        fail("--dataset", config.dataset, f"one of {', '.join(data_lib.DATASETS)}")
+    if config.data not in data_lib.SOURCES:
+        fail("--data", config.data, f"one of {', '.join(data_lib.SOURCES)}")
+    try:
+        validate_rate(config.inject_nonfinite)
+        resolve_precision(config.precision)
+        parse_loss_scale(config.loss_scale)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(str(error)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,24 +159,41 @@ def resolve_precision(name: str) -> Precision:
     return Precision(name, jaxamp.get_policy(name), "default")
 
 
-def resolve_loss_scale(spec: str, policy: jaxamp.Policy) -> jaxamp.LossScale:
-    """Resolves ``--loss-scale``: ``default``, ``dynamic``, ``static:N`` or ``none``."""
+def parse_loss_scale(spec: str) -> tuple[str, float | None]:
+    """Checks ``--loss-scale`` without building anything: ``(kind, static value)``.
+
+    Builds no array, so a flag parser can call it before ``jax.distributed``
+    is initialised.
+
+    Raises:
+        ValueError: naming the spec and the valid forms.
+    """
     key = "".join(spec.split()).lower()
-    if key == "default":
-        return jaxamp.default_loss_scale(policy)
-    if key == "dynamic":
-        return jaxamp.DynamicLossScale()
-    if key == "none":
-        return jaxamp.NoOpLossScale()
+    if key in ("default", "dynamic", "none"):
+        return key, None
     if key.startswith("static:"):
         try:
-            return jaxamp.StaticLossScale(float(key.removeprefix("static:")))
+            value = float(key.removeprefix("static:"))
         except ValueError:
-            pass
+            value = math.nan
+        if math.isfinite(value) and value > 0:
+            return "static", value
     raise ValueError(
         f"Unknown loss scale {spec!r}; choose default, dynamic, none or static:N "
         "with N a positive number (e.g. static:1024)."
     )
+
+
+def resolve_loss_scale(spec: str, policy: jaxamp.Policy) -> jaxamp.LossScale:
+    """Resolves ``--loss-scale``: ``default``, ``dynamic``, ``static:N`` or ``none``."""
+    kind, value = parse_loss_scale(spec)
+    if kind == "default":
+        return jaxamp.default_loss_scale(policy)
+    if kind == "dynamic":
+        return jaxamp.DynamicLossScale()
+    if kind == "none":
+        return jaxamp.NoOpLossScale()
+    return jaxamp.StaticLossScale(value)
 
 
 def create_optimizer(config: TrainConfig, steps_per_epoch: int) -> optax.GradientTransformation:
@@ -162,37 +239,65 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, num_classes: int, smooth
     return optax.softmax_cross_entropy(logits.astype(jnp.float32), targets).mean()
 
 
-def make_train_step(config: TrainConfig, dataset: data_lib.Dataset) -> Callable:
+def make_train_step(
+    config: TrainConfig, dataset: data_lib.Dataset, data_parallel: DataParallel | None = None
+) -> Callable:
     """Returns ``train_step(state, images, labels, batch_indices, rng)``.
 
     `images` and `labels` are the whole uint8 training set on the device; the
     step gathers its batch, augments (random crop with 4-pixel padding,
-    horizontal flip) and normalizes it on the device.
+    horizontal flip) and normalizes it on the device. With
+    ``config.grad_accum = K`` the batch is K micro-batches whose gradients
+    are accumulated (`experiments.grad_accumulation`). With `data_parallel`
+    every micro-batch is sharded over its mesh's ``data`` axis. With
+    ``config.inject_nonfinite`` a seeded share of steps get inf or NaN
+    gradients (`experiments.fault_injection`).
+
+    The metrics are the loss (mean over the batch), the number of correct
+    predictions and whether the step was injected.
     """
+    num_micro_batches = config.grad_accum
 
     def train_step(state, images, labels, batch_indices, rng):
-        batch_images = data_lib.normalize(
-            data_lib.augment(rng, images[batch_indices]), dataset.mean, dataset.std
-        )
-        batch_labels = labels[batch_indices]
+        micro_indices = batch_indices.reshape(num_micro_batches, -1)
+        micro_rngs = rng[None] if num_micro_batches == 1 else jax.random.split(rng, num_micro_batches)
+        if data_parallel is not None:
+            micro_indices = jax.lax.with_sharding_constraint(micro_indices, data_parallel.batch_sharded(1))
 
-        def loss_fn(params):
-            logits, updates = state.apply_fn(
-                {"params": params, "batch_stats": state.batch_stats},
-                batch_images,
-                train=True,
-                mutable=["batch_stats"],
+        def micro_batch_grads(params, batch_stats, micro_batch):
+            indices, augment_rng = micro_batch
+            batch_images = data_lib.normalize(
+                data_lib.augment(augment_rng, images[indices]), dataset.mean, dataset.std
             )
-            loss = cross_entropy(logits, batch_labels, dataset.num_classes, config.label_smoothing)
-            return loss, (logits, updates["batch_stats"])
+            batch_labels = labels[indices]
 
-        (loss, (logits, new_batch_stats)), grads, grads_finite = jaxamp.scaled_value_and_grad(
-            loss_fn, state.loss_scale, has_aux=True
-        )(state.params)
+            def loss_fn(params):
+                logits, updates = state.apply_fn(
+                    {"params": params, "batch_stats": batch_stats},
+                    batch_images,
+                    train=True,
+                    mutable=["batch_stats"],
+                )
+                loss = cross_entropy(logits, batch_labels, dataset.num_classes, config.label_smoothing)
+                return loss, (logits, updates["batch_stats"])
+
+            (loss, (logits, new_batch_stats)), grads, grads_finite = jaxamp.scaled_value_and_grad(
+                loss_fn, state.loss_scale, has_aux=True
+            )(params)
+            metrics = {"loss": loss, "correct": jnp.sum(jnp.argmax(logits, -1) == batch_labels)}
+            return (metrics, new_batch_stats), grads, grads_finite
+
+        new_batch_stats, grads, grads_finite, metrics = accumulate_gradients(
+            micro_batch_grads, state.params, state.batch_stats, (micro_indices, micro_rngs)
+        )
+        grads, injected = inject_nonfinite(grads, rng, config.inject_nonfinite)
+        if config.inject_nonfinite:
+            grads_finite = grads_finite & jaxamp.all_finite(grads)
         state = state.apply_gradients(grads=grads, grads_finite=grads_finite, batch_stats=new_batch_stats)
         metrics = {
-            "loss": loss,
-            "correct": jnp.sum(jnp.argmax(logits, -1) == batch_labels),
+            "loss": metrics["loss"] / num_micro_batches,
+            "correct": metrics["correct"],
+            "injected": injected.astype(jnp.int32),
         }
         return state, metrics
 
@@ -231,8 +336,15 @@ class DeviceData:
     num_train: int
 
 
-def put_on_device(dataset: data_lib.Dataset, eval_batch_size: int) -> DeviceData:
-    """Copies the uint8 data set to the device once, test set in padded batches."""
+def put_on_device(
+    dataset: data_lib.Dataset, eval_batch_size: int, data_parallel: DataParallel | None = None
+) -> DeviceData:
+    """Copies the uint8 data set to every device once, test set in padded batches.
+
+    Every device holds the whole (uint8) set; each gathers only its shard of
+    a batch inside the step.
+    """
+    data_parallel = data_parallel or DataParallel.over_all_devices()
     num_test = len(dataset.test_labels)
     padded = -(-num_test // eval_batch_size) * eval_batch_size
     pad = padded - num_test
@@ -241,227 +353,20 @@ def put_on_device(dataset: data_lib.Dataset, eval_batch_size: int) -> DeviceData
     mask = np.arange(padded) < num_test
     test_batches = [
         tuple(
-            jax.device_put(array[start : start + eval_batch_size])
+            data_parallel.replicate(array[start : start + eval_batch_size])
             for array in (test_images, test_labels, mask)
         )
         for start in range(0, padded, eval_batch_size)
     ]
     return DeviceData(
-        train_images=jax.device_put(dataset.train_images),
-        train_labels=jax.device_put(dataset.train_labels.astype(np.int32)),
+        train_images=data_parallel.replicate(dataset.train_images),
+        train_labels=data_parallel.replicate(dataset.train_labels.astype(np.int32)),
         test_batches=test_batches,
         test_batch_sizes=[
             int(mask[start : start + eval_batch_size].sum()) for start in range(0, padded, eval_batch_size)
         ],
         num_train=len(dataset.train_labels),
     )
-
-
-def environment(config: TrainConfig, precision: Precision) -> dict[str, Any]:
-    """What ran where: device, versions, precision and sizes, for the results."""
-    device = jax.devices()[0]
-    return {
-        "device_kind": device.device_kind,
-        "platform": device.platform,
-        "device_count": jax.device_count(),
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "flax": flax.__version__,
-        "optax": optax.__version__,
-        "jaxamp": jaxamp.__version__,
-        "precision": precision.name,
-        "policy": str(precision.policy),
-        "matmul_precision": precision.matmul_precision,
-        "model": config.model,
-        "batch_size": config.batch_size,
-        "dataset": config.dataset,
-        "data": config.data,
-    }
-
-
-def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
-    """Writes JSON to a temporary file beside `path`, then renames it.
-
-    A crash mid-write leaves the previous file intact, never half a file.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as handle:
-        json.dump(payload, handle, indent=2)
-        handle.write("\n")
-        temporary = handle.name
-    os.replace(temporary, path)
-
-
-class Checkpointer:
-    """Saves and restores the train state and the results so far (orbax)."""
-
-    def __init__(self, directory: str):
-        import orbax.checkpoint as ocp
-
-        self._ocp = ocp
-        self._manager = ocp.CheckpointManager(
-            os.path.abspath(directory),
-            options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
-        )
-
-    def latest_epoch(self) -> int | None:
-        return self._manager.latest_step()
-
-    def save(self, epoch: int, state: jaxamp.TrainState, results: dict[str, Any]) -> None:
-        ocp = self._ocp
-        self._manager.save(
-            epoch,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(_checkpointed(state)),
-                results=ocp.args.JsonSave(results),
-            ),
-        )
-        self._manager.wait_until_finished()
-
-    def restore(self, epoch: int, state: jaxamp.TrainState) -> tuple[jaxamp.TrainState, dict[str, Any]]:
-        ocp = self._ocp
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _checkpointed(state))
-        restored = self._manager.restore(
-            epoch,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), results=ocp.args.JsonRestore()),
-        )
-        return state.replace(**restored["state"]), restored["results"]
-
-
-def _checkpointed(state: jaxamp.TrainState) -> dict[str, Any]:
-    """The parts of the state that change: everything but apply_fn and tx."""
-    return {
-        "step": state.step,
-        "params": state.params,
-        "opt_state": state.opt_state,
-        "batch_stats": state.batch_stats,
-        "loss_scale": state.loss_scale,
-        "skipped_steps": state.skipped_steps,
-    }
-
-
-class Progress:
-    """A per-epoch progress bar showing loss and images/s.
-
-    The loss shown is that of a step dispatched at the previous refresh, long
-    finished by now, so reading it never waits for the device to drain its
-    queue of steps; images/s counts the steps known to be finished.
-    """
-
-    def __init__(self, total: int, description: str, enabled: bool, batch_size: int):
-        self._bar = None
-        if enabled:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=total, desc=description, leave=False, unit="step")
-        self._batch_size = batch_size
-        self._pending: tuple[int, jax.Array] | None = None
-        self._start = time.perf_counter()
-        self._refresh_every = max(1, total // 50)
-
-    def update(self, step: int, loss: jax.Array) -> None:
-        if self._bar is None:
-            return
-        self._bar.update(1)
-        if step % self._refresh_every:
-            return
-        if self._pending is not None:
-            finished_step, finished_loss = self._pending
-            loss_value = float(finished_loss)
-            elapsed = time.perf_counter() - self._start
-            self._bar.set_postfix(
-                loss=f"{loss_value:.4f}",
-                img_s=f"{finished_step * self._batch_size / elapsed:,.0f}",
-            )
-        self._pending = (step, loss)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
-def train_and_evaluate(
-    config: TrainConfig,
-    dataset: data_lib.Dataset | None = None,
-    log: Callable[[str], None] = print,
-) -> dict[str, Any]:
-    """Trains and evaluates one model under one precision; returns the results.
-
-    Args:
-        config: the run's settings.
-        dataset: the data; loaded from `config` when None.
-        log: where the per-epoch lines go.
-
-    Returns:
-        The results: environment, compile times, and per-epoch figures. They
-        are also written to ``config.out`` after every epoch, when set.
-
-    Raises:
-        experiments.data.DataUnavailableError: the data set is missing.
-        ValueError: an invalid precision, loss scale or model name.
-    """
-    precision = resolve_precision(config.precision)
-    if dataset is None:
-        dataset = data_lib.load_dataset(config.dataset, config.data, config.data_dir, seed=config.seed)
-    if config.batch_size > len(dataset.train_labels):
-        raise ValueError(
-            f"--batch-size {config.batch_size} exceeds the {len(dataset.train_labels)} "
-            "training examples; choose a smaller batch."
-        )
-    full_epoch_steps = len(dataset.train_labels) // config.batch_size
-    steps_per_epoch = min(full_epoch_steps, config.steps_per_epoch or full_epoch_steps)
-    device_data = put_on_device(dataset, config.eval_batch_size)
-
-    with precision.context():
-        state = create_train_state(config, precision, dataset.num_classes, steps_per_epoch)
-        results: dict[str, Any] = {
-            "config": dataclasses.asdict(config),
-            "environment": environment(config, precision),
-            "steps_per_epoch": steps_per_epoch,
-            "num_params": int(sum(leaf.size for leaf in jax.tree.leaves(state.params))),
-            "epochs": [],
-        }
-        checkpointer = Checkpointer(config.checkpoint_dir) if config.checkpoint_dir else None
-        first_epoch = 1
-        if checkpointer and config.resume and checkpointer.latest_epoch() is not None:
-            state, saved = checkpointer.restore(checkpointer.latest_epoch(), state)
-            results["epochs"] = saved["epochs"]
-            first_epoch = checkpointer.latest_epoch() + 1
-            log(f"Resumed from {config.checkpoint_dir} after epoch {first_epoch - 1}.")
-
-        epoch_plan, train_step, eval_step, compile_times = _compile(
-            config, dataset, state, device_data, steps_per_epoch
-        )
-        results["compile_time_s"] = compile_times
-        log(
-            f"{config.model} | {precision.name} ({precision.policy}, matmul "
-            f"{precision.matmul_precision}) | {jax.devices()[0].device_kind} | "
-            f"compile: train {compile_times['train_step']:.1f}s, test {compile_times['eval_step']:.1f}s"
-        )
-
-        rng = jax.random.key(config.seed + 1)
-        for epoch in range(first_epoch, config.epochs + 1):
-            epoch_rng = jax.random.fold_in(rng, epoch)
-            state, train_metrics = _train_epoch(
-                config, epoch_plan, train_step, state, device_data, epoch_rng, epoch
-            )
-            record = {"epoch": epoch, **train_metrics}
-            if epoch % config.eval_every == 0 or epoch == config.epochs:
-                record.update(_evaluate(eval_step, state, device_data, config.steps_per_epoch))
-            record["loss_scale"] = float(state.loss_scale.loss_scale)
-            record["skipped_steps"] = int(state.skipped_steps)
-            results["epochs"].append(record)
-            log(format_epoch(record, config.epochs))
-            if config.out:
-                write_json_atomically(config.out, results)
-            if checkpointer:
-                checkpointer.save(epoch, state, results)
-    results["summary"] = summarize(results["epochs"])
-    if config.out:
-        write_json_atomically(config.out, results)
-    return results
 
 
 def make_epoch_plan(num_train: int, batch_size: int, steps_per_epoch: int) -> Callable:
@@ -479,56 +384,277 @@ def make_epoch_plan(num_train: int, batch_size: int, steps_per_epoch: int) -> Ca
     return plan
 
 
-def _compile(config, dataset, state, device_data, steps_per_epoch):
+@dataclasses.dataclass
+class _Run:
+    """What every epoch of one run shares: settings, compiled steps, outputs."""
+
+    config: TrainConfig
+    data_parallel: DataParallel
+    device_data: DeviceData
+    steps_per_epoch: int
+    rng_key_data: list[int]
+    epoch_plan: Callable
+    train_step: Callable
+    eval_step: Callable
+    guard: jaxamp.OverflowGuard
+    checkpointer: Checkpointer | None
+    results: dict[str, Any]
+    log: Callable[[str], None]
+
+    def epoch_key(self, epoch: int) -> jax.Array:
+        """The key of an epoch's order and augmentation: the run's key folded with it."""
+        key = jax.random.wrap_key_data(np.asarray(self.rng_key_data, np.uint32))
+        return self.data_parallel.replicate(jax.random.fold_in(key, epoch))
+
+    def is_check_step(self, global_step: int) -> bool:
+        """Whether the host checks the guard (and maybe checkpoints) after this step.
+
+        Every ``--checkpoint-every`` steps (with a checkpoint folder) and
+        every ``--max-consecutive-skips`` (or ``--max-overflows-at-min-scale``)
+        steps, so a storm is caught within twice its limit; never per step
+        unless asked for.
+        """
+        config = self.config
+        intervals = [
+            config.checkpoint_every if self.checkpointer else None,
+            config.max_consecutive_skips,
+            config.max_overflows_at_min_scale,
+        ]
+        return any(interval and global_step % interval == 0 for interval in intervals)
+
+
+def train_and_evaluate(
+    config: TrainConfig,
+    dataset: data_lib.Dataset | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Trains and evaluates one model under one precision; returns the results.
+
+    Args:
+        config: the run's settings.
+        dataset: the data; loaded from `config` when None.
+        log: where the per-epoch lines go.
+
+    Returns:
+        The results: environment, compile times, and per-epoch figures. They
+        are also written to ``config.out`` after every epoch, when set (by
+        process 0 only).
+
+    Raises:
+        ConfigError: an invalid setting.
+        experiments.data.DataUnavailableError: the data set is missing or damaged.
+        experiments.distributed.DistributedSetupError: the batch does not
+            split over the devices.
+        experiments.checkpointing.CheckpointError: the checkpoint folder or
+            the checkpoint to resume is unusable.
+        jaxamp.LossScaleStuckError: an overflow storm (the last good
+            checkpoint is kept).
+    """
+    validate_config(config)
+    precision = resolve_precision(config.precision)
+    data_parallel = DataParallel.over_all_devices()
+    data_parallel.check_batch_size(config.batch_size, config.grad_accum)
+    checkpointer = None
+    if config.checkpoint_dir:
+        checkpointer = Checkpointer(
+            config.checkpoint_dir, signature(config, data_parallel.device_count), resume=config.resume
+        )
+    elif config.resume:
+        raise ConfigError("--resume needs --checkpoint-dir: the folder of the run to continue.")
+    if dataset is None:
+        dataset = data_lib.load_dataset(config.dataset, config.data, config.data_dir, seed=config.seed)
+    if config.batch_size > len(dataset.train_labels):
+        raise ConfigError(
+            f"--batch-size {config.batch_size} exceeds the {len(dataset.train_labels)} "
+            "training examples; choose a smaller batch."
+        )
+    full_epoch_steps = len(dataset.train_labels) // config.batch_size
+    steps_per_epoch = min(full_epoch_steps, config.steps_per_epoch or full_epoch_steps)
+    device_data = put_on_device(dataset, config.eval_batch_size, data_parallel)
+    if data_parallel.process_count > 1:
+        process_log = log
+        log = lambda line: process_log(f"[process {jax.process_index()}] {line}")  # noqa: E731
+
+    with precision.context():
+        state = data_parallel.replicate(
+            create_train_state(config, precision, dataset.num_classes, steps_per_epoch)
+        )
+        results: dict[str, Any] = {
+            "config": dataclasses.asdict(config),
+            "environment": environment(config, precision),
+            "steps_per_epoch": steps_per_epoch,
+            "num_params": int(sum(leaf.size for leaf in jax.tree.leaves(state.params))),
+            "epochs": [],
+        }
+        position = Position(
+            epoch=1,
+            steps_done=0,
+            rng_key_data=[int(word) for word in jax.random.key_data(jax.random.key(config.seed + 1))],
+            epoch_sums=_zero_sums(),
+        )
+        if config.resume:
+            state, position, saved_results = checkpointer.restore_latest(state)
+            results["epochs"] = saved_results["epochs"]
+            log(
+                f"Resumed from {config.checkpoint_dir} at epoch {position.epoch}, "
+                f"after {position.steps_done} of its {steps_per_epoch} steps."
+            )
+
+        epoch_plan, train_step, eval_step, compile_times = _compile(
+            config, dataset, state, device_data, steps_per_epoch, data_parallel
+        )
+        results["compile_time_s"] = compile_times
+        log(
+            f"{config.model} | {precision.name} ({precision.policy}, matmul "
+            f"{precision.matmul_precision}) | {jax.devices()[0].device_kind} x{data_parallel.device_count}"
+            f" | compile: train {compile_times['train_step']:.1f}s, test {compile_times['eval_step']:.1f}s"
+        )
+        run = _Run(
+            config=config,
+            data_parallel=data_parallel,
+            device_data=device_data,
+            steps_per_epoch=steps_per_epoch,
+            rng_key_data=position.rng_key_data,
+            epoch_plan=epoch_plan,
+            train_step=train_step,
+            eval_step=eval_step,
+            guard=jaxamp.OverflowGuard(config.max_consecutive_skips, config.max_overflows_at_min_scale),
+            checkpointer=checkpointer,
+            results=results,
+            log=log,
+        )
+        for epoch in range(position.epoch, config.epochs + 1):
+            resumed_at = position if epoch == position.epoch else None
+            state = _run_epoch(run, state, epoch, resumed_at)
+    results["summary"] = summarize(results["epochs"])
+    if config.out and data_parallel.is_main_process:
+        write_json_atomically(config.out, results)
+    return results
+
+
+def _zero_sums() -> dict[str, float]:
+    return {"loss": 0.0, "correct": 0.0, "injected": 0.0}
+
+
+def _fold_sums(sums: dict[str, float], step_metrics: list[dict[str, jax.Array]]) -> dict[str, float]:
+    """Adds the metrics of finished steps to an epoch's running sums, in float32.
+
+    Runs only where the host waits anyway (a check, a checkpoint, the epoch's
+    end); a resumed run folds at the same steps as an uninterrupted one, so
+    both get the same sums to the bit.
+    """
+    if not step_metrics:
+        return sums
+    return {
+        name: float(
+            np.float32(total)
+            + np.sum(np.stack([host_value(metrics[name]) for metrics in step_metrics]), dtype=np.float32)
+        )
+        for name, total in sums.items()
+    }
+
+
+def _run_epoch(run: _Run, state, epoch: int, resumed_at: Position | None):
+    """Trains one epoch (from `resumed_at` if given), tests, records, checkpoints."""
+    config, steps = run.config, run.steps_per_epoch
+    steps_done = resumed_at.steps_done if resumed_at else 0
+    sums = resumed_at.epoch_sums if resumed_at else _zero_sums()
+    start = time.perf_counter()
+    batches, step_rngs = run.epoch_plan(run.epoch_key(epoch))
+    progress = Progress(
+        steps, f"epoch {epoch}/{config.epochs}", config.progress, config.batch_size, initial=steps_done
+    )
+    pending: list[dict[str, jax.Array]] = []
+    for step in range(steps_done, steps):
+        state, metrics = run.train_step(
+            state, run.device_data.train_images, run.device_data.train_labels, batches[step], step_rngs[step]
+        )
+        pending.append(metrics)
+        progress.update(step + 1, metrics["loss"])
+        global_step = (epoch - 1) * steps + step + 1
+        if step + 1 < steps and run.is_check_step(global_step):
+            sums, pending = _fold_sums(sums, pending), []
+            run.guard.check(state)  # before any save: a stuck state never replaces a good checkpoint
+            if run.checkpointer and config.checkpoint_every and global_step % config.checkpoint_every == 0:
+                position = Position(epoch, step + 1, run.rng_key_data, sums)
+                run.checkpointer.save(global_step, state, position, run.results)
+    sums = _fold_sums(sums, pending)
+    state = jax.block_until_ready(state)
+    train_time = time.perf_counter() - start
+    progress.close()
+
+    images = steps * config.batch_size
+    previous = run.results["epochs"][-1] if run.results["epochs"] else {}
+    record = {
+        "epoch": epoch,
+        "train_time_s": train_time,
+        "train_loss": sums["loss"] / steps,
+        "train_accuracy": sums["correct"] / images,
+        "images_per_s": (steps - steps_done) * config.batch_size / train_time,
+    }
+    if epoch % config.eval_every == 0 or epoch == config.epochs:
+        record.update(_evaluate(run.eval_step, state, run.device_data, config.steps_per_epoch))
+    record["loss_scale"] = float(host_value(state.loss_scale.loss_scale))
+    record["skipped_steps"] = int(host_value(state.skipped_steps))
+    record["injected_nonfinite"] = previous.get("injected_nonfinite", 0) + int(sums["injected"])
+    record["state_finite"] = state_finite(state)
+    record["state_checksum"] = state_checksum(state)
+    run.results["epochs"].append(record)
+    run.log(format_epoch(record, config.epochs))
+    if config.out and run.data_parallel.is_main_process:
+        write_json_atomically(config.out, run.results)
+    run.guard.check(state)
+    if run.checkpointer:
+        if not record["state_finite"]:
+            raise CheckpointError(
+                f"The state after epoch {epoch} holds inf or NaN; it was not saved, and the last good "
+                f"checkpoint in {config.checkpoint_dir} is kept."
+            )
+        position = Position(epoch + 1, 0, run.rng_key_data, _zero_sums())
+        run.checkpointer.save(epoch * steps, state, position, run.results)
+    return state
+
+
+def _compile(config, dataset, state, device_data, steps_per_epoch, data_parallel):
     """Compiles the epoch plan, train and eval steps ahead of time, timing each.
 
     Everything a timed epoch runs is compiled here, so no compilation lands in
-    the train or test times.
+    the train or test times. Every input and output is replicated over the
+    mesh; the train step shards its batch itself.
     """
-    batch_indices = jnp.zeros((config.batch_size,), jnp.int32)
-    rng = jax.random.key(0)
+    replicated = data_parallel.replicated
+
+    def abstract(shape_dtype):
+        return jax.ShapeDtypeStruct(shape_dtype.shape, shape_dtype.dtype, sharding=replicated)
+
+    rng = abstract(jax.eval_shape(lambda: jax.random.key(0)))
+    batch_indices = abstract(jax.ShapeDtypeStruct((config.batch_size,), jnp.int32))
     start = time.perf_counter()
     epoch_plan = (
-        jax.jit(make_epoch_plan(device_data.num_train, config.batch_size, steps_per_epoch))
+        jax.jit(
+            make_epoch_plan(device_data.num_train, config.batch_size, steps_per_epoch),
+            out_shardings=replicated,
+        )
         .lower(rng)
         .compile()
     )
     train_step = (
-        jax.jit(make_train_step(config, dataset), donate_argnums=0)
+        jax.jit(
+            make_train_step(config, dataset, data_parallel), donate_argnums=0, out_shardings=replicated
+        )
         .lower(state, device_data.train_images, device_data.train_labels, batch_indices, rng)
         .compile()
     )
     train_compile = time.perf_counter() - start
     start = time.perf_counter()
-    eval_step = jax.jit(make_eval_step(dataset)).lower(state, *device_data.test_batches[0]).compile()
+    eval_step = (
+        jax.jit(make_eval_step(dataset), out_shardings=replicated)
+        .lower(state, *device_data.test_batches[0])
+        .compile()
+    )
     eval_compile = time.perf_counter() - start
     compile_times = {"train_step": train_compile, "eval_step": eval_compile}
     return epoch_plan, train_step, eval_step, compile_times
-
-
-def _train_epoch(config, epoch_plan, train_step, state, device_data, rng, epoch):
-    start = time.perf_counter()
-    batches, step_rngs = epoch_plan(rng)
-    progress = Progress(len(batches), f"epoch {epoch}/{config.epochs}", config.progress, config.batch_size)
-    step_metrics = []
-    for step, (batch_indices, step_rng) in enumerate(zip(batches, step_rngs), start=1):
-        state, metrics = train_step(
-            state, device_data.train_images, device_data.train_labels, batch_indices, step_rng
-        )
-        step_metrics.append(metrics)
-        progress.update(step, metrics["loss"])
-    state = jax.block_until_ready(state)
-    train_time = time.perf_counter() - start
-    progress.close()
-    losses = jnp.stack([metrics["loss"] for metrics in step_metrics])
-    correct = jnp.stack([metrics["correct"] for metrics in step_metrics])
-    images = len(batches) * config.batch_size
-    return state, {
-        "train_time_s": train_time,
-        "train_loss": float(jnp.mean(losses)),
-        "train_accuracy": float(jnp.sum(correct)) / images,
-        "images_per_s": images / train_time,
-    }
 
 
 def _evaluate(eval_step, state, device_data, max_batches: int | None):
@@ -542,41 +668,6 @@ def _evaluate(eval_step, state, device_data, max_batches: int | None):
     return {
         "test_time_s": test_time,
         "test_examples": num_examples,
-        "test_loss": float(sum(total["loss"] for total in totals)) / num_examples,
-        "test_accuracy": float(sum(total["correct"] for total in totals)) / num_examples,
-    }
-
-
-def format_epoch(record: dict[str, Any], epochs: int) -> str:
-    """The one line printed after each epoch."""
-    line = (
-        f"epoch {record['epoch']:>3}/{epochs} | train {record['train_time_s']:7.2f}s"
-        f" loss {record['train_loss']:.4f}"
-    )
-    if "test_time_s" in record:
-        line += f" | test {record['test_time_s']:6.2f}s acc {record['test_accuracy']:.2%}"
-    line += (
-        f" | {record['images_per_s']:,.0f} img/s | loss scale {record['loss_scale']:g}"
-        f" | skipped {record['skipped_steps']}"
-    )
-    return line
-
-
-def summarize(epochs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median times per epoch and final accuracy.
-
-    Medians resist the noise of a shared machine; compilation is already
-    excluded from every figure.
-    """
-    if not epochs:
-        return {}
-    tested = [record for record in epochs if "test_time_s" in record]
-    return {
-        "train_time_s": float(np.median([record["train_time_s"] for record in epochs])),
-        "test_time_s": float(np.median([record["test_time_s"] for record in tested])) if tested else None,
-        "images_per_s": float(np.median([record["images_per_s"] for record in epochs])),
-        "final_test_accuracy": tested[-1]["test_accuracy"] if tested else None,
-        "final_train_loss": epochs[-1]["train_loss"],
-        "skipped_steps": epochs[-1]["skipped_steps"],
-        "epochs": len(epochs),
+        "test_loss": float(sum(host_value(total["loss"]) for total in totals)) / num_examples,
+        "test_accuracy": float(sum(host_value(total["correct"]) for total in totals)) / num_examples,
     }

@@ -28,6 +28,7 @@ from jaxamp.loss_scale import (
 )
 from jaxamp.layer_policies import NORMALIZATION_LAYERS
 from jaxamp.module_policy import apply_policy
+from jaxamp.overflow_guard import LossScaleStuckError, OverflowGuard
 from jaxamp.policy import Policy, get_policy
 from jaxamp.report import PrecisionReport, precision_report
 from jaxamp.train_state import TrainState
@@ -38,7 +39,9 @@ __all__ = [
     "NORMALIZATION_LAYERS",
     "DynamicLossScale",
     "LossScale",
+    "LossScaleStuckError",
     "NoOpLossScale",
+    "OverflowGuard",
     "Policy",
     "PrecisionReport",
     "StaticLossScale",

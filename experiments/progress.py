@@ -1,0 +1,59 @@
+"""The progress bar inside an epoch: on a terminal only.
+
+In a log file or a pipe a bar's carriage-return frames are noise, so there
+each epoch prints just its one summary line (see `experiments.results`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+
+from experiments.distributed import host_value
+
+
+def bar_wanted(enabled: bool) -> bool:
+    """Whether to draw a bar: asked for, and stderr is a terminal."""
+    return enabled and sys.stderr.isatty()
+
+
+class Progress:
+    """A per-epoch progress bar showing loss and images/s.
+
+    The loss shown is that of a step dispatched at the previous refresh, long
+    finished by now, so reading it never waits for the device to drain its
+    queue of steps; images/s counts the steps known to be finished.
+    """
+
+    def __init__(self, total: int, description: str, enabled: bool, batch_size: int, initial: int = 0):
+        self._bar = None
+        if bar_wanted(enabled):
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, desc=description, leave=False, unit="step")
+        self._batch_size = batch_size
+        self._first_step = initial
+        self._pending: tuple[int, jax.Array] | None = None
+        self._start = time.perf_counter()
+        self._refresh_every = max(1, total // 50)
+
+    def update(self, step: int, loss: jax.Array) -> None:
+        if self._bar is None:
+            return
+        self._bar.update(1)
+        if step % self._refresh_every:
+            return
+        if self._pending is not None:
+            finished_step, finished_loss = self._pending
+            elapsed = time.perf_counter() - self._start
+            self._bar.set_postfix(
+                loss=f"{float(host_value(finished_loss)):.4f}",
+                img_s=f"{(finished_step - self._first_step) * self._batch_size / elapsed:,.0f}",
+            )
+        self._pending = (step, loss)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

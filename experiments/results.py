@@ -1,0 +1,129 @@
+"""What a run reports: the environment, per-epoch lines, summaries, the JSON file.
+
+Also the two per-epoch facts about the train state that the results record:
+`state_checksum` (is this the same state, bit for bit, as another run's?)
+and `state_finite` (did any inf or NaN get in?). Both read the state on the
+host, so they run at an epoch's end, never inside a step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from typing import Any
+
+import flax
+import jax
+import jaxlib
+import numpy as np
+import optax
+
+import jaxamp
+from experiments.distributed import host_value
+
+
+def environment(config: Any, precision: Any) -> dict[str, Any]:
+    """What ran where: devices, processes, versions, precision and sizes."""
+    device = jax.devices()[0]
+    return {
+        "device_kind": device.device_kind,
+        "platform": device.platform,
+        "device_count": jax.device_count(),
+        "process_count": jax.process_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__,
+        "optax": optax.__version__,
+        "jaxamp": jaxamp.__version__,
+        "precision": precision.name,
+        "policy": str(precision.policy),
+        "matmul_precision": precision.matmul_precision,
+        "model": config.model,
+        "batch_size": config.batch_size,
+        "grad_accum": config.grad_accum,
+        "dataset": config.dataset,
+        "data": config.data,
+    }
+
+
+_CHECKSUMMED_PARTS = ("params", "opt_state", "batch_stats", "loss_scale")
+
+
+def state_checksum(state: jaxamp.TrainState) -> str:
+    """Hex SHA-256 over the bytes of every leaf of params, optimizer state,
+    batch statistics and loss scale, in tree order.
+
+    Two states with the same checksum are bit-identical in all of those. Reads
+    the whole state on the host: call it at an epoch's end, not per step.
+    """
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves([getattr(state, part) for part in _CHECKSUMMED_PARTS]):
+        digest.update(np.ascontiguousarray(host_value(leaf)).tobytes())
+    return digest.hexdigest()
+
+
+def state_finite(state: jaxamp.TrainState) -> bool:
+    """Whether every floating leaf of the whole state is finite."""
+    return all(
+        bool(np.all(np.isfinite(host_value(leaf))))
+        for leaf in jax.tree.leaves(state)
+        if isinstance(leaf, jax.Array) and jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)
+    )
+
+
+def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
+    """Writes JSON to a temporary file beside `path`, then renames it.
+
+    A crash mid-write leaves the previous file intact, never half a file.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as handle:
+        json.dump(payload, handle, indent=2)
+        handle.write("\n")
+        temporary = handle.name
+    os.replace(temporary, path)
+
+
+def format_epoch(record: dict[str, Any], epochs: int) -> str:
+    """The one line printed after each epoch."""
+    line = (
+        f"epoch {record['epoch']:>3}/{epochs} | train {record['train_time_s']:7.2f}s"
+        f" loss {record['train_loss']:.4f}"
+    )
+    if "test_time_s" in record:
+        line += f" | test {record['test_time_s']:6.2f}s acc {record['test_accuracy']:.2%}"
+    line += (
+        f" | {record['images_per_s']:,.0f} img/s | loss scale {record['loss_scale']:g}"
+        f" | skipped {record['skipped_steps']}"
+    )
+    if record.get("injected_nonfinite"):
+        line += f" (injected {record['injected_nonfinite']})"
+    line += f" | state {record['state_checksum'][:12]}"
+    return line
+
+
+def summarize(epochs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median times per epoch and final accuracy.
+
+    Medians resist the noise of a shared machine; compilation is already
+    excluded from every figure.
+    """
+    if not epochs:
+        return {}
+    tested = [record for record in epochs if "test_time_s" in record]
+    return {
+        "train_time_s": float(np.median([record["train_time_s"] for record in epochs])),
+        "test_time_s": float(np.median([record["test_time_s"] for record in tested])) if tested else None,
+        "images_per_s": float(np.median([record["images_per_s"] for record in epochs])),
+        "final_test_accuracy": tested[-1]["test_accuracy"] if tested else None,
+        "final_train_loss": epochs[-1]["train_loss"],
+        "skipped_steps": epochs[-1]["skipped_steps"],
+        "injected_nonfinite": epochs[-1].get("injected_nonfinite", 0),
+        "final_state_checksum": epochs[-1].get("state_checksum"),
+        "epochs": len(epochs),
+    }

@@ -1,0 +1,149 @@
+"""Exact resume: checkpoints hold every counter, and a killed run resumes bit for bit."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+from experiments import cifar, train
+from experiments.checkpointing import Checkpointer, CheckpointError, Position
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIGNATURE = {"model": "tiny", "batch_size": 8, "device_count": 1}
+
+
+def fresh_state():
+    return jaxamp.TrainState.create(
+        apply_fn=None,
+        params={"w": jnp.ones(3)},
+        tx=optax.sgd(0.1, momentum=0.9),
+        loss_scale=jaxamp.DynamicLossScale(2.0**4, period=2, hysteresis=2),
+    )
+
+
+def position():
+    return Position(epoch=1, steps_done=5, rng_key_data=[0, 1], epoch_sums={"loss": 1.5})
+
+
+def test_a_restored_checkpoint_holds_every_loss_scale_field_skipped_steps_and_step_bit_identical(tmp_path):
+    state = fresh_state()
+    # clean, clean (the scale grows), overflow (tolerated by hysteresis), overflow (backs off), clean
+    for gradient in [1.0, 1.0, np.inf, np.nan, 1.0]:
+        state = state.apply_gradients(grads={"w": jnp.full(3, gradient)})
+    scale = state.loss_scale
+    # The state moved away from every initial value, so a lost field cannot pass unnoticed.
+    assert float(scale.loss_scale) == 2.0**4 and int(scale.counter) == 1
+    assert int(scale.overflows_until_backoff) == 0 and int(scale.skipped_steps) == 2
+    assert int(state.skipped_steps) == 2 and int(state.step) == 3
+
+    Checkpointer(str(tmp_path), SIGNATURE, resume=False).save(5, state, position(), {"epochs": []})
+    restored, restored_position, _ = Checkpointer(str(tmp_path), SIGNATURE, resume=True).restore_latest(
+        fresh_state()
+    )
+
+    for name in jaxamp.DynamicLossScale._data_fields:
+        before, after = getattr(state.loss_scale, name), getattr(restored.loss_scale, name)
+        assert after.dtype == before.dtype and np.array_equal(after, before), name
+    for name in ("step", "skipped_steps"):
+        assert getattr(restored, name).dtype == jnp.int32
+        assert int(getattr(restored, name)) == int(getattr(state, name)), name
+    equal = jax.tree.map(
+        np.array_equal, (restored.params, restored.opt_state), (state.params, state.opt_state)
+    )
+    assert all(jax.tree.leaves(equal))
+    assert train.state_checksum(restored) == train.state_checksum(state)
+    assert restored_position == position()
+
+
+@pytest.mark.parametrize(
+    "changed, named",
+    [
+        ({"batch_size": 16}, "--batch-size (checkpoint 8, this run 16)"),
+        ({"device_count": 2}, "the device count (checkpoint 1, this run 2)"),
+        ({"model": "other"}, "--model (checkpoint 'tiny', this run 'other')"),
+    ],
+)
+def test_a_checkpoint_made_with_other_settings_is_refused_naming_each(tmp_path, changed, named):
+    Checkpointer(str(tmp_path), SIGNATURE, resume=False).save(5, fresh_state(), position(), {"epochs": []})
+
+    with pytest.raises(CheckpointError, match="Refusing to resume") as raised:
+        Checkpointer(str(tmp_path), {**SIGNATURE, **changed}, resume=True)
+    assert named in str(raised.value)
+
+
+def test_a_new_run_never_writes_into_a_folder_that_holds_another_runs_checkpoints(tmp_path):
+    Checkpointer(str(tmp_path), SIGNATURE, resume=False).save(5, fresh_state(), position(), {"epochs": []})
+    with pytest.raises(CheckpointError, match="pass --resume"):
+        Checkpointer(str(tmp_path), SIGNATURE, resume=False)
+
+
+KILLED_RUN = [
+    "--model", "resnet_tiny", "--data", "synthetic", "--no-progress", "--precision", "mixed",
+    "--epochs", "2", "--steps-per-epoch", "8", "--batch-size", "8", "--eval-batch-size", "8",
+    "--checkpoint-every", "3", "--inject-nonfinite", "0.25",
+]  # fmt: skip
+
+
+def final_checksums(path):
+    epochs = json.loads(open(path).read())["epochs"]
+    return [(record["epoch"], record["state_checksum"], record["train_loss"]) for record in epochs]
+
+
+def test_a_run_killed_after_its_first_checkpoint_resumes_to_the_uninterrupted_final_state(tmp_path):
+    killed_dir, killed_out = tmp_path / "killed", tmp_path / "killed.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "experiments.cifar", *KILLED_RUN,
+         "--checkpoint-dir", str(killed_dir), "--out", str(killed_out)],
+        cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not (killed_dir.is_dir() and any(name.isdigit() for name in os.listdir(killed_dir))):
+        assert process.poll() is None, process.stderr.read().decode()
+        assert time.monotonic() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.05)
+    time.sleep(random.uniform(0.0, 1.0))  # an arbitrary moment after the first checkpoint
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL, "the run finished before it could be killed"
+    process.stderr.close()
+
+    # The uninterrupted run and the resumption share this process's compiled steps.
+    uninterrupted_out = tmp_path / "uninterrupted.json"
+    common = [*KILLED_RUN, "--checkpoint-dir"]
+    assert cifar.main([*common, str(tmp_path / "uninterrupted"), "--out", str(uninterrupted_out)]) == 0
+    assert cifar.main([*common, str(killed_dir), "--out", str(killed_out), "--resume"]) == 0
+
+    uninterrupted = final_checksums(uninterrupted_out)
+    assert [epoch for epoch, _, _ in uninterrupted] == [1, 2]
+    assert final_checksums(killed_out) == uninterrupted
+    # The injected overflows moved the loss scale, so the checksum covers a scale that changed.
+    assert json.loads(uninterrupted_out.read_text())["epochs"][-1]["loss_scale"] < 2.0**15
+
+
+def test_an_overflow_storm_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    checkpoints = tmp_path / "checkpoints"
+    # A peak learning rate of 1e6 blows the weights up after the warm-up's first step;
+    # every later float16 forward pass overflows, whatever the scale.
+    exit_code = cifar.main(
+        [*KILLED_RUN[:-2], "--lr", "1e6", "--max-consecutive-skips", "3", "--checkpoint-every", "1",
+         "--checkpoint-dir", str(checkpoints)]
+    )  # fmt: skip
+
+    error = capsys.readouterr().err
+    assert exit_code == 1
+    assert "3 steps in a row overflowed" in error and "--precision mixed_bf16" in error and "--lr" in error
+    assert "Traceback" not in error
+    stopped_at = int(error.split("stopped at step ")[1].split(":")[0])
+    saved = sorted(int(name) for name in os.listdir(checkpoints) if name.isdigit())
+    assert saved[-1] == stopped_at - 1  # nothing saved from the step the guard fired on
+    meta = json.loads((checkpoints / str(saved[-1]) / "meta" / "metadata").read_text())
+    assert meta["position"]["steps_done"] == stopped_at - 1
