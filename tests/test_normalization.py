@@ -148,19 +148,7 @@ def linen_trace(norm, policy):
     norm_reads = {
         name.rsplit("/", 1)[1]: dtypes for name, dtypes in reads.items() if name.startswith(f"params/{norm}_0/")
     }
-    return variables, norm_reads, jaxpr
-
-
-@pytest.mark.parametrize("policy", sorted(HALF_POLICIES))
-@pytest.mark.parametrize("norm", sorted(LINEN_NORMS))
-def test_linen_normalization_reads_params_and_computes_in_float32(norm, policy):
-    variables, norm_reads, jaxpr = linen_trace(norm, policy)
-    expected_params = {"scale", "bias"} if norm != "RMSNorm" else {"scale"}
-    assert norm_reads == {name: {F32} for name in expected_params}
-    assert {leaf.dtype for leaf in jax.tree.leaves(variables["params"])} == {F32}
-    assert normalization_compute_dtypes(jaxpr) == {F32}
-    assert reduction_dtypes(jaxpr) == {F32}
-    assert second_matmul_operand_dtypes(jaxpr) == {HALF_POLICIES[policy]}
+    return variables["params"], norm_reads, jaxpr
 
 
 # --- NNX ----------------------------------------------------------------------------------
@@ -191,10 +179,16 @@ def nnx_trace(norm, policy):
     return params, norm_reads, jaxpr
 
 
+# --- the scenario, per framework, class and policy ------------------------------------------
+
+TRACES = {"linen": linen_trace, "nnx": nnx_trace}
+
+
 @pytest.mark.parametrize("policy", sorted(HALF_POLICIES))
-@pytest.mark.parametrize("norm", sorted(NNX_NORMS))
-def test_nnx_normalization_reads_params_and_computes_in_float32(norm, policy):
-    params, norm_reads, jaxpr = nnx_trace(norm, policy)
+@pytest.mark.parametrize("norm", sorted(LINEN_NORMS))
+@pytest.mark.parametrize("framework", sorted(TRACES))
+def test_normalization_reads_params_and_computes_in_float32_and_hands_on_half(framework, norm, policy):
+    params, norm_reads, jaxpr = TRACES[framework](norm, policy)
     expected_params = {"scale", "bias"} if norm != "RMSNorm" else {"scale"}
     assert norm_reads == {name: {F32} for name in expected_params}
     assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {F32}
