@@ -25,14 +25,17 @@ def scaled_value_and_grad(
     The returned function computes::
 
         loss = fun(*args)                       # or (loss, aux) with has_aux
-        scaled_grads = grad(loss_scale.scale(float32(loss)))
+        scaled_grads = grad(loss_scale.scale(loss))
         grads = loss_scale.unscale(scaled_grads)
         grads_finite = all_finite(grads)
 
-    The loss is cast to float32 before it is scaled, so a float16 loss cannot
-    overflow in the multiplication itself; the backward pass then carries the
-    scaled cotangent through the model's float16 computation, which is where
-    scaling keeps small gradients from flushing to zero.
+    The backward pass starts from a cotangent equal to the loss scale, in the
+    loss's own dtype, and carries it through the model's float16 computation,
+    which is where scaling keeps small gradients from flushing to zero. The
+    scaled loss value itself is never used, so casting the loss to float32
+    before scaling would change nothing; but a float16 *loss* overflows that
+    first cotangent for any scale above 65504 (float16's largest value). Return
+    the loss in float32, as a policy with a float32 output dtype does.
 
     Args:
         fun: the loss function; returns a scalar loss, or ``(loss, aux)`` when
@@ -68,7 +71,7 @@ def scaled_value_and_grad(
                 "scaled_value_and_grad needs fun to return a scalar loss; got shape "
                 f"{loss_array.shape}. Reduce it (e.g. with .mean()) first."
             )
-        return loss_scale.scale(loss_array.astype(jnp.float32)), output
+        return loss_scale.scale(loss_array), output
 
     value_and_scaled_grad = jax.value_and_grad(scaled_loss, argnums=argnums, has_aux=True)
 

@@ -98,6 +98,27 @@ def _map_floating(tree: T, operation) -> T:
     )
 
 
+class _ScalesByItsLossScale:
+    """`scale` and `unscale` for the loss scales that hold a `loss_scale` array.
+
+    Each floating leaf is multiplied or divided by the float32 scale in
+    float32 and rounded once to the leaf's own dtype. Neither the scale nor
+    its reciprocal is ever rounded to the leaf's dtype first: in float16 a
+    scale of 2**16 is inf and the reciprocal of 2**25 is 0, and either would
+    zero every unscaled gradient.
+    """
+
+    loss_scale: jax.Array
+
+    def scale(self, tree: T) -> T:
+        """Multiplies every floating leaf of `tree` by the loss scale."""
+        return _map_floating(tree, lambda leaf: leaf * self.loss_scale)
+
+    def unscale(self, tree: T) -> T:
+        """Divides every floating leaf of `tree` by the loss scale."""
+        return _map_floating(tree, lambda leaf: leaf / self.loss_scale)
+
+
 def _validated_scale(value: Any, name: str) -> jax.Array:
     scale = jnp.asarray(value, jnp.float32)
     if scale.shape != ():
@@ -151,7 +172,7 @@ class NoOpLossScale:
 
 @_register_pytree
 @dataclasses.dataclass(frozen=True)
-class StaticLossScale:
+class StaticLossScale(_ScalesByItsLossScale):
     """Scales the loss by a fixed constant.
 
     Args:
@@ -165,14 +186,6 @@ class StaticLossScale:
     def __post_init__(self):
         object.__setattr__(self, "loss_scale", _validated_scale(self.loss_scale, "loss_scale"))
 
-    def scale(self, tree: T) -> T:
-        """Multiplies every floating leaf of `tree` by the loss scale."""
-        return _map_floating(tree, lambda leaf: leaf * self.loss_scale)
-
-    def unscale(self, tree: T) -> T:
-        """Divides every floating leaf of `tree` by the loss scale."""
-        return _map_floating(tree, lambda leaf: leaf / self.loss_scale)
-
     def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
         """Returns `self`: a static scale never changes."""
         del grads_finite
@@ -181,7 +194,7 @@ class StaticLossScale:
 
 @_register_pytree
 @dataclasses.dataclass(frozen=True)
-class DynamicLossScale:
+class DynamicLossScale(_ScalesByItsLossScale):
     """A loss scale that backs off on overflow and grows while steps are clean.
 
     This is the algorithm of ``torch.amp.GradScaler`` and of jmp, with
@@ -303,14 +316,6 @@ class DynamicLossScale:
         )
         for name in ("counter", "skipped_steps", "consecutive_skipped_steps"):
             object.__setattr__(self, name, _validated_count(getattr(self, name), name))
-
-    def scale(self, tree: T) -> T:
-        """Multiplies every floating leaf of `tree` by the loss scale."""
-        return _map_floating(tree, lambda leaf: leaf * self.loss_scale)
-
-    def unscale(self, tree: T) -> T:
-        """Divides every floating leaf of `tree` by the loss scale."""
-        return _map_floating(tree, lambda leaf: leaf / self.loss_scale)
 
     def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
         """Returns the loss scale for the next step (see the class docstring).

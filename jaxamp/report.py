@@ -8,7 +8,10 @@ matrix multiplication (``dot_general``) and convolution
 floating-point operations, including those inside nested jaxprs
 (``jit``, ``remat``, ``scan``, ``cond``, custom derivatives). A ``scan``
 body's FLOPs count once per iteration; a ``while_loop`` body's once, since
-its trip count is not known at trace time.
+its trip count is not known at trace time. A ``cond`` (or ``switch``) runs
+one branch per call, so it counts the branch with the most FLOPs only: the
+report is an upper bound on what one call computes, never the sum of
+branches that cannot all run.
 """
 
 from __future__ import annotations
@@ -110,6 +113,14 @@ def _flops(primitive: str, lhs, rhs, out, params: dict[str, Any]) -> int:
 
 
 def _walk(jaxpr, records: list[OpRecord], repeats: int = 1) -> None:
+    """Appends a record for every matmul and convolution of `jaxpr` to `records`.
+
+    Nested jaxprs are walked too::
+
+        scan:   body records, FLOPs times `length` (times enclosing repeats)
+        cond:   the records of the branch with the most FLOPs (ties: the first)
+        other:  every nested jaxpr once (while_loop bodies, jit, remat, ...)
+    """
     for equation in jaxpr.eqns:
         name = equation.primitive.name
         if name in _HEAVY_PRIMITIVES:
@@ -123,6 +134,13 @@ def _walk(jaxpr, records: list[OpRecord], repeats: int = 1) -> None:
                     flops=repeats * _flops(name, lhs, rhs, out, equation.params),
                 )
             )
+        if name == "cond":
+            branch_records = []
+            for branch in _subjaxprs(equation.params):
+                branch_records.append([])
+                _walk(branch, branch_records[-1], repeats)
+            records.extend(max(branch_records, key=lambda ops: sum(op.flops for op in ops)))
+            continue
         # A scan body runs `length` times; a while loop's trip count is unknown
         # at trace time, so its body counts once.
         body_repeats = repeats * equation.params.get("length", 1) if name == "scan" else repeats

@@ -458,23 +458,6 @@ def test_nnx_grad_gives_float32_grads_and_leaves_the_params_float32():
     assert param_dtypes(model) == {F32}
 
 
-def test_nnx_scaled_value_and_grad_works_on_the_param_state():
-    model = jaxamp.apply_policy(NnxConvNet(rngs=nnx.Rngs(0)), "mixed_float16")
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def loss(params):
-        return jnp.mean(nnx.merge(graphdef, params, rest)(IMAGES) ** 2)
-
-    value, grads, grads_finite = jax.jit(jaxamp.scaled_value_and_grad(loss, jaxamp.DynamicLossScale()))(
-        params
-    )
-    _, expected = jax.value_and_grad(loss)(params)
-    assert value.dtype == F32 and grads_finite
-    for grad, reference in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
-        assert grad.dtype == F32
-        np.testing.assert_allclose(grad, reference, rtol=0, atol=1e-2 * float(np.max(np.abs(reference))))
-
-
 def test_nnx_batch_stats_update_in_float32_in_train_mode():
     model = jaxamp.apply_policy(NnxConvNet(rngs=nnx.Rngs(0)), "mixed_float16")
     model.train()
@@ -762,3 +745,96 @@ def test_linen_a_changing_python_scalar_does_not_trace_the_call_again():
         model.apply(variables, jnp.ones((1, 3)), scale)
     # One abstract trace for init (mutable, rngs) and one for all the applies.
     assert len(model.__dict__["_jaxamp_policies_by_path"]) == 2
+
+
+# --- overrides on NNX containers, gradients against the float32 model --------------------
+
+
+class NnxHead(nnx.Module):
+    """A container: the override on it must reach the Linears inside."""
+
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(4, 4, rngs=rngs)
+        self.out = nnx.Linear(4, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+class NnxClassifier(nnx.Module):
+    def __init__(self, rngs):
+        self.body = nnx.Linear(3, 4, rngs=rngs)
+        self.head = NnxHead(rngs)
+
+    def __call__(self, x):
+        return self.head(self.body(x))
+
+
+def test_nnx_an_override_on_a_container_reaches_the_layers_it_calls():
+    inputs = jnp.ones((2, 3))
+    model = jaxamp.apply_policy(NnxClassifier(nnx.Rngs(0)), "mixed_float16", overrides={NnxHead: "float32"})
+
+    report = jaxamp.precision_report(lambda x: model(x), inputs)
+
+    assert [op.operand_dtypes for op in report.ops] == [
+        ("float16", "float16"),
+        ("float32", "float32"),
+        ("float32", "float32"),
+    ]
+    assert param_dtypes(model) == {F32}
+    assert model(inputs).dtype == F32
+
+
+# Mixed-precision gradients must match the float32 model's to 1% of each
+# leaf's largest float32 gradient (float16 keeps 11 significant bits).
+GRADIENT_TOLERANCE = 1e-2
+
+
+def assert_close_to_float32_but_computed_in_half(grads, float32_grads):
+    assert jax.tree.structure(grads) == jax.tree.structure(float32_grads)
+    leaves = list(zip(jax.tree.leaves(grads), jax.tree.leaves(float32_grads), strict=True))
+    for grad, reference in leaves:
+        assert grad.dtype == F32
+        largest = float(np.max(np.abs(reference)))
+        assert largest > 0
+        np.testing.assert_allclose(grad, reference, rtol=0, atol=GRADIENT_TOLERANCE * largest)
+    # Not the float32 computation itself: half precision left its rounding.
+    assert any(not np.array_equal(grad, reference) for grad, reference in leaves)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_linen_scaled_gradients_match_the_unwrapped_float32_models(policy):
+    variables = jax.jit(ConvNet().init)(jax.random.key(3), IMAGES)
+    params, batch_stats = variables["params"], variables["batch_stats"]
+
+    def loss(model):
+        def of_params(params):
+            return jnp.mean(model.apply({"params": params, "batch_stats": batch_stats}, IMAGES) ** 2)
+
+        return of_params
+
+    float32_grads = jax.jit(jax.grad(loss(ConvNet())))(params)
+    mixed = jaxamp.apply_policy(ConvNet(), policy)
+    loss_scale = jaxamp.default_loss_scale(policy)
+    _, grads, grads_finite = jax.jit(jaxamp.scaled_value_and_grad(loss(mixed), loss_scale))(params)
+
+    assert grads_finite
+    assert_close_to_float32_but_computed_in_half(grads, float32_grads)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_nnx_scaled_gradients_match_the_unwrapped_float32_models(policy):
+    float32_model = NnxConvNet(rngs=nnx.Rngs(0))
+    mixed = jaxamp.apply_policy(float32_model, policy)
+
+    def loss(model):
+        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+        return lambda params: jnp.mean(nnx.merge(graphdef, params, rest)(IMAGES) ** 2)
+
+    params = nnx.state(float32_model, nnx.Param)
+    float32_grads = jax.jit(jax.grad(loss(float32_model)))(params)
+    loss_scale = jaxamp.default_loss_scale(policy)
+    _, grads, grads_finite = jax.jit(jaxamp.scaled_value_and_grad(loss(mixed), loss_scale))(params)
+
+    assert grads_finite
+    assert_close_to_float32_but_computed_in_half(grads, float32_grads)

@@ -85,17 +85,36 @@ def test_grads_come_back_in_the_dtype_of_their_argument(dtype):
     assert grads_finite
 
 
-def test_a_float16_loss_is_returned_as_is_and_scaled_in_float32():
-    # 2**15 * 4 overflows float16 (max 65504) but not float32.
-    def float16_loss(x):
-        return jnp.sum(x.astype(jnp.float16)).astype(jnp.float16)
+def float16_mean(x):
+    return jnp.mean(x.astype(jnp.float16))
 
-    value, grads, grads_finite = jaxamp.scaled_value_and_grad(float16_loss, jaxamp.DynamicLossScale(2.0**15))(
-        jnp.full(4, 1.0)
-    )
-    assert (value.dtype, value.item()) == (jnp.float16, 4.0)
-    np.testing.assert_array_equal(grads, jnp.ones(4))
-    assert grads_finite
+
+def float32_mean_of_float16(x):
+    return jnp.mean(x.astype(jnp.float16).astype(jnp.float32))
+
+
+@pytest.mark.parametrize(
+    "loss_fn, scale, finite",
+    [
+        (float16_mean, 2.0**15, True),
+        (float16_mean, 2.0**16, False),
+        (float32_mean_of_float16, 2.0**16, True),
+    ],
+    ids=["float16_loss_2_15", "float16_loss_2_16", "float32_loss_2_16"],
+)
+def test_the_backward_pass_starts_from_the_scale_in_the_losss_dtype(loss_fn, scale, finite):
+    # The first cotangent is the scale itself, in the loss's dtype: 2**16 is
+    # inf in float16, so a float16 loss overflows at the first backward step.
+    # A float32 loss carries 2**16 through the mean, and the float16 ops below
+    # it get 2**16 / 4, which fits.
+    loss_scale = jaxamp.StaticLossScale(scale)
+    value, grads, grads_finite = jaxamp.scaled_value_and_grad(loss_fn, loss_scale)(jnp.full(4, 1.0))
+    assert (value.dtype, value.item()) == (loss_fn(jnp.ones(1)).dtype, 1.0)
+    assert bool(grads_finite) is finite
+    if finite:
+        np.testing.assert_array_equal(grads, jnp.full(4, 0.25))
+    else:
+        assert np.all(np.isinf(grads))
 
 
 def float16_square(x):

@@ -388,12 +388,32 @@ def test_scale_and_unscale_multiply_floating_leaves_and_keep_their_dtype(name, j
             assert scaled[key] is leaf and restored[key] is leaf, key
 
 
-def test_unscaling_float16_gradients_rounds_once_in_float32():
-    # 3 * 2**-24 is a float16 subnormal; multiplying by 1/S in float16 first
-    # would flush it, forming the product in float32 keeps it.
-    loss_scale = StaticLossScale(2.0**10)
-    scaled = jnp.array([3 * 2.0**-14], jnp.float16)
-    assert loss_scale.unscale(scaled).item() == 3 * 2.0**-24
+@pytest.mark.parametrize(
+    "make_loss_scale",
+    [StaticLossScale, functools.partial(DynamicLossScale, max_loss_scale=2.0**25)],
+    ids=["static", "dynamic"],
+)
+@pytest.mark.parametrize(
+    "scale, gradient",
+    [
+        # The scale itself is inf in float16: dividing by it there gives 0.
+        (2.0**16, 4.0),
+        # The reciprocal 2**-25 is 0 in float16: multiplying by it there gives 0.
+        (2.0**25, 60000.0),
+        # The result is a float16 subnormal (3 * 2**-24), kept exactly.
+        (2.0**10, 3 * 2.0**-14),
+    ],
+    ids=["scale_beyond_float16_max", "reciprocal_below_float16_min", "subnormal_result"],
+)
+def test_unscaling_float16_gradients_divides_in_float32_and_rounds_once(make_loss_scale, scale, gradient):
+    loss_scale = make_loss_scale(scale)
+    scaled = jnp.array([gradient], jnp.float16)
+    expected = np.float16(np.float32(gradient) / np.float32(scale))
+    assert expected != 0
+    for unscale in (loss_scale.unscale, jax.jit(loss_scale.unscale)):
+        unscaled = unscale(scaled)
+        assert unscaled.dtype == jnp.float16
+        assert unscaled.item() == expected
 
 
 def test_skip_counters_saturate_instead_of_wrapping(adjust):
@@ -446,12 +466,21 @@ def test_bad_settings_are_rejected_with_a_message_naming_them(build, error, matc
         build()
 
 
-def test_dynamic_defaults_are_torch_and_jmp_ones():
+def test_dynamic_defaults_take_jmps_period_factor_and_floor_and_cap_the_scale_at_2_24():
     loss_scale = DynamicLossScale()
-    assert loss_scale.loss_scale.item() == 2.0**15
-    assert (loss_scale.period, loss_scale.factor) == (2000, 2)
-    assert (loss_scale.min_loss_scale, loss_scale.max_loss_scale) == (1, 2.0**24)
+    # jmp has no default initial scale and no cap; torch starts at 2**16 and
+    # has no cap either. 2**15 and 2**24 are jaxamp's own choices.
+    theirs = jmp.DynamicLossScale(jnp.float32(2.0**15))
+    assert (loss_scale.period, loss_scale.factor, loss_scale.min_loss_scale) == (
+        theirs.period,
+        theirs.factor,
+        float(theirs.min_loss_scale),
+    )
+    assert (loss_scale.period, loss_scale.factor, loss_scale.min_loss_scale) == (2000, 2, 1)
+    assert (loss_scale.loss_scale.item(), loss_scale.max_loss_scale) == (2.0**15, 2.0**24)
+    assert loss_scale.hysteresis == 1 and loss_scale.overflows_until_backoff.item() == 1
     assert (loss_scale.counter.item(), loss_scale.skipped_steps.item()) == (0, 0)
+    assert loss_scale.consecutive_skipped_steps.item() == 0
 
 
 @pytest.mark.parametrize(

@@ -176,6 +176,14 @@ def test_specs_of_other_types_raise_a_type_error(spec):
         jaxamp.get_policy(spec)
 
 
+def test_an_update_of_1e_4_relative_size_vanishes_in_a_float16_weight_but_not_in_float32():
+    # Why params stay in float32 under a mixed policy: float16 keeps 11
+    # significant bits, so 1 + 1e-4 rounds back to 1.
+    weight, update = 1.0, 1e-4
+    assert jnp.float16(weight) + jnp.float16(update) == jnp.float16(weight)
+    assert jnp.float32(weight) + jnp.float32(update) > jnp.float32(weight)
+
+
 # --- the Policy value ---------------------------------------------------------
 
 

@@ -148,3 +148,105 @@ def test_nothing_is_computed_only_traced():
 
     jaxamp.precision_report(fun, jnp.ones((3, 3)))
     assert len(calls) == 1 and issubclass(calls[0], jax.core.Tracer)
+
+
+# --- loops and branches: what one call computes --------------------------------------
+
+
+def matmul_flops(m, k, n):
+    return 2 * m * k * n
+
+
+def test_a_scan_body_counts_its_flops_once_per_iteration():
+    def three_steps(x, w):
+        y, _ = jax.lax.scan(lambda carry, _: (carry @ w, None), x, length=3)
+        return y
+
+    report = jaxamp.precision_report(three_steps, abstract((2, 4)), abstract((4, 4)))
+    (op,) = report.ops
+    assert op.flops == 3 * matmul_flops(2, 4, 4)
+    assert report.flops_by_dtype() == {"float32": 3 * matmul_flops(2, 4, 4)}
+
+
+def test_nested_scans_multiply_their_lengths():
+    def outer(x, w):
+        def inner(carry, _):
+            carry, _ = jax.lax.scan(lambda c, _: (c @ w, None), carry, length=3)
+            return carry, None
+
+        y, _ = jax.lax.scan(inner, x, length=2)
+        return y
+
+    report = jaxamp.precision_report(outer, abstract((2, 4)), abstract((4, 4)))
+    assert [op.flops for op in report.ops] == [2 * 3 * matmul_flops(2, 4, 4)]
+
+
+def test_a_fori_loop_with_a_static_trip_count_is_a_scan_and_counts_every_iteration():
+    def five_steps(x, w):
+        return jax.lax.fori_loop(0, 5, lambda _, carry: carry @ w, x)
+
+    report = jaxamp.precision_report(five_steps, abstract((2, 4)), abstract((4, 4)))
+    assert [op.flops for op in report.ops] == [5 * matmul_flops(2, 4, 4)]
+
+
+def test_a_while_loop_body_counts_once_since_its_trip_count_is_unknown():
+    def until_large(x, w):
+        return jax.lax.while_loop(lambda carry: jnp.sum(carry) < 100.0, lambda carry: carry @ w, x)
+
+    report = jaxamp.precision_report(until_large, abstract((2, 4)), abstract((4, 4)))
+    assert [op.flops for op in report.ops] == [matmul_flops(2, 4, 4)]
+
+
+def test_a_cond_with_one_matmul_per_branch_counts_one_not_both():
+    def either(pred, x, w):
+        return jax.lax.cond(pred, lambda a: a @ w, lambda a: (2 * a) @ w, x)
+
+    report = jaxamp.precision_report(either, abstract((), jnp.bool_), abstract((4, 8)), abstract((8, 8)))
+    assert matmul_flops(4, 8, 8) == 512
+    assert [op.flops for op in report.ops] == [512]
+    assert report.flops_by_dtype() == {"float32": 512}
+
+
+@pytest.mark.parametrize("heavy_branch", [0, 1], ids=["false_branch_heavier", "true_branch_heavier"])
+def test_a_cond_counts_the_branch_with_the_most_flops_whichever_it_is(heavy_branch):
+    def light(x16, x32, w32):
+        return jnp.broadcast_to(jnp.sum(x16 @ x16.T).astype(jnp.float32), (4, 8))
+
+    def heavy(x16, x32, w32):
+        return (x32 @ w32) @ w32
+
+    def either(pred, x16, x32, w32):
+        branches = [light, heavy] if heavy_branch == 1 else [heavy, light]
+        return jax.lax.cond(pred, branches[1], branches[0], x16, x32, w32)
+
+    report = jaxamp.precision_report(
+        either,
+        abstract((), jnp.bool_),
+        abstract((4, 2), jnp.float16),
+        abstract((4, 8)),
+        abstract((8, 8)),
+    )
+    # The heavy branch's two float32 matmuls, not the light one's float16 matmul.
+    assert report.count_by_dtype() == {"float32": 2}
+    assert report.flops_by_dtype() == {"float32": 2 * matmul_flops(4, 8, 8)}
+
+
+def test_a_switch_counts_its_heaviest_branch_and_a_scan_multiplies_it():
+    def body(carry, index):
+        branches = [
+            lambda a: a,
+            lambda a: a @ carry_weights(a),
+            lambda a: (a @ carry_weights(a)) @ carry_weights(a),
+        ]
+        return jax.lax.switch(index, branches, carry), None
+
+    def carry_weights(a):
+        return jnp.eye(a.shape[-1], dtype=a.dtype)
+
+    def loop(x, indices):
+        y, _ = jax.lax.scan(body, x, indices)
+        return y
+
+    report = jaxamp.precision_report(loop, abstract((2, 4), jnp.bfloat16), abstract((6,), jnp.int32))
+    assert [op.flops for op in report.ops] == [6 * matmul_flops(2, 4, 4)] * 2
+    assert report.count_by_dtype() == {"bfloat16": 2}

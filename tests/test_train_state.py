@@ -211,6 +211,64 @@ def test_skipping_is_a_select_with_no_branch_and_no_host_callback():
     assert not used & {"cond", "while", "pure_callback", "io_callback", "debug_callback"}
 
 
+def source(jaxpr, var):
+    """`var` traced back through casts and broadcasts to where its value comes from."""
+    producers = {outvar: equation for equation in jaxpr.eqns for outvar in equation.outvars}
+    while var in producers and producers[var].primitive.name in ("convert_element_type", "broadcast_in_dim"):
+        var = producers[var].invars[0]
+    return var
+
+
+def find_select(jaxpr, var):
+    """(predicate, on_false, on_true) of the select that produces `var`, or None.
+
+    Follows `var` into the nested jaxpr of a ``jit`` (``jnp.where`` is one) and
+    maps the select's operands back to variables of `jaxpr`.
+    """
+    var = source(jaxpr, var)
+    producer = next((equation for equation in jaxpr.eqns if var in equation.outvars), None)
+    if producer is None:
+        return None
+    if producer.primitive.name == "select_n" and len(producer.invars) == 3:
+        return tuple(source(jaxpr, operand) for operand in producer.invars)
+    inner = producer.params.get("jaxpr")
+    if isinstance(inner, jax.extend.core.ClosedJaxpr):
+        found = find_select(inner.jaxpr, inner.jaxpr.outvars[producer.outvars.index(var)])
+        if found is None:
+            return None
+        outer_of = dict(zip(inner.jaxpr.invars, producer.invars, strict=True))
+        return tuple(source(jaxpr, outer_of.get(operand, operand)) for operand in found)
+    return None
+
+
+def test_every_param_and_optimizer_state_leaf_is_a_select_on_grads_finite_keeping_the_old_value():
+    state = create_state(jaxamp.DynamicLossScale())
+
+    def apply_gradients(state, grads, grads_finite):
+        return state.apply_gradients(grads=grads, grads_finite=grads_finite, batch_stats=state.batch_stats)
+
+    args = (state, state.params, jnp.array(True))
+    jaxpr = jax.make_jaxpr(apply_gradients)(*args).jaxpr
+    input_paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    input_of = dict(zip(input_paths, jaxpr.invars, strict=True))
+    grads_finite = jaxpr.invars[-1]
+    output = jax.eval_shape(apply_gradients, *args)
+    output_paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(output)[0]]
+
+    checked = 0
+    for path, outvar in zip(output_paths, jaxpr.outvars, strict=True):
+        if not path.startswith((".params", ".opt_state")):
+            continue
+        select = find_select(jaxpr, outvar)
+        assert select is not None, f"{path} is not selected"
+        predicate, on_false, _ = select
+        assert predicate is grads_finite, path
+        assert on_false is input_of[f"[0]{path}"], path
+        checked += 1
+    params_and_opt_state = jax.tree.leaves((state.params, state.opt_state))
+    assert checked == len(params_and_opt_state) > 8
+
+
 def poisoned(grads, value):
     return jax.tree.map(lambda grad: grad.at[0].set(value) if grad.ndim else jnp.asarray(value), grads)
 

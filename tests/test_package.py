@@ -1,0 +1,55 @@
+"""The built wheel holds the `jaxamp` package alone, typed, and nothing else.
+
+The experiments run from the repository root (``python -m experiments.cifar``)
+and must not be installed: a top-level ``experiments`` package in
+site-packages would shadow or collide with a user's own.
+"""
+
+import pathlib
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+import jaxamp
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+# Build outputs, caches and data: never part of a source checkout's packaging.
+NOT_SOURCE = shutil.ignore_patterns(
+    ".git", ".venv", "venv", ".jax_cache", ".hypothesis", ".pytest_cache", "__pycache__",
+    "*.egg-info", "build", "dist", "mutants", "checkpoints", "results",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """The wheel `pip wheel` builds from a copy of the checkout, offline."""
+    source = tmp_path_factory.mktemp("source") / "jaxamp"
+    shutil.copytree(REPO, source, ignore=NOT_SOURCE)
+    out = tmp_path_factory.mktemp("wheel")
+    command = [
+        sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+        "--wheel-dir", str(out), str(source),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=source, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (
+        "pip wheel failed; the test extra provides setuptools>=68 and wheel "
+        f"(pip install -e '.[test]'):\n{result.stdout}\n{result.stderr}"
+    )
+    (path,) = out.glob("jaxamp-*.whl")
+    with zipfile.ZipFile(path) as archive:
+        return archive.namelist()
+
+
+def test_the_wheel_holds_jaxamp_and_its_metadata_only(wheel):
+    top_level = {name.split("/", 1)[0] for name in wheel}
+    assert top_level == {"jaxamp", f"jaxamp-{jaxamp.__version__}.dist-info"}
+
+
+def test_the_wheel_holds_every_module_of_the_package_and_the_py_typed_marker(wheel):
+    modules = {path.relative_to(REPO).as_posix() for path in (REPO / "jaxamp").rglob("*.py")}
+    assert modules <= set(wheel)
+    assert "jaxamp/py.typed" in wheel
+    assert "jaxamp/__init__.py" in modules
