@@ -16,6 +16,7 @@ Example:
 """
 
 from jaxamp.finite import all_finite, select_tree
+from jaxamp.gpu_targets import GPU_TARGETS, GpuSpec, gpu_target_device, on_device
 from jaxamp.grads import scaled_value_and_grad
 from jaxamp.loss_scale import (
     DynamicLossScale,
@@ -26,14 +27,16 @@ from jaxamp.loss_scale import (
 )
 from jaxamp.module_policy import NORMALIZATION_LAYERS, apply_policy
 from jaxamp.policy import Policy, get_policy
-from jaxamp.report import PrecisionReport, precision_report
+from jaxamp.report import PrecisionReport, hlo_precision_report, precision_report
 from jaxamp.train_state import TrainState
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "GPU_TARGETS",
     "NORMALIZATION_LAYERS",
     "DynamicLossScale",
+    "GpuSpec",
     "LossScale",
     "NoOpLossScale",
     "Policy",
@@ -44,6 +47,9 @@ __all__ = [
     "apply_policy",
     "default_loss_scale",
     "get_policy",
+    "gpu_target_device",
+    "hlo_precision_report",
+    "on_device",
     "precision_report",
     "scaled_value_and_grad",
     "select_tree",
