@@ -1,0 +1,217 @@
+"""``python -m experiments.benchmark``: see `experiments.benchmark` for what it measures."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import re
+import shlex
+import sys
+
+import jax
+
+import jaxamp
+from experiments.models import MODELS
+
+from experiments.benchmark import checks, loss_scale, output, pipeline, targets, throughput, torch_amp, workload
+from experiments.benchmark.budget import Budget, SkipWork
+from experiments.benchmark.results import Results
+
+SECTIONS = ("throughput", "loss_scale", "pipeline", "torch", "targets")
+PRECISIONS = ("fp32", "tf32", "mixed", "mixed_bf16")
+STUDY_MODELS = "resnet18,resnet50,resnet101,mobilenetv2"
+# --quick: a reduced set that runs in minutes on a 2-core CPU.
+QUICK = {
+    "models": "resnet18", "precisions": "fp32,mixed", "batch_size": 32, "rounds": 3, "steps": 2,
+    "num_train": 1024, "loss_scale_models": "mlp,resnet18", "torch_models": "resnet18",
+}  # fmt: skip
+
+
+def _comma_list(choices):
+    def parse(text: str) -> list[str]:
+        items = [item.strip().lower() for item in text.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("expected a comma-separated list, got nothing")
+        for item in items:
+            if choices is not None and item not in choices:
+                raise argparse.ArgumentTypeError(f"invalid choice {item!r} (choose from {', '.join(choices)})")
+        return items
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.benchmark",
+        description="Side-by-side benchmark: throughput, memory, distance to the hardware, loss-scale cost, "
+        "input pipeline, PyTorch AMP, GPU targets compiled without a GPU.",
+    )
+    models = sorted(MODELS)
+    parser.add_argument("--quick", action="store_true", help=f"a reduced set for a CPU: {QUICK}")
+    parser.add_argument("--sections", type=_comma_list(SECTIONS), default=None,
+                        help="comma-separated, in order of importance (default: all but targets; "
+                        "only targets when --target is given)")  # fmt: skip
+    parser.add_argument("--models", type=_comma_list(models), default=None, help=f"default: {STUDY_MODELS}")
+    parser.add_argument("--precisions", type=_comma_list(None), default=None, help=f"default: {','.join(PRECISIONS)}")
+    parser.add_argument("--batch-size", type=int, default=None, help="default: 128")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (median over them); default 5")
+    parser.add_argument("--steps", type=int, default=None, help="steps per variant per round; default 10")
+    parser.add_argument("--num-train", type=int, default=None,
+                        help="device-resident synthetic examples to gather batches from (default 50000)")  # fmt: skip
+    parser.add_argument("--loss-scale-models", type=_comma_list(["mlp", *models]), default=None,
+                        help="default: mlp,resnet18")  # fmt: skip
+    parser.add_argument("--torch-models", type=_comma_list(models), default=None,
+                        help="default: the --models PyTorch has a reference for")  # fmt: skip
+    parser.add_argument("--target", type=_comma_list([*jaxamp.GPU_TARGETS, "all"]), default=None,
+                        help=f"GPU targets to compile for without a GPU: {', '.join(jaxamp.GPU_TARGETS)} or all")  # fmt: skip
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for the whole run: work runs in order of importance, what would not fit is "
+                        "skipped and listed")  # fmt: skip
+    parser.add_argument("--out-dir", default=None, help="default: results/<device>/benchmark/<quick|full|targets-...>")
+    parser.add_argument("--no-plots", action="store_true")
+    return parser
+
+
+def resolve_settings(args: argparse.Namespace) -> dict:
+    """Flags, then --quick's values, then the defaults."""
+    defaults = {
+        "models": STUDY_MODELS, "precisions": ",".join(PRECISIONS), "batch_size": 128, "rounds": 5, "steps": 10,
+        "num_train": 50_000, "loss_scale_models": "mlp,resnet18", "torch_models": None,
+    }  # fmt: skip
+    if args.quick:
+        defaults.update(QUICK)
+    settings = {}
+    for key, default in defaults.items():
+        value = getattr(args, key)
+        if value is None and isinstance(default, str):
+            value = [item.strip() for item in default.split(",")]
+        settings[key] = default if value is None else value
+    settings["targets"] = list(jaxamp.GPU_TARGETS) if args.target and "all" in args.target else (args.target or [])
+    if args.sections:
+        settings["sections"] = args.sections
+    else:
+        settings["sections"] = ["targets"] if settings["targets"] else [s for s in SECTIONS if s != "targets"]
+    if "targets" in settings["sections"] and not settings["targets"]:
+        settings["targets"] = ["h200"]
+    if settings["torch_models"] is None:
+        settings["torch_models"] = [m for m in settings["models"] if m in ("resnet18", "resnet50", "mobilenetv2", "resnet101")]
+    for key in ("batch_size", "rounds", "steps", "num_train"):
+        if settings[key] < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be at least 1, got {settings[key]}.")
+    if settings["num_train"] < settings["batch_size"]:
+        raise ValueError(f"--num-train {settings['num_train']} is below --batch-size {settings['batch_size']}; raise it.")
+    return settings
+
+
+def device_slug() -> str:
+    device = jax.devices()[0]
+    name = device.device_kind if device.platform != "cpu" else "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def default_out_dir(args: argparse.Namespace, settings: dict) -> str:
+    if settings["sections"] == ["targets"]:
+        run = "targets-" + "-".join(settings["targets"])
+    else:
+        run = "quick" if args.quick else "full"
+    return f"results/{device_slug()}/benchmark/{run}"
+
+
+def run_sections(settings: dict, budget: Budget, results: Results) -> None:
+    """Runs the chosen sections in order of importance, under the budget."""
+    sections = settings["sections"]
+    batch_size, rounds, steps = settings["batch_size"], settings["rounds"], settings["steps"]
+    data = None
+    if {"throughput", "pipeline"} & set(sections):
+        data = workload.device_set(settings["num_train"])
+    if "throughput" in sections:
+        only_one = len(settings["models"]) == 1 and len(settings["precisions"]) == 1
+        estimate = 0.0
+        for model in settings["models"]:
+            estimate = throughput.run_model(model, settings["precisions"], batch_size, data, rounds, steps, budget,
+                                            results, estimate, only_workload_of_process=only_one)  # fmt: skip
+    if "loss_scale" in sections:
+        for model in settings["loss_scale_models"]:
+            _guarded(budget, f"loss_scale {model}", lambda model=model: results.put(
+                ("loss_scale", model), loss_scale.measure(model, 128 if model == "mlp" else batch_size, rounds, steps)))
+    if "pipeline" in sections:
+        model, precision = settings["models"][0], "mixed" if "mixed" in settings["precisions"] else settings["precisions"][0]
+
+        def measure_pipeline():
+            item = workload.build(model, precision, batch_size, data)
+            results.put(("pipeline",), pipeline.measure(item, data, rounds, steps))
+
+        _guarded(budget, f"pipeline {model} {precision}", measure_pipeline)
+    if "torch" in sections:
+        if not torch_amp.torch_available():
+            budget.skip("torch", "PyTorch is not installed here (it is optional)")
+        else:
+            torch_precisions = [p for p in settings["precisions"] if p in PRECISIONS]
+            for model in settings["torch_models"]:
+                _guarded(budget, f"torch {model}", lambda model=model: results.put(("torch", model), torch_amp.measure(
+                    model, torch_precisions, batch_size, rounds, steps, min(settings["num_train"], 10_000))))
+    if "targets" in sections:
+        if not jaxamp.gpu_targets.cuda_plugin_available():
+            budget.skip("targets", "the CUDA PJRT plugin is not installed (pip install 'jaxamp[gpu-aot]')")
+        else:
+            targets.run(settings["targets"], settings["models"], settings["precisions"], batch_size, budget, results)
+
+
+def _guarded(budget: Budget, work: str, fn) -> None:
+    """Runs `fn` if any budget is left; a section that runs out midway is listed as skipped."""
+    try:
+        budget.require(work, 0.0 if budget.remaining() > 0 else 1.0)
+        fn()
+    except SkipWork as skip:
+        budget.skip(work, str(skip))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = resolve_settings(args)
+    except ValueError as err:
+        parser.error(str(err))
+    for precision in settings["precisions"]:
+        try:
+            from experiments import train  # pylint: disable=g-import-not-at-top
+
+            train.resolve_precision(precision)
+        except ValueError as err:
+            parser.error(f"invalid precision {precision!r}: {err}")
+    device = jax.devices()[0]
+    out_dir = args.out_dir or default_out_dir(args, settings)
+    command = "python -m experiments.benchmark " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    results = Results(out_dir, {
+        "environment": {
+            "device": device.device_kind if device.platform != "cpu" else f"cpu ({platform.processor() or platform.machine()})",
+            "platform": device.platform, "jax": jax.__version__, "python": platform.python_version(),
+            "command": command.strip(), "settings": {k: v for k, v in settings.items()},
+        },
+    })  # fmt: skip
+    budget = Budget(args.budget)
+    print(f"device: {results.data['environment']['device']}; sections: {', '.join(settings['sections'])}; "
+          f"writing {out_dir}", flush=True)  # fmt: skip
+    try:
+        run_sections(settings, budget, results)
+    finally:
+        results.put(("skipped",), budget.skipped)
+        results.put(("checks",), checks.all_checks(results.data, device.platform == "gpu"))
+        table = output.table(results.data)
+        output.write(results.data, out_dir) if not args.no_plots else None
+        if args.no_plots:
+            from experiments.benchmark.results import write_text_atomically  # pylint: disable=g-import-not-at-top
+
+            write_text_atomically(f"{out_dir}/table.md", table)
+    print(table)
+    missed = [check["check"] for check in results.data["checks"] if not check["met"]]
+    if missed:
+        print(f"missed {len(missed)} target(s): {'; '.join(missed)} (timings are noisy: rerun on an idle machine)")
+        return 1
+    print("all targets checked in this run were met")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
