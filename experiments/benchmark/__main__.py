@@ -23,7 +23,7 @@ STUDY_MODELS = "resnet18,resnet50,resnet101,mobilenetv2"
 # --quick: a reduced set that runs in minutes on a 2-core CPU.
 QUICK = {
     "models": "resnet18", "precisions": "fp32,mixed", "batch_size": 32, "rounds": 3, "steps": 2,
-    "num_train": 1024, "loss_scale_models": "mlp,resnet18", "torch_models": "resnet18",
+    "num_train": 1024, "loss_scale_models": "mlp,resnet18", "loss_scale_batch_size": 32, "torch_models": "resnet18",
 }  # fmt: skip
 
 
@@ -49,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     models = sorted(MODELS)
     parser.add_argument("--quick", action="store_true", help=f"a reduced set for a CPU: {QUICK}")
     parser.add_argument("--sections", type=_comma_list(SECTIONS), default=None,
-                        help="comma-separated, in order of importance (default: all but targets; "
-                        "only targets when --target is given)")  # fmt: skip
+                        help="comma-separated, run in the order given (default: throughput,loss_scale,pipeline,"
+                        "torch; only targets when --target is given)")  # fmt: skip
     parser.add_argument("--models", type=_comma_list(models), default=None, help=f"default: {STUDY_MODELS}")
     parser.add_argument("--precisions", type=_comma_list(None), default=None, help=f"default: {','.join(PRECISIONS)}")
     parser.add_argument("--batch-size", type=int, default=None, help="default: 128")
@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="device-resident synthetic examples to gather batches from (default 50000)")  # fmt: skip
     parser.add_argument("--loss-scale-models", type=_comma_list(["mlp", *models]), default=None,
                         help="default: mlp,resnet18")  # fmt: skip
+    parser.add_argument("--loss-scale-batch-size", type=int, default=None, help="default: 128")
     parser.add_argument("--torch-models", type=_comma_list(models), default=None,
                         help="default: the --models PyTorch has a reference for")  # fmt: skip
     parser.add_argument("--target", type=_comma_list([*jaxamp.GPU_TARGETS, "all"]), default=None,
@@ -76,7 +77,7 @@ def resolve_settings(args: argparse.Namespace) -> dict:
     """Flags, then --quick's values, then the defaults."""
     defaults = {
         "models": STUDY_MODELS, "precisions": ",".join(PRECISIONS), "batch_size": 128, "rounds": 5, "steps": 10,
-        "num_train": 50_000, "loss_scale_models": "mlp,resnet18", "torch_models": None,
+        "num_train": 50_000, "loss_scale_models": "mlp,resnet18", "loss_scale_batch_size": 128, "torch_models": None,
     }  # fmt: skip
     if args.quick:
         defaults.update(QUICK)
@@ -95,7 +96,7 @@ def resolve_settings(args: argparse.Namespace) -> dict:
         settings["targets"] = ["h200"]
     if settings["torch_models"] is None:
         settings["torch_models"] = [m for m in settings["models"] if m in ("resnet18", "resnet50", "mobilenetv2", "resnet101")]
-    for key in ("batch_size", "rounds", "steps", "num_train"):
+    for key in ("batch_size", "rounds", "steps", "num_train", "loss_scale_batch_size"):
         if settings[key] < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be at least 1, got {settings[key]}.")
     if settings["num_train"] < settings["batch_size"]:
@@ -117,44 +118,78 @@ def default_out_dir(args: argparse.Namespace, settings: dict) -> str:
     return f"results/{device_slug()}/benchmark/{run}"
 
 
-def run_sections(settings: dict, budget: Budget, results: Results) -> None:
-    """Runs the chosen sections in order of importance, under the budget."""
-    sections = settings["sections"]
-    batch_size, rounds, steps = settings["batch_size"], settings["rounds"], settings["steps"]
-    data = None
-    if {"throughput", "pipeline"} & set(sections):
-        data = workload.device_set(settings["num_train"])
-    if "throughput" in sections:
+class SectionRunner:
+    """Runs the chosen sections in the order given (most important first), under the budget."""
+
+    def __init__(self, settings: dict, budget: Budget, results: Results):
+        self.settings, self.budget, self.results = settings, budget, results
+        self.data = None
+        self.built: dict[tuple[str, str], workload.Workload] = {}
+
+    def device_data(self) -> workload.DeviceSet:
+        if self.data is None:
+            self.data = workload.device_set(self.settings["num_train"])
+        return self.data
+
+    def pipeline_workload_key(self) -> tuple[str, str]:
+        precisions = self.settings["precisions"]
+        return self.settings["models"][0], "mixed" if "mixed" in precisions else precisions[0]
+
+    def throughput(self) -> None:
+        settings = self.settings
         only_one = len(settings["models"]) == 1 and len(settings["precisions"]) == 1
         estimate = 0.0
         for model in settings["models"]:
-            estimate = throughput.run_model(model, settings["precisions"], batch_size, data, rounds, steps, budget,
-                                            results, estimate, only_workload_of_process=only_one)  # fmt: skip
-    if "loss_scale" in sections:
+            estimate, built = throughput.run_model(
+                model, settings["precisions"], settings["batch_size"], self.device_data(), settings["rounds"],
+                settings["steps"], self.budget, self.results, estimate, only_workload_of_process=only_one,
+            )  # fmt: skip
+            key = self.pipeline_workload_key()
+            if model == key[0] and key[1] in built:
+                self.built[key] = built[key[1]]  # kept for the pipeline section; the others are freed
+
+    def loss_scale(self) -> None:
+        settings = self.settings
         for model in settings["loss_scale_models"]:
-            _guarded(budget, f"loss_scale {model}", lambda model=model: results.put(
-                ("loss_scale", model), loss_scale.measure(model, 128 if model == "mlp" else batch_size, rounds, steps)))
-    if "pipeline" in sections:
-        model, precision = settings["models"][0], "mixed" if "mixed" in settings["precisions"] else settings["precisions"][0]
+            _guarded(self.budget, f"loss_scale {model}", lambda model=model: self.results.put(
+                ("loss_scale", model),
+                loss_scale.measure(model, settings["loss_scale_batch_size"], settings["rounds"], settings["steps"])))  # fmt: skip
 
-        def measure_pipeline():
-            item = workload.build(model, precision, batch_size, data)
-            results.put(("pipeline",), pipeline.measure(item, data, rounds, steps))
+    def pipeline(self) -> None:
+        model, precision = key = self.pipeline_workload_key()
 
-        _guarded(budget, f"pipeline {model} {precision}", measure_pipeline)
-    if "torch" in sections:
+        def measure():
+            data = self.device_data()
+            item = self.built.get(key) or workload.build(model, precision, self.settings["batch_size"], data)
+            self.results.put(("pipeline",), pipeline.measure(item, data, self.settings["rounds"], self.settings["steps"]))
+
+        _guarded(self.budget, f"pipeline {model} {precision}", measure)
+
+    def torch(self) -> None:
+        settings = self.settings
         if not torch_amp.torch_available():
-            budget.skip("torch", "PyTorch is not installed here (it is optional)")
-        else:
-            torch_precisions = [p for p in settings["precisions"] if p in PRECISIONS]
-            for model in settings["torch_models"]:
-                _guarded(budget, f"torch {model}", lambda model=model: results.put(("torch", model), torch_amp.measure(
-                    model, torch_precisions, batch_size, rounds, steps, min(settings["num_train"], 10_000))))
-    if "targets" in sections:
+            self.budget.skip("torch", "PyTorch is not installed here (it is optional)")
+            return
+        precisions = [p for p in settings["precisions"] if p in PRECISIONS]
+        for model in settings["torch_models"]:
+            _guarded(self.budget, f"torch {model}", lambda model=model: self.results.put(("torch", model), torch_amp.measure(
+                model, precisions, settings["batch_size"], settings["rounds"], settings["steps"],
+                min(settings["num_train"], 10_000))))  # fmt: skip
+
+    def targets(self) -> None:
+        settings = self.settings
         if not jaxamp.gpu_targets.cuda_plugin_available():
-            budget.skip("targets", "the CUDA PJRT plugin is not installed (pip install 'jaxamp[gpu-aot]')")
-        else:
-            targets.run(settings["targets"], settings["models"], settings["precisions"], batch_size, budget, results)
+            self.budget.skip("targets", "the CUDA PJRT plugin is not installed (pip install 'jaxamp[gpu-aot]')")
+            return
+        targets.run(settings["targets"], settings["models"], settings["precisions"], settings["batch_size"],
+                    self.budget, self.results)  # fmt: skip
+
+
+def run_sections(settings: dict, budget: Budget, results: Results) -> None:
+    """Runs ``settings["sections"]`` in their order."""
+    runner = SectionRunner(settings, budget, results)
+    for section in settings["sections"]:
+        getattr(runner, section)()
 
 
 def _guarded(budget: Budget, work: str, fn) -> None:

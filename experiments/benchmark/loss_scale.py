@@ -75,10 +75,10 @@ def make_problem(model_name: str, batch_size: int) -> tuple[nn.Module, jax.Array
     return jaxamp.apply_policy(model, "mixed_float16"), images, labels
 
 
-def _loss_fn(model: nn.Module, images, labels) -> Callable:
-    """``loss_fn(params, batch_stats) -> (loss, new_batch_stats)``."""
+def _loss_fn(model: nn.Module) -> Callable:
+    """``loss_fn(params, batch_stats, images, labels) -> (loss, new_batch_stats)``."""
 
-    def loss_fn(params, batch_stats):
+    def loss_fn(params, batch_stats, images, labels):
         variables = {"params": params}
         if batch_stats is not None:
             variables["batch_stats"] = batch_stats
@@ -93,8 +93,10 @@ def _select(grads_finite, new_tree, old_tree):
     return jax.tree.map(functools.partial(jnp.where, grads_finite), new_tree, old_tree)
 
 
-def build_variants(model: nn.Module, images, labels, variants=VARIANTS) -> dict[str, tuple[Callable, Any]]:
-    """Each variant's step ``state -> (state, loss)`` (not yet jitted) and initial state.
+def build_variants(model: nn.Module, images, variants=VARIANTS) -> dict[str, tuple[Callable, Any]]:
+    """Each variant's step ``step(state, images, labels) -> (state, loss)`` (not yet jitted) and initial state.
+
+    `images` are a sample batch, to initialize the model with.
 
     Every state is a pytree that holds params, optimizer state and batch
     statistics (and the variant's loss scale), each with its own buffers.
@@ -102,7 +104,7 @@ def build_variants(model: nn.Module, images, labels, variants=VARIANTS) -> dict[
     variables = model.init(jax.random.key(0), images, train=False)
     params, batch_stats = variables["params"], variables.get("batch_stats")
     tx = optax.sgd(0.01, momentum=0.9)
-    loss_fn = _loss_fn(model, images, labels)
+    loss_fn = _loss_fn(model)
 
     def own(tree):
         return jax.tree.map(jnp.copy, tree)
@@ -111,31 +113,31 @@ def build_variants(model: nn.Module, images, labels, variants=VARIANTS) -> dict[
         updates, opt_state = transform.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    def plain(state):
+    def plain(state, images, labels):
         params, opt_state, batch_stats = state
-        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch_stats)
+        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch_stats, images, labels)
         return (*update(params, opt_state, grads), new_stats), loss
 
-    def jaxamp_step(state):
+    def jaxamp_step(state, images, labels):
         (loss, new_stats), grads, grads_finite = jaxamp.scaled_value_and_grad(
-            lambda p: loss_fn(p, state.batch_stats), state.loss_scale, has_aux=True
+            lambda p: loss_fn(p, state.batch_stats, images, labels), state.loss_scale, has_aux=True
         )(state.params)
         return state.apply_gradients(grads=grads, grads_finite=grads_finite, batch_stats=new_stats), loss
 
-    def flax_step(state):
+    def flax_step(state, images, labels):
         params, opt_state, batch_stats, scale = state
         scale, grads_finite, (loss, new_stats), grads = scale.value_and_grad(
-            lambda p: loss_fn(p, batch_stats), has_aux=True
+            lambda p: loss_fn(p, batch_stats, images, labels), has_aux=True
         )(params)
         new_params, new_opt_state = update(params, opt_state, grads)
         new_params, new_opt_state = _select(grads_finite, (new_params, new_opt_state), (params, opt_state))
         return (new_params, new_opt_state, new_stats, scale), loss
 
-    def jmp_step(state):
+    def jmp_step(state, images, labels):
         params, opt_state, batch_stats, loss_scale = state
 
         def scaled_loss(params):
-            loss, new_stats = loss_fn(params, batch_stats)
+            loss, new_stats = loss_fn(params, batch_stats, images, labels)
             return loss_scale.scale(loss), (loss, new_stats)
 
         grads, (loss, new_stats) = jax.grad(scaled_loss, has_aux=True)(params)
@@ -147,9 +149,9 @@ def build_variants(model: nn.Module, images, labels, variants=VARIANTS) -> dict[
 
     guarded_tx = optax.apply_if_finite(tx, _MAX_CONSECUTIVE_ERRORS)
 
-    def optax_step(state):
+    def optax_step(state, images, labels):
         params, opt_state, batch_stats = state
-        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch_stats)
+        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch_stats, images, labels)
         return (*update(params, opt_state, grads, guarded_tx), new_stats), loss
 
     def jaxamp_state(loss_scale):
@@ -179,9 +181,10 @@ def build_variants(model: nn.Module, images, labels, variants=VARIANTS) -> dict[
 
 def measure(model_name: str, batch_size: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
     """Median ms per step of every variant, and its ratio to ``plain``."""
+    model, images, labels = make_problem(model_name, batch_size)
     steps_by_variant = {}
-    for name, (step, state) in build_variants(*make_problem(model_name, batch_size)).items():
-        steps_by_variant[name] = timing.StatefulStep(jax.jit(step, donate_argnums=0), state, [()])
+    for name, (step, state) in build_variants(model, images).items():
+        steps_by_variant[name] = timing.StatefulStep(jax.jit(step, donate_argnums=0), state, [(images, labels)])
     medians = timing.interleaved_medians(steps_by_variant, rounds, steps)
     return {
         name: {"ms_per_step": 1e3 * seconds, "ratio_to_plain": seconds / medians["plain"]}

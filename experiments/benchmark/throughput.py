@@ -63,14 +63,15 @@ def run_model(
     results: Results,
     compile_estimate: float = 0.0,
     only_workload_of_process: bool = False,
-) -> float:
+) -> tuple[float, dict[str, workload.Workload]]:
     """Compiles and times one model under every precision that fits the budget.
 
     On a GPU, the peak bytes in use are the process's: exact only when this
     is the process's one model x precision (`only_workload_of_process`).
 
     Returns:
-        The longest train+eval compile seen (an estimate for the next model).
+        The longest train+eval compile seen (an estimate for the next model)
+        and the workloads built, by precision.
     """
     built: dict[str, workload.Workload] = {}
     entries: dict[str, dict] = {}
@@ -96,14 +97,14 @@ def run_model(
         print(f"compiled {model} {precision}: {item.compile_seconds['train']:.1f}s + "
               f"{item.compile_seconds['eval']:.1f}s", flush=True)  # fmt: skip
     if not built:
-        return compile_estimate
+        return compile_estimate, built
     # One warm-up step each tells how long the timed rounds will take.
     first_step_s = {p: timing.timed(item.train_step)[1] + timing.timed(item.eval_step)[1] for p, item in built.items()}
     try:
         budget.require(f"timing {model}", (rounds * steps + 2) * sum(first_step_s.values()))
     except SkipWork as skip:
         budget.skip(f"timing {model}", str(skip))
-        return compile_estimate
+        return compile_estimate, built
     train_s = timing.interleaved_medians({p: item.train_step for p, item in built.items()}, rounds, steps)
     eval_s = timing.interleaved_medians({p: item.eval_step for p, item in built.items()}, rounds, steps)
     peak_bytes = workload.peak_bytes_in_use()
@@ -127,5 +128,5 @@ def run_model(
         results.put(("throughput", model, precision), entry)
         print(f"{model:<12} {precision:<11} train {entry['train_images_per_s']:9.1f} img/s  "
               f"eval {entry['eval_images_per_s']:9.1f} img/s", flush=True)  # fmt: skip
-    return compile_estimate
+    return compile_estimate, built
 
