@@ -31,7 +31,9 @@ class _Residual(nn.Module):
         super().__init__()
         self.body = nn.Sequential(*body)
         projects = stride != 1 or in_channels != out_channels
-        self.shortcut = nn.Sequential(*_conv_bn(in_channels, out_channels, 1, stride)) if projects else nn.Identity()
+        self.shortcut = (
+            nn.Sequential(*_conv_bn(in_channels, out_channels, 1, stride)) if projects else nn.Identity()
+        )
         self.relu_after = relu_after
 
     def forward(self, x):
@@ -46,10 +48,12 @@ def basic_block(in_channels: int, filters: int, stride: int) -> nn.Module:
 
 def bottleneck(in_channels: int, filters: int, stride: int) -> nn.Module:
     body = [
-        *_conv_bn(in_channels, filters, 1), nn.ReLU(),
-        *_conv_bn(filters, filters, 3, stride), nn.ReLU(),
+        *_conv_bn(in_channels, filters, 1),
+        nn.ReLU(),
+        *_conv_bn(filters, filters, 3, stride),
+        nn.ReLU(),
         *_conv_bn(filters, 4 * filters, 1),
-    ]  # fmt: skip
+    ]
     return _Residual(body, in_channels, 4 * filters, stride)
 
 
@@ -75,17 +79,27 @@ class ResNet(nn.Module):
 def inverted_residual(in_channels: int, expansion: int, out_channels: int, stride: int) -> nn.Module:
     hidden = in_channels * expansion
     body = [
-        *_conv_bn(in_channels, hidden, 1), nn.ReLU(),
-        *_conv_bn(hidden, hidden, 3, stride, groups=hidden), nn.ReLU(),
+        *_conv_bn(in_channels, hidden, 1),
+        nn.ReLU(),
+        *_conv_bn(hidden, hidden, 3, stride, groups=hidden),
+        nn.ReLU(),
         *_conv_bn(hidden, out_channels, 1),
-    ]  # fmt: skip
+    ]
     if stride != 1:
         return nn.Sequential(*body)
     return _Residual(body, in_channels, out_channels, 1, relu_after=False)
 
 
 # (expansion, out_channels, num_blocks, stride), as experiments.models.mobilenetv2.CIFAR_STAGES.
-MOBILENETV2_STAGES = ((1, 16, 1, 1), (6, 24, 2, 1), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1))
+MOBILENETV2_STAGES = (
+    (1, 16, 1, 1),
+    (6, 24, 2, 1),
+    (6, 32, 3, 2),
+    (6, 64, 4, 2),
+    (6, 96, 3, 1),
+    (6, 160, 3, 2),
+    (6, 320, 1, 1),
+)
 
 
 class MobileNetV2(nn.Module):
@@ -97,7 +111,9 @@ class MobileNetV2(nn.Module):
         channels = 32
         for expansion, out_channels, num_blocks, stride in MOBILENETV2_STAGES:
             for index in range(num_blocks):
-                layers.append(inverted_residual(channels, expansion, out_channels, stride if index == 0 else 1))
+                layers.append(
+                    inverted_residual(channels, expansion, out_channels, stride if index == 0 else 1)
+                )
                 channels = out_channels
         layers += [*_conv_bn(channels, 1280, 1), nn.ReLU()]
         self.features = nn.Sequential(*layers)

@@ -109,6 +109,21 @@ _TERA = 1e12
 _GIB = 2**30
 _MIB = 2**20
 
+_H100 = GpuSpec(
+    description="NVIDIA H100 80GB HBM3",
+    compute_capability=(9, 0),
+    sm_count=132,
+    fp32_cores_per_sm=128,
+    boost_clock_ghz=1.98,
+    memory_bytes=80 * _GIB,
+    memory_bandwidth=3.35e12,
+    l2_cache_bytes=50 * _MIB,
+    shared_memory_per_sm=228 * 1024,
+    shared_memory_per_block_optin=227 * 1024,
+    peak_flops={"float32": 67 * _TERA, "tf32": 494.7 * _TERA,
+                "float16": 989.4 * _TERA, "bfloat16": 989.4 * _TERA},
+)  # fmt: skip
+
 GPU_TARGETS: dict[str, GpuSpec] = {
     "v100": GpuSpec(
         description="Tesla V100-SXM2-32GB",
@@ -122,8 +137,12 @@ GPU_TARGETS: dict[str, GpuSpec] = {
         shared_memory_per_sm=96 * 1024,
         shared_memory_per_block_optin=96 * 1024,
         # No TF32 or bfloat16 tensor cores: those run at the float32 rate.
-        peak_flops={"float32": 15.7 * _TERA, "tf32": 15.7 * _TERA,
-                    "float16": 125 * _TERA, "bfloat16": 15.7 * _TERA},
+        peak_flops={
+            "float32": 15.7 * _TERA,
+            "tf32": 15.7 * _TERA,
+            "float16": 125 * _TERA,
+            "bfloat16": 15.7 * _TERA,
+        },
     ),  # fmt: skip
     "a100": GpuSpec(
         description="NVIDIA A100-SXM4-40GB",
@@ -136,37 +155,18 @@ GPU_TARGETS: dict[str, GpuSpec] = {
         l2_cache_bytes=40 * _MIB,
         shared_memory_per_sm=164 * 1024,
         shared_memory_per_block_optin=163 * 1024,
-        peak_flops={"float32": 19.5 * _TERA, "tf32": 156 * _TERA,
-                    "float16": 312 * _TERA, "bfloat16": 312 * _TERA},
+        peak_flops={
+            "float32": 19.5 * _TERA,
+            "tf32": 156 * _TERA,
+            "float16": 312 * _TERA,
+            "bfloat16": 312 * _TERA,
+        },
     ),  # fmt: skip
-    "h100": GpuSpec(
-        description="NVIDIA H100 80GB HBM3",
-        compute_capability=(9, 0),
-        sm_count=132,
-        fp32_cores_per_sm=128,
-        boost_clock_ghz=1.98,
-        memory_bytes=80 * _GIB,
-        memory_bandwidth=3.35e12,
-        l2_cache_bytes=50 * _MIB,
-        shared_memory_per_sm=228 * 1024,
-        shared_memory_per_block_optin=227 * 1024,
-        peak_flops={"float32": 67 * _TERA, "tf32": 494.7 * _TERA,
-                    "float16": 989.4 * _TERA, "bfloat16": 989.4 * _TERA},
-    ),  # fmt: skip
-    "h200": GpuSpec(
-        description="NVIDIA H200",
-        compute_capability=(9, 0),
-        sm_count=132,
-        fp32_cores_per_sm=128,
-        boost_clock_ghz=1.98,
-        memory_bytes=141 * 10**9,
-        memory_bandwidth=4.8e12,
-        l2_cache_bytes=50 * _MIB,
-        shared_memory_per_sm=228 * 1024,
-        shared_memory_per_block_optin=227 * 1024,
-        peak_flops={"float32": 67 * _TERA, "tf32": 494.7 * _TERA,
-                    "float16": 989.4 * _TERA, "bfloat16": 989.4 * _TERA},
-    ),  # fmt: skip
+    "h100": _H100,
+    # The H200 is an H100 with more and faster memory (141 GB of HBM3e at 4.8 TB/s).
+    "h200": dataclasses.replace(
+        _H100, description="NVIDIA H200", memory_bytes=141 * 10**9, memory_bandwidth=4.8e12
+    ),
 }
 
 

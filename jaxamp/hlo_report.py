@@ -69,9 +69,7 @@ _COMPUTATION_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _ARRAY_SHAPE = re.compile(r"^(\w+)\[([^\]]*)\]")
 _OPCODE = re.compile(r"^([a-z][a-z0-9\-]*)\(")
-_CALLED = re.compile(
-    r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
-)
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _CALLED_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
@@ -140,7 +138,7 @@ def _matching_paren(text: str, start: int) -> int:
             depth -= 1
             if depth == 0:
                 return index
-    raise ValueError(f"Unbalanced parentheses in HLO text: {text[start:start + 120]!r}")
+    raise ValueError(f"Unbalanced parentheses in HLO text: {text[start : start + 120]!r}")
 
 
 def _parse_shapes(text: str) -> tuple[ArrayShape, ...]:

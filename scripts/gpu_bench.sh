@@ -22,14 +22,15 @@
 # Settings (environment): BUDGET seconds for all of it (default 450: 8 minutes less a margin
 # for start-up and copying back), MODELS (the study's), STEPS (train steps and test batches
 # per epoch; unset: a full epoch), BENCH_RESERVE (default 120), BENCH_ARGS (extra benchmark
-# flags, placed last so they win). The same code path runs on a CPU with tiny settings:
-#   OUT=/tmp/gpu_bench MODELS=resnet_tiny STEPS=2 BUDGET=900 BENCH_RESERVE=600 \
+# flags, placed last so they win), PYTHON (default python3). The same code path runs on a CPU with tiny settings:
+#   PYTHON=.venv/bin/python OUT=/tmp/gpu_bench MODELS=resnet_tiny STEPS=2 BUDGET=900 BENCH_RESERVE=600 \
 #     BENCH_ARGS="--models resnet_tiny --torch-models resnet_tiny --batch-size 8 --rounds 1 --steps 1 \
 #                 --num-train 64 --loss-scale-models mlp --loss-scale-batch-size 8" \
 #     bash scripts/gpu_bench.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
+python=${PYTHON:-python3}
 budget=${BUDGET:-450}
 reserve=${BENCH_RESERVE:-120}
 models=${MODELS:-resnet18,resnet50,resnet101,mobilenetv2}
@@ -40,7 +41,7 @@ left() { echo $(( budget - (SECONDS - start) )); }
 skip() { echo "skipped $1: $2" | tee -a "$out/skipped.txt"; }
 
 if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/jaxamp-site .whl/*.whl
+  "$python" -m pip install -q --no-index --no-deps --no-compile --target /tmp/jaxamp-site .whl/*.whl
   export PYTHONPATH="/tmp/jaxamp-site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
@@ -48,9 +49,13 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxamp-jax-ca
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>/dev/null || true
-python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" \
-  > "$out/versions.txt" 2>&1
-python3 -c "import torch; print('torch', torch.__version__)" >> "$out/versions.txt" 2>&1 || true
+"$python" -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" \
+  > "$out/versions.txt" 2>&1 || {
+  cat "$out/versions.txt"
+  echo "error: $python cannot import jax, flax and optax (set PYTHON to the interpreter that can)" >&2
+  exit 2
+}
+"$python" -c "import torch; print('torch', torch.__version__)" >> "$out/versions.txt" 2>&1 || true
 cat "$out/versions.txt"
 
 steps_flag=()
@@ -75,18 +80,18 @@ run() {
   fi
 }
 
-run study "$(left)" python3 -m experiments.compare --models "$models" --precisions fp32,mixed \
+run study "$(left)" "$python" -m experiments.compare --models "$models" --precisions fp32,mixed \
   --data synthetic --epochs 1 "${steps_flag[@]}" --no-progress --out-dir "$out/study"
-run study_tf32_bf16 "$(( $(left) - reserve ))" python3 -m experiments.compare --models "$models" \
+run study_tf32_bf16 "$(( $(left) - reserve ))" "$python" -m experiments.compare --models "$models" \
   --precisions tf32,mixed_bf16 --data synthetic --epochs 1 "${steps_flag[@]}" --no-progress \
   --out-dir "$out/study_tf32_bf16"
 for precision in fp32 mixed; do
-  run "peak_memory_$precision" "$(( $(left) / 3 ))" python3 -m experiments.benchmark --sections throughput \
+  run "peak_memory_$precision" "$(( $(left) / 3 ))" "$python" -m experiments.benchmark --sections throughput \
     --models resnet18 --precisions "$precision" --rounds 2 --steps 5 "${bench_args[@]}" \
     --out-dir "$out/peak_memory_$precision"
 done
 bench_budget=$(( $(left) - 20 ))
-run benchmark "$(( bench_budget + 15 ))" python3 -m experiments.benchmark --budget "$bench_budget" \
+run benchmark "$(( bench_budget + 15 ))" "$python" -m experiments.benchmark --budget "$bench_budget" \
   --sections throughput,torch,loss_scale,pipeline --models resnet18,mobilenetv2,resnet50 \
   --torch-models resnet18,mobilenetv2,resnet50 "${bench_args[@]}" --out-dir "$out/benchmark"
 grep -h "^skipped" "$out"/*.log >> "$out/skipped.txt" 2>/dev/null || true

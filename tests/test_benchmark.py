@@ -16,25 +16,59 @@ import pytest
 import jaxamp
 from experiments.benchmark import budget as budget_lib
 from experiments.benchmark import checks, loss_scale, roofline, targets, timing, torch_amp
-from experiments.benchmark.__main__ import build_parser, main as benchmark_main, resolve_settings, run_sections
-from experiments.benchmark.results import Results, write_text_atomically
+from experiments.benchmark.__main__ import (
+    build_parser,
+    resolve_settings,
+    run_sections,
+)
+from experiments.benchmark.__main__ import (
+    main as benchmark_main,
+)
+from experiments.benchmark.results import Results
 from experiments.models import create_model
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_RUN = [
-    "--models", "resnet_tiny", "--precisions", "mixed", "--batch-size", "4", "--rounds", "1", "--steps", "1",
-    "--num-train", "8", "--loss-scale-models", "mlp", "--loss-scale-batch-size", "4", "--torch-models", "resnet_tiny",
-]  # fmt: skip
+    "--models",
+    "resnet_tiny",
+    "--precisions",
+    "mixed",
+    "--batch-size",
+    "4",
+    "--rounds",
+    "1",
+    "--steps",
+    "1",
+    "--num-train",
+    "8",
+    "--loss-scale-models",
+    "mlp",
+    "--loss-scale-batch-size",
+    "4",
+    "--torch-models",
+    "resnet_tiny",
+]
 
 
-def test_a_tiny_run_of_every_section_writes_its_fields_table_plots_and_an_exit_code_matching_its_checks(tmp_path):
+def test_a_tiny_run_of_every_section_writes_its_fields_table_plots_and_an_exit_code_matching_its_checks(
+    tmp_path,
+):
     exit_code = benchmark_main([*TINY_RUN, "--out-dir", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
     entry = results["throughput"]["resnet_tiny"]["mixed"]
-    for field in ("train_images_per_s", "eval_images_per_s", "compile_s", "memory", "flops_per_image",
-                  "achieved_tflops", "measured_epoch_s"):  # fmt: skip
+    for field in (
+        "train_images_per_s",
+        "eval_images_per_s",
+        "compile_s",
+        "memory",
+        "flops_per_image",
+        "achieved_tflops",
+        "measured_epoch_s",
+    ):
         assert field in entry, field
-    assert entry["memory"]["total_bytes"] == sum(entry["memory"][k] for k in ("temp_bytes", "argument_bytes", "output_bytes"))
+    assert entry["memory"]["total_bytes"] == sum(
+        entry["memory"][k] for k in ("temp_bytes", "argument_bytes", "output_bytes")
+    )
     assert set(results["loss_scale"]["mlp"]) == set(loss_scale.VARIANTS)
     assert results["loss_scale"]["mlp"]["plain"]["ratio_to_plain"] == 1.0
     assert 0 < results["pipeline"]["share"]
@@ -64,21 +98,30 @@ def test_the_roofline_bound_is_the_slower_of_compute_at_peak_and_traffic_at_band
 
 @pytest.mark.parametrize(
     "precision, dtype, peak",
-    [("fp32", "float32", "float32"), ("tf32", "float32", "tf32"), ("mixed", "float32", "tf32"),
-     ("mixed", "float16", "float16"), ("mixed_bf16", "bfloat16", "bfloat16")],
-)  # fmt: skip
+    [
+        ("fp32", "float32", "float32"),
+        ("tf32", "float32", "tf32"),
+        ("mixed", "float32", "tf32"),
+        ("mixed", "float16", "float16"),
+        ("mixed_bf16", "bfloat16", "bfloat16"),
+    ],
+)
 def test_float32_matmuls_run_at_the_tf32_rate_except_under_true_fp32(precision, dtype, peak):
     assert roofline.peak_key(precision, dtype) == peak
 
 
 def test_a_budget_skips_and_lists_work_that_would_not_fit_rather_than_overrunning(tmp_path):
     budget = budget_lib.Budget(seconds=0.0)
-    settings = resolve_settings(build_parser().parse_args(TINY_RUN + ["--sections", "throughput,loss_scale,pipeline"]))
+    settings = resolve_settings(
+        build_parser().parse_args(TINY_RUN + ["--sections", "throughput,loss_scale,pipeline"])
+    )
     results = Results(str(tmp_path), {"environment": {}})
     run_sections(settings, budget, results)
     assert [item["work"] for item in budget.skipped] == [
-        "throughput resnet_tiny mixed", "loss_scale mlp", "pipeline resnet_tiny mixed",
-    ]  # fmt: skip
+        "throughput resnet_tiny mixed",
+        "loss_scale mlp",
+        "pipeline resnet_tiny mixed",
+    ]
     assert all("budget left" in item["reason"] for item in budget.skipped)
     assert "throughput" not in results.data and "loss_scale" not in results.data
 
@@ -90,7 +133,9 @@ def test_a_budget_refuses_work_expected_to_outlast_it_and_names_both_times():
         budget.require("long", 500.0)
 
 
-def test_results_are_on_disk_after_every_measurement_and_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
+def test_results_are_on_disk_after_every_measurement_and_a_failed_write_keeps_the_old_file(
+    tmp_path, monkeypatch
+):
     results = Results(str(tmp_path), {"environment": {"device": "cpu"}})
     results.put(("throughput", "resnet18", "mixed"), {"train_images_per_s": 1.0})
     on_disk = json.loads((tmp_path / "results.json").read_text())
@@ -144,10 +189,13 @@ def test_every_anchor_recipe_skips_an_injected_overflow_the_way_its_library_does
 
 def test_checks_say_met_and_missed_against_the_issues_targets():
     measured = {
-        "mlp": {"jaxamp_dynamic": {"ms_per_step": 1.05}, "jaxamp_noop": {"ms_per_step": 1.0},
-                "jmp_dynamic": {"ms_per_step": 1.2}},
+        "mlp": {
+            "jaxamp_dynamic": {"ms_per_step": 1.05},
+            "jaxamp_noop": {"ms_per_step": 1.0},
+            "jmp_dynamic": {"ms_per_step": 1.2},
+        },
         "resnet18": {"jaxamp_dynamic": {"ms_per_step": 1.05}, "jaxamp_noop": {"ms_per_step": 1.0}},
-    }  # fmt: skip
+    }
     verdicts = {check["check"]: check["met"] for check in checks.loss_scale_checks(measured)}
     assert verdicts == {
         "mlp: DynamicLossScale / NoOpLossScale": True,  # 5% <= 10%
@@ -169,7 +217,9 @@ def test_the_torch_section_is_skipped_cleanly_when_torch_is_missing(tmp_path, mo
 
 def test_importing_the_benchmark_does_not_import_torch():
     code = "import experiments.benchmark.__main__, sys; print('torch' in sys.modules)"
-    completed = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    completed = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
     assert completed.stdout.strip() == "False"
 
 
@@ -178,7 +228,9 @@ def test_the_pytorch_models_have_exactly_our_parameter_counts(name):
     pytest.importorskip("torch", reason="PyTorch is optional")
     from experiments import torch_reference
 
-    variables = jax.eval_shape(lambda: create_model(name).init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False))
+    variables = jax.eval_shape(
+        lambda: create_model(name).init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False)
+    )
     ours = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(variables["params"]))
     assert torch_reference.parameter_count(torch_reference.create_model(name)) == ours
 
@@ -198,3 +250,13 @@ def test_bad_settings_are_refused_with_the_flag_to_change():
         resolve_settings(build_parser().parse_args(["--num-train", "2", "--batch-size", "4"]))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--target", "b300"])
+
+
+@pytest.mark.parametrize(
+    "flags, targets_compiled",
+    [(["--target", "h200"], ["h200"]), (["--target", "all"], ["v100", "a100", "h100", "h200"])],
+)
+def test_the_target_flag_alone_compiles_for_those_gpus_and_runs_nothing_else(flags, targets_compiled):
+    settings = resolve_settings(build_parser().parse_args(flags))
+    assert settings["sections"] == ["targets"]
+    assert settings["targets"] == targets_compiled

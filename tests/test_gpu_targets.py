@@ -28,9 +28,14 @@ def test_an_unknown_target_is_refused_with_the_valid_choices():
 
 @pytest.mark.parametrize(
     "device_kind, target",
-    [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("Tesla V100-SXM2-16GB", "v100"),
-     ("NVIDIA A100-SXM4-80GB", "a100"), ("cpu", None)],
-)  # fmt: skip
+    [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H200", "h200"),
+        ("Tesla V100-SXM2-16GB", "v100"),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+        ("cpu", None),
+    ],
+)
 def test_a_real_devices_kind_finds_its_spec(device_kind, target):
     expected = jaxamp.GPU_TARGETS[target] if target else None
     assert gpu_targets.spec_for_device_kind(device_kind) is expected

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import re
 import shlex
@@ -11,20 +12,36 @@ import sys
 import jax
 
 import jaxamp
-from experiments.models import MODELS
-
-from experiments.benchmark import checks, loss_scale, output, pipeline, targets, throughput, torch_amp, workload
+from experiments import train
+from experiments.benchmark import (
+    checks,
+    loss_scale,
+    output,
+    pipeline,
+    targets,
+    throughput,
+    torch_amp,
+    workload,
+)
 from experiments.benchmark.budget import Budget, SkipWork
-from experiments.benchmark.results import Results
+from experiments.benchmark.results import Results, write_text_atomically
+from experiments.models import MODELS
 
 SECTIONS = ("throughput", "loss_scale", "pipeline", "torch", "targets")
 PRECISIONS = ("fp32", "tf32", "mixed", "mixed_bf16")
 STUDY_MODELS = "resnet18,resnet50,resnet101,mobilenetv2"
 # --quick: a reduced set that runs in minutes on a 2-core CPU.
 QUICK = {
-    "models": "resnet18", "precisions": "fp32,mixed", "batch_size": 32, "rounds": 3, "steps": 2,
-    "num_train": 1024, "loss_scale_models": "mlp,resnet18", "loss_scale_batch_size": 32, "torch_models": "resnet18",
-}  # fmt: skip
+    "models": "resnet18",
+    "precisions": "fp32,mixed",
+    "batch_size": 32,
+    "rounds": 3,
+    "steps": 2,
+    "num_train": 1024,
+    "loss_scale_models": "mlp,resnet18",
+    "loss_scale_batch_size": 32,
+    "torch_models": "resnet18",
+}
 
 
 def _comma_list(choices):
@@ -34,7 +51,9 @@ def _comma_list(choices):
             raise argparse.ArgumentTypeError("expected a comma-separated list, got nothing")
         for item in items:
             if choices is not None and item not in choices:
-                raise argparse.ArgumentTypeError(f"invalid choice {item!r} (choose from {', '.join(choices)})")
+                raise argparse.ArgumentTypeError(
+                    f"invalid choice {item!r} (choose from {', '.join(choices)})"
+                )
         return items
 
     return parse
@@ -48,27 +67,52 @@ def build_parser() -> argparse.ArgumentParser:
     )
     models = sorted(MODELS)
     parser.add_argument("--quick", action="store_true", help=f"a reduced set for a CPU: {QUICK}")
-    parser.add_argument("--sections", type=_comma_list(SECTIONS), default=None,
-                        help="comma-separated, run in the order given (default: throughput,loss_scale,pipeline,"
-                        "torch; only targets when --target is given)")  # fmt: skip
+    parser.add_argument(
+        "--sections",
+        type=_comma_list(SECTIONS),
+        default=None,
+        help="comma-separated, run in the order given (default: throughput,loss_scale,pipeline,"
+        "torch; only targets when --target is given)",
+    )
     parser.add_argument("--models", type=_comma_list(models), default=None, help=f"default: {STUDY_MODELS}")
-    parser.add_argument("--precisions", type=_comma_list(None), default=None, help=f"default: {','.join(PRECISIONS)}")
+    parser.add_argument(
+        "--precisions", type=_comma_list(None), default=None, help=f"default: {','.join(PRECISIONS)}"
+    )
     parser.add_argument("--batch-size", type=int, default=None, help="default: 128")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (median over them); default 5")
     parser.add_argument("--steps", type=int, default=None, help="steps per variant per round; default 10")
-    parser.add_argument("--num-train", type=int, default=None,
-                        help="device-resident synthetic examples to gather batches from (default 50000)")  # fmt: skip
-    parser.add_argument("--loss-scale-models", type=_comma_list(["mlp", *models]), default=None,
-                        help="default: mlp,resnet18")  # fmt: skip
+    parser.add_argument(
+        "--num-train",
+        type=int,
+        default=None,
+        help="device-resident synthetic examples to gather batches from (default 50000)",
+    )
+    parser.add_argument(
+        "--loss-scale-models", type=_comma_list(["mlp", *models]), default=None, help="default: mlp,resnet18"
+    )
     parser.add_argument("--loss-scale-batch-size", type=int, default=None, help="default: 128")
-    parser.add_argument("--torch-models", type=_comma_list(models), default=None,
-                        help="default: the --models PyTorch has a reference for")  # fmt: skip
-    parser.add_argument("--target", type=_comma_list([*jaxamp.GPU_TARGETS, "all"]), default=None,
-                        help=f"GPU targets to compile for without a GPU: {', '.join(jaxamp.GPU_TARGETS)} or all")  # fmt: skip
-    parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the whole run: work runs in order of importance, what would not fit is "
-                        "skipped and listed")  # fmt: skip
-    parser.add_argument("--out-dir", default=None, help="default: results/<device>/benchmark/<quick|full|targets-...>")
+    parser.add_argument(
+        "--torch-models",
+        type=_comma_list(models),
+        default=None,
+        help="default: the --models PyTorch has a reference for",
+    )
+    parser.add_argument(
+        "--target",
+        type=_comma_list([*jaxamp.GPU_TARGETS, "all"]),
+        default=None,
+        help=f"GPU targets to compile for without a GPU: {', '.join(jaxamp.GPU_TARGETS)} or all",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for the whole run: work runs in order of importance, what would not fit is "
+        "skipped and listed",
+    )
+    parser.add_argument(
+        "--out-dir", default=None, help="default: results/<device>/benchmark/<quick|full|targets-...>"
+    )
     parser.add_argument("--no-plots", action="store_true")
     return parser
 
@@ -76,9 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_settings(args: argparse.Namespace) -> dict:
     """Flags, then --quick's values, then the defaults."""
     defaults = {
-        "models": STUDY_MODELS, "precisions": ",".join(PRECISIONS), "batch_size": 128, "rounds": 5, "steps": 10,
-        "num_train": 50_000, "loss_scale_models": "mlp,resnet18", "loss_scale_batch_size": 128, "torch_models": None,
-    }  # fmt: skip
+        "models": STUDY_MODELS,
+        "precisions": ",".join(PRECISIONS),
+        "batch_size": 128,
+        "rounds": 5,
+        "steps": 10,
+        "num_train": 50_000,
+        "loss_scale_models": "mlp,resnet18",
+        "loss_scale_batch_size": 128,
+        "torch_models": None,
+    }
     if args.quick:
         defaults.update(QUICK)
     settings = {}
@@ -87,7 +138,9 @@ def resolve_settings(args: argparse.Namespace) -> dict:
         if value is None and isinstance(default, str):
             value = [item.strip() for item in default.split(",")]
         settings[key] = default if value is None else value
-    settings["targets"] = list(jaxamp.GPU_TARGETS) if args.target and "all" in args.target else (args.target or [])
+    settings["targets"] = (
+        list(jaxamp.GPU_TARGETS) if args.target and "all" in args.target else (args.target or [])
+    )
     if args.sections:
         settings["sections"] = args.sections
     else:
@@ -95,12 +148,16 @@ def resolve_settings(args: argparse.Namespace) -> dict:
     if "targets" in settings["sections"] and not settings["targets"]:
         settings["targets"] = ["h200"]
     if settings["torch_models"] is None:
-        settings["torch_models"] = [m for m in settings["models"] if m in ("resnet18", "resnet50", "mobilenetv2", "resnet101")]
+        settings["torch_models"] = [
+            m for m in settings["models"] if m in ("resnet18", "resnet50", "mobilenetv2", "resnet101")
+        ]
     for key in ("batch_size", "rounds", "steps", "num_train", "loss_scale_batch_size"):
         if settings[key] < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be at least 1, got {settings[key]}.")
     if settings["num_train"] < settings["batch_size"]:
-        raise ValueError(f"--num-train {settings['num_train']} is below --batch-size {settings['batch_size']}; raise it.")
+        raise ValueError(
+            f"--num-train {settings['num_train']} is below --batch-size {settings['batch_size']}; raise it."
+        )
     return settings
 
 
@@ -141,9 +198,17 @@ class SectionRunner:
         estimate = 0.0
         for model in settings["models"]:
             estimate, built = throughput.run_model(
-                model, settings["precisions"], settings["batch_size"], self.device_data(), settings["rounds"],
-                settings["steps"], self.budget, self.results, estimate, only_workload_of_process=only_one,
-            )  # fmt: skip
+                model,
+                settings["precisions"],
+                settings["batch_size"],
+                self.device_data(),
+                settings["rounds"],
+                settings["steps"],
+                self.budget,
+                self.results,
+                estimate,
+                only_workload_of_process=only_one,
+            )
             key = self.pipeline_workload_key()
             if model == key[0] and key[1] in built:
                 self.built[key] = built[key[1]]  # kept for the pipeline section; the others are freed
@@ -151,9 +216,16 @@ class SectionRunner:
     def loss_scale(self) -> None:
         settings = self.settings
         for model in settings["loss_scale_models"]:
-            _guarded(self.budget, f"loss_scale {model}", lambda model=model: self.results.put(
-                ("loss_scale", model),
-                loss_scale.measure(model, settings["loss_scale_batch_size"], settings["rounds"], settings["steps"])))  # fmt: skip
+            _guarded(
+                self.budget,
+                f"loss_scale {model}",
+                lambda model=model: self.results.put(
+                    ("loss_scale", model),
+                    loss_scale.measure(
+                        model, settings["loss_scale_batch_size"], settings["rounds"], settings["steps"]
+                    ),
+                ),
+            )
 
     def pipeline(self) -> None:
         model, precision = key = self.pipeline_workload_key()
@@ -161,7 +233,9 @@ class SectionRunner:
         def measure():
             data = self.device_data()
             item = self.built.get(key) or workload.build(model, precision, self.settings["batch_size"], data)
-            self.results.put(("pipeline",), pipeline.measure(item, data, self.settings["rounds"], self.settings["steps"]))
+            self.results.put(
+                ("pipeline",), pipeline.measure(item, data, self.settings["rounds"], self.settings["steps"])
+            )
 
         _guarded(self.budget, f"pipeline {model} {precision}", measure)
 
@@ -172,17 +246,37 @@ class SectionRunner:
             return
         precisions = [p for p in settings["precisions"] if p in PRECISIONS]
         for model in settings["torch_models"]:
-            _guarded(self.budget, f"torch {model}", lambda model=model: self.results.put(("torch", model), torch_amp.measure(
-                model, precisions, settings["batch_size"], settings["rounds"], settings["steps"],
-                min(settings["num_train"], 10_000))))  # fmt: skip
+            _guarded(
+                self.budget,
+                f"torch {model}",
+                lambda model=model: self.results.put(
+                    ("torch", model),
+                    torch_amp.measure(
+                        model,
+                        precisions,
+                        settings["batch_size"],
+                        settings["rounds"],
+                        settings["steps"],
+                        min(settings["num_train"], 10_000),
+                    ),
+                ),
+            )
 
     def targets(self) -> None:
         settings = self.settings
         if not jaxamp.gpu_targets.cuda_plugin_available():
-            self.budget.skip("targets", "the CUDA PJRT plugin is not installed (pip install 'jaxamp[gpu-aot]')")
+            self.budget.skip(
+                "targets", "the CUDA PJRT plugin is not installed (pip install 'jaxamp[gpu-aot]')"
+            )
             return
-        targets.run(settings["targets"], settings["models"], settings["precisions"], settings["batch_size"],
-                    self.budget, self.results)  # fmt: skip
+        targets.run(
+            settings["targets"],
+            settings["models"],
+            settings["precisions"],
+            settings["batch_size"],
+            self.budget,
+            self.results,
+        )
 
 
 def run_sections(settings: dict, budget: Budget, results: Results) -> None:
@@ -210,39 +304,51 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     for precision in settings["precisions"]:
         try:
-            from experiments import train  # pylint: disable=g-import-not-at-top
-
             train.resolve_precision(precision)
         except ValueError as err:
             parser.error(f"invalid precision {precision!r}: {err}")
     device = jax.devices()[0]
     out_dir = args.out_dir or default_out_dir(args, settings)
-    command = "python -m experiments.benchmark " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    results = Results(out_dir, {
-        "environment": {
-            "device": device.device_kind if device.platform != "cpu" else f"cpu ({platform.processor() or platform.machine()})",
-            "platform": device.platform, "jax": jax.__version__, "python": platform.python_version(),
-            "command": command.strip(), "settings": {k: v for k, v in settings.items()},
+    command = "python -m experiments.benchmark " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+    )
+    results = Results(
+        out_dir,
+        {
+            "environment": {
+                "device": device.device_kind
+                if device.platform != "cpu"
+                else f"cpu ({platform.processor() or platform.machine()})",
+                "platform": device.platform,
+                "jax": jax.__version__,
+                "python": platform.python_version(),
+                "command": command.strip(),
+                "settings": {k: v for k, v in settings.items()},
+            },
         },
-    })  # fmt: skip
+    )
     budget = Budget(args.budget)
-    print(f"device: {results.data['environment']['device']}; sections: {', '.join(settings['sections'])}; "
-          f"writing {out_dir}", flush=True)  # fmt: skip
+    print(
+        f"device: {results.data['environment']['device']}; sections: {', '.join(settings['sections'])}; "
+        f"writing {out_dir}",
+        flush=True,
+    )
     try:
         run_sections(settings, budget, results)
     finally:
         results.put(("skipped",), budget.skipped)
         results.put(("checks",), checks.all_checks(results.data, device.platform == "gpu"))
-        table = output.table(results.data)
-        output.write(results.data, out_dir) if not args.no_plots else None
         if args.no_plots:
-            from experiments.benchmark.results import write_text_atomically  # pylint: disable=g-import-not-at-top
-
-            write_text_atomically(f"{out_dir}/table.md", table)
-    print(table)
+            write_text_atomically(os.path.join(out_dir, "table.md"), output.table(results.data))
+        else:
+            output.write(results.data, out_dir)
+    print(output.table(results.data))
     missed = [check["check"] for check in results.data["checks"] if not check["met"]]
     if missed:
-        print(f"missed {len(missed)} target(s): {'; '.join(missed)} (timings are noisy: rerun on an idle machine)")
+        print(
+            f"missed {len(missed)} target(s): {'; '.join(missed)} "
+            "(timings are noisy: rerun on an idle machine)"
+        )
         return 1
     print("all targets checked in this run were met")
     return 0

@@ -38,7 +38,9 @@ class Budget:
         """Raises `SkipWork` if `work`, expected to take that long, would not fit."""
         left = self.remaining()
         if expected_seconds > left:
-            raise SkipWork(f"{work}: expected {expected_seconds:.0f}s, {max(left, 0):.0f}s of the budget left")
+            raise SkipWork(
+                f"{work}: expected {expected_seconds:.0f}s, {max(left, 0):.0f}s of the budget left"
+            )
 
     def skip(self, work: str, reason: str) -> None:
         """Records a skipped piece of work and says so."""

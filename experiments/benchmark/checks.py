@@ -27,7 +27,11 @@ def loss_scale_checks(loss_scale: dict) -> list[dict]:
         if model in LOSS_SCALE_OVERHEAD and {"jaxamp_dynamic", "jaxamp_noop"} <= set(variants):
             ratio = variants["jaxamp_dynamic"]["ms_per_step"] / variants["jaxamp_noop"]["ms_per_step"]
             allowed = LOSS_SCALE_OVERHEAD[model]
-            checks.append(_check(f"{model}: DynamicLossScale / NoOpLossScale", ratio, f"<= {allowed:.2f}", ratio <= allowed))
+            checks.append(
+                _check(
+                    f"{model}: DynamicLossScale / NoOpLossScale", ratio, f"<= {allowed:.2f}", ratio <= allowed
+                )
+            )
         for anchor in ANCHORS:
             if anchor in variants and "jaxamp_dynamic" in variants:
                 ratio = variants["jaxamp_dynamic"]["ms_per_step"] / variants[anchor]["ms_per_step"]
@@ -48,11 +52,17 @@ def throughput_checks(throughput: dict, torch: dict, on_gpu: bool) -> list[dict]
         return None
 
     for model, precision, baseline, target in [
-        ("resnet18", "mixed", "tf32", 1.6), ("resnet18", "mixed", "fp32", 5.0), ("mobilenetv2", "mixed", "fp32", 1.0),
-    ]:  # fmt: skip
+        ("resnet18", "mixed", "tf32", 1.6),
+        ("resnet18", "mixed", "fp32", 5.0),
+        ("mobilenetv2", "mixed", "fp32", 1.0),
+    ]:
         value = ratio(model, precision, baseline)
         if value is not None:
-            checks.append(_check(f"{model}: {precision} / {baseline} train speed", value, f">= {target}", value >= target))
+            checks.append(
+                _check(
+                    f"{model}: {precision} / {baseline} train speed", value, f">= {target}", value >= target
+                )
+            )
     mixed18 = throughput.get("resnet18", {}).get("mixed", {})
     if "measured_epoch_s" in mixed18:
         value = mixed18["measured_epoch_s"]
@@ -65,7 +75,9 @@ def throughput_checks(throughput: dict, torch: dict, on_gpu: bool) -> list[dict]
         ours = throughput.get(model, {}).get("mixed", {})
         if "mixed" in precisions and "train_images_per_s" in ours:
             value = ours["train_images_per_s"] / precisions["mixed"]["train_images_per_s"]
-            checks.append(_check(f"{model}: jaxamp mixed / PyTorch AMP train speed", value, ">= 1.00", value >= 1.0))
+            checks.append(
+                _check(f"{model}: jaxamp mixed / PyTorch AMP train speed", value, ">= 1.00", value >= 1.0)
+            )
     return checks
 
 
@@ -76,12 +88,24 @@ def target_checks(targets: dict) -> list[dict]:
             for precision, entry in precisions.items():
                 if precision.startswith("mixed") and "temp_ratio_to_fp32" in entry:
                     value = entry["temp_ratio_to_fp32"]
-                    checks.append(_check(f"{target} {model} {precision}: temp memory / fp32", value,
-                                         f"<= {TARGET_TEMP_RATIO}", value <= TARGET_TEMP_RATIO))  # fmt: skip
+                    checks.append(
+                        _check(
+                            f"{target} {model} {precision}: temp memory / fp32",
+                            value,
+                            f"<= {TARGET_TEMP_RATIO}",
+                            value <= TARGET_TEMP_RATIO,
+                        )
+                    )
                 if precision.startswith("mixed"):
                     value = entry["heavy_ops_in_compute_dtype"]
-                    checks.append(_check(f"{target} {model} {precision}: convolutions and matmuls in half",
-                                         value, "= 100%", value == 1.0))  # fmt: skip
+                    checks.append(
+                        _check(
+                            f"{target} {model} {precision}: convolutions and matmuls in half",
+                            value,
+                            "= 100%",
+                            value == 1.0,
+                        )
+                    )
     return checks
 
 
@@ -89,8 +113,14 @@ def all_checks(results: dict, on_gpu: bool) -> list[dict]:
     checks = loss_scale_checks(results.get("loss_scale", {}))
     pipeline = results.get("pipeline")
     if pipeline:
-        checks.append(_check(f"{pipeline['model']} {pipeline['precision']}: input pipeline share of the step",
-                             pipeline["share"], f"<= {PIPELINE_SHARE:.0%}", pipeline["share"] <= PIPELINE_SHARE))  # fmt: skip
+        checks.append(
+            _check(
+                f"{pipeline['model']} {pipeline['precision']}: input pipeline share of the step",
+                pipeline["share"],
+                f"<= {PIPELINE_SHARE:.0%}",
+                pipeline["share"] <= PIPELINE_SHARE,
+            )
+        )
     checks += throughput_checks(results.get("throughput", {}), results.get("torch", {}), on_gpu)
     checks += target_checks(results.get("targets", {}))
     return checks

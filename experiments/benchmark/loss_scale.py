@@ -37,9 +37,8 @@ from flax.training import dynamic_scale as flax_dynamic_scale
 
 import jaxamp
 from experiments import train
-from experiments.models import create_model
-
 from experiments.benchmark import timing
+from experiments.models import create_model
 
 VARIANTS = (
     "plain",
@@ -94,7 +93,9 @@ def _select(grads_finite, new_tree, old_tree):
 
 
 def build_variants(model: nn.Module, images, variants=VARIANTS) -> dict[str, tuple[Callable, Any]]:
-    """Each variant's step ``step(state, images, labels) -> (state, loss)`` (not yet jitted) and initial state.
+    """Each variant's step (not yet jitted) and initial state.
+
+    A step is ``step(state, images, labels) -> (state, loss)``.
 
     `images` are a sample batch, to initialize the model with.
 
@@ -115,7 +116,9 @@ def build_variants(model: nn.Module, images, variants=VARIANTS) -> dict[str, tup
 
     def plain(state, images, labels):
         params, opt_state, batch_stats = state
-        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch_stats, images, labels)
+        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, batch_stats, images, labels
+        )
         return (*update(params, opt_state, grads), new_stats), loss
 
     def jaxamp_step(state, images, labels):
@@ -144,19 +147,27 @@ def build_variants(model: nn.Module, images, variants=VARIANTS) -> dict[str, tup
         grads = loss_scale.unscale(grads)
         grads_finite = jmp.all_finite(grads)
         new_params, new_opt_state = update(params, opt_state, grads)
-        new_params, new_opt_state = jmp.select_tree(grads_finite, (new_params, new_opt_state), (params, opt_state))
+        new_params, new_opt_state = jmp.select_tree(
+            grads_finite, (new_params, new_opt_state), (params, opt_state)
+        )
         return (new_params, new_opt_state, new_stats, loss_scale.adjust(grads_finite)), loss
 
     guarded_tx = optax.apply_if_finite(tx, _MAX_CONSECUTIVE_ERRORS)
 
     def optax_step(state, images, labels):
         params, opt_state, batch_stats = state
-        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch_stats, images, labels)
+        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, batch_stats, images, labels
+        )
         return (*update(params, opt_state, grads, guarded_tx), new_stats), loss
 
     def jaxamp_state(loss_scale):
         return jaxamp.TrainState.create(
-            apply_fn=model.apply, params=own(params), tx=tx, loss_scale=loss_scale, batch_stats=own(batch_stats)
+            apply_fn=model.apply,
+            params=own(params),
+            tx=tx,
+            loss_scale=loss_scale,
+            batch_stats=own(batch_stats),
         )
 
     builders = {
@@ -171,7 +182,10 @@ def build_variants(model: nn.Module, images, variants=VARIANTS) -> dict[str, tup
             jmp_step,
             (own(params), tx.init(params), own(batch_stats), jmp.DynamicLossScale(jnp.float32(2**15))),
         ),
-        "optax_apply_if_finite": lambda: (optax_step, (own(params), guarded_tx.init(params), own(batch_stats))),
+        "optax_apply_if_finite": lambda: (
+            optax_step,
+            (own(params), guarded_tx.init(params), own(batch_stats)),
+        ),
     }
     unknown = set(variants) - set(builders)
     if unknown:
@@ -184,7 +198,9 @@ def measure(model_name: str, batch_size: int, rounds: int, steps: int) -> dict[s
     model, images, labels = make_problem(model_name, batch_size)
     steps_by_variant = {}
     for name, (step, state) in build_variants(model, images).items():
-        steps_by_variant[name] = timing.StatefulStep(jax.jit(step, donate_argnums=0), state, [(images, labels)])
+        steps_by_variant[name] = timing.StatefulStep(
+            jax.jit(step, donate_argnums=0), state, [(images, labels)]
+        )
     medians = timing.interleaved_medians(steps_by_variant, rounds, steps)
     return {
         name: {"ms_per_step": 1e3 * seconds, "ratio_to_plain": seconds / medians["plain"]}

@@ -23,17 +23,24 @@ def _throughput_rows(throughput: dict) -> list[str]:
     ]
     for model, precisions in throughput.items():
         for precision, entry in precisions.items():
-            compile_s = sum(entry.get("compile_s", {}).values())
             memory = entry.get("memory", {})
-            rows.append(
-                f"| {model} | {precision} | {_fmt(entry.get('train_images_per_s'), '.1f', 'skipped')} "
-                f"| {_fmt(entry.get('train_ratio_to_fp32'))} | {_fmt(entry.get('train_ratio_to_tf32'))} "
-                f"| {_fmt(entry.get('eval_images_per_s'), '.1f')} | {compile_s:.1f} "
-                f"| {memory.get('temp_bytes', 0) / _MB:.0f} | {memory.get('total_bytes', 0) / _MB:.0f} "
-                f"| {_fmt(entry.get('flops_per_image', 0) / 1e9, '.3f')} | {_fmt(entry.get('achieved_tflops'), '.3f')} "
-                f"| {_fmt(entry.get('share_of_peak'), '.1%', 'n/a')} | {_fmt(entry.get('measured_epoch_s'), '.1f')} "
-                f"| {_fmt(entry.get('roofline_epoch_s'), '.2f', 'n/a')} |"
-            )
+            cells = [
+                model,
+                precision,
+                _fmt(entry.get("train_images_per_s"), ".1f", "skipped"),
+                _fmt(entry.get("train_ratio_to_fp32")),
+                _fmt(entry.get("train_ratio_to_tf32")),
+                _fmt(entry.get("eval_images_per_s"), ".1f"),
+                f"{sum(entry.get('compile_s', {}).values()):.1f}",
+                f"{memory.get('temp_bytes', 0) / _MB:.0f}",
+                f"{memory.get('total_bytes', 0) / _MB:.0f}",
+                _fmt(entry.get("flops_per_image", 0) / 1e9, ".3f"),
+                _fmt(entry.get("achieved_tflops"), ".3f"),
+                _fmt(entry.get("share_of_peak"), ".1%", "n/a"),
+                _fmt(entry.get("measured_epoch_s"), ".1f"),
+                _fmt(entry.get("roofline_epoch_s"), ".2f", "n/a"),
+            ]
+            rows.append("| " + " | ".join(cells) + " |")
     return rows
 
 
@@ -41,7 +48,9 @@ def _loss_scale_rows(loss_scale: dict) -> list[str]:
     rows = ["| model | variant | ms/step | vs plain |", "|---|---|---|---|"]
     for model, variants in loss_scale.items():
         for variant, entry in variants.items():
-            rows.append(f"| {model} | {variant} | {entry['ms_per_step']:.2f} | {entry['ratio_to_plain']:.3f} |")
+            rows.append(
+                f"| {model} | {variant} | {entry['ms_per_step']:.2f} | {entry['ratio_to_plain']:.3f} |"
+            )
     return rows
 
 
@@ -68,17 +77,18 @@ def _torch_rows(torch: dict, throughput: dict) -> list[str]:
 
 def _target_rows(targets: dict) -> list[str]:
     rows = [
-        "| target | model | precision | temp MB | vs fp32 | temp+arg+out MB | convolutions and matmuls by dtype "
-        "| cuDNN convolutions | compile s | epoch s bound on paper |",
+        "| target | model | precision | temp MB | vs fp32 | temp+arg+out MB "
+        "| convolutions and matmuls by dtype | cuDNN convolutions | compile s | epoch s bound on paper |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for target, models in targets.items():
         for model, precisions in models.items():
             for precision, entry in precisions.items():
                 ops = ", ".join(f"{count} {dtype}" for dtype, count in entry["heavy_ops_by_dtype"].items())
+                memory = entry["memory"]
                 rows.append(
-                    f"| {entry['device_kind']} | {model} | {precision} | {entry['memory']['temp_bytes'] / _MB:.0f} "
-                    f"| {_fmt(entry.get('temp_ratio_to_fp32'))} | {entry['memory']['total_bytes'] / _MB:.0f} "
+                    f"| {entry['device_kind']} | {model} | {precision} | {memory['temp_bytes'] / _MB:.0f} "
+                    f"| {_fmt(entry.get('temp_ratio_to_fp32'))} | {memory['total_bytes'] / _MB:.0f} "
                     f"| {ops} | {entry['cudnn_convolutions']} | {entry['compile_s']:.1f} "
                     f"| {entry['roofline_epoch_s']:.3f} |"
                 )
@@ -93,9 +103,12 @@ def table(results: dict) -> str:
         "",
         f"Settings: {environment['settings']}",
     ]
-    if environment["platform"] == "cpu":
-        lines += ["", "On CPU, XLA computes float16 and bfloat16 in float32: a mixed step's speed and memory "
-                  "there say nothing about a GPU (no saving is claimed)."]  # fmt: skip
+    if environment["platform"] == "cpu" and results.get("throughput"):
+        lines += [
+            "",
+            "On CPU, XLA computes float16 and bfloat16 in float32: a mixed step's speed and memory "
+            "there say nothing about a GPU (no saving is claimed).",
+        ]
     sections = [
         ("Throughput, memory and distance to the hardware", "throughput", _throughput_rows),
         ("What loss scaling costs (mixed_float16 step, fixed batch)", "loss_scale", _loss_scale_rows),
@@ -104,25 +117,46 @@ def table(results: dict) -> str:
         if results.get(key):
             lines += ["", f"## {title}", "", *render(results[key])]
     if results.get("throughput"):
-        lines += ["", "The bound on paper is a roofline lower bound (peak FLOP/s and bandwidth from the "
-                  "datasheet), not a measurement; n/a where the device is not a known GPU."]  # fmt: skip
+        lines += [
+            "",
+            "The bound on paper is a roofline lower bound (peak FLOP/s and bandwidth from the "
+            "datasheet), not a measurement; n/a where the device is not a known GPU.",
+        ]
     if results.get("pipeline"):
         pipeline = results["pipeline"]
-        lines += ["", "## Input pipeline", "",
-                  f"{pipeline['model']} {pipeline['precision']}: gather+crop+flip+normalize {pipeline['pipeline_ms']:.2f} ms "
-                  f"of a {pipeline['train_step_ms']:.2f} ms train step ({pipeline['share']:.1%}, timed alone: an upper estimate)."]  # fmt: skip
+        lines += [
+            "",
+            "## Input pipeline",
+            "",
+            f"{pipeline['model']} {pipeline['precision']}: gather+crop+flip+normalize "
+            f"{pipeline['pipeline_ms']:.2f} ms of a {pipeline['train_step_ms']:.2f} ms train step "
+            f"({pipeline['share']:.1%}, timed alone: an upper estimate).",
+        ]
     if results.get("torch"):
-        lines += ["", "## PyTorch AMP, same device, same run", "", *_torch_rows(results["torch"], results.get("throughput", {}))]
+        lines += [
+            "",
+            "## PyTorch AMP, same device, same run",
+            "",
+            *_torch_rows(results["torch"], results.get("throughput", {})),
+        ]
     if results.get("targets"):
-        lines += ["", "## Compiled for GPU targets on this machine (no GPU; no autotuning)", "",
-                  *_target_rows(results["targets"])]  # fmt: skip
+        lines += [
+            "",
+            "## Compiled for GPU targets on this machine (no GPU; no autotuning)",
+            "",
+            *_target_rows(results["targets"]),
+        ]
     if results.get("checks"):
         lines += ["", "## Targets", "", "| check | measured | target | |", "|---|---|---|---|"]
         for check in results["checks"]:
-            lines.append(f"| {check['check']} | {check['value']:.3f} | {check['target']} "
-                         f"| {'met' if check['met'] else '**missed**'} |")  # fmt: skip
+            lines.append(
+                f"| {check['check']} | {check['value']:.3f} | {check['target']} "
+                f"| {'met' if check['met'] else '**missed**'} |"
+            )
     if results.get("skipped"):
-        lines += ["", "## Skipped", ""] + [f"- {item['work']}: {item['reason']}" for item in results["skipped"]]
+        lines += ["", "## Skipped", ""] + [
+            f"- {item['work']}: {item['reason']}" for item in results["skipped"]
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -138,8 +172,10 @@ def plots(results: dict, out_dir: str) -> list[str]:
     def bars(path, title, ylabel, groups: dict[str, dict[str, float]]):
         if not groups:
             return
-        labels = sorted({label for values in groups.values() for label in values}, key=list(
-            dict.fromkeys(label for values in groups.values() for label in values)).index)
+        labels = sorted(
+            {label for values in groups.values() for label in values},
+            key=list(dict.fromkeys(label for values in groups.values() for label in values)).index,
+        )
         figure, axis = plt.subplots(figsize=(max(5, 1.6 * len(groups) + 2), 3.6))
         width = 0.8 / max(1, len(labels))
         for index, label in enumerate(labels):
@@ -158,20 +194,29 @@ def plots(results: dict, out_dir: str) -> list[str]:
 
     device = results["environment"]["device"]
     throughput = results.get("throughput", {})
-    speed = {model: {p: e["train_images_per_s"] for p, e in precisions.items() if "train_images_per_s" in e}
-             for model, precisions in throughput.items()}  # fmt: skip
+    speed = {
+        model: {p: e["train_images_per_s"] for p, e in precisions.items() if "train_images_per_s" in e}
+        for model, precisions in throughput.items()
+    }
     for model, precisions in results.get("torch", {}).items():
-        speed.setdefault(model, {}).update({f"torch {p}": e["train_images_per_s"] for p, e in precisions.items()})
+        speed.setdefault(model, {}).update(
+            {f"torch {p}": e["train_images_per_s"] for p, e in precisions.items()}
+        )
     bars("throughput.png", f"Train throughput ({device})", "images/s", speed)
-    memory = {model: {p: e["memory"]["temp_bytes"] / _MB for p, e in precisions.items()}
-              for model, precisions in throughput.items()}  # fmt: skip
+    memory = {
+        model: {p: e["memory"]["temp_bytes"] / _MB for p, e in precisions.items()}
+        for model, precisions in throughput.items()
+    }
     for target, models in results.get("targets", {}).items():
         for model, precisions in models.items():
             memory.setdefault(f"{model}\n({target})", {}).update(
-                {p: e["memory"]["temp_bytes"] / _MB for p, e in precisions.items()})
+                {p: e["memory"]["temp_bytes"] / _MB for p, e in precisions.items()}
+            )
     bars("memory.png", "Temp memory of the compiled train step", "MB", memory)
-    overhead = {model: {v: e["ratio_to_plain"] for v, e in variants.items()}
-                for model, variants in results.get("loss_scale", {}).items()}  # fmt: skip
+    overhead = {
+        model: {v: e["ratio_to_plain"] for v, e in variants.items()}
+        for model, variants in results.get("loss_scale", {}).items()
+    }
     bars("overhead.png", f"Step time / plain step ({device})", "ratio", overhead)
     return written
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import jax
 
 from experiments import data as data_lib
-
 from experiments.benchmark import timing
 from experiments.benchmark.workload import DeviceSet, Workload
 

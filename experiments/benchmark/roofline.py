@@ -39,7 +39,9 @@ def main_peak_key(precision: str, compute_dtype: str) -> str:
     return peak_key(precision, compute_dtype)
 
 
-def flops_by_peak(precision: str, heavy_flops_by_dtype: dict[str, float], total_flops: float) -> dict[str, float]:
+def flops_by_peak(
+    precision: str, heavy_flops_by_dtype: dict[str, float], total_flops: float
+) -> dict[str, float]:
     """A step's FLOPs by the peak rate they run at.
 
     Args:

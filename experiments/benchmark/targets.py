@@ -20,17 +20,17 @@ those the target config states.
 from __future__ import annotations
 
 import time
+
 import jax
 import jax.numpy as jnp
 
 import jaxamp
-from jaxamp import hlo_report
 from experiments import data as data_lib
 from experiments import train
-
 from experiments.benchmark import roofline, workload
 from experiments.benchmark.budget import Budget, SkipWork
 from experiments.benchmark.results import Results
+from jaxamp import hlo_report
 
 _CIFAR10_SHAPES = {"images": (roofline.CIFAR10_TRAIN_EXAMPLES, 32, 32, 3)}
 
@@ -66,7 +66,9 @@ def compile_for(target: str, model: str, precision: str, batch_size: int) -> dic
     heavy_flops = report.flops_by_dtype()
     total_flops = roofline.cost_of(lowered).get("flops", float(sum(heavy_flops.values())))
     bytes_accessed = hlo_report.bytes_accessed(text)
-    bound = roofline.roofline(roofline.flops_by_peak(precision, heavy_flops, total_flops), bytes_accessed, spec)
+    bound = roofline.roofline(
+        roofline.flops_by_peak(precision, heavy_flops, total_flops), bytes_accessed, spec
+    )
     compute_dtype = workload.compute_dtype_name(precision)
     return {
         "target": target,
@@ -79,7 +81,8 @@ def compile_for(target: str, model: str, precision: str, batch_size: int) -> dic
         "heavy_ops_by_dtype": report.count_by_dtype(),
         "heavy_flops_by_dtype": heavy_flops,
         "cudnn_convolutions": sum(op.primitive.startswith("__cudnn$conv") for op in report.ops),
-        "heavy_ops_in_compute_dtype": sum(op.compute_dtype == compute_dtype for op in report.ops) / len(report.ops),
+        "heavy_ops_in_compute_dtype": sum(op.compute_dtype == compute_dtype for op in report.ops)
+        / len(report.ops),
         "flops_per_step": total_flops,
         "bytes_accessed_per_step": bytes_accessed,
         "roofline_step_s": bound["bound_s"],
@@ -108,15 +111,20 @@ def run(
                 except SkipWork as skip:
                     budget.skip(work, str(skip))
                     continue
-                entry = compile_for(target, model, precision, batch_size)
+                try:
+                    entry = compile_for(target, model, precision, batch_size)
+                except jax.errors.JaxRuntimeError as error:
+                    # e.g. a CUDA 13 ptxas, which no longer compiles for the V100's sm_70:
+                    # put a CUDA 12 ptxas first on PATH to compile for it.
+                    budget.skip(work, f"XLA could not compile it here: {str(error).splitlines()[0]}")
+                    continue
                 fp32 = results.get(("targets", target, model, "fp32"))
                 if fp32 is not None and precision != "fp32":
                     entry["temp_ratio_to_fp32"] = entry["memory"]["temp_bytes"] / fp32["memory"]["temp_bytes"]
                 compile_estimate = max(compile_estimate, entry["compile_s"])
                 results.put(("targets", target, model, precision), entry)
                 print(
-                    f"{target} {model:<12} {precision:<11} temp {entry['memory']['temp_bytes'] / 2**20:8.0f} MiB  "
+                    f"{target} {model:<12} {precision:<11} temp {entry['memory']['temp_bytes'] / 1e6:8.0f} MB  "
                     f"ops {entry['heavy_ops_by_dtype']}  compile {entry['compile_s']:.1f}s",
                     flush=True,
                 )
-

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import jax
 
-from jaxamp import gpu_targets
-
 from experiments.benchmark import roofline, timing, workload
 from experiments.benchmark.budget import Budget, SkipWork
 from experiments.benchmark.results import Results
+from jaxamp import gpu_targets
 
 
 def device_spec() -> gpu_targets.GpuSpec | None:
@@ -94,12 +93,17 @@ def run_model(
             "cost": item.step_cost(),
         }
         results.put(("throughput", model, precision), entries[precision])
-        print(f"compiled {model} {precision}: {item.compile_seconds['train']:.1f}s + "
-              f"{item.compile_seconds['eval']:.1f}s", flush=True)  # fmt: skip
+        print(
+            f"compiled {model} {precision}: {item.compile_seconds['train']:.1f}s + "
+            f"{item.compile_seconds['eval']:.1f}s",
+            flush=True,
+        )
     if not built:
         return compile_estimate, built
     # One warm-up step each tells how long the timed rounds will take.
-    first_step_s = {p: timing.timed(item.train_step)[1] + timing.timed(item.eval_step)[1] for p, item in built.items()}
+    first_step_s = {
+        p: timing.timed(item.train_step)[1] + timing.timed(item.eval_step)[1] for p, item in built.items()
+    }
     try:
         budget.require(f"timing {model}", (rounds * steps + 2) * sum(first_step_s.values()))
     except SkipWork as skip:
@@ -120,13 +124,17 @@ def run_model(
         if peak_bytes is not None:
             entry["process_peak_bytes"] = peak_bytes
             entry["process_peak_note"] = (
-                "exact: the only model x precision of this process" if only_workload_of_process else
-                "cumulative peak of the process so far (includes earlier work); run one model x precision "
+                "exact: the only model x precision of this process"
+                if only_workload_of_process
+                else "cumulative peak of the process so far (includes earlier work); "
+                "run one model x precision "
                 "per process for an exact figure"
-            )  # fmt: skip
+            )
         entry.update(distance_to_hardware(entry, entry["cost"], spec))
         results.put(("throughput", model, precision), entry)
-        print(f"{model:<12} {precision:<11} train {entry['train_images_per_s']:9.1f} img/s  "
-              f"eval {entry['eval_images_per_s']:9.1f} img/s", flush=True)  # fmt: skip
+        print(
+            f"{model:<12} {precision:<11} train {entry['train_images_per_s']:9.1f} img/s  "
+            f"eval {entry['eval_images_per_s']:9.1f} img/s",
+            flush=True,
+        )
     return compile_estimate, built
-

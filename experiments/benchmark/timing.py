@@ -23,7 +23,9 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return result, time.perf_counter() - start
 
 
-def seconds_per_step(step: Callable[[], Any], steps: int, synchronize: Callable[[Any], Any] | None = None) -> float:
+def seconds_per_step(
+    step: Callable[[], Any], steps: int, synchronize: Callable[[Any], Any] | None = None
+) -> float:
     """Seconds per call of `step`, over `steps` calls ending in one sync."""
     synchronize = synchronize or jax.block_until_ready
     start = time.perf_counter()

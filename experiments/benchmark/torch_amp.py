@@ -52,7 +52,9 @@ class TorchStep:
         elif precision == "mixed_bf16":
             half = torch.bfloat16
         elif precision not in ("fp32", "tf32"):
-            raise ValueError(f"No PyTorch recipe for precision {precision!r}; choose fp32, tf32, mixed, mixed_bf16.")
+            raise ValueError(
+                f"No PyTorch recipe for precision {precision!r}; choose fp32, tf32, mixed, mixed_bf16."
+            )
         self.autocast_dtype = half
         self.scaler = torch.amp.GradScaler(device) if half == torch.float16 else None
         self.generator = torch.Generator(device=device).manual_seed(0)
@@ -82,7 +84,9 @@ class TorchStep:
 
     def _autocast(self):
         return self.torch.autocast(
-            self.device, dtype=self.autocast_dtype or self.torch.float32, enabled=self.autocast_dtype is not None
+            self.device,
+            dtype=self.autocast_dtype or self.torch.float32,
+            enabled=self.autocast_dtype is not None,
         )
 
     def train_step(self) -> Any:
@@ -111,8 +115,9 @@ class TorchStep:
         return logits
 
 
-def measure(model_name: str, precisions: list[str], batch_size: int, rounds: int, steps: int,
-            num_train: int) -> dict[str, dict[str, Any]]:  # fmt: skip
+def measure(
+    model_name: str, precisions: list[str], batch_size: int, rounds: int, steps: int, num_train: int
+) -> dict[str, dict[str, Any]]:
     """Train and eval images/s of each precision, timed interleaved."""
     import torch  # pylint: disable=g-import-not-at-top
 
@@ -136,7 +141,9 @@ def measure(model_name: str, precisions: list[str], batch_size: int, rounds: int
         precision: {
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "torch_version": torch.__version__,
-            "autocast_dtype": str(step.autocast_dtype).removeprefix("torch.") if step.autocast_dtype else None,
+            "autocast_dtype": str(step.autocast_dtype).removeprefix("torch.")
+            if step.autocast_dtype
+            else None,
             "grad_scaler": step.scaler is not None,
             "train_images_per_s": batch_size / train_s[precision],
             "eval_images_per_s": batch_size / eval_s[precision],

@@ -19,9 +19,8 @@ import numpy as np
 
 from experiments import data as data_lib
 from experiments import train
-from jaxamp.report import hlo_precision_report
-
 from experiments.benchmark import roofline
+from jaxamp.report import hlo_precision_report
 
 
 @dataclasses.dataclass
@@ -40,7 +39,9 @@ def device_set(num_train: int, seed: int = 0) -> DeviceSet:
 
 
 def train_config(model: str, precision: str, batch_size: int) -> train.TrainConfig:
-    return train.TrainConfig(model=model, precision=precision, batch_size=batch_size, data="synthetic", epochs=1)
+    return train.TrainConfig(
+        model=model, precision=precision, batch_size=batch_size, data="synthetic", epochs=1
+    )
 
 
 def abstract_train_state(config: train.TrainConfig, steps_per_epoch: int, num_classes: int = 10) -> Any:
@@ -137,9 +138,16 @@ def build(model: str, precision_name: str, batch_size: int, data: DeviceSet, ste
         eval_compiled = jax.jit(train.make_eval_step(data.dataset)).lower(state, *eval_inputs).compile()
         compile_seconds["eval"] = time.perf_counter() - start
     return Workload(
-        model, precision_name, batch_size, train_compiled, eval_compiled, compile_seconds, state,
-        train_inputs, eval_inputs,
-    )  # fmt: skip
+        model,
+        precision_name,
+        batch_size,
+        train_compiled,
+        eval_compiled,
+        compile_seconds,
+        state,
+        train_inputs,
+        eval_inputs,
+    )
 
 
 def memory_of(compiled: Any) -> dict[str, int]:
