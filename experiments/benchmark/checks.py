@@ -17,8 +17,9 @@ ANCHORS = ("flax_dynamic_scale", "jmp_dynamic", "optax_apply_if_finite")
 TARGET_TEMP_RATIO = 0.55
 
 
-def _check(name: str, value: float, target: str, met: bool) -> dict[str, Any]:
-    return {"check": name, "value": value, "target": target, "met": bool(met)}
+def _check(name: str, value: float, target: str, met: bool, timed: bool = True) -> dict[str, Any]:
+    """One verdict; `timed` says whether it rests on a timing (noisy) or on a compilation."""
+    return {"check": name, "value": value, "target": target, "met": bool(met), "timed": timed}
 
 
 def loss_scale_checks(loss_scale: dict) -> list[dict]:
@@ -94,6 +95,7 @@ def target_checks(targets: dict) -> list[dict]:
                             value,
                             f"<= {TARGET_TEMP_RATIO}",
                             value <= TARGET_TEMP_RATIO,
+                            timed=False,
                         )
                     )
                 if precision.startswith("mixed"):
@@ -104,6 +106,7 @@ def target_checks(targets: dict) -> list[dict]:
                             value,
                             "= 100%",
                             value == 1.0,
+                            timed=False,
                         )
                     )
     return checks
