@@ -8,6 +8,7 @@ import platform
 import re
 import shlex
 import sys
+import time
 
 import jax
 
@@ -323,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                 "jax": jax.__version__,
                 "python": platform.python_version(),
                 "command": command.strip(),
-                "settings": {k: v for k, v in settings.items()},
+                "settings": dict(settings),
+                "load_average_at_start": os.getloadavg()[0],
             },
         },
     )
@@ -336,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_sections(settings, budget, results)
     finally:
+        results.put(("environment", "load_average_at_end"), os.getloadavg()[0])
+        results.put(("environment", "wall_s"), time.monotonic() - budget.start)
         results.put(("skipped",), budget.skipped)
         results.put(("checks",), checks.all_checks(results.data, device.platform == "gpu"))
         if args.no_plots:

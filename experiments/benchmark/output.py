@@ -103,6 +103,15 @@ def table(results: dict) -> str:
         "",
         f"Settings: {environment['settings']}",
     ]
+    if "wall_s" in environment:
+        lines += [
+            "",
+            f"Run: {environment['wall_s']:.0f} s wall clock; 1-minute load average "
+            f"{environment['load_average_at_start']:.1f} at the start, {environment['load_average_at_end']:.1f} "
+            "at the end (above the core count, other work shared the machine).",
+        ]
+    if environment.get("run_note"):
+        lines += ["", f"Run: {environment['run_note']}"]
     if environment["platform"] == "cpu" and results.get("throughput"):
         lines += [
             "",
