@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from experiments.models.mobilenetv2 import CIFAR_STAGES
+
 
 def _conv_bn(in_channels: int, out_channels: int, kernel: int, stride: int = 1, groups: int = 1) -> list:
     return [
@@ -90,18 +92,6 @@ def inverted_residual(in_channels: int, expansion: int, out_channels: int, strid
     return _Residual(body, in_channels, out_channels, 1, relu_after=False)
 
 
-# (expansion, out_channels, num_blocks, stride), as experiments.models.mobilenetv2.CIFAR_STAGES.
-MOBILENETV2_STAGES = (
-    (1, 16, 1, 1),
-    (6, 24, 2, 1),
-    (6, 32, 3, 2),
-    (6, 64, 4, 2),
-    (6, 96, 3, 1),
-    (6, 160, 3, 2),
-    (6, 320, 1, 1),
-)
-
-
 class MobileNetV2(nn.Module):
     """A CIFAR MobileNetV2: 3x3 stem, inverted residual stages, 1280-wide head."""
 
@@ -109,7 +99,7 @@ class MobileNetV2(nn.Module):
         super().__init__()
         layers = [*_conv_bn(3, 32, 3), nn.ReLU()]
         channels = 32
-        for expansion, out_channels, num_blocks, stride in MOBILENETV2_STAGES:
+        for expansion, out_channels, num_blocks, stride in CIFAR_STAGES:
             for index in range(num_blocks):
                 layers.append(
                     inverted_residual(channels, expansion, out_channels, stride if index == 0 else 1)

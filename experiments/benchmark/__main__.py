@@ -214,19 +214,24 @@ class SectionRunner:
             if model == key[0] and key[1] in built:
                 self.built[key] = built[key[1]]  # kept for the pipeline section; the others are freed
 
-    def loss_scale(self) -> None:
-        settings = self.settings
-        for model in settings["loss_scale_models"]:
+    def _each_model(self, section: str, models: list[str], measure) -> None:
+        """Records ``measure(model)`` under ``results[section][model]`` while the budget lasts."""
+        for model in models:
             _guarded(
                 self.budget,
-                f"loss_scale {model}",
-                lambda model=model: self.results.put(
-                    ("loss_scale", model),
-                    loss_scale.measure(
-                        model, settings["loss_scale_batch_size"], settings["rounds"], settings["steps"]
-                    ),
-                ),
+                f"{section} {model}",
+                lambda model=model: self.results.put((section, model), measure(model)),
             )
+
+    def loss_scale(self) -> None:
+        settings = self.settings
+        self._each_model(
+            "loss_scale",
+            settings["loss_scale_models"],
+            lambda model: loss_scale.measure(
+                model, settings["loss_scale_batch_size"], settings["rounds"], settings["steps"]
+            ),
+        )
 
     def pipeline(self) -> None:
         model, precision = key = self.pipeline_workload_key()
@@ -246,22 +251,14 @@ class SectionRunner:
             self.budget.skip("torch", "PyTorch is not installed here (it is optional)")
             return
         precisions = [p for p in settings["precisions"] if p in PRECISIONS]
-        for model in settings["torch_models"]:
-            _guarded(
-                self.budget,
-                f"torch {model}",
-                lambda model=model: self.results.put(
-                    ("torch", model),
-                    torch_amp.measure(
-                        model,
-                        precisions,
-                        settings["batch_size"],
-                        settings["rounds"],
-                        settings["steps"],
-                        min(settings["num_train"], 10_000),
-                    ),
-                ),
-            )
+        num_train = min(settings["num_train"], 10_000)
+        self._each_model(
+            "torch",
+            settings["torch_models"],
+            lambda model: torch_amp.measure(
+                model, precisions, settings["batch_size"], settings["rounds"], settings["steps"], num_train
+            ),
+        )
 
     def targets(self) -> None:
         settings = self.settings
