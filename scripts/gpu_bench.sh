@@ -85,11 +85,32 @@ run study "$(left)" "$python" -m experiments.compare --models "$models" --precis
 run study_tf32_bf16 "$(( $(left) - reserve ))" "$python" -m experiments.compare --models "$models" \
   --precisions tf32,mixed_bf16 --data synthetic --epochs 1 "${steps_flag[@]}" --no-progress \
   --out-dir "$out/study_tf32_bf16"
+# A small resident data set, so that the peak is the step's own and not the data's.
 for precision in fp32 mixed; do
   run "peak_memory_$precision" "$(( $(left) / 3 ))" "$python" -m experiments.benchmark --sections throughput \
-    --models resnet18 --precisions "$precision" --rounds 2 --steps 5 "${bench_args[@]}" \
+    --models resnet18 --precisions "$precision" --rounds 2 --steps 5 --num-train 1024 "${bench_args[@]}" \
     --out-dir "$out/peak_memory_$precision"
 done
+"$python" - "$out" <<'PY' | tee "$out/peak_memory.txt"
+import json, sys
+
+peaks = {}
+for precision in ("fp32", "mixed"):
+    try:
+        with open(f"{sys.argv[1]}/peak_memory_{precision}/results.json") as file:
+            throughput = json.load(file)["throughput"]
+        (entry,) = [entry for model in throughput.values() for entry in model.values()]
+        peaks[precision] = entry.get("process_peak_bytes")
+    except (OSError, KeyError, ValueError):
+        peaks[precision] = None
+if peaks["fp32"] and peaks["mixed"]:
+    ratio = peaks["mixed"] / peaks["fp32"]
+    verdict = "met" if ratio <= 0.55 else "MISSED"
+    print(f"peak bytes in use: fp32 {peaks['fp32'] / 1e6:.0f} MB, mixed {peaks['mixed'] / 1e6:.0f} MB, "
+          f"mixed/fp32 {ratio:.2f} (target at most 0.55: {verdict})")
+else:
+    print(f"peak bytes in use: not measured ({peaks}: no device memory stats here, or a run was skipped)")
+PY
 bench_budget=$(( $(left) - 20 ))
 run benchmark "$(( bench_budget + 15 ))" "$python" -m experiments.benchmark --budget "$bench_budget" \
   --sections throughput,torch,loss_scale,pipeline --models resnet18,mobilenetv2,resnet50 \

@@ -17,13 +17,15 @@ def _fmt(value: Any, spec: str = ".2f", missing: str = "") -> str:
 def _throughput_rows(throughput: dict) -> list[str]:
     rows = [
         "| model | precision | train img/s | vs fp32 | vs tf32 | eval img/s | compile s (train+eval) "
-        "| temp MB | temp+arg+out MB | GFLOP/img | TFLOP/s | share of peak | epoch s from measured step "
-        "| epoch s bound on paper |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| temp MB | temp vs fp32 | temp+arg+out MB | peak bytes in use MB | GFLOP/img | TFLOP/s | share of peak "
+        "| epoch s from measured step | epoch s bound on paper |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model, precisions in throughput.items():
+        fp32_temp = precisions.get("fp32", {}).get("memory", {}).get("temp_bytes")
         for precision, entry in precisions.items():
             memory = entry.get("memory", {})
+            peak = entry.get("process_peak_bytes")
             cells = [
                 model,
                 precision,
@@ -33,7 +35,10 @@ def _throughput_rows(throughput: dict) -> list[str]:
                 _fmt(entry.get("eval_images_per_s"), ".1f"),
                 f"{sum(entry.get('compile_s', {}).values()):.1f}",
                 f"{memory.get('temp_bytes', 0) / _MB:.0f}",
+                _fmt(memory["temp_bytes"] / fp32_temp if fp32_temp and "temp_bytes" in memory else None),
                 f"{memory.get('total_bytes', 0) / _MB:.0f}",
+                _fmt(peak / _MB if peak else None, ".0f", "n/a")
+                + ("" if peak is None else _peak_mark(entry)),
                 _fmt(entry.get("flops_per_image", 0) / 1e9, ".3f"),
                 _fmt(entry.get("achieved_tflops"), ".3f"),
                 _fmt(entry.get("share_of_peak"), ".1%", "n/a"),
@@ -42,6 +47,11 @@ def _throughput_rows(throughput: dict) -> list[str]:
             ]
             rows.append("| " + " | ".join(cells) + " |")
     return rows
+
+
+def _peak_mark(entry: dict) -> str:
+    """Marks a peak that also counts earlier work of the process (not this step's alone)."""
+    return "" if entry.get("process_peak_note", "").startswith("exact") else " (cumulative)"
 
 
 def _loss_scale_rows(loss_scale: dict) -> list[str]:
