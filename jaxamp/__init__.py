@@ -18,6 +18,7 @@ Example:
 
 from jaxamp.jaxpr_policy import autocast, float32_scope
 from jaxamp.finite import all_finite, select_tree
+from jaxamp.gpu_targets import GPU_TARGETS, GpuSpec, gpu_target_device, on_device
 from jaxamp.grads import scaled_value_and_grad
 from jaxamp.loss_scale import (
     DynamicLossScale,
@@ -30,14 +31,16 @@ from jaxamp.layer_policies import NORMALIZATION_LAYERS
 from jaxamp.module_policy import apply_policy
 from jaxamp.overflow_guard import LossScaleStuckError, OverflowGuard
 from jaxamp.policy import Policy, get_policy
-from jaxamp.report import PrecisionReport, precision_report
+from jaxamp.report import PrecisionReport, hlo_precision_report, precision_report
 from jaxamp.train_state import TrainState
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "GPU_TARGETS",
     "NORMALIZATION_LAYERS",
     "DynamicLossScale",
+    "GpuSpec",
     "LossScale",
     "LossScaleStuckError",
     "NoOpLossScale",
@@ -52,6 +55,9 @@ __all__ = [
     "default_loss_scale",
     "float32_scope",
     "get_policy",
+    "gpu_target_device",
+    "hlo_precision_report",
+    "on_device",
     "precision_report",
     "scaled_value_and_grad",
     "select_tree",

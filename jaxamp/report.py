@@ -26,6 +26,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxamp import hlo_report
+
 _HEAVY_PRIMITIVES = ("dot_general", "conv_general_dilated")
 
 
@@ -148,12 +150,26 @@ def _walk(jaxpr, records: list[OpRecord], repeats: int = 1) -> None:
             _walk(subjaxpr, records, body_repeats)
 
 
-def precision_report(fun: Callable[..., Any], *args, **kwargs) -> PrecisionReport:
-    """Traces ``fun(*args, **kwargs)`` and reports the dtypes of its heavy math.
+def precision_report(
+    fun: Callable[..., Any], *args, compiled: bool = False, **kwargs
+) -> PrecisionReport:
+    """Reports the dtypes of the heavy math of ``fun(*args, **kwargs)``.
 
-    Nothing is compiled or run: the function is traced to a jaxpr. Pass a
-    training step (or ``jax.value_and_grad`` of a loss) to see the backward
-    pass too.
+    Two modes answer two questions:
+
+    * traced (``compiled=False``, the default): what the program asks for.
+      Nothing is compiled or run: the function is traced to a jaxpr and its
+      ``dot_general`` and ``conv_general_dilated`` equations are counted.
+    * compiled (``compiled=True``): what XLA runs. The function is compiled
+      for the device its arguments are placed on (``jax.jit(fun).lower(*args)
+      .compile()``) and the optimized HLO's ``dot`` and ``convolution``
+      instructions and cuDNN/cuBLAS custom calls are counted (see
+      `jaxamp.hlo_report`). On CPU, XLA runs half-precision convolutions in
+      float32 and this mode says so; for a GPU, even one compiled for without
+      a GPU (`jaxamp.gpu_targets`), it shows the half-precision cuDNN calls.
+
+    Pass a training step (or ``jax.value_and_grad`` of a loss) to see the
+    backward pass too.
 
     Example:
         >>> report = jaxamp.precision_report(model.apply, variables, images)
@@ -165,15 +181,34 @@ def precision_report(fun: Callable[..., Any], *args, **kwargs) -> PrecisionRepor
 
     Args:
         fun: any traceable function.
-        *args: its positional arguments (arrays or ShapeDtypeStructs).
+        *args: its positional arguments (arrays or ShapeDtypeStructs; in
+            compiled mode, their shardings choose the device compiled for).
+        compiled: report the compiled, optimized program rather than the
+            traced one.
         **kwargs: its keyword arguments, passed as static Python values.
 
     Returns:
         A `PrecisionReport`.
     """
+    if compiled:
+        compiled_text = jax.jit(functools.partial(fun, **kwargs)).lower(*args).compile().as_text()
+        return hlo_precision_report(compiled_text)
     # Keyword arguments are bound statically: flags such as ``train=False``
     # must stay Python values, not tracers.
     closed_jaxpr = jax.make_jaxpr(functools.partial(fun, **kwargs))(*args)
     records: list[OpRecord] = []
     _walk(closed_jaxpr.jaxpr, records)
     return PrecisionReport(tuple(records))
+
+
+def hlo_precision_report(hlo_text: str) -> PrecisionReport:
+    """A `PrecisionReport` of an optimized HLO module's text.
+
+    Use it on a step that is already compiled, to avoid compiling it twice:
+    ``hlo_precision_report(jax.jit(step).lower(*args).compile().as_text())``.
+    A record's ``primitive`` is the HLO opcode (``dot``, ``convolution``) or
+    the custom call target (``__cudnn$convForward``, ``__cublas$gemm``, ...).
+    """
+    return PrecisionReport(
+        tuple(OpRecord(**dataclasses.asdict(op)) for op in hlo_report.heavy_ops(hlo_text))
+    )

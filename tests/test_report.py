@@ -250,3 +250,136 @@ def test_a_switch_counts_its_heaviest_branch_and_a_scan_multiplies_it():
     report = jaxamp.precision_report(loop, abstract((2, 4), jnp.bfloat16), abstract((6,), jnp.int32))
     assert [op.flops for op in report.ops] == [6 * matmul_flops(2, 4, 4)] * 2
     assert report.count_by_dtype() == {"bfloat16": 2}
+
+
+# --- Compiled mode: what XLA runs (jaxamp.hlo_report) -------------------------
+
+
+class _ConvNet(nn.Module):
+    """Two convolutions and a dense head: enough to see every heavy op kind."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3))(x))
+        x = nn.relu(nn.Conv(8, (3, 3), strides=2)(x))
+        return nn.Dense(4)(x.mean(axis=(1, 2)))
+
+
+def _gradient_of_mixed_convnet(policy="mixed_float16"):
+    model = jaxamp.apply_policy(_ConvNet(), policy)
+    images = abstract((2, 8, 8, 3))
+    variables = jax.eval_shape(model.init, jax.random.key(0), images)
+
+    def loss(variables, images):
+        return model.apply(variables, images).astype(jnp.float32).sum()
+
+    return jax.grad(loss), (variables, images)
+
+
+def test_on_cpu_the_compiled_report_shows_half_precision_convolutions_run_in_float32():
+    gradient, args = _gradient_of_mixed_convnet()
+    traced = jaxamp.precision_report(gradient, *args)
+    compiled = jaxamp.precision_report(gradient, *args, compiled=True)
+    assert jax.default_backend() == "cpu"
+    assert traced.fraction(jnp.float16) == 1.0
+    convolutions = [op for op in compiled.ops if op.primitive == "convolution"]
+    # forward 2, input gradient 1 (the images need none), kernel gradient 2
+    assert len(convolutions) == 5
+    assert {op.compute_dtype for op in convolutions} == {"float32"}
+    assert compiled.fraction(jnp.float16) < 0.5
+
+
+HAND_WRITTEN_GPU_HLO = """HloModule jit_step, entry_computation_layout={(f16[8,16,16,32]{3,2,1,0})->f16[8,8]{1,0}}
+
+%body (state: (s32[], f16[8,8])) -> (s32[], f16[8,8]) {
+  %state = (s32[], f16[8,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %x = f16[8,8]{1,0} get-tuple-element(%state), index=1
+  %gemm = (f16[8,8]{1,0}, s8[4194304]{0}) custom-call(%x, %x), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  %y = f16[8,8]{1,0} get-tuple-element(%gemm), index=0
+  ROOT %next = (s32[], f16[8,8]{1,0}) tuple(%i, %y)
+}
+
+%cond (state: (s32[], f16[8,8])) -> pred[] {
+  %state = (s32[], f16[8,8]{1,0}) parameter(0)
+  ROOT %less = pred[] constant(true)
+}
+
+%small (p: f32[4,4]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  ROOT %d = f32[4,4]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%large (p: f32[4,4]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  %d1 = f32[4,4]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %d2 = f32[4,4]{1,0} dot(%d1, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: f16[8,16,16,32]) -> f16[8,8] {
+  %x = f16[8,16,16,32]{3,2,1,0} parameter(0)
+  %w = f16[64,3,3,32]{3,2,1,0} constant({...})
+  %fwd = (f16[8,8,8,64]{3,2,1,0}, u8[0]{0}) custom-call(%x, %w), window={size=3x3 stride=2x2 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convForward"
+  %y = f16[8,8,8,64]{3,2,1,0} get-tuple-element(%fwd), index=0
+  %dw = (f16[64,3,3,32]{3,2,1,0}, u8[0]{0}) custom-call(%x, %y), window={size=3x3 stride=2x2 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convBackwardFilter"
+  %dx = (f16[8,16,16,32]{3,2,1,0}, u8[0]{0}) custom-call(%y, %w), window={size=3x3 stride=2x2 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convBackwardInput"
+  %m = f16[8,8]{1,0} constant({...})
+  %init = (s32[], f16[8,8]{1,0}) tuple(%m, %m)
+  %loop = (s32[], f16[8,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %small_input = f32[4,4]{1,0} constant({...})
+  %p = pred[] constant(true)
+  %branch = f32[4,4]{1,0} conditional(%p, %small_input, %small_input), true_computation=%small, false_computation=%large
+  ROOT %out = f16[8,8]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_cudnn_calls_count_the_forward_convolutions_flops_in_each_direction():
+    report = jaxamp.hlo_precision_report(HAND_WRITTEN_GPU_HLO)
+    forward_flops = 2 * (8 * 8 * 8) * (64 * 3 * 3 * 32)  # 2 * output pixels * kernel size
+    by_primitive = {op.primitive: op for op in report.ops}
+    for direction in ("convForward", "convBackwardFilter", "convBackwardInput"):
+        op = by_primitive[f"__cudnn${direction}"]
+        assert (op.operand_dtypes, op.flops) == (("float16", "float16"), forward_flops)
+
+
+def test_a_loop_body_counts_once_per_known_iteration_and_a_conditional_its_largest_branch():
+    report = jaxamp.hlo_precision_report(HAND_WRITTEN_GPU_HLO)
+    (gemm,) = [op for op in report.ops if op.primitive == "__cublas$lt$matmul"]
+    assert gemm.flops == 5 * 2 * 8 * 8 * 8
+    branch_dots = [op for op in report.ops if op.primitive == "dot"]
+    assert [op.flops for op in branch_dots] == [2 * 4 * 4 * 4] * 2  # the larger branch's two dots
+
+
+def test_bytes_accessed_counts_each_kernels_reads_and_writes_but_no_workspace():
+    traffic = jaxamp.hlo_report.bytes_accessed(
+        """HloModule m
+
+ENTRY %main (a: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %gemm = (f32[4,4]{1,0}, s8[4194304]{0}) custom-call(%a, %a), custom_call_target="__cublas$gemm"
+  %c = f32[4,4]{1,0} get-tuple-element(%gemm), index=0
+  ROOT %sum = f32[4,4]{1,0} add(%c, %a)
+}
+"""
+    )
+    assert traffic == (3 + 3) * 4 * 4 * 4  # gemm: 2 reads + 1 write; add: 2 reads + 1 write
+
+
+def test_hlo_text_without_an_entry_computation_is_refused_with_the_next_step():
+    with pytest.raises(ValueError, match=r"compile\(\)\.as_text\(\)"):
+        jaxamp.hlo_precision_report("%not_a_module = f32[] constant(0)")
+
+
+@pytest.mark.parametrize("policy, half", [("mixed_float16", "float16"), ("mixed_bfloat16", "bfloat16")])
+def test_compiled_for_an_h200_without_a_gpu_every_convolution_and_matmul_runs_in_half(policy, half):
+    if not jaxamp.gpu_targets.cuda_plugin_available():
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]'; run with JAX_PLATFORMS=cpu)")
+    gradient, args = _gradient_of_mixed_convnet(policy)
+    report = jaxamp.precision_report(
+        gradient, *jaxamp.on_device(args, jaxamp.gpu_target_device("h200")), compiled=True
+    )
+    cudnn_calls = [op for op in report.ops if op.primitive.startswith("__cudnn$conv")]
+    assert len(cudnn_calls) == 5
+    assert report.fraction(half) == 1.0
+    assert report.count_by_dtype() == {half: len(report.ops)}

@@ -1,0 +1,246 @@
+"""The benchmark's Markdown table and PNG plots, rendered from its results."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from experiments.benchmark.results import write_text_atomically
+
+_MB = 1e6
+
+
+def _fmt(value: Any, spec: str = ".2f", missing: str = "") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def _throughput_rows(throughput: dict) -> list[str]:
+    rows = [
+        "| model | precision | train img/s | vs fp32 | vs tf32 | eval img/s | compile s (train+eval) "
+        "| temp MB | temp vs fp32 | temp+arg+out MB | peak bytes in use MB | GFLOP/img | TFLOP/s | share of peak "
+        "| epoch s from measured step | epoch s bound on paper |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model, precisions in throughput.items():
+        fp32_temp = precisions.get("fp32", {}).get("memory", {}).get("temp_bytes")
+        for precision, entry in precisions.items():
+            memory = entry.get("memory", {})
+            peak = entry.get("process_peak_bytes")
+            cells = [
+                model,
+                precision,
+                _fmt(entry.get("train_images_per_s"), ".1f", "skipped"),
+                _fmt(entry.get("train_ratio_to_fp32")),
+                _fmt(entry.get("train_ratio_to_tf32")),
+                _fmt(entry.get("eval_images_per_s"), ".1f"),
+                f"{sum(entry.get('compile_s', {}).values()):.1f}",
+                f"{memory.get('temp_bytes', 0) / _MB:.0f}",
+                _fmt(memory["temp_bytes"] / fp32_temp if fp32_temp and "temp_bytes" in memory else None),
+                f"{memory.get('total_bytes', 0) / _MB:.0f}",
+                _fmt(peak / _MB if peak else None, ".0f", "n/a")
+                + ("" if peak is None else _peak_mark(entry)),
+                _fmt(entry.get("flops_per_image", 0) / 1e9, ".3f"),
+                _fmt(entry.get("achieved_tflops"), ".3f"),
+                _fmt(entry.get("share_of_peak"), ".1%", "n/a"),
+                _fmt(entry.get("measured_epoch_s"), ".1f"),
+                _fmt(entry.get("roofline_epoch_s"), ".2f", "n/a"),
+            ]
+            rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def _peak_mark(entry: dict) -> str:
+    """Marks a peak that also counts earlier work of the process (not this step's alone)."""
+    return "" if entry.get("process_peak_note", "").startswith("exact") else " (cumulative)"
+
+
+def _loss_scale_rows(loss_scale: dict) -> list[str]:
+    rows = ["| model | variant | ms/step | vs plain |", "|---|---|---|---|"]
+    for model, variants in loss_scale.items():
+        for variant, entry in variants.items():
+            rows.append(
+                f"| {model} | {variant} | {entry['ms_per_step']:.2f} | {entry['ratio_to_plain']:.3f} |"
+            )
+    return rows
+
+
+def _torch_rows(torch: dict, throughput: dict) -> list[str]:
+    rows = [
+        "| model | precision | PyTorch recipe | PyTorch train img/s | jaxamp train img/s | jaxamp / PyTorch "
+        "| PyTorch eval img/s | jaxamp eval img/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for model, precisions in torch.items():
+        for precision, entry in precisions.items():
+            ours = throughput.get(model, {}).get(precision, {})
+            recipe = f"autocast {entry['autocast_dtype']}" if entry["autocast_dtype"] else "float32"
+            recipe += " + GradScaler" if entry["grad_scaler"] else ""
+            ours_train = ours.get("train_images_per_s")
+            ratio = ours_train / entry["train_images_per_s"] if ours_train else None
+            rows.append(
+                f"| {model} | {precision} | {recipe} | {entry['train_images_per_s']:.1f} "
+                f"| {_fmt(ours_train, '.1f', 'not run')} | {_fmt(ratio)} | {entry['eval_images_per_s']:.1f} "
+                f"| {_fmt(ours.get('eval_images_per_s'), '.1f', 'not run')} |"
+            )
+    return rows
+
+
+def _target_rows(targets: dict) -> list[str]:
+    rows = [
+        "| target | model | precision | temp MB | vs fp32 | temp+arg+out MB "
+        "| convolutions and matmuls by dtype | cuDNN convolutions | compile s | epoch s bound on paper |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for target, models in targets.items():
+        for model, precisions in models.items():
+            for precision, entry in precisions.items():
+                ops = ", ".join(f"{count} {dtype}" for dtype, count in entry["heavy_ops_by_dtype"].items())
+                memory = entry["memory"]
+                rows.append(
+                    f"| {entry['device_kind']} | {model} | {precision} | {memory['temp_bytes'] / _MB:.0f} "
+                    f"| {_fmt(entry.get('temp_ratio_to_fp32'))} | {memory['total_bytes'] / _MB:.0f} "
+                    f"| {ops} | {entry['cudnn_convolutions']} | {entry['compile_s']:.1f} "
+                    f"| {entry['roofline_epoch_s']:.3f} |"
+                )
+    return rows
+
+
+def table(results: dict) -> str:
+    """The whole run as Markdown: settings, one table per section, checks, skipped work."""
+    environment = results["environment"]
+    lines = [
+        f"Device: {environment['device']}. JAX {environment['jax']}. Command: `{environment['command']}`",
+        "",
+        f"Settings: {environment['settings']}",
+    ]
+    if "wall_s" in environment:
+        lines += [
+            "",
+            f"Run: {environment['wall_s']:.0f} s wall clock; 1-minute load average "
+            f"{environment['load_average_at_start']:.1f} at the start, {environment['load_average_at_end']:.1f} "
+            "at the end (above the core count, other work shared the machine).",
+        ]
+    if environment.get("run_note"):
+        lines += ["", f"Run: {environment['run_note']}"]
+    if environment["platform"] == "cpu" and results.get("throughput"):
+        lines += [
+            "",
+            "On CPU, XLA computes float16 and bfloat16 in float32: a mixed step's speed and memory "
+            "there say nothing about a GPU (no saving is claimed).",
+        ]
+    sections = [
+        ("Throughput, memory and distance to the hardware", "throughput", _throughput_rows),
+        ("What loss scaling costs (mixed_float16 step, fixed batch)", "loss_scale", _loss_scale_rows),
+    ]
+    for title, key, render in sections:
+        if results.get(key):
+            lines += ["", f"## {title}", "", *render(results[key])]
+    if results.get("throughput"):
+        lines += [
+            "",
+            "The bound on paper is a roofline lower bound (peak FLOP/s and bandwidth from the "
+            "datasheet), not a measurement; n/a where the device is not a known GPU.",
+        ]
+    if results.get("pipeline"):
+        pipeline = results["pipeline"]
+        lines += [
+            "",
+            "## Input pipeline",
+            "",
+            f"{pipeline['model']} {pipeline['precision']}: gather+crop+flip+normalize "
+            f"{pipeline['pipeline_ms']:.2f} ms of a {pipeline['train_step_ms']:.2f} ms train step "
+            f"({pipeline['share']:.1%}, timed alone: an upper estimate).",
+        ]
+    if results.get("torch"):
+        lines += [
+            "",
+            "## PyTorch AMP, same device, same run",
+            "",
+            *_torch_rows(results["torch"], results.get("throughput", {})),
+        ]
+    if results.get("targets"):
+        lines += [
+            "",
+            "## Compiled for GPU targets on this machine (no GPU; no autotuning)",
+            "",
+            *_target_rows(results["targets"]),
+        ]
+    if results.get("checks"):
+        lines += ["", "## Targets", "", "| check | measured | target | |", "|---|---|---|---|"]
+        for check in results["checks"]:
+            lines.append(
+                f"| {check['check']} | {check['value']:.3f} | {check['target']} "
+                f"| {'met' if check['met'] else '**missed**'} |"
+            )
+    if results.get("skipped"):
+        lines += ["", "## Skipped", ""] + [
+            f"- {item['work']}: {item['reason']}" for item in results["skipped"]
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict, out_dir: str) -> list[str]:
+    """PNG plots of throughput, memory and loss-scale overhead; returns the paths written."""
+    import matplotlib  # pylint: disable=g-import-not-at-top
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+    written = []
+
+    def bars(path, title, ylabel, groups: dict[str, dict[str, float]]):
+        if not groups:
+            return
+        labels = sorted(
+            {label for values in groups.values() for label in values},
+            key=list(dict.fromkeys(label for values in groups.values() for label in values)).index,
+        )
+        figure, axis = plt.subplots(figsize=(max(5, 1.6 * len(groups) + 2), 3.6))
+        width = 0.8 / max(1, len(labels))
+        for index, label in enumerate(labels):
+            xs = [group_index + index * width for group_index in range(len(groups))]
+            axis.bar(xs, [values.get(label, 0) for values in groups.values()], width, label=label)
+        axis.set_xticks([group_index + 0.4 - width / 2 for group_index in range(len(groups))], list(groups))
+        axis.set_title(title)
+        axis.set_ylabel(ylabel)
+        axis.legend(fontsize=7)
+        figure.tight_layout()
+        full_path = os.path.join(out_dir, path)
+        figure.savefig(full_path + ".tmp.png", dpi=110)
+        plt.close(figure)
+        os.replace(full_path + ".tmp.png", full_path)
+        written.append(full_path)
+
+    device = results["environment"]["device"]
+    throughput = results.get("throughput", {})
+    speed = {
+        model: {p: e["train_images_per_s"] for p, e in precisions.items() if "train_images_per_s" in e}
+        for model, precisions in throughput.items()
+    }
+    for model, precisions in results.get("torch", {}).items():
+        speed.setdefault(model, {}).update(
+            {f"torch {p}": e["train_images_per_s"] for p, e in precisions.items()}
+        )
+    bars("throughput.png", f"Train throughput ({device})", "images/s", speed)
+    memory = {
+        model: {p: e["memory"]["temp_bytes"] / _MB for p, e in precisions.items()}
+        for model, precisions in throughput.items()
+    }
+    for target, models in results.get("targets", {}).items():
+        for model, precisions in models.items():
+            memory.setdefault(f"{model}\n({target})", {}).update(
+                {p: e["memory"]["temp_bytes"] / _MB for p, e in precisions.items()}
+            )
+    bars("memory.png", "Temp memory of the compiled train step", "MB", memory)
+    overhead = {
+        model: {v: e["ratio_to_plain"] for v, e in variants.items()}
+        for model, variants in results.get("loss_scale", {}).items()
+    }
+    bars("overhead.png", f"Step time / plain step ({device})", "ratio", overhead)
+    return written
+
+
+def write(results: dict, out_dir: str) -> None:
+    """Writes ``table.md`` and the plots."""
+    write_text_atomically(os.path.join(out_dir, "table.md"), table(results))
+    plots(results, out_dir)

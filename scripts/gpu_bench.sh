@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# One GPU command that fits a few minutes: on one NVIDIA GPU with JAX, Flax, optax and
+# PyTorch installed and no network, it runs, most important first, under a time budget
+# and writing everything to $OUT as it goes:
+#   1. the study's table: resnet18, resnet50, resnet101, mobilenetv2 x fp32, mixed, one
+#      CIFAR-10-sized epoch of synthetic data each (python -m experiments.compare);
+#   2. the same for tf32 and mixed_bf16 (leaving BENCH_RESERVE seconds for what follows);
+#   3. ResNet18's exact peak device memory under fp32 and mixed (one process each: a
+#      process's peak counts everything it ran before);
+#   4. the side-by-side benchmark (python -m experiments.benchmark --budget <what is left>):
+#      throughput, memory and roofline, PyTorch AMP, loss-scale cost, input pipeline.
+# Whatever would not fit is skipped and listed in $OUT/skipped.txt. XLA's GPU compilations
+# take dozens of seconds each: a persistent compilation cache lets the benchmark reuse the
+# study's train steps where they are the same program.
+#
+# Here, once, before the call (the device machine lacks jmp and tensorflow-datasets):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl jmp==0.0.4
+# then run `bash scripts/gpu_bench.sh` there with `.whl` carried; results land in $OUT
+# (default results/gpu).
+#
+# Settings (environment): BUDGET seconds for all of it (default 450: 8 minutes less a margin
+# for start-up and copying back), MODELS (the study's), STEPS (train steps and test batches
+# per epoch; unset: a full epoch), BENCH_RESERVE (default 120), BENCH_ARGS (extra benchmark
+# flags, placed last so they win), PYTHON (default python3). The same code path runs on a CPU with tiny settings:
+#   PYTHON=.venv/bin/python OUT=/tmp/gpu_bench MODELS=resnet_tiny STEPS=2 BUDGET=900 BENCH_RESERVE=600 \
+#     BENCH_ARGS="--models resnet_tiny --torch-models resnet_tiny --batch-size 8 --rounds 1 --steps 1 \
+#                 --num-train 64 --loss-scale-models mlp --loss-scale-batch-size 8" \
+#     bash scripts/gpu_bench.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+start=$SECONDS
+python=${PYTHON:-python3}
+budget=${BUDGET:-450}
+reserve=${BENCH_RESERVE:-120}
+models=${MODELS:-resnet18,resnet50,resnet101,mobilenetv2}
+out=${OUT:-results/gpu}
+mkdir -p "$out"
+: > "$out/skipped.txt"
+left() { echo $(( budget - (SECONDS - start) )); }
+skip() { echo "skipped $1: $2" | tee -a "$out/skipped.txt"; }
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$python" -m pip install -q --no-index --no-deps --no-compile --target /tmp/jaxamp-site .whl/*.whl
+  export PYTHONPATH="/tmp/jaxamp-site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxamp-jax-cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>/dev/null || true
+"$python" -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" \
+  > "$out/versions.txt" 2>&1 || {
+  cat "$out/versions.txt"
+  echo "error: $python cannot import jax, flax and optax (set PYTHON to the interpreter that can)" >&2
+  exit 2
+}
+"$python" -c "import torch; print('torch', torch.__version__)" >> "$out/versions.txt" 2>&1 || true
+cat "$out/versions.txt"
+
+steps_flag=()
+if [[ -n "${STEPS:-}" ]]; then steps_flag=(--steps-per-epoch "$STEPS"); fi
+read -r -a bench_args <<< "${BENCH_ARGS:-}"
+
+# run NAME SECONDS COMMAND...: COMMAND under a timeout of SECONDS, its output in $out/NAME.log.
+run() {
+  local name=$1 seconds=$2
+  shift 2
+  if (( seconds < 10 )); then
+    skip "$name" "$(( seconds > 0 ? seconds : 0 ))s of the budget left"
+    return
+  fi
+  local began=$SECONDS status=0
+  echo "=== $name (up to ${seconds}s) ==="
+  timeout --signal=TERM --kill-after=10 "$seconds" "$@" > "$out/$name.log" 2>&1 || status=$?
+  tail -n 30 "$out/$name.log"
+  echo "=== $name: exit $status after $(( SECONDS - began ))s ==="
+  if (( status == 124 || status == 137 )); then
+    skip "$name (the rest)" "cut at ${seconds}s; what finished is in $out/$name/results.json"
+  fi
+}
+
+run study "$(left)" "$python" -m experiments.compare --models "$models" --precisions fp32,mixed \
+  --data synthetic --epochs 1 "${steps_flag[@]}" --no-progress --out-dir "$out/study"
+run study_tf32_bf16 "$(( $(left) - reserve ))" "$python" -m experiments.compare --models "$models" \
+  --precisions tf32,mixed_bf16 --data synthetic --epochs 1 "${steps_flag[@]}" --no-progress \
+  --out-dir "$out/study_tf32_bf16"
+# A small resident data set, so that the peak is the step's own and not the data's.
+for precision in fp32 mixed; do
+  run "peak_memory_$precision" "$(( $(left) / 3 ))" "$python" -m experiments.benchmark --sections throughput \
+    --models resnet18 --precisions "$precision" --rounds 2 --steps 5 --num-train 1024 "${bench_args[@]}" \
+    --out-dir "$out/peak_memory_$precision"
+done
+"$python" - "$out" <<'PY' | tee "$out/peak_memory.txt"
+import json, sys
+
+peaks = {}
+for precision in ("fp32", "mixed"):
+    try:
+        with open(f"{sys.argv[1]}/peak_memory_{precision}/results.json") as file:
+            throughput = json.load(file)["throughput"]
+        (entry,) = [entry for model in throughput.values() for entry in model.values()]
+        peaks[precision] = entry.get("process_peak_bytes")
+    except (OSError, KeyError, ValueError):
+        peaks[precision] = None
+if peaks["fp32"] and peaks["mixed"]:
+    ratio = peaks["mixed"] / peaks["fp32"]
+    verdict = "met" if ratio <= 0.55 else "MISSED"
+    print(f"peak bytes in use: fp32 {peaks['fp32'] / 1e6:.0f} MB, mixed {peaks['mixed'] / 1e6:.0f} MB, "
+          f"mixed/fp32 {ratio:.2f} (target at most 0.55: {verdict})")
+else:
+    print(f"peak bytes in use: not measured ({peaks}: no device memory stats here, or a run was skipped)")
+PY
+bench_budget=$(( $(left) - 20 ))
+run benchmark "$(( bench_budget + 15 ))" "$python" -m experiments.benchmark --budget "$bench_budget" \
+  --sections throughput,torch,loss_scale,pipeline --models resnet18,mobilenetv2,resnet50 \
+  --torch-models resnet18,mobilenetv2,resnet50 "${bench_args[@]}" --out-dir "$out/benchmark"
+grep -h "^skipped" "$out"/*.log >> "$out/skipped.txt" 2>/dev/null || true
+echo "=== done in $(( SECONDS - start ))s of a ${budget}s budget; skipped: ==="
+cat "$out/skipped.txt"

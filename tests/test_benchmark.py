@@ -1,0 +1,262 @@
+"""Tests for `experiments.benchmark`: every section on tiny settings, the
+roofline by hand, the budget, the anchors' overflow handling, the PyTorch
+reference models. No test asserts a timing."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+from experiments.benchmark import budget as budget_lib
+from experiments.benchmark import checks, loss_scale, roofline, targets, timing, torch_amp
+from experiments.benchmark.__main__ import (
+    build_parser,
+    resolve_settings,
+    run_sections,
+)
+from experiments.benchmark.__main__ import (
+    main as benchmark_main,
+)
+from experiments.benchmark.results import Results
+from experiments.models import create_model
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_RUN = [
+    "--models",
+    "resnet_tiny",
+    "--precisions",
+    "mixed",
+    "--batch-size",
+    "4",
+    "--rounds",
+    "1",
+    "--steps",
+    "1",
+    "--num-train",
+    "8",
+    "--loss-scale-models",
+    "mlp",
+    "--loss-scale-batch-size",
+    "4",
+    "--torch-models",
+    "resnet_tiny",
+]
+
+
+def test_a_tiny_run_of_every_section_writes_its_fields_table_plots_and_an_exit_code_matching_its_checks(
+    tmp_path,
+):
+    exit_code = benchmark_main([*TINY_RUN, "--out-dir", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    entry = results["throughput"]["resnet_tiny"]["mixed"]
+    for field in (
+        "train_images_per_s",
+        "eval_images_per_s",
+        "compile_s",
+        "memory",
+        "flops_per_image",
+        "achieved_tflops",
+        "measured_epoch_s",
+    ):
+        assert field in entry, field
+    assert entry["memory"]["total_bytes"] == sum(
+        entry["memory"][k] for k in ("temp_bytes", "argument_bytes", "output_bytes")
+    )
+    assert set(results["loss_scale"]["mlp"]) == set(loss_scale.VARIANTS)
+    assert results["loss_scale"]["mlp"]["plain"]["ratio_to_plain"] == 1.0
+    assert 0 < results["pipeline"]["share"]
+    if torch_amp.torch_available():
+        assert results["torch"]["resnet_tiny"]["mixed"]["autocast_dtype"] == "bfloat16"  # on CPU
+    table = (tmp_path / "table.md").read_text()
+    assert "## Throughput" in table and "## What loss scaling costs" in table and "## Targets" in table
+    for plot in ("throughput.png", "memory.png", "overhead.png"):
+        assert (tmp_path / plot).stat().st_size > 0
+    missed = [check for check in results["checks"] if not check["met"]]
+    assert exit_code == (1 if missed else 0)
+
+
+def test_the_roofline_bound_is_the_slower_of_compute_at_peak_and_traffic_at_bandwidth():
+    spec = jaxamp.GPU_TARGETS["h100"]
+    # 1e12 float16 FLOPs at 989.4 TFLOP/s, 1e11 other FLOPs at 67 TFLOP/s, 1e9 bytes at 3.35 TB/s.
+    flops = roofline.flops_by_peak("mixed", {"float16": 1e12}, total_flops=1.1e12)
+    assert flops == pytest.approx({"float16": 1e12, "float32": 1e11})
+    bound = roofline.roofline(flops, 1e9, spec)
+    assert bound["compute_s"] == pytest.approx(1e12 / 989.4e12 + 1e11 / 67e12)
+    assert bound["memory_s"] == pytest.approx(1e9 / 3.35e12)
+    assert bound["bound_s"] == bound["compute_s"]
+    memory_bound = roofline.roofline({"float16": 1e9}, 1e12, spec)
+    assert memory_bound["bound_s"] == pytest.approx(1e12 / 3.35e12)
+    assert roofline.epoch_bound(0.01, 128) == pytest.approx(0.01 * 390)  # 50000 // 128 steps
+
+
+@pytest.mark.parametrize(
+    "precision, dtype, peak",
+    [
+        ("fp32", "float32", "float32"),
+        ("tf32", "float32", "tf32"),
+        ("mixed", "float32", "tf32"),
+        ("mixed", "float16", "float16"),
+        ("mixed_bf16", "bfloat16", "bfloat16"),
+    ],
+)
+def test_float32_matmuls_run_at_the_tf32_rate_except_under_true_fp32(precision, dtype, peak):
+    assert roofline.peak_key(precision, dtype) == peak
+
+
+def test_a_budget_skips_and_lists_work_that_would_not_fit_rather_than_overrunning(tmp_path):
+    budget = budget_lib.Budget(seconds=0.0)
+    settings = resolve_settings(
+        build_parser().parse_args(TINY_RUN + ["--sections", "throughput,loss_scale,pipeline"])
+    )
+    results = Results(str(tmp_path), {"environment": {}})
+    run_sections(settings, budget, results)
+    assert [item["work"] for item in budget.skipped] == [
+        "throughput resnet_tiny mixed",
+        "loss_scale mlp",
+        "pipeline resnet_tiny mixed",
+    ]
+    assert all("budget left" in item["reason"] for item in budget.skipped)
+    assert "throughput" not in results.data and "loss_scale" not in results.data
+
+
+def test_a_budget_refuses_work_expected_to_outlast_it_and_names_both_times():
+    budget = budget_lib.Budget(seconds=100.0)
+    budget.require("short", 10.0)
+    with pytest.raises(budget_lib.SkipWork, match=r"long: expected 500s, (99|100)s of the budget left"):
+        budget.require("long", 500.0)
+
+
+def test_results_are_on_disk_after_every_measurement_and_a_failed_write_keeps_the_old_file(
+    tmp_path, monkeypatch
+):
+    results = Results(str(tmp_path), {"environment": {"device": "cpu"}})
+    results.put(("throughput", "resnet18", "mixed"), {"train_images_per_s": 1.0})
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["throughput"]["resnet18"]["mixed"] == {"train_images_per_s": 1.0}
+    assert results.get(("throughput", "resnet18", "fp32")) is None
+
+    def broken_replace(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        results.put(("loss_scale",), {"mlp": {}})
+    assert json.loads((tmp_path / "results.json").read_text()) == on_disk
+    assert os.listdir(tmp_path) == ["results.json"]  # no temporary file left behind
+
+
+def test_interleaved_timing_warms_up_then_alternates_the_order_every_round():
+    calls = []
+    steps = {name: (lambda name=name: calls.append(name)) for name in ("a", "b")}
+    medians = timing.interleaved_medians(steps, rounds=3, steps=2, warmup=1, synchronize=lambda _: None)
+    assert set(medians) == {"a", "b"}
+    assert calls == ["a", "b"] + ["a", "a", "b", "b"] + ["b", "b", "a", "a"] + ["a", "a", "b", "b"]
+
+
+def test_every_anchor_recipe_skips_an_injected_overflow_the_way_its_library_does():
+    model, images, labels = loss_scale.make_problem("mlp", batch_size=4)
+    overflowing = jnp.full_like(images, jnp.inf)
+    scale_of = {
+        "jaxamp_dynamic": lambda state: state.loss_scale.loss_scale,
+        "flax_dynamic_scale": lambda state: state[3].scale,
+        "jmp_dynamic": lambda state: state[3].loss_scale,
+    }
+
+    def params_of(name, state):
+        return jax.tree.map(np.asarray, state.params if name.startswith("jaxamp") else state[0])
+
+    def unchanged(before, after):
+        return jax.tree.all(jax.tree.map(np.array_equal, before, after))
+
+    for name, (step, state) in loss_scale.build_variants(model, images).items():
+        step = jax.jit(step)
+        skipped, _ = step(state, overflowing, labels)
+        assert unchanged(params_of(name, state), params_of(name, skipped)) == (name != "plain"), name
+        if name in scale_of:  # a dynamic loss scale halves on an overflow
+            assert float(scale_of[name](skipped)) == float(scale_of[name](state)) / 2, name
+        if name == "optax_apply_if_finite":
+            assert int(skipped[1].notfinite_count) == 1
+        applied, _ = step(state, images, labels)  # a clean step moves every recipe's params
+        assert not unchanged(params_of(name, state), params_of(name, applied)), name
+
+
+def test_checks_say_met_and_missed_against_the_issues_targets():
+    measured = {
+        "mlp": {
+            "jaxamp_dynamic": {"ms_per_step": 1.05},
+            "jaxamp_noop": {"ms_per_step": 1.0},
+            "jmp_dynamic": {"ms_per_step": 1.2},
+        },
+        "resnet18": {"jaxamp_dynamic": {"ms_per_step": 1.05}, "jaxamp_noop": {"ms_per_step": 1.0}},
+    }
+    verdicts = {check["check"]: check["met"] for check in checks.loss_scale_checks(measured)}
+    assert verdicts == {
+        "mlp: DynamicLossScale / NoOpLossScale": True,  # 5% <= 10%
+        "mlp: jaxamp step / jmp_dynamic step": True,
+        "resnet18: DynamicLossScale / NoOpLossScale": False,  # 5% > 3%
+    }
+    assert checks.throughput_checks({"resnet18": {}}, {}, on_gpu=False) == []
+
+
+def test_the_torch_section_is_skipped_cleanly_when_torch_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch_amp, "torch_available", lambda: False)
+    budget = budget_lib.Budget()
+    settings = resolve_settings(build_parser().parse_args(TINY_RUN + ["--sections", "torch"]))
+    results = Results(str(tmp_path), {"environment": {}})
+    run_sections(settings, budget, results)
+    assert budget.skipped == [{"work": "torch", "reason": "PyTorch is not installed here (it is optional)"}]
+    assert "torch" not in results.data
+
+
+def test_importing_the_benchmark_does_not_import_torch():
+    code = "import experiments.benchmark.__main__, sys; print('torch' in sys.modules)"
+    completed = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
+    assert completed.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "resnet101", "mobilenetv2", "resnet_tiny"])
+def test_the_pytorch_models_have_exactly_our_parameter_counts(name):
+    pytest.importorskip("torch", reason="PyTorch is optional")
+    from experiments import torch_reference
+
+    variables = jax.eval_shape(
+        lambda: create_model(name).init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False)
+    )
+    ours = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(variables["params"]))
+    assert torch_reference.parameter_count(torch_reference.create_model(name)) == ours
+
+
+def test_a_target_compile_reports_memory_and_every_heavy_op_in_half():
+    if not jaxamp.gpu_targets.cuda_plugin_available():
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]'; run with JAX_PLATFORMS=cpu)")
+    entry = targets.compile_for("h200", "resnet_tiny", "mixed", batch_size=4)
+    assert entry["device_kind"] == "NVIDIA H200"
+    assert entry["heavy_ops_in_compute_dtype"] == 1.0 and set(entry["heavy_ops_by_dtype"]) == {"float16"}
+    assert entry["cudnn_convolutions"] > 0
+    assert entry["memory"]["temp_bytes"] > 0 and entry["roofline_epoch_s"] > 0
+
+
+def test_bad_settings_are_refused_with_the_flag_to_change():
+    with pytest.raises(ValueError, match="--num-train 2 is below --batch-size 4"):
+        resolve_settings(build_parser().parse_args(["--num-train", "2", "--batch-size", "4"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--target", "b300"])
+
+
+@pytest.mark.parametrize(
+    "flags, targets_compiled",
+    [(["--target", "h200"], ["h200"]), (["--target", "all"], ["v100", "a100", "h100", "h200"])],
+)
+def test_the_target_flag_alone_compiles_for_those_gpus_and_runs_nothing_else(flags, targets_compiled):
+    settings = resolve_settings(build_parser().parse_args(flags))
+    assert settings["sections"] == ["targets"]
+    assert settings["targets"] == targets_compiled

@@ -1,0 +1,76 @@
+"""Tests for `jaxamp.gpu_targets`: GPU descriptions and deviceless compilation."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxamp
+from jaxamp import gpu_targets
+
+
+@pytest.mark.parametrize("name", sorted(jaxamp.GPU_TARGETS))
+def test_every_target_config_names_its_gpu_and_compute_capability(name):
+    spec = jaxamp.GPU_TARGETS[name]
+    config = spec.target_config()
+    major, minor = spec.compute_capability
+    assert f"cuda_compute_capability {{ major: {major} minor: {minor} }}" in config
+    assert f'device_description_str: "{spec.description}"' in config
+    assert f"core_count: {spec.sm_count}" in config
+    # jaxlib 0.10 rejects configs that carry this newer field.
+    assert "collective_memory_granularity" not in config
+    assert spec.peak_flops["float16"] > spec.peak_flops["float32"]
+
+
+def test_an_unknown_target_is_refused_with_the_valid_choices():
+    with pytest.raises(ValueError, match=r"'B300'.*v100, a100, h100, h200"):
+        gpu_targets.gpu_spec("B300")
+
+
+@pytest.mark.parametrize(
+    "device_kind, target",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H200", "h200"),
+        ("Tesla V100-SXM2-16GB", "v100"),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+        ("cpu", None),
+    ],
+)
+def test_a_real_devices_kind_finds_its_spec(device_kind, target):
+    expected = jaxamp.GPU_TARGETS[target] if target else None
+    assert gpu_targets.spec_for_device_kind(device_kind) is expected
+
+
+def test_on_device_turns_arrays_into_placed_shape_dtype_structs_and_keeps_other_leaves():
+    device = jax.devices()[0]
+    tree = {"array": jnp.zeros((2, 3), jnp.float16), "spec": jax.ShapeDtypeStruct((4,), jnp.int32), "n": 3}
+    placed = jaxamp.on_device(tree, device)
+    assert placed["n"] == 3
+    for key, shape, dtype in [("array", (2, 3), jnp.float16), ("spec", (4,), jnp.int32)]:
+        assert isinstance(placed[key], jax.ShapeDtypeStruct)
+        assert (placed[key].shape, placed[key].dtype) == (shape, dtype)
+        assert placed[key].sharding.device_set == {device}
+
+
+def test_without_the_plugin_a_target_device_explains_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(gpu_targets, "cuda_plugin_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"jaxamp\[gpu-aot\].*JAX_PLATFORMS=cpu"):
+        jaxamp.gpu_target_device("h200")
+
+
+def test_a_step_compiled_for_an_h200_halves_its_temporary_memory_under_mixed():
+    if not gpu_targets.cuda_plugin_available():
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]'; run with JAX_PLATFORMS=cpu)")
+    device = jaxamp.gpu_target_device("h200")
+    assert device.device_kind == "NVIDIA H200"
+
+    def temp_bytes(dtype):
+        def forward_and_back(weights, x):
+            return jax.grad(lambda w: jnp.tanh(x @ w).astype(jnp.float32).sum())(weights)
+
+        args = jaxamp.on_device(
+            (jax.ShapeDtypeStruct((512, 512), dtype), jax.ShapeDtypeStruct((256, 512), dtype)), device
+        )
+        return jax.jit(forward_and_back).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(jnp.float16) < temp_bytes(jnp.float32)
