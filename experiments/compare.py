@@ -34,10 +34,10 @@ def device_slug() -> str:
 
 
 def comma_list(choices: list[str] | None, validate=None):
-    """An argparse type for a comma-separated list, each item checked."""
+    """An argparse type for a comma-separated, case-insensitive list, each item checked."""
 
     def parse(text: str) -> list[str]:
-        items = [item.strip() for item in text.split(",") if item.strip()]
+        items = [item.strip().lower() for item in text.split(",") if item.strip()]
         if not items:
             raise argparse.ArgumentTypeError("expected a comma-separated list, got nothing")
         for item in items:

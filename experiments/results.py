@@ -75,18 +75,27 @@ def state_finite(state: jaxamp.TrainState) -> bool:
     )
 
 
-def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
-    """Writes JSON to a temporary file beside `path`, then renames it.
+def write_text_atomically(path: str, text: str) -> None:
+    """Writes `text` to a temporary file beside `path`, then renames it.
 
-    A crash mid-write leaves the previous file intact, never half a file.
+    Readers see the old file or the new one, never half a file: a crash
+    mid-write leaves the previous file intact and no temporary file behind.
     """
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as handle:
-        json.dump(payload, handle, indent=2)
-        handle.write("\n")
-        temporary = handle.name
-    os.replace(temporary, path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+def write_json_atomically(path: str, payload: dict[str, Any]) -> None:
+    """Writes `payload` as indented JSON, atomically (`write_text_atomically`)."""
+    write_text_atomically(path, json.dumps(payload, indent=2) + "\n")
 
 
 def format_epoch(record: dict[str, Any], epochs: int) -> str:

@@ -41,7 +41,7 @@ from experiments.fault_injection import inject_nonfinite, validate_rate
 from experiments.grad_accumulation import accumulate_gradients
 from experiments.models import MODELS, create_model
 from experiments.progress import Progress
-from experiments.results import (  # noqa: F401  (re-exported: compare and older callers use them here)
+from experiments.results import (  # also re-exported from here for compare and older callers
     environment,
     format_epoch,
     state_checksum,
@@ -473,7 +473,7 @@ def train_and_evaluate(
     device_data = put_on_device(dataset, config.eval_batch_size, data_parallel)
     if data_parallel.process_count > 1:
         process_log = log
-        log = lambda line: process_log(f"[process {jax.process_index()}] {line}")  # noqa: E731
+        log = lambda line: process_log(f"[process {jax.process_index()}] {line}")
 
     with precision.context():
         state = data_parallel.replicate(

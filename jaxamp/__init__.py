@@ -16,10 +16,11 @@ Example:
     >>> state = state.apply_gradients(grads=grads, grads_finite=grads_finite)
 """
 
-from jaxamp.jaxpr_policy import autocast, float32_scope
 from jaxamp.finite import all_finite, select_tree
 from jaxamp.gpu_targets import GPU_TARGETS, GpuSpec, gpu_target_device, on_device
 from jaxamp.grads import scaled_value_and_grad
+from jaxamp.jaxpr_policy import autocast, float32_scope
+from jaxamp.layer_policies import NORMALIZATION_LAYERS
 from jaxamp.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -27,7 +28,6 @@ from jaxamp.loss_scale import (
     StaticLossScale,
     default_loss_scale,
 )
-from jaxamp.layer_policies import NORMALIZATION_LAYERS
 from jaxamp.module_policy import apply_policy
 from jaxamp.overflow_guard import LossScaleStuckError, OverflowGuard
 from jaxamp.policy import Policy, get_policy

@@ -14,10 +14,10 @@ import tempfile
 import jax.numpy as jnp
 import optax
 import pytest
+from test_data import write_cifar10_archive, write_fashion_mnist
 
 import jaxamp
 from experiments import checkpointing, cifar
-from test_data import write_cifar10_archive, write_fashion_mnist
 
 QUICK = [
     "--model", "resnet_tiny", "--data", "synthetic", "--no-progress", "--epochs", "1", "--batch-size", "8",

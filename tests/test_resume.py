@@ -95,7 +95,8 @@ KILLED_RUN = [
 
 
 def final_checksums(path):
-    epochs = json.loads(open(path).read())["epochs"]
+    with open(path) as file:
+        epochs = json.load(file)["epochs"]
     return [(record["epoch"], record["state_checksum"], record["train_loss"]) for record in epochs]
 
 

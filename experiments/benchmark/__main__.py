@@ -25,8 +25,10 @@ from experiments.benchmark import (
     workload,
 )
 from experiments.benchmark.budget import Budget, SkipWork
-from experiments.benchmark.results import Results, write_text_atomically
+from experiments.benchmark.results import Results
+from experiments.compare import comma_list
 from experiments.models import MODELS
+from experiments.results import write_text_atomically
 
 SECTIONS = ("throughput", "loss_scale", "pipeline", "torch", "targets")
 PRECISIONS = ("fp32", "tf32", "mixed", "mixed_bf16")
@@ -45,20 +47,6 @@ QUICK = {
 }
 
 
-def _comma_list(choices):
-    def parse(text: str) -> list[str]:
-        items = [item.strip().lower() for item in text.split(",") if item.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError("expected a comma-separated list, got nothing")
-        for item in items:
-            if choices is not None and item not in choices:
-                raise argparse.ArgumentTypeError(
-                    f"invalid choice {item!r} (choose from {', '.join(choices)})"
-                )
-        return items
-
-    return parse
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -70,14 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help=f"a reduced set for a CPU: {QUICK}")
     parser.add_argument(
         "--sections",
-        type=_comma_list(SECTIONS),
+        type=comma_list(SECTIONS),
         default=None,
         help="comma-separated, run in the order given (default: throughput,loss_scale,pipeline,"
         "torch; only targets when --target is given)",
     )
-    parser.add_argument("--models", type=_comma_list(models), default=None, help=f"default: {STUDY_MODELS}")
+    parser.add_argument("--models", type=comma_list(models), default=None, help=f"default: {STUDY_MODELS}")
     parser.add_argument(
-        "--precisions", type=_comma_list(None), default=None, help=f"default: {','.join(PRECISIONS)}"
+        "--precisions", type=comma_list(None), default=None, help=f"default: {','.join(PRECISIONS)}"
     )
     parser.add_argument("--batch-size", type=int, default=None, help="default: 128")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (median over them); default 5")
@@ -89,18 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="device-resident synthetic examples to gather batches from (default 50000)",
     )
     parser.add_argument(
-        "--loss-scale-models", type=_comma_list(["mlp", *models]), default=None, help="default: mlp,resnet18"
+        "--loss-scale-models", type=comma_list(["mlp", *models]), default=None, help="default: mlp,resnet18"
     )
     parser.add_argument("--loss-scale-batch-size", type=int, default=None, help="default: 128")
     parser.add_argument(
         "--torch-models",
-        type=_comma_list(models),
+        type=comma_list(models),
         default=None,
         help="default: the --models PyTorch has a reference for",
     )
     parser.add_argument(
         "--target",
-        type=_comma_list([*jaxamp.GPU_TARGETS, "all"]),
+        type=comma_list([*jaxamp.GPU_TARGETS, "all"]),
         default=None,
         help=f"GPU targets to compile for without a GPU: {', '.join(jaxamp.GPU_TARGETS)} or all",
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from experiments.benchmark.results import write_text_atomically
+from experiments.results import write_text_atomically
 
 _MB = 1e6
 

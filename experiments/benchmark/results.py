@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any
+
+from experiments.results import write_text_atomically
 
 
 class Results:
@@ -43,15 +44,3 @@ class Results:
     def write(self) -> None:
         write_text_atomically(self.path, json.dumps(self.data, indent=2, sort_keys=False) + "\n")
 
-
-def write_text_atomically(path: str, text: str) -> None:
-    """Writes `text` to `path` so that readers see the old file or the new one, never half."""
-    folder = os.path.dirname(path) or "."
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(handle, "w") as file:
-            file.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise

@@ -40,7 +40,14 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
-from jaxamp.jaxpr_policy.interpreter import Rewrite, RewriteCache, abstract, interpret, lift_consts, rewrite_jaxpr
+from jaxamp.jaxpr_policy.interpreter import (
+    Rewrite,
+    RewriteCache,
+    abstract,
+    interpret,
+    lift_consts,
+    rewrite_jaxpr,
+)
 from jaxamp.jaxpr_policy.rules import Rule, bind, cast, is_floating, traced_dtypes
 
 
