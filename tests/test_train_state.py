@@ -1,6 +1,7 @@
 """Tests for `jaxamp.TrainState`: skipped steps, resumed training, no retrace."""
 
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -116,8 +117,9 @@ def test_create_defaults_to_no_loss_scale_and_no_batch_stats():
 
 
 def test_create_needs_an_optax_optimizer():
-    with pytest.raises(TypeError, match="an optax optimizer"):
-        jaxamp.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=lambda grads: grads)
+    message = "TrainState.create needs tx to be an optax optimizer (with init and update); got 'sgd'."
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        jaxamp.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx="sgd")
 
 
 @pytest.mark.parametrize(
@@ -305,15 +307,32 @@ def test_fields_that_apply_gradients_manages_cannot_be_passed_as_updates(field):
         state.apply_gradients(grads=state.params, **{field: getattr(state, field)})
 
 
+def test_managed_fields_passed_as_updates_are_named_together_with_the_way_out():
+    state = create_state(jaxamp.NoOpLossScale())
+    message = (
+        "apply_gradients manages params, step itself; pass only other fields "
+        "(e.g. batch_stats=...) as updates."
+    )
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        state.apply_gradients(grads=state.params, step=state.step, params=state.params)
+
+
 def test_an_unknown_update_name_lists_the_updatable_fields():
     state = create_state(jaxamp.NoOpLossScale())
-    with pytest.raises(TypeError, match="batch_statz.*batch_stats"):
-        state.apply_gradients(grads=state.params, batch_statz=state.batch_stats)
+    message = "TrainState has no field batch_statz, statz; fields that can be updated: batch_stats."
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        state.apply_gradients(grads=state.params, statz=1, batch_statz=state.batch_stats)
 
 
 def test_an_update_of_another_structure_is_rejected():
     state = create_state(jaxamp.NoOpLossScale())
-    with pytest.raises(ValueError, match="batch_stats"):
+    expected = (
+        r"^apply_gradients got batch_stats with a structure different from the state's: "
+        rf"{re.escape(str(jax.tree.structure({})))} vs "
+        rf"{re.escape(str(jax.tree.structure(state.batch_stats)))}\. "
+        r"Create the state with batch_stats= its initial value\.$"
+    )
+    with pytest.raises(ValueError, match=expected):
         state.apply_gradients(grads=state.params, batch_stats={})
 
 
