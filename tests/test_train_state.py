@@ -2,6 +2,7 @@
 
 import functools
 import re
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -317,9 +318,15 @@ def test_managed_fields_passed_as_updates_are_named_together_with_the_way_out():
         state.apply_gradients(grads=state.params, step=state.step, params=state.params)
 
 
-def test_an_unknown_update_name_lists_the_updatable_fields():
-    state = create_state(jaxamp.NoOpLossScale())
-    message = "TrainState has no field batch_statz, statz; fields that can be updated: batch_stats."
+class TrainStateWithAverage(jaxamp.TrainState):
+    """A subclass with one more field, as users add one for an EMA of the params."""
+
+    average: Any = None
+
+
+def test_an_unknown_update_name_lists_the_updatable_fields_of_the_class():
+    state = TrainStateWithAverage.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
+    message = "TrainState has no field batch_statz, statz; fields that can be updated: average, batch_stats."
     with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
         state.apply_gradients(grads=state.params, statz=1, batch_statz=state.batch_stats)
 
