@@ -171,6 +171,14 @@ def test_the_loss_scale_can_be_a_traced_argument_of_a_jitted_step():
     assert_trees_equal(grads, expected_grads)
 
 
+def test_keyword_arguments_reach_the_loss_function():
+    fun = jaxamp.scaled_value_and_grad(squared_error, LOSS_SCALES["dynamic"])
+    value, grads, _ = fun(PARAMS, inputs=INPUTS)
+    expected_value, expected_grads = jax.value_and_grad(squared_error)(PARAMS, INPUTS)
+    assert value == expected_value
+    assert_trees_equal(grads, expected_grads)
+
+
 def test_a_non_scalar_loss_is_a_type_error():
     fun = jaxamp.scaled_value_and_grad(lambda x: x**2, jaxamp.NoOpLossScale())
     message = (

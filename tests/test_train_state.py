@@ -117,10 +117,44 @@ def test_create_defaults_to_no_loss_scale_and_no_batch_stats():
     assert state.batch_stats is None
 
 
-def test_create_needs_an_optax_optimizer():
-    message = "TrainState.create needs tx to be an optax optimizer (with init and update); got 'sgd'."
+class TrainStateWithAverage(jaxamp.TrainState):
+    """A subclass with one more field, as users add one for an EMA of the params."""
+
+    average: Any = None
+
+
+class InitOnly:
+    """Half an optimizer: `init` but no `update`."""
+
+    def init(self, params):
+        return ()
+
+    def __repr__(self):
+        return "InitOnly()"
+
+
+@pytest.mark.parametrize("tx, shown", [("sgd", "'sgd'"), (InitOnly(), "InitOnly()")], ids=["string", "init_only"])
+def test_create_needs_an_optax_optimizer(tx, shown):
+    message = f"TrainState.create needs tx to be an optax optimizer (with init and update); got {shown}."
     with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
-        jaxamp.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx="sgd")
+        jaxamp.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx)
+
+
+def test_create_passes_the_fields_of_a_subclass_on():
+    state = TrainStateWithAverage.create(
+        apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1), average={"w": jnp.zeros(2)}
+    )
+    np.testing.assert_array_equal(state.average["w"], jnp.zeros(2))
+
+
+def test_the_optimizer_sees_the_params_so_weight_decay_applies():
+    params = {"w": jnp.full(2, 2.0)}
+    state = jaxamp.TrainState.create(
+        apply_fn=None, params=params, tx=optax.adamw(0.5, weight_decay=0.1), loss_scale=jaxamp.DynamicLossScale()
+    )
+    stepped = state.apply_gradients(grads={"w": jnp.zeros(2)}, grads_finite=jnp.array(True))
+    # Zero gradients leave only the decoupled decay: w - lr * weight_decay * w.
+    np.testing.assert_allclose(stepped.params["w"], [2.0 - 0.5 * 0.1 * 2.0] * 2, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -316,12 +350,6 @@ def test_managed_fields_passed_as_updates_are_named_together_with_the_way_out():
     )
     with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
         state.apply_gradients(grads=state.params, step=state.step, params=state.params)
-
-
-class TrainStateWithAverage(jaxamp.TrainState):
-    """A subclass with one more field, as users add one for an EMA of the params."""
-
-    average: Any = None
 
 
 def test_an_unknown_update_name_lists_the_updatable_fields_of_the_class():
