@@ -1,5 +1,7 @@
 """Tests for `jaxamp.all_finite` and `jaxamp.select_tree`."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,12 +105,17 @@ def test_select_tree_does_not_propagate_nan_from_the_branch_not_taken():
     ids=["renamed_key", "extra_key", "list_vs_tuple"],
 )
 def test_select_tree_rejects_trees_of_different_structure(on_true, on_false):
-    with pytest.raises(ValueError, match="same structure"):
+    message = (
+        "select_tree needs two trees of the same structure; got\n"
+        f"  on_true:  {jax.tree.structure(on_true)}\n  on_false: {jax.tree.structure(on_false)}"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         jaxamp.select_tree(jnp.array(True), on_true, on_false)
 
 
 def test_select_tree_needs_a_scalar_predicate():
-    with pytest.raises(ValueError, match="scalar"):
+    message = "select_tree needs a scalar predicate; got shape (2,)."
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         jaxamp.select_tree(jnp.array([True, False]), jnp.ones(2), jnp.zeros(2))
 
 

@@ -1,5 +1,7 @@
 """Tests for `jaxamp.scaled_value_and_grad`, underflow made visible included."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -169,15 +171,29 @@ def test_the_loss_scale_can_be_a_traced_argument_of_a_jitted_step():
     assert_trees_equal(grads, expected_grads)
 
 
+def test_keyword_arguments_reach_the_loss_function():
+    fun = jaxamp.scaled_value_and_grad(squared_error, LOSS_SCALES["dynamic"])
+    value, grads, _ = fun(PARAMS, inputs=INPUTS)
+    expected_value, expected_grads = jax.value_and_grad(squared_error)(PARAMS, INPUTS)
+    assert value == expected_value
+    assert_trees_equal(grads, expected_grads)
+
+
 def test_a_non_scalar_loss_is_a_type_error():
     fun = jaxamp.scaled_value_and_grad(lambda x: x**2, jaxamp.NoOpLossScale())
-    with pytest.raises(TypeError, match="scalar"):
+    message = (
+        "scaled_value_and_grad needs fun to return a scalar loss; got shape (3,). "
+        "Reduce it (e.g. with .mean()) first."
+    )
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}(\n|$)"):
         fun(jnp.ones(3))
 
 
 def test_has_aux_needs_a_loss_aux_pair():
-    fun = jaxamp.scaled_value_and_grad(lambda x: jnp.sum(x), jaxamp.NoOpLossScale(), has_aux=True)
-    with pytest.raises(TypeError, match="pair"):
+    fun = jaxamp.scaled_value_and_grad(lambda x: [jnp.sum(x)], jaxamp.NoOpLossScale(), has_aux=True)
+    message = "scaled_value_and_grad(has_aux=True) needs fun to return a (loss, aux) pair; it returned list."
+    # JAX appends a note on its filtered traceback after the message.
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}(\n|$)"):
         fun(jnp.ones(3))
 
 

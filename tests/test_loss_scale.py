@@ -316,6 +316,17 @@ def test_state_leaves_are_arrays_and_settings_are_static():
     assert treedef != jax.tree.structure(dataclasses.replace(FULLY_SET_DYNAMIC, period=8))
 
 
+def test_leaves_are_named_by_their_field_in_key_paths():
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(FULLY_SET_DYNAMIC)[0]]
+    assert paths == [
+        ".loss_scale",
+        ".counter",
+        ".overflows_until_backoff",
+        ".skipped_steps",
+        ".consecutive_skipped_steps",
+    ]
+
+
 def test_a_dynamic_scale_can_be_built_inside_jit_from_a_traced_value():
     build = jax.jit(lambda scale: DynamicLossScale(scale, period=5, min_loss_scale=2))
     loss_scale = build(jnp.float16(8))
@@ -502,6 +513,11 @@ def test_default_loss_scale_scales_only_float16_compute(policy, expected):
     assert type(loss_scale) is expected
     if expected is DynamicLossScale:
         assert describe(loss_scale) == describe(DynamicLossScale())
+
+
+def test_a_dynamic_scale_may_be_pinned_by_equal_bounds():
+    loss_scale = DynamicLossScale(loss_scale=4, min_loss_scale=4, max_loss_scale=4, period=1)
+    assert history(run(adjust_jitted, loss_scale, [T, F, T]), "loss_scale") == [4, 4, 4]
 
 
 def test_dynamic_loss_scale_takes_its_settings_positionally_in_the_documented_order():

@@ -159,6 +159,8 @@ KEY_LIST = ["p", "params", "c", "compute", "o", "output"]
         ("p=f32,", "''", ["key=dtype"]),
         ("mixed,c=f16", "mixed", ["key=dtype"]),
         ("p=", "p=", ["key=dtype"]),
+        ("=f32", "=f32", ["key=dtype"]),
+        ("p==f32", "'=f32'", DTYPE_LIST),
     ],
 )
 def test_bad_strings_raise_a_value_error_naming_the_token_and_the_choices(spec, bad_token, valid_choices):
@@ -185,6 +187,11 @@ def test_an_update_of_1e_4_relative_size_vanishes_in_a_float16_weight_but_not_in
 
 
 # --- the Policy value ---------------------------------------------------------
+
+
+def test_a_policy_reads_half_as_jmps_half_dtype():
+    policy = jaxamp.Policy("half", "half", "float32")
+    assert (policy.param_dtype, policy.compute_dtype) == (np.dtype(jmp.half_dtype()),) * 2
 
 
 def test_a_policy_is_immutable():

@@ -1,6 +1,8 @@
 """Tests for `jaxamp.TrainState`: skipped steps, resumed training, no retrace."""
 
 import functools
+import re
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -115,9 +117,44 @@ def test_create_defaults_to_no_loss_scale_and_no_batch_stats():
     assert state.batch_stats is None
 
 
-def test_create_needs_an_optax_optimizer():
-    with pytest.raises(TypeError, match="an optax optimizer"):
-        jaxamp.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=lambda grads: grads)
+class TrainStateWithAverage(jaxamp.TrainState):
+    """A subclass with one more field, as users add one for an EMA of the params."""
+
+    average: Any = None
+
+
+class InitOnly:
+    """Half an optimizer: `init` but no `update`."""
+
+    def init(self, params):
+        return ()
+
+    def __repr__(self):
+        return "InitOnly()"
+
+
+@pytest.mark.parametrize("tx, shown", [("sgd", "'sgd'"), (InitOnly(), "InitOnly()")], ids=["string", "init_only"])
+def test_create_needs_an_optax_optimizer(tx, shown):
+    message = f"TrainState.create needs tx to be an optax optimizer (with init and update); got {shown}."
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        jaxamp.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx)
+
+
+def test_create_passes_the_fields_of_a_subclass_on():
+    state = TrainStateWithAverage.create(
+        apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1), average={"w": jnp.zeros(2)}
+    )
+    np.testing.assert_array_equal(state.average["w"], jnp.zeros(2))
+
+
+def test_the_optimizer_sees_the_params_so_weight_decay_applies():
+    params = {"w": jnp.full(2, 2.0)}
+    state = jaxamp.TrainState.create(
+        apply_fn=None, params=params, tx=optax.adamw(0.5, weight_decay=0.1), loss_scale=jaxamp.DynamicLossScale()
+    )
+    stepped = state.apply_gradients(grads={"w": jnp.zeros(2)}, grads_finite=jnp.array(True))
+    # Zero gradients leave only the decoupled decay: w - lr * weight_decay * w.
+    np.testing.assert_allclose(stepped.params["w"], [2.0 - 0.5 * 0.1 * 2.0] * 2, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -305,15 +342,32 @@ def test_fields_that_apply_gradients_manages_cannot_be_passed_as_updates(field):
         state.apply_gradients(grads=state.params, **{field: getattr(state, field)})
 
 
-def test_an_unknown_update_name_lists_the_updatable_fields():
+def test_managed_fields_passed_as_updates_are_named_together_with_the_way_out():
     state = create_state(jaxamp.NoOpLossScale())
-    with pytest.raises(TypeError, match="batch_statz.*batch_stats"):
-        state.apply_gradients(grads=state.params, batch_statz=state.batch_stats)
+    message = (
+        "apply_gradients manages params, step itself; pass only other fields "
+        "(e.g. batch_stats=...) as updates."
+    )
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        state.apply_gradients(grads=state.params, step=state.step, params=state.params)
+
+
+def test_an_unknown_update_name_lists_the_updatable_fields_of_the_class():
+    state = TrainStateWithAverage.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
+    message = "TrainState has no field batch_statz, statz; fields that can be updated: average, batch_stats."
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        state.apply_gradients(grads=state.params, statz=1, batch_statz=state.batch_stats)
 
 
 def test_an_update_of_another_structure_is_rejected():
     state = create_state(jaxamp.NoOpLossScale())
-    with pytest.raises(ValueError, match="batch_stats"):
+    expected = (
+        r"^apply_gradients got batch_stats with a structure different from the state's: "
+        rf"{re.escape(str(jax.tree.structure({})))} vs "
+        rf"{re.escape(str(jax.tree.structure(state.batch_stats)))}\. "
+        r"Create the state with batch_stats= its initial value\.$"
+    )
+    with pytest.raises(ValueError, match=expected):
         state.apply_gradients(grads=state.params, batch_stats={})
 
 
