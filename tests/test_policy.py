@@ -354,3 +354,67 @@ def test_a_policy_reads_dtype_names_with_jmps_aliases_not_numpys(names, dtypes):
     # NumPy alone would read "f16" as a 16-byte float.
     policy = jaxamp.Policy(*names)
     assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == dtypes
+
+
+# --- the whole message of every error: the interface a user reads ----------------------
+
+_ALIASES = "bf16, bfloat16, f16, f32, f64, float16, float32, float64, fp16, fp32, full, half"
+_GRAMMAR_EXAMPLE = "'params=float32,compute=float16,output=float32'"
+_UNKNOWN_NAME = (
+    "Unknown precision policy {spec!r}. Valid names: float32, fp32, full, mixed, mixed_float16, "
+    "mixed_fp16, mixed_bfloat16, mixed_bf16, float16, fp16, bfloat16, bf16; a dtype alias "
+    f"({_ALIASES}); or jmp's grammar such as {_GRAMMAR_EXAMPLE}."
+)
+
+
+@pytest.mark.parametrize(
+    "make, error_type, message",
+    [
+        (
+            lambda: jaxamp.Policy(jnp.float32, None, jnp.float32),
+            TypeError,
+            "Policy compute_dtype must be a floating dtype such as jnp.float32, jnp.float16 or "
+            "jnp.bfloat16; got None.",
+        ),
+        (
+            lambda: jaxamp.Policy("f17", jnp.float32, jnp.float32),
+            TypeError,
+            f"Policy param_dtype must be a floating dtype; 'f17' is not one of {_ALIASES} "
+            "(or pass a dtype such as jnp.float16).",
+        ),
+        (
+            lambda: jaxamp.get_policy(3),
+            TypeError,
+            "A precision policy must be a jaxamp.Policy, a jmp.Policy or a string such as "
+            "'mixed_float16'; got int: 3.",
+        ),
+        (lambda: jaxamp.get_policy("mixd"), ValueError, _UNKNOWN_NAME.format(spec="mixd")),
+        (
+            lambda: jaxamp.get_policy("p=f32,x=f16"),
+            ValueError,
+            "Unknown key 'x' in precision policy 'p=f32,x=f16'. Valid keys: p, params, c, compute, o, output.",
+        ),
+        (
+            lambda: jaxamp.get_policy("p=f32,c"),
+            ValueError,
+            f"Malformed part 'c' in precision policy 'p=f32,c': expected key=dtype, e.g. {_GRAMMAR_EXAMPLE}.",
+        ),
+        (
+            lambda: jaxamp.get_policy("p=f32,c=f99"),
+            ValueError,
+            f"Unknown dtype 'f99' in precision policy 'p=f32,c=f99'. Valid dtypes: {_ALIASES}.",
+        ),
+    ],
+    ids=["none_dtype", "unknown_alias", "not_a_spec", "unknown_name", "unknown_key", "malformed_part",
+         "unknown_dtype_in_grammar"],
+)  # fmt: skip
+def test_each_bad_policy_gets_one_whole_message_naming_the_value_and_the_valid_choices(
+    make, error_type, message
+):
+    with pytest.raises(error_type) as raised:
+        make()
+    assert str(raised.value) == message
+
+
+def test_half_is_read_case_insensitively_as_jmps_half_dtype():
+    assert jaxamp.Policy("HALF", "half", "float32").compute_dtype == jnp.dtype(jmp.half_dtype())
