@@ -38,3 +38,13 @@ def offline(monkeypatch):
         if name.lower().endswith("_proxy"):
             monkeypatch.delenv(name)
     monkeypatch.setattr(socket, "getaddrinfo", no_network)
+
+
+@pytest.fixture
+def needs_tensorflow_datasets():
+    """Skips a test that prepares CIFAR-10 where tensorflow-datasets is absent.
+
+    It comes with the experiments extra, which CI installs; a GPU machine
+    carrying only JAX, Flax and optax has none.
+    """
+    return pytest.importorskip("tensorflow_datasets", reason="preparing CIFAR-10 needs the experiments extra")

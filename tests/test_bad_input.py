@@ -86,8 +86,9 @@ def test_a_truncated_fashion_mnist_file_exits_1_naming_it(tmp_path, capsys):
     assert exit_code == 1 and str(damaged) in error and "truncated or damaged" in error
 
 
-def test_a_truncated_cifar10_archive_exits_1_with_the_ways_forward(tmp_path, offline, capsys):
-    pytest.importorskip("tensorflow_datasets", reason="preparing CIFAR-10 needs the experiments extra")
+def test_a_truncated_cifar10_archive_exits_1_with_the_ways_forward(
+    tmp_path, offline, capsys, needs_tensorflow_datasets
+):
     archive = tmp_path / "downloads" / "manual" / "cifar-10-binary.tar.gz"
     write_cifar10_archive(archive)
     archive.write_bytes(archive.read_bytes()[:-200])

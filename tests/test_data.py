@@ -150,7 +150,9 @@ def write_fashion_mnist(directory, num_train=4, num_test=3, seed=0):
 # ---------------------------------------------------------------------------
 
 
-def test_cifar10_archive_placed_by_hand_is_prepared_offline_and_read_exactly(tmp_path, monkeypatch, offline):
+def test_cifar10_archive_placed_by_hand_is_prepared_offline_and_read_exactly(
+    tmp_path, monkeypatch, offline, needs_tensorflow_datasets
+):
     manual_archive = tmp_path / "downloads" / "manual" / "cifar-10-binary.tar.gz"
     (train_images, train_labels), (test_images, test_labels) = write_cifar10_archive(manual_archive)
     register_cifar10_checksum(monkeypatch, manual_archive)
@@ -180,7 +182,9 @@ def test_cifar10_archive_placed_by_hand_is_prepared_offline_and_read_exactly(tmp
     )
 
 
-def test_cifar10_archive_left_in_the_download_cache_is_prepared_offline(tmp_path, monkeypatch, offline):
+def test_cifar10_archive_left_in_the_download_cache_is_prepared_offline(
+    tmp_path, monkeypatch, offline, needs_tensorflow_datasets
+):
     # What an earlier run leaves when it downloads the archive and then stops
     # before preparing: the file under its TFDS cache name, with an INFO file.
     import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
@@ -208,7 +212,9 @@ def test_cifar10_archive_left_in_the_download_cache_is_prepared_offline(tmp_path
     )
 
 
-def test_cifar10_missing_offline_fails_fast_with_the_three_ways_forward(tmp_path, offline):
+def test_cifar10_missing_offline_fails_fast_with_the_three_ways_forward(
+    tmp_path, offline, needs_tensorflow_datasets
+):
     start = time.monotonic()
     with pytest.raises(data.DataUnavailableError) as raised:
         data.load_dataset("cifar10", data_dir=str(tmp_path))
@@ -226,7 +232,9 @@ def test_cifar10_missing_offline_fails_fast_with_the_three_ways_forward(tmp_path
     assert not os.path.exists(os.path.join(manual_dir, "cifar-10-binary.tar.gz"))
 
 
-def test_cifar10_archive_with_wrong_checksum_is_rejected_with_advice(tmp_path, offline):
+def test_cifar10_archive_with_wrong_checksum_is_rejected_with_advice(
+    tmp_path, offline, needs_tensorflow_datasets
+):
     # Not registered: TFDS checks the fake archive against the real checksum.
     manual_archive = tmp_path / "downloads" / "manual" / "cifar-10-binary.tar.gz"
     write_cifar10_archive(manual_archive)

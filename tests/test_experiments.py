@@ -160,7 +160,9 @@ def test_the_cli_runs_end_to_end_and_writes_the_promised_json(tmp_path):
     assert results["compile_time_s"]["train_step"] > 0
 
 
-def test_missing_cifar10_stops_with_the_three_ways_forward(tmp_path, offline, capsys):
+def test_missing_cifar10_stops_with_the_three_ways_forward(
+    tmp_path, offline, capsys, needs_tensorflow_datasets
+):
     exit_code = cifar.main(["--data", "tfds", "--data-dir", str(tmp_path), "--epochs", "1"])
 
     error = capsys.readouterr().err
