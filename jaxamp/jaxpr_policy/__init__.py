@@ -9,9 +9,13 @@ framework. One module per job:
 * `arguments`: a call split into traced arrays and static values, NNX
   modules split and written back;
 * `interpreter`: the jaxpr interpreter and the per-signature cache;
-* `rules`: the dtype rule of each first-order primitive, in a table;
+* `context`: `Rewrite`, what every rule receives;
+* `registry`: JAX's registry of primitives, the one place it is read;
+* `rules`: the dtype rule of each first-order primitive, in a table
+  keyed by the primitives;
 * `higher_order`: the rules that rewrite nested jaxprs (jit, checkpoint,
-  scan, while, cond, custom_jvp, custom_vjp);
+  scan, while, cond, custom_jvp, custom_vjp, shard_map);
+* `table`: both tables, with the primitives of optional JAX modules;
 * `scope`: `float32_scope`, the opt-out.
 """
 

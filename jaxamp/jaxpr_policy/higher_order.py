@@ -38,17 +38,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+import jax.extend.core.primitives as core_primitives
+from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
 
+from jaxamp.jaxpr_policy.context import Rewrite, Rule
 from jaxamp.jaxpr_policy.interpreter import (
-    Rewrite,
     RewriteCache,
     abstract,
     interpret,
     lift_consts,
     rewrite_jaxpr,
 )
-from jaxamp.jaxpr_policy.rules import Rule, bind, cast, is_floating, traced_dtypes
+from jaxamp.jaxpr_policy.registry import registered
+from jaxamp.jaxpr_policy.rules import bind, cast, is_floating, restore_rule, traced_dtypes, unsupported
 
 
 def jit_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
@@ -255,20 +257,89 @@ def custom_vjp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     return list(autocast_call(*(cast(value, dtype) for value, dtype in zip(invals, in_dtypes))))
 
 
-HIGHER_ORDER_RULES: dict[str, Rule] = {
-    # Older names ("pjit", "checkpoint", "custom_vjp_call_jaxpr") are listed
-    # too; jax 0.10.2 and 0.12.0.1, where this is tested, use the others.
-    "jit": jit_rule,
-    "pjit": jit_rule,
-    "closed_call": jit_rule,
-    "remat": remat_rule,
-    "remat2": remat_rule,
-    "checkpoint": remat_rule,
-    "scan": scan_rule,
-    "while": while_rule,
-    "cond": cond_rule,
-    "custom_jvp_call": custom_jvp_rule,
-    "custom_vjp_call": custom_vjp_rule,
-    "custom_vjp_call_jaxpr": custom_vjp_rule,
+def shard_map_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
+    """``jax.shard_map`` (and ``jax.pmap``, which JAX stages as one): rewritten per-shard body.
+
+    Rebuilt with ``jax.shard_map`` and the equation's mesh, in and out specs,
+    manual axes and ``check_vma``, so the body is interpreted where its axis
+    names are bound: a ``psum`` inside it needs the mesh's axes, and its
+    values carry their varying-axes types. Collectives in the body keep the
+    dtypes the program gave them (`restore_rule`).
+    """
+    params = equation.params
+    body = params["jaxpr"]
+
+    def per_shard(*args):
+        return tuple(interpret(context, body, (), args))
+
+    sharded = jax.shard_map(
+        per_shard,
+        mesh=params["mesh"],
+        in_specs=tuple(params["in_specs"]),
+        out_specs=tuple(params["out_specs"]),
+        axis_names=params["newly_manual_axes"],
+        check_vma=params["check_vma"],
+    )
+    return list(sharded(*invals))
+
+
+def _as_traced_in_float32(context: Rewrite, equation, invals: Sequence[Any]) -> list:
+    """``lax.custom_linear_solve`` (``jnp.linalg.solve``/``inv``, ``cg``, ``gmres``) as traced.
+
+    Its jaxprs (matvec, solve, transpose solve) run in the dtypes they were
+    traced with, float32 for a float32 program, rather than being rewritten:
+    a solve is only as accurate as its matvec, and an iterative solver whose
+    matvec rounds to float16 (relative error about 1e-3) stalls there and
+    never meets its tolerance; the factorizations a direct solve uses run in
+    float32 under autocast anyway. A solve is a small part of a model's
+    FLOPs, so nothing is lost by keeping it whole.
+    """
+    return restore_rule(context, equation, invals)
+
+
+_NO_PROGRAM = "JAX uses it only while it linearizes a function, and removes it before a program is staged"
+
+HIGHER_ORDER_RULES: dict[Primitive, Rule] = {
+    primitive: rule
+    for primitive, rule in {
+        # Rewritten: the body runs under the rules.
+        core_primitives.jit_p: jit_rule,
+        core_primitives.closed_call_p: jit_rule,  # eval_jaxpr from JAX 0.12
+        registered("eval_jaxpr"): jit_rule,
+        core_primitives.remat_p: remat_rule,
+        lax.scan_p: scan_rule,
+        lax.while_p: while_rule,
+        lax.cond_p: cond_rule,
+        core_primitives.custom_jvp_call_p: custom_jvp_rule,
+        core_primitives.custom_vjp_call_p: custom_vjp_rule,
+        registered("shard_map"): shard_map_rule,
+        # Run as traced, in the dtypes the program gave them.
+        lax.linear_solve_p: _as_traced_in_float32,
+        registered("remat_opt"): restore_rule,  # a checkpoint after partial evaluation
+        registered("custom_vmap_call"): restore_rule,  # jax.custom_batching: the user's own rule
+        registered("linear_call"): restore_rule,  # a user-given transpose
+        registered("custom_partitioning"): restore_rule,  # user sharding rules, per dtype
+        registered("composite"): restore_rule,  # lax.composite: a named op, decomposed as traced
+        registered("cudnn_fusion"): restore_rule,  # a kernel for its dtypes
+        registered("run_state"): restore_rule,  # stateful code over references
+        registered("call_hi_primitive"): restore_rule,
+        # JAX 0.10's call of an open jaxpr, staged by no public API (an alias
+        # of eval_jaxpr from 0.12).
+        registered("call", removed=(0, 12)): restore_rule,
+        # Never in a traced program.
+        core_primitives.custom_lin_p: unsupported(_NO_PROGRAM),
+    }.items()
+    if primitive is not None
 }
-"""Primitive name -> rule, for primitives whose jaxprs are rewritten."""
+"""Primitive -> rule, for the primitives that carry jaxprs."""
+
+OPTIONAL_HIGHER_ORDER_RULES: dict[str, Rule] = {
+    # Pallas kernels and their scopes, written for their dtypes
+    "pallas_call": restore_rule, "core_map": restore_rule, "run_scoped": restore_rule,
+    "mpmd_map": restore_rule, "custom_fusion": restore_rule, "fusible": restore_rule,
+    # jax.experimental.compute_on, fused, scheduling groups: placement and
+    # scheduling annotations around a body, which runs as traced
+    "compute_on": restore_rule, "fused_call": restore_rule, "xla_metadata_call": restore_rule,
+}  # fmt: skip
+"""Primitive name -> rule, for higher-order primitives that a module registers
+on import (see `jaxamp.jaxpr_policy.rules.OPTIONAL_RULES`)."""

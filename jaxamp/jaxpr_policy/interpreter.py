@@ -18,56 +18,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, jaxpr_as_fun
 
-from jaxamp.jaxpr_policy.rules import Rule, cast, restore_rule
-from jaxamp.jaxpr_policy.scope import equation_context, in_float32_scope
-
-
-def _carries_jaxpr(equation) -> bool:
-    for value in equation.params.values():
-        candidates = value if isinstance(value, (tuple, list)) else (value,)
-        if any(isinstance(candidate, (Jaxpr, ClosedJaxpr)) for candidate in candidates):
-            return True
-    return False
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Rewrite:
-    """What one rewrite needs: the compute dtype and the rule of each primitive.
-
-    Attributes:
-        compute_dtype: the policy's compute dtype.
-        rules: primitive name -> rule.
-        memo: rewritten bodies of higher-order primitives, per (body, input
-            avals, output dtypes), so that a body used many times (the same
-            jitted layer called in a loop) is rewritten once.
-    """
-
-    compute_dtype: np.dtype
-    rules: Mapping[str, Rule]
-    memo: dict = dataclasses.field(default_factory=dict)
-
-    def rule_for(self, equation) -> Rule:
-        """The rule of `equation`; code under `float32_scope` runs as traced.
-
-        Raises:
-            NotImplementedError: the primitive carries a jaxpr and has no rule.
-        """
-        if in_float32_scope(equation):
-            return restore_rule
-        name = equation.primitive.name
-        rule = self.rules.get(name)
-        if rule is not None:
-            return rule
-        if _carries_jaxpr(equation):
-            raise NotImplementedError(
-                f"jaxamp.autocast has no rule for the higher-order primitive {name!r} "
-                f"(params: {', '.join(sorted(equation.params))}), so it cannot rewrite the jaxpr "
-                f"it carries. Run it as traced with autocast(..., overrides={{{name!r}: 'restore'}}), "
-                "or wrap that code in jaxamp.float32_scope()."
-            )
-        return restore_rule
+from jaxamp.jaxpr_policy.context import Rewrite, Rule
+from jaxamp.jaxpr_policy.rules import cast, restore_rule
+from jaxamp.jaxpr_policy.scope import equation_context
 
 
 def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list:
@@ -176,7 +131,7 @@ class RewriteCache:
     kept: those tracers die with that transformation.
     """
 
-    def __init__(self, compute_dtype: np.dtype, rules: Mapping[str, Rule], max_entries: int = 64):
+    def __init__(self, compute_dtype: np.dtype, rules: Mapping[Primitive, Rule], max_entries: int = 64):
         self._compute_dtype = compute_dtype
         self._rules = rules
         self._max_entries = max_entries
@@ -213,7 +168,7 @@ class RewriteCache:
     def _build(self, fun, avals) -> tuple[_Entry, bool]:
         self.traces += 1
         traced, out_shapes = jax.make_jaxpr(fun, return_shape=True)(*avals)
-        context = Rewrite(self._compute_dtype, self._rules)
+        context = Rewrite(self._compute_dtype, self._rules, as_traced=restore_rule)
         out_dtypes = [aval.dtype for aval in traced.out_avals]
         rewritten = rewrite_jaxpr(context, traced, avals, out_dtypes)
         cacheable = not any(isinstance(const, jax.core.Tracer) for const in traced.consts)

@@ -2,40 +2,71 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from jax.extend.core import Primitive
+
 from jaxamp.jaxpr_policy.arguments import split_call
-from jaxamp.jaxpr_policy.higher_order import HIGHER_ORDER_RULES
+from jaxamp.jaxpr_policy.context import Rule
 from jaxamp.jaxpr_policy.interpreter import RewriteCache
-from jaxamp.jaxpr_policy.rules import FIRST_ORDER_RULES, RULES_BY_NAME, Rule
+from jaxamp.jaxpr_policy.registry import find
+from jaxamp.jaxpr_policy.rules import RULES_BY_NAME
+from jaxamp.jaxpr_policy.table import higher_order_rules, rules_table
 from jaxamp.policy import PolicySpec, get_policy
 
 
-def _resolve_rules(overrides: Mapping[str, str] | None) -> dict[str, Rule]:
-    rules = {**FIRST_ORDER_RULES, **HIGHER_ORDER_RULES}
+def _primitive_named(name: str, table: Mapping[Primitive, Rule]) -> Primitive:
+    """The primitive an override names: in the rules table, or registered with JAX."""
+    known = {primitive.name: primitive for primitive in table}
+    if name in known:
+        return known[name]
+    registered = find(name)
+    if len(registered) == 1:
+        return registered[0]
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(repr(match) for match in close)}?" if close else ""
+    raise ValueError(
+        f"autocast overrides name the primitive {name!r}, which JAX does not have.{hint} Use JAX's own "
+        "name (the primitive's `name`, e.g. jax.lax.scatter_add_p.name == 'scatter-add'), or the "
+        "primitive object itself as the key (e.g. {jax.lax.exp_p: 'follow'}), which a primitive of "
+        "your own without a lowering needs."
+    )
+
+
+def _resolve_rules(overrides: Mapping[str | Primitive, str] | None) -> dict[Primitive, Rule]:
+    rules = rules_table()
     if overrides is None:
         return rules
     if not isinstance(overrides, Mapping):
         raise TypeError(
-            "autocast overrides must map primitive names to rule names, e.g. "
+            "autocast overrides must map primitive names to rule names (or primitive objects to rule "
+            "names), e.g. "
             f"{{'exp': 'follow'}}; got {type(overrides).__name__}."
         )
-    for primitive_name, rule_name in overrides.items():
-        if not isinstance(primitive_name, str):
-            raise TypeError(f"autocast overrides keys must be primitive names (str); got {primitive_name!r}.")
+    carries_jaxpr = higher_order_rules()
+    for key, rule_name in overrides.items():
+        if isinstance(key, Primitive):
+            primitive = key
+        elif isinstance(key, str):
+            primitive = _primitive_named(key, rules)
+        else:
+            raise TypeError(
+                f"autocast overrides keys must be primitives or their names (str); got {key!r}."
+            )
         if rule_name not in RULES_BY_NAME:
             raise ValueError(
-                f"Unknown autocast rule {rule_name!r} for primitive {primitive_name!r}. "
+                f"Unknown autocast rule {rule_name!r} for primitive {primitive.name!r}. "
                 f"Valid rules: {', '.join(RULES_BY_NAME)}."
             )
-        if primitive_name in HIGHER_ORDER_RULES and rule_name != "restore":
+        if primitive in carries_jaxpr and rule_name != "restore":
             raise ValueError(
-                f"{primitive_name!r} carries a jaxpr; its only override is 'restore' (run it as "
+                f"{primitive.name!r} carries a jaxpr; its only override is 'restore' (run it as "
                 f"traced), not {rule_name!r}."
             )
-        rules[primitive_name] = RULES_BY_NAME[rule_name]
+        rules[primitive] = RULES_BY_NAME[rule_name]
     return rules
 
 
@@ -43,7 +74,7 @@ def autocast(
     fun: Callable[..., Any] | None = None,
     policy: PolicySpec = "mixed_float16",
     *,
-    overrides: Mapping[str, str] | None = None,
+    overrides: Mapping[str | Primitive, str] | None = None,
 ) -> Callable[..., Any]:
     """Runs any JAX function with its heavy math in half precision, like ``torch.autocast``.
 
@@ -57,9 +88,13 @@ def autocast(
       special functions, every reduction) run in float32;
     * elementwise and structural operations follow their inputs; scalar
       literals are weak unless the half dtype cannot hold them;
-    * everything else runs in the dtypes it was traced with;
+    * scatters (``x.at[i].add``, ``segment_sum``, the gradient of a
+      gather), collectives, random bits, callbacks, kernels and linear
+      solves (``custom_linear_solve``) run in the dtypes they were traced
+      with;
     * nested ``jit``, ``checkpoint``, ``scan``, ``while_loop``, ``cond``,
-      ``custom_jvp`` and ``custom_vjp`` bodies are rewritten recursively.
+      ``custom_jvp``, ``custom_vjp`` and ``shard_map`` (``pmap``) bodies are
+      rewritten recursively.
 
     The outputs come back in exactly the dtypes ``fun`` returns, so
     ``jax.grad`` of it gives gradients in the dtypes of the arguments. It
@@ -83,18 +118,20 @@ def autocast(
             Flax ``apply``, an NNX module). Omit it to get a decorator.
         policy: anything `jaxamp.get_policy` accepts; its compute dtype is
             the half dtype.
-        overrides: primitive name -> rule, to change a primitive's rule:
+        overrides: primitive (the object, e.g. ``jax.lax.tanh_p``, or JAX's
+            name for it, ``"tanh"``) -> rule, to change a primitive's rule:
             ``"compute"`` (compute dtype), ``"float32"``, ``"follow"`` (the
             widest input) or ``"restore"`` (as traced), e.g.
-            ``{"tanh": "float32"}``. A primitive that carries a jaxpr and has
-            no rule (``shard_map``) accepts ``"restore"``.
+            ``{"tanh": "float32"}``. A primitive that carries a jaxpr
+            accepts only ``"restore"``.
 
     Returns:
         The function under the policy. Its ``rewrites.traces`` counts how
         many times it traced and rewrote `fun`.
 
     Raises:
-        ValueError: the policy or an override names no valid choice.
+        ValueError: the policy or an override names no valid choice, or an
+            override names a primitive JAX does not have.
         NotImplementedError: (when called) `fun` uses a higher-order
             primitive autocast has no rule for; the message names it.
     """

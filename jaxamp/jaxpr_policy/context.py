@@ -1,0 +1,70 @@
+"""What every dtype rule receives: the rewrite in progress (`Rewrite`).
+
+Below both `jaxamp.jaxpr_policy.rules` (whose rules take a `Rewrite`) and
+`jaxamp.jaxpr_policy.interpreter` (which builds one and asks it for each
+equation's rule), so neither imports the other for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive
+
+from jaxamp.jaxpr_policy.scope import in_float32_scope
+
+Rule = Callable[["Rewrite", Any, Sequence[Any]], list]
+"""A dtype rule: ``rule(rewrite, equation, invals) -> outvals``."""
+
+
+def _carries_jaxpr(equation) -> bool:
+    for value in equation.params.values():
+        candidates = value if isinstance(value, (tuple, list)) else (value,)
+        if any(isinstance(candidate, (Jaxpr, ClosedJaxpr)) for candidate in candidates):
+            return True
+    return False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rewrite:
+    """What one rewrite needs: the compute dtype and the rule of each primitive.
+
+    Attributes:
+        compute_dtype: the policy's compute dtype.
+        rules: primitive -> rule.
+        as_traced: the rule that runs an equation exactly as traced, for code
+            under `jaxamp.float32_scope` and for first-order primitives the
+            table does not know (a user's own primitive).
+        memo: rewritten bodies of higher-order primitives, per (body, input
+            avals, output dtypes), so that a body used many times (the same
+            jitted layer called in a loop) is rewritten once.
+    """
+
+    compute_dtype: np.dtype
+    rules: Mapping[Primitive, Rule]
+    as_traced: Rule
+    memo: dict = dataclasses.field(default_factory=dict)
+
+    def rule_for(self, equation) -> Rule:
+        """The rule of `equation`; code under `float32_scope` runs as traced.
+
+        Raises:
+            NotImplementedError: the primitive carries a jaxpr and has no rule.
+        """
+        if in_float32_scope(equation):
+            return self.as_traced
+        rule = self.rules.get(equation.primitive)
+        if rule is not None:
+            return rule
+        if _carries_jaxpr(equation):
+            name = equation.primitive.name
+            raise NotImplementedError(
+                f"jaxamp.autocast has no rule for the higher-order primitive {name!r} "
+                f"(params: {', '.join(sorted(equation.params))}), so it cannot rewrite the jaxpr "
+                f"it carries. Run it as traced with autocast(..., overrides={{{name!r}: 'restore'}}) "
+                "(or the primitive object itself as the key), or wrap that code in jaxamp.float32_scope()."
+            )
+        return self.as_traced

@@ -1,0 +1,126 @@
+"""Every primitive JAX registers has an explicit autocast rule, keyed by the primitive.
+
+The walk runs in a fresh interpreter that imports JAX and its public modules
+(``JAX_MODULES``, which register the optional primitives: sparse, Pallas,
+rnn, ...) and nothing else that defines primitives (Equinox, Flax NNX), then
+compares JAX's registry with the rules table. Run it on each supported JAX:
+
+    python -m pytest tests/test_autocast_registry.py            # jax 0.10
+    /work/venv312/bin/python -m pytest tests/test_autocast_registry.py  # jax 0.12
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from jax import lax
+
+from jaxamp.jaxpr_policy import registry
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+JAX_MODULES = (
+    "jax.numpy", "jax.scipy", "jax.scipy.sparse.linalg", "jax.nn", "jax.random", "jax.lax.linalg",
+    "jax.experimental.shard_map", "jax.experimental.checkify", "jax.experimental.pallas",
+    "jax.experimental.pallas.tpu", "jax.experimental.pallas.triton",
+    "jax.experimental.pallas.mosaic_gpu", "jax.experimental.pallas.fuser", "jax.experimental.rnn",
+    "jax.experimental.compute_on", "jax.experimental.multihost_utils",
+    "jax.experimental.custom_partitioning", "jax.experimental.sparse", "jax.experimental.xla_metadata",
+    "jax.experimental.fused", "jax.experimental.scheduling_groups", "jax.experimental.buffer_callback",
+)  # fmt: skip
+
+_WALK = """
+import importlib, json, sys
+import jax
+for module in sys.argv[1:]:
+    try:
+        importlib.import_module(module)
+    except ImportError:  # a module this JAX release does not have
+        pass
+from jaxamp.jaxpr_policy import registry, table
+from jaxamp.jaxpr_policy.higher_order import OPTIONAL_HIGHER_ORDER_RULES
+from jaxamp.jaxpr_policy.rules import OPTIONAL_RULES
+rules = table.rules_table()
+registered = registry.registered_primitives()
+print(json.dumps({
+    "jax": jax.__version__,
+    "registered": sorted(primitive.name for primitive in registered),
+    "with_rule": sorted(primitive.name for primitive in rules if primitive in registered),
+    "unresolved": sorted(
+        name for name in [*OPTIONAL_RULES, *OPTIONAL_HIGHER_ORDER_RULES] if not registry.find(name)
+    ),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def walk():
+    """JAX's registry and the rules table, in a fresh interpreter with every JAX module imported."""
+    completed = subprocess.run(
+        [sys.executable, "-c", _WALK, *JAX_MODULES],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    return json.loads(completed.stdout.splitlines()[-1])
+
+
+def primitives_without_rule(registered: list[str], with_rule: list[str]) -> list[str]:
+    """The registered primitives' names that have no entry in the rules table."""
+    return sorted(set(registered) - set(with_rule))
+
+
+def test_every_primitive_jax_registers_has_an_explicit_rule(walk):
+    assert walk["jax"] == jax.__version__
+    assert len(walk["registered"]) > 250  # the registry was found, not an empty table
+    assert primitives_without_rule(walk["registered"], walk["with_rule"]) == []
+
+
+def test_every_optional_primitive_named_in_the_table_is_registered_once_its_module_is(walk):
+    """A misspelt name among the primitives of optional modules (listed by name) fails here."""
+    if jax.__version__.startswith("0.10"):
+        release_specific = {"get_global"}
+    else:  # and the Flax beside it has no NNX variable primitives
+        release_specific = {"core_map", "fusible", "new_variable", "get_variable", "set_variable"}
+    assert set(walk["unresolved"]) <= release_specific, walk["unresolved"]
+
+
+# The string-keyed table that main had before the table was keyed by primitives.
+MAIN_RESTORE_NAMES = (
+    "scatter", "scatter_add", "scatter_sub", "scatter_mul", "scatter_min", "scatter_max",
+    "reduce", "reduce_window", "select_and_scatter", "pallas_call", "linear_solve",
+)  # fmt: skip
+
+
+def test_the_walk_lists_the_misspelt_names_of_a_string_keyed_table(walk):
+    """The negative control: main's names ("scatter_add", "linear_solve") leave JAX's primitives bare."""
+    missing = primitives_without_rule(walk["registered"], MAIN_RESTORE_NAMES)
+    for name in ("scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"):
+        assert name in missing
+    assert "custom_linear_solve" in missing
+    assert "scatter" not in missing
+
+
+def test_the_registry_holds_the_primitives_jax_exports_and_finds_the_others_by_name():
+    primitives = registry.registered_primitives()
+    assert {lax.add_p, lax.scatter_add_p, lax.linear_solve_p, lax.dot_general_p} <= primitives
+    assert registry.registered("shard_map").name == "shard_map"
+    assert registry.registered("scatter-add") is lax.scatter_add_p
+
+
+def test_a_name_jax_does_not_have_fails_loudly():
+    with pytest.raises(LookupError, match="registers 0 primitives named 'scatter_add'.*rules.py"):
+        registry.registered("scatter_add")
+    assert registry.registered("scatter_add", added=(99, 0)) is None  # a future release's primitive
+
+
+def test_a_jax_that_moved_its_rule_tables_fails_loudly(monkeypatch):
+    from jax._src.interpreters import mlir
+
+    monkeypatch.delattr(mlir, "_lowerings")
+    with pytest.raises(RuntimeError, match="cannot read JAX .*'s primitive registry.*jax>=0.10,<0.13"):
+        registry.registered_primitives()
