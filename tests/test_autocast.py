@@ -15,6 +15,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive
+from jax.interpreters import mlir
 
 import jaxamp
 from tests.autocast_models import NnxMLP, _batch, _dense_params, _xent, plain_mlp
@@ -146,21 +147,45 @@ def test_a_bad_override_is_an_error_naming_it(overrides, error, match):
         jaxamp.autocast(jnp.exp, overrides=overrides)
 
 
-def _primitive_with_a_body(name):
+def _primitive_with_a_body(name, *, lowered=True):
+    """A user's own primitive carrying a jaxpr; a real one has a lowering, so JAX registers it."""
     primitive = Primitive(name)
     primitive.def_impl(lambda x, *, body: x)
     primitive.def_abstract_eval(lambda x, *, body: x)
+    if lowered:
+        mlir.register_lowering(primitive, mlir.lower_fun(lambda x, *, body: x, multiple_results=False))
     body = jax.make_jaxpr(jnp.sin)(1.0)
-    return lambda x: primitive.bind(x, body=body)
+    return primitive, lambda x: primitive.bind(x, body=body)
 
 
 def test_an_unknown_primitive_that_carries_a_jaxpr_is_an_error_naming_it():
-    opaque = _primitive_with_a_body("my_opaque_loop")
+    primitive, opaque = _primitive_with_a_body("my_opaque_loop")
     with pytest.raises(
         NotImplementedError, match="'my_opaque_loop'.*overrides=\\{'my_opaque_loop': 'restore'\\}"
     ):
         jaxamp.autocast(opaque)(X)
     np.testing.assert_array_equal(jaxamp.autocast(opaque, overrides={"my_opaque_loop": "restore"})(X), X)
+    np.testing.assert_array_equal(jaxamp.autocast(opaque, overrides={primitive: "restore"})(X), X)
+
+
+def test_a_primitive_without_a_lowering_is_overridden_by_the_object_not_the_name():
+    primitive, opaque = _primitive_with_a_body("my_unlowered_loop", lowered=False)
+    with pytest.raises(ValueError, match="'my_unlowered_loop', which JAX does not have.*object itself"):
+        jaxamp.autocast(opaque, overrides={"my_unlowered_loop": "restore"})
+    np.testing.assert_array_equal(jaxamp.autocast(opaque, overrides={primitive: "restore"})(X), X)
+
+
+def test_overrides_take_the_primitive_objects_jax_exports():
+    tanh_in_float32 = jaxamp.autocast(lambda x, w: jnp.tanh(x @ w), overrides={jax.lax.tanh_p: "float32"})
+    assert _equation_dtypes(tanh_in_float32, X, W, primitive="tanh") == [jnp.float32]
+
+
+def test_a_misspelt_primitive_name_is_an_error_suggesting_jaxs_name():
+    """main accepted any string, so {"scatter_add": ...} silently changed nothing."""
+    with pytest.raises(ValueError, match="'scatter_add', which JAX does not have. Did you mean 'scatter-add'"):
+        jaxamp.autocast(jnp.exp, overrides={"scatter_add": "restore"})
+    with pytest.raises(TypeError, match="keys must be primitives or their names.*got 3"):
+        jaxamp.autocast(jnp.exp, overrides={3: "restore"})
 
 
 def test_a_second_eager_call_neither_traces_nor_rewrites_again():
