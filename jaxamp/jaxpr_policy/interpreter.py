@@ -51,14 +51,31 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
     return [read(atom) for atom in jaxpr.outvars]
 
 
-def abstract(value: Any, *, drop_leading_axis: bool = False) -> jax.ShapeDtypeStruct:
-    """The shape and dtype of `value` (of one slice along axis 0 if asked)."""
+def _manual_axes(aval: Any) -> tuple:
+    """Over which mesh axes a value inside ``shard_map`` varies (or is reduced); () outside."""
+    axes = getattr(aval, "manual_axis_type", None)
+    if axes is None:
+        return ()
+    return tuple(tuple(sorted(map(str, getattr(axes, kind, ())))) for kind in ("varying", "unreduced", "reduced"))
+
+
+def abstract(value: Any, *, drop_leading_axis: bool = False) -> Any:
+    """The shape and dtype of `value` (of one slice along axis 0 if asked).
+
+    Inside ``shard_map`` a value's type also says over which mesh axes it
+    varies (``jax.typeof(x).manual_axis_type``); a body traced without it
+    would miss the ``pvary`` that JAX inserts where a replicated operand
+    meets a per-device one, so such a value keeps its full type.
+    """
+    aval = jax.typeof(value)
+    if any(_manual_axes(aval)):
+        return aval.update(shape=aval.shape[1:]) if drop_leading_axis else aval
     shape = np.shape(value)[1:] if drop_leading_axis else np.shape(value)
     return jax.ShapeDtypeStruct(shape, value.dtype)
 
 
-def _aval_key(aval: jax.ShapeDtypeStruct) -> tuple:
-    return (tuple(aval.shape), str(aval.dtype))
+def _aval_key(aval: Any) -> tuple:
+    return (tuple(aval.shape), str(aval.dtype), _manual_axes(aval))
 
 
 def rewrite_jaxpr(
