@@ -25,6 +25,13 @@ def loss(w, x):
     return jnp.tanh(jnp.tanh(x @ w) @ w).sum()
 
 
+def looped_loss(w, x):
+    """A body with a scan, a cond and a checkpoint, each rewritten inside the shard_map."""
+    h, _ = jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=3)
+    h = jax.lax.cond(h.sum() > 0, lambda h: h @ w, lambda h: -(h @ w), h)
+    return jax.checkpoint(lambda h: jnp.tanh(h @ w))(h).sum()
+
+
 def local_grads(w, x):
     """Per-shard float32 gradients, summed over the devices: a data-parallel step."""
     return jax.lax.psum(jax.grad(loss)(w, x), "d")
@@ -88,6 +95,8 @@ def main() -> None:
     implicit = jax.shard_map(jax.grad(loss), **specs)
     pmapped = jax.pmap(local_grads, axis_name="d", in_axes=(None, 0))
     x_per_device = X.reshape(8, 2, 6)
+    # Each device takes its own branch of the cond: the float32 sharded run is the reference.
+    looped = jax.shard_map(jax.grad(looped_loss), **specs)
     findings = {
         "jax": jax.__version__,
         "float32 explicit psum": finding(explicit, reference, W, X),
@@ -101,11 +110,18 @@ def main() -> None:
             jax.shard_map(jaxamp.autocast(jax.grad(loss)), **specs), reference, W, X
         ),
         "jit(autocast(shard_map))": finding(jax.jit(jaxamp.autocast(implicit)), reference, W, X),
+        "float32 scan, cond, checkpoint": finding(looped, looped(W, X), W, X),
+        "autocast(shard_map) scan, cond, checkpoint": finding(
+            jaxamp.autocast(looped), looped(W, X), W, X
+        ),
         "autocast(pmap)": finding(
             lambda w, x: jaxamp.autocast(pmapped)(w, x)[0], reference, W, x_per_device
         ),
         "params": {
-            name: {"traced": shard_map_params(fun, W, X), "rewritten": shard_map_params(jaxamp.autocast(fun), W, X)}
+            name: {
+                "traced": shard_map_params(fun, W, X),
+                "rewritten": shard_map_params(jaxamp.autocast(fun), W, X),
+            }
             for name, fun in (("explicit", explicit), ("implicit", implicit))
         },
     }

@@ -182,7 +182,8 @@ def test_overrides_take_the_primitive_objects_jax_exports():
 
 def test_a_misspelt_primitive_name_is_an_error_suggesting_jaxs_name():
     """main accepted any string, so {"scatter_add": ...} silently changed nothing."""
-    with pytest.raises(ValueError, match="'scatter_add', which JAX does not have. Did you mean 'scatter-add'"):
+    suggestion = "'scatter_add', which JAX does not have. Did you mean 'scatter-add'"
+    with pytest.raises(ValueError, match=suggestion):
         jaxamp.autocast(jnp.exp, overrides={"scatter_add": "restore"})
     with pytest.raises(TypeError, match="keys must be primitives or their names.*got 3"):
         jaxamp.autocast(jnp.exp, overrides={3: "restore"})

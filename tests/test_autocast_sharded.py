@@ -32,8 +32,17 @@ AUTOCAST_RUNS = [
     "shard_map(autocast) explicit psum",
     "shard_map(autocast) implicit psum",
     "jit(autocast(shard_map))",
+    "autocast(shard_map) scan, cond, checkpoint",
     "autocast(pmap)",
 ]
+
+
+FLOAT32_RUN_OF = {
+    run: "float32 scan, cond, checkpoint" if "scan" in run
+    else "float32 explicit psum" if "explicit" in run or "pmap" in run
+    else "float32 implicit psum"
+    for run in AUTOCAST_RUNS
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +57,7 @@ def findings():
 
 
 def test_the_float32_sharded_steps_match_one_device(findings):
-    for run in ("float32 explicit psum", "float32 implicit psum"):
+    for run in ("float32 explicit psum", "float32 implicit psum"):  # one device is the reference
         assert findings[run]["max_abs_error"] <= 1e-5 * findings[run]["reference_scale"], run
 
 
@@ -63,7 +72,7 @@ def test_autocast_with_shard_map_or_pmap_matches_one_device_in_float32_with_half
 @pytest.mark.parametrize("run", AUTOCAST_RUNS)
 def test_the_gradient_psum_keeps_the_float32_the_program_gave_it(findings, run):
     """Under "follow", the psum would sum the float16 cotangents of the float16 matmuls."""
-    traced = findings["float32 explicit psum" if "explicit" in run or "pmap" in run else "float32 implicit psum"]
+    traced = findings[FLOAT32_RUN_OF[run]]
     assert findings[run]["psum_operands"] == traced["psum_operands"]
     assert all(operand.endswith(":float32") for operand in findings[run]["psum_operands"])
     assert findings[run]["psum_operands"]

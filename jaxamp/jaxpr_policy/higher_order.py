@@ -24,6 +24,12 @@ length, direction and unrolling of a ``scan`` kept):
   user's residuals (``jax.vjp``'s pullback is a pytree of them), and whose
   backward is the user's backward, rewritten: keeping the user's backward as
   it is would leave its matmuls in float32.
+* ``shard_map`` (and ``pmap``, which JAX stages as a ``shard_map``): the
+  per-device body is rewritten inside ``jax.shard_map`` with the same mesh,
+  specs, manual axes and ``check_vma``.
+* ``custom_linear_solve`` runs as traced (`linear_solve_rule` says why), and
+  so do the primitives whose bodies belong to a kernel or to a user's own
+  rule (``pallas_call``, ``custom_vmap``, ``custom_partitioning``, ...).
 
 Custom derivatives take their inputs and give their outputs in the traced
 dtypes, so the user's rules see the dtypes they were written for.
@@ -35,10 +41,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.extend.core.primitives as core_primitives
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-import jax.extend.core.primitives as core_primitives
 from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
 
 from jaxamp.jaxpr_policy.context import Rewrite, Rule
@@ -283,7 +289,7 @@ def shard_map_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     return list(sharded(*invals))
 
 
-def _as_traced_in_float32(context: Rewrite, equation, invals: Sequence[Any]) -> list:
+def linear_solve_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     """``lax.custom_linear_solve`` (``jnp.linalg.solve``/``inv``, ``cg``, ``gmres``) as traced.
 
     Its jaxprs (matvec, solve, transpose solve) run in the dtypes they were
@@ -314,7 +320,7 @@ HIGHER_ORDER_RULES: dict[Primitive, Rule] = {
         core_primitives.custom_vjp_call_p: custom_vjp_rule,
         registered("shard_map"): shard_map_rule,
         # Run as traced, in the dtypes the program gave them.
-        lax.linear_solve_p: _as_traced_in_float32,
+        lax.linear_solve_p: linear_solve_rule,
         registered("remat_opt"): restore_rule,  # a checkpoint after partial evaluation
         registered("custom_vmap_call"): restore_rule,  # jax.custom_batching: the user's own rule
         registered("linear_call"): restore_rule,  # a user-given transpose

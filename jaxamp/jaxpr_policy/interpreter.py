@@ -56,7 +56,8 @@ def _manual_axes(aval: Any) -> tuple:
     axes = getattr(aval, "manual_axis_type", None)
     if axes is None:
         return ()
-    return tuple(tuple(sorted(map(str, getattr(axes, kind, ())))) for kind in ("varying", "unreduced", "reduced"))
+    kinds = ("varying", "unreduced", "reduced")
+    return tuple(tuple(sorted(map(str, getattr(axes, kind, ())))) for kind in kinds)
 
 
 def abstract(value: Any, *, drop_leading_axis: bool = False) -> Any:
@@ -67,9 +68,10 @@ def abstract(value: Any, *, drop_leading_axis: bool = False) -> Any:
     would miss the ``pvary`` that JAX inserts where a replicated operand
     meets a per-device one, so such a value keeps its full type.
     """
-    aval = jax.typeof(value)
-    if any(_manual_axes(aval)):
-        return aval.update(shape=aval.shape[1:]) if drop_leading_axis else aval
+    if isinstance(value, jax.core.Tracer):  # only a traced value can vary over mesh axes
+        aval = jax.typeof(value)
+        if any(_manual_axes(aval)):
+            return aval.update(shape=aval.shape[1:]) if drop_leading_axis else aval
     shape = np.shape(value)[1:] if drop_leading_axis else np.shape(value)
     return jax.ShapeDtypeStruct(shape, value.dtype)
 
