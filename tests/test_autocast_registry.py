@@ -124,3 +124,28 @@ def test_a_jax_that_moved_its_rule_tables_fails_loudly(monkeypatch):
     monkeypatch.delattr(mlir, "_lowerings")
     with pytest.raises(RuntimeError, match="cannot read JAX .*'s primitive registry.*jax>=0.10,<0.13"):
         registry.registered_primitives()
+
+
+def test_no_module_of_the_jaxpr_policy_imports_one_that_imports_it_back():
+    """The rules take a `Rewrite` from context.py, below both rules.py and interpreter.py."""
+    import ast
+    import pathlib
+
+    package = pathlib.Path(REPO_ROOT, "jaxamp", "jaxpr_policy")
+    imports = {}
+    for path in package.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imports[path.stem] = {
+            node.module.rsplit(".", 1)[-1]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxamp.jaxpr_policy.")
+        }
+
+    def reaches(start, target, seen=()):
+        return any(
+            module == target or (module not in seen and reaches(module, target, (*seen, module)))
+            for module in imports.get(start, ())
+        )
+
+    assert "interpreter" not in imports["rules"]
+    assert [module for module in imports if reaches(module, module)] == []
