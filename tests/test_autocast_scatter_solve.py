@@ -115,3 +115,17 @@ def test_the_matvec_of_a_conjugate_gradient_stays_float32_inside_the_solve():
     assert [eq.outvars[0].aval.dtype for eq in matvec.jaxpr.eqns if eq.primitive.name == "dot_general"] == [
         jnp.float32
     ]
+
+
+def test_a_ragged_dot_runs_in_float16_with_its_integer_group_sizes_as_given():
+    """A compute rule that required every operand floating left the ragged dot in float32."""
+    lhs, rhs = X, jnp.stack([W, -W])
+    group_sizes = jnp.array([3, 5], jnp.int32)
+
+    def fun(lhs, rhs):
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+
+    closed = jax.make_jaxpr(jaxamp.autocast(fun))(lhs, rhs)
+    (ragged,) = [eq for eq in closed.jaxpr.eqns if eq.primitive.name == "ragged_dot_general"]
+    assert ragged.outvars[0].aval.dtype == jnp.float16
+    assert_matches_float32(fun, lhs, rhs)

@@ -111,12 +111,16 @@ def pass_through_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list
 def compute_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     """Matmul or convolution in the compute dtype, result in the compute dtype.
 
-    Integer operands (int8 matmuls) are left as traced.
+    Integer operands (int8 matmuls) are left as traced. The two operands
+    come first; what follows is integer metadata (a ragged dot's group
+    sizes), passed as it is.
     """
-    if not all(is_floating(dtype) for dtype in traced_dtypes(equation.invars)):
+    dtypes = traced_dtypes(equation.invars)
+    if not all(is_floating(dtype) for dtype in dtypes[:2]):
         return restore_rule(context, equation, invals)
     dtype = context.compute_dtype
-    return bind(equation, [cast(value, dtype) for value in invals], preferred_element_type=dtype)
+    casted = [cast(value, dtype) if is_floating(traced) else value for value, traced in zip(invals, dtypes)]
+    return bind(equation, casted, preferred_element_type=dtype)
 
 
 def float32_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
@@ -239,7 +243,6 @@ _FOLLOW = (
     lax.dynamic_slice_p, lax.dynamic_update_slice_p, lax.gather_p, lax.concatenate_p, lax.pad_p,
     lax.sort_p, lax.top_k_p, lax.approx_top_k_p, lax.split_p, lax.tile_p, lax.stack_p, lax.unstack_p,
     lax.select_and_gather_add_p, lax.select_and_scatter_add_p, lax.stop_gradient_p,
-    registered("broadcast_to"),
 )  # fmt: skip
 
 # Operand-wise primitives: each output is its own operand, so no promotion.
@@ -298,6 +301,7 @@ _RESTORE = (
     core_primitives.get_p, core_primitives.swap_p, registered("addupdate"), registered("new_ref"),
     registered("empty_ref"), registered("free_ref"), registered("freeze"),
     registered("accum_grad_in_ref"), registered("create_linear"), registered("pin"),
+    registered("broadcast_to"),
     registered("unpin"), registered("box_get", removed=_V012), registered("box_set", removed=_V012),
     registered("new_box", removed=_V012), registered("log_extend", removed=_V012),
     registered("log_read", removed=_V012), registered("new_log", removed=_V012),
