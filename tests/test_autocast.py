@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive
 from jax.interpreters import mlir
 
@@ -370,3 +371,13 @@ def test_bfloat16_without_a_loss_scale_trains_a_small_model_as_well_as_float32()
     final16, _ = _final_training_loss("mixed_bfloat16")
     assert final32 < 0.3 * initial32  # the task is learnable
     assert abs(float(final16) - float(final32)) < 0.1 * float(initial32)
+
+
+def test_a_checkpoint_name_passes_the_float16_value_through():
+    """main had no rule for `name` and ran it as traced: the named value went back to float32."""
+
+    def fun(x, w):
+        return jnp.tanh(checkpoint_name(x @ w, "hidden"))
+
+    assert _equation_dtypes(jaxamp.autocast(fun), X, W, primitive="name") == [jnp.float16]
+    assert _equation_dtypes(jaxamp.autocast(fun), X, W, primitive="tanh") == [jnp.float16]
