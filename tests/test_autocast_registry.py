@@ -149,3 +149,17 @@ def test_no_module_of_the_jaxpr_policy_imports_one_that_imports_it_back():
 
     assert "interpreter" not in imports["rules"]
     assert [module for module in imports if reaches(module, module)] == []
+
+
+def test_the_one_primitive_autocast_refuses_is_custom_lin_and_the_error_says_why():
+    """The list docs/incoming/rules.md gives; a new refusal must be documented with its reason."""
+    from types import SimpleNamespace
+
+    from jaxamp.jaxpr_policy.table import rules_table
+
+    refused = {primitive: rule for primitive, rule in rules_table().items() if hasattr(rule, "reason")}
+    assert [primitive.name for primitive in refused] == ["custom_lin"]
+    (rule,) = refused.values()
+    equation = SimpleNamespace(primitive=next(iter(refused)))
+    with pytest.raises(NotImplementedError, match="'custom_lin': JAX uses it only while it linearizes"):
+        rule(None, equation, [])
