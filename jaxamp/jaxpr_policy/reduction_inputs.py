@@ -1,67 +1,76 @@
 """Values that feed only a float32 reduction are computed in float32.
 
 Under `jaxamp.autocast` every reduction runs in float32, but the values it
-reduces were, until it casts them, whatever the ops before it gave: a
-``mul`` follows its float16 inputs, so ``jnp.linalg.norm(h)`` (built as
-``sqrt(sum(h * h))``), a hand-written RMS norm ``mean(h * h)`` or a loss
-``mean(d * d)`` overflows float16 once ``|h|`` passes 256, before the float32
-``reduce_sum`` ever sees it. This pass finds, per jaxpr, the elementwise
-equations whose results are consumed by float32 reductions and by nothing
-else, so that the interpreter runs them with `float32_rule` instead of their
-own rule. XLA fuses such a chain into the reduction that consumes it (the
-chain's results are never written to memory), so the float32 arithmetic
-costs no extra bytes moved: the half-precision inputs are read once, as
-before, and converted in registers.
+reduces are whatever the ops before it gave: a ``mul`` follows its float16
+inputs, so ``jnp.linalg.norm(h)`` (built as ``sqrt(sum(h * h))``), a
+hand-written RMS norm ``mean(h * h)`` or a loss ``mean(d * d)`` overflows
+float16 once ``|h|`` passes 256, before the float32 ``reduce_sum`` sees it.
+This pass finds, per jaxpr, the elementwise equations whose results go to a
+float32 reduction and nowhere else, and the interpreter runs them with
+`float32_rule` instead of their own rule. Such a chain is fused by XLA into
+the reduction that consumes it: its half-precision inputs are read once, as
+before, converted in registers, and its results are never written out.
 
 The chain (`_CHAIN`): the arithmetic ops whose rule is "follow" (``add``,
-``add_any``, ``sub``, ``mul``, ``div``, ``neg``, ``abs``, ``max``, ``min``,
-``sign``, ``select_n``) and the shape ops that a reduction fusion absorbs
-(``broadcast_in_dim``, ``reshape``, ``squeeze``, ``transpose``, ``copy``), plus
-a ``convert_element_type`` to float32 or wider (JAX's own upcast before a
+``sub``, ``mul``, ``div``, ``neg``, ``abs``, ``max``, ``min``, ``sign``,
+``select_n``), the shape ops that a reduction fusion absorbs
+(``broadcast_in_dim``, ``reshape``, ``squeeze``, ``transpose``, ``copy``), and a
+``convert_element_type`` to float32 or wider (JAX's own upcast before a
 float16 sum; a cast to a half dtype is the user's and stays as written).
-Gathers, slices, concatenation, sorting and the rest are left alone: cast to
-float32 before them, their operands could be materialized in float32.
-``conj`` and ``real`` do not appear for real inputs, and autocast leaves
-complex values as they are. The sinks (`_REDUCTIONS`) are the full
-reductions (sum, product, max, min, argmax, argmin); windowed and cumulative
-reductions are not sinks, since XLA does not fuse every producer into them.
+Left out, each for a reason:
+
+* ``add_any``, JAX's sum of cotangents in a backward pass: its operands are
+  the backward matmuls' half-precision outputs, and a sum does not square
+  its operands' range. Widened, it changed how XLA fuses a norm's backward
+  on an H200 target (a float32 activation kept alive through the backward
+  pass, or a float32 product written out: 34 MB of temp or 50 MB of traffic
+  on a transformer block; ``scripts/reduction_cost.py``).
+* gathers, slices, concatenation, padding, sorting: cast to float32 before
+  them, their operands could be materialized in float32.
+* ``conj`` and ``real``: they do not appear for real inputs, and autocast
+  leaves complex values as they are.
+
+The sinks (`_REDUCTIONS`) are the full reductions (sum, product, max, min,
+argmax, argmin) whose rule is float32; windowed and cumulative reductions
+are not sinks, since XLA does not fuse every producer into them.
 
 The algorithm, once per jaxpr::
 
     readers[v] = the equations that read variable v
     widened = {}
-    for equation in reversed(jaxpr.eqns):      # every reader before its producer
-        if (equation's primitive is in the chain and its rule is follow/convert
-                and every output v is floating, is read by at least one equation,
-                is not an output of the jaxpr, and each reader of v is either
-                a float32 reduction (in the sinks, rule float32) or in widened):
+    for equation in reversed(jaxpr.eqns):     # every reader before its producer
+        if (equation's primitive is in the chain, its rule is follow/convert,
+                and every output v is floating, is not an output of the
+                jaxpr, and is read by exactly one equation, which is
+                a float32 reduction or in widened):
             widened.add(equation)
     return widened
 
-A jaxpr lists its equations in an order where each is after its inputs'
-producers, so one backward sweep decides every equation after all of its
-readers. An equation with any other reader keeps its rule: ``y = x * x``
-that is returned, added to a residual or fed to a matmul follows its inputs,
-as before. Rules see overrides and `float32_scope` through
-``Rewrite.rule_for``: a reduction overridden to "follow" is no sink, code in
-the scope runs as traced.
+A jaxpr lists each equation after its inputs' producers, so one backward
+sweep decides every equation after all of its readers. One reader, not
+several: a value read by two equations (two reductions, say) may be written
+to memory between them, and in float32 it would take twice the bytes. An
+equation with any other reader keeps its rule: ``y = x * x`` that is
+returned, fed to a matmul or to ``tanh`` follows its inputs, as before.
+Rules come from ``Rewrite.rule_for``, so overrides and `float32_scope`
+count: a reduction overridden to "follow" is no sink, and code in the scope
+runs as traced.
 
 Nested jaxprs (a ``jit``, ``scan``, ``cond`` or custom-derivative body) are
 each swept on their own when the interpreter evaluates them. An output of a
-body counts as a reader that is not a reduction: what consumes it lies
-outside the body, where the sweep does not look, so ``jax.jit(lambda h: h * h)``
-followed by a sum keeps its ``mul`` as before. Likewise an equation whose
-reader is a higher-order primitive (a reduction inside a ``jit`` body reading
-a value computed outside) keeps its rule. Most reductions users write sit in
-one jaxpr with their chain (``jnp.linalg.norm`` and ``jnp.var`` are each one
-``jit`` body), which is what matters.
+body counts as a reader that is not a reduction: what reads it lies outside
+the body, where the sweep does not look, so ``jax.jit(lambda h: h * h)``
+followed by a sum keeps its ``mul`` as before. Likewise a value read by a
+higher-order primitive (a ``jit`` whose body reduces it) keeps its rule.
+Most reductions users write sit in one jaxpr with their chain
+(``jnp.linalg.norm`` and ``jnp.var`` are each one ``jit`` body).
 
-Under differentiation the sweep sees whatever jaxpr it is given:
+Under differentiation the sweep sees the jaxpr it is given:
 ``autocast(jax.grad(f))`` traces the backward pass too, where a product that
 only feeds a sum (the gradient of a norm's scale, ``sum(ct * x_hat)``) runs in
 float32 as well; ``jax.grad(autocast(f))`` differentiates the rewritten
-forward pass, whose widened ``mul`` has a float32 backward that is cast back
-to the activation's dtype by the transpose of the cast.
+forward pass, whose widened ``mul`` has a float32 backward that the
+transpose of its input cast brings back to the activation's dtype.
 """
 
 from __future__ import annotations
@@ -96,7 +105,6 @@ _CHAIN = frozenset(
     (
         # arithmetic
         lax_primitives.add_p,
-        lax_primitives.add_jaxvals_p,  # "add_any", the sum of cotangents
         lax_primitives.sub_p,
         lax_primitives.mul_p,
         lax_primitives.div_p,
