@@ -121,14 +121,17 @@ def test_a_square_fed_only_to_a_sum_runs_in_float32():
         pytest.param(lambda square, w: (jnp.sum(square), square), id="returned"),
         pytest.param(lambda square, w: jnp.sum(square @ w), id="matmul"),
         pytest.param(lambda square, w: jnp.sum(square) + jnp.sum(jnp.tanh(square)), id="tanh"),
+        pytest.param(lambda square, w: jnp.sum(jnp.sqrt(square)), id="float32_elementwise"),
+        pytest.param(lambda square, w: jnp.sum(square.astype(jnp.bfloat16)), id="users_cast_to_bfloat16"),
         pytest.param(lambda square, w: jnp.sum(jax.jit(lambda s: s)(square)), id="jit_body_input"),
     ],
 )
 def test_a_square_with_any_other_reader_keeps_following_its_float16_inputs(other_reader):
     """What the README documents for ``x * x``: a non-reduction reader keeps the float16 ``mul``.
 
-    Fails if the sweep ignored readers that are not reductions (or looked
-    through a ``jit`` boundary, which it does not).
+    Fails if the sweep ignored readers that are not reductions, took any
+    float32 op (``sqrt``) for a reduction, widened through the user's cast to
+    a half dtype, or looked through a ``jit`` boundary.
     """
     x, w = _activations(4.0)
 
@@ -142,9 +145,9 @@ def test_a_square_with_any_other_reader_keeps_following_its_float16_inputs(other
 def test_a_square_read_by_two_reductions_keeps_following_its_inputs():
     """A value with two readers may be written to memory: widened, it would take twice the bytes.
 
-    Fails if the sweep accepted several reduction readers (on an H200 target
-    the LayerNorm backward then wrote a float32 cotangent where it had written
-    a float16 one; scripts/reduction_cost.py).
+    Fails if the sweep accepted several reduction readers (seen compiling a
+    LayerNorm block's backward for an H200 target: the cotangent read by the
+    scale's and the bias's sums was then written in float32).
     """
     x, w = _activations(4.0)
 
@@ -153,6 +156,26 @@ def test_a_square_read_by_two_reductions_keeps_following_its_inputs():
         return jnp.sum(square) + jnp.max(square)
 
     assert _equation_dtypes(jaxamp.autocast(program), x, w, primitive="mul") == [jnp.float16]
+
+
+def test_a_sum_of_half_precision_cotangents_stays_in_half_precision():
+    """``add_any`` (the backward pass's sum of cotangents) is left out of the float32 chain.
+
+    Here a broadcast row feeds two matmuls: its two cotangents, outputs of
+    float16 backward matmuls, meet in an ``add_any`` whose only reader is the
+    row gradient's ``reduce_sum``. Fails if ``add_any`` joined the chain
+    (which, compiled for an H200 target, changed the fusion of a norm's
+    backward: scripts/reduction_cost.py).
+    """
+    x, w = _activations(4.0)
+
+    def loss(row, w):
+        rows = jnp.broadcast_to(row, (4, FEATURES))
+        return jnp.sum(jnp.tanh(rows @ w)) + jnp.sum(jnp.tanh(rows @ w.T))
+
+    gradient = jaxamp.autocast(jax.grad(loss))
+    # The last add_any sums the matmul cotangents (the others, in tanh's derivative, are float32).
+    assert _equation_dtypes(gradient, x[0], w, primitive="add_any")[-1] == jnp.float16
 
 
 def test_a_square_returned_from_a_jit_body_keeps_following_its_inputs():
