@@ -11,14 +11,16 @@ Tolerance: ``rtol = 2**-9``, four units of float16 rounding (``2**-11``). The
 reference differs from autocast by the one rounding of ``h`` to float16,
 which a square doubles; the sums themselves run in float32 on both sides.
 
-Negative controls (run against the code before this rule, where each ``mul``
-followed its float16 inputs): the magnitude-400 cases of the norm, the RMS
-norm and the squared-error loss returned ``inf`` (norm, loss) or 0 (RMS
-norm: ``rsqrt(inf)``), and the gradients were not finite or zero; the
-float32 ``mul`` dtype checks failed with float16. ``jnp.var`` passed there
-too: JAX builds it from ``square`` (float32 already) of a difference whose
-other operand, the float32 mean, already made the difference float32. It
-stays as a guard.
+Negative controls, run against the code before this rule (where each
+``mul`` followed its float16 inputs): 8 of these tests failed there. The
+magnitude-400 norm and squared-error loss came back ``inf`` and the RMS norm
+0 (``rsqrt(inf)``); the gradients of the norm and the RMS norm, both ways,
+were all zero (through ``1 / inf``); the float32 ``mul`` check found float16. The others passed
+there too, and say why in their docstrings: ``jnp.var`` is built from
+``square`` (float32) of a difference that the float32 mean already made
+float32; the squared error's gradient is ``2 * error``, which never forms the
+square; the remaining tests pin what must not change (a non-reduction reader
+keeps the float16 ``mul``), each failing under the mutation it names.
 """
 
 from __future__ import annotations
@@ -75,7 +77,11 @@ def test_a_reduction_of_float16_activations_is_finite_and_matches_float32(progra
 
 @pytest.mark.parametrize("program", [norm, rms_norm, squared_error], ids=lambda program: program.__name__)
 def test_the_square_before_the_sum_ran_in_float16_without_the_rule(program):
-    """The negative control, in this code base: the same program with the rule turned off overflows."""
+    """The negative control, in this code base: the same program with the rule turned off is wrong.
+
+    ``_disabled`` is the private switch that ``scripts/reduction_cost.py``
+    measures the rule with; this keeps that switch honest.
+    """
     x, w = _activations(400.0)
     with _disabled():
         result = jaxamp.autocast(program)(x, w)
@@ -91,8 +97,10 @@ def _scalar_loss(program):
 def test_gradients_through_a_reduction_of_large_activations_are_finite(program, order):
     """The gradient with respect to the activations' input, through the reduction.
 
-    On the code before this rule, a gradient through ``inf`` was zero or not
-    finite. (The weight gradient of the squared error at this magnitude,
+    On the code before this rule, the norm's and the RMS norm's gradients
+    through the overflowed square were all zero, far from float32's; the
+    squared error's (``2 * error``, no square formed) was fine, and stays a
+    guard. (The weight gradient of the squared error at this magnitude,
     ``x.T @ error``, is beyond float16's range in the backward matmul itself:
     that is the loss scale's job, not this rule's.)
     """
