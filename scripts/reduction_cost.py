@@ -118,17 +118,20 @@ def _transformer_arguments(batch, length, width, input_dtype, device):
     return jaxamp.on_device((params, x, target), device)
 
 
-def _measure(build, arguments) -> dict:
-    """Compiles ``jax.jit(build())`` for `arguments` with the rule off, then on.
+def _measure(build) -> dict:
+    """Compiles ``jax.jit(fun)`` for `arguments`, ``(fun, arguments) = build()``, with the rule off, then on.
 
-    Where the rule leaves the lowered program unchanged, it is compiled once
-    and the figures are the same program's.
+    `build` makes a new autocast wrapper each time, so the second lowering
+    neither reuses the first one's rewrite nor JAX's trace of it. Where the
+    rule leaves the lowered program unchanged, it is compiled once and the
+    figures are the same program's.
     """
     results, programs = {}, {}
     for mode, switch in MODES.items():
         start = time.perf_counter()
         with switch():
-            lowered = jax.jit(build()).lower(*arguments)
+            fun, arguments = build()
+            lowered = jax.jit(fun).lower(*arguments)
         programs[mode] = lowered.as_text()
         if mode == "rule on" and programs["rule on"] == programs["rule off"]:
             results[mode] = {**results["rule off"], "compile_s": None}
@@ -177,7 +180,8 @@ def _row(name, results) -> str:
         [
             name,
             f"  {'':<22} {'rule off':>14} {'rule on':>14} {'on/off':>8}",
-            f"  {'temp':<22} {megabytes(before['temp']):>14} {megabytes(after['temp']):>14} {ratio('temp'):>8}",
+            f"  {'temp':<22} {megabytes(before['temp']):>14} {megabytes(after['temp']):>14} "
+            f"{ratio('temp'):>8}",
             f"  {'bytes moved':<22} {megabytes(before['bytes']):>14} {megabytes(after['bytes']):>14} "
             f"{ratio('bytes'):>8}",
             f"  {'XLA bytes accessed':<22} {megabytes(before['xla_bytes']):>14} "
@@ -204,7 +208,7 @@ def transformer_rows(device, batch=8, length=1024, width=1024, heads=16):
         loss = _transformer_loss(norm, heads)
         for order, input_dtype in variants:
             arguments = _transformer_arguments(batch, length, width, input_dtype, device)
-            results = _measure(lambda: orders[order](loss), arguments)
+            results = _measure(lambda: (orders[order](loss), arguments))
             name = (
                 f"transformer block, {norm_name}, jit({order}), {np.dtype(input_dtype).name} input, "
                 f"batch {batch} x {length} tokens, width {width}, {heads} heads"
@@ -226,7 +230,12 @@ def resnet_rows(device, batch_size=128):
     from experiments.benchmark import targets
 
     config = train.TrainConfig(
-        model="resnet18", precision="fp32", batch_size=batch_size, data="synthetic", epochs=1, loss_scale="dynamic"
+        model="resnet18",
+        precision="fp32",
+        batch_size=batch_size,
+        data="synthetic",
+        epochs=1,
+        loss_scale="dynamic",
     )
     dataset = data_lib.synthetic_dataset(num_train=1, num_test=1)  # mean/std only
     _, *data = targets.abstract_arguments("resnet18", "fp32", batch_size, device)
@@ -240,13 +249,18 @@ def resnet_rows(device, batch_size=128):
             state = state.replace(apply_fn=jaxamp.autocast(state.apply_fn, "mixed_float16"))
         return state
 
+    def arguments(apply_under_autocast):
+        return (jaxamp.on_device(jax.eval_shape(lambda: state_with(apply_under_autocast)), device), *data)
+
     variants = {
-        "apply under autocast: grad(autocast(apply))": (True, lambda: step),
-        "whole step under autocast: autocast(grad(...))": (False, lambda: jaxamp.autocast(step, "mixed_float16")),
+        "apply under autocast: grad(autocast(apply))": lambda: (step, arguments(True)),
+        "whole step under autocast: autocast(grad(...))": lambda: (
+            jaxamp.autocast(step, "mixed_float16"),
+            arguments(False),
+        ),
     }
-    for name, (apply_under_autocast, build) in variants.items():
-        state = jaxamp.on_device(jax.eval_shape(lambda: state_with(apply_under_autocast)), device)
-        results = _measure(build, (state, *data))
+    for name, build in variants.items():
+        results = _measure(build)
         yield _row(
             f"ResNet18 CIFAR train step, batch {batch_size}, dynamic loss scale, {name}", results
         )

@@ -118,9 +118,8 @@ def test_gradients_through_a_reduction_of_large_activations_are_finite(program, 
 
 def test_a_square_fed_only_to_a_sum_runs_in_float32():
     x, w = _activations(4.0)
-    assert _equation_dtypes(jaxamp.autocast(lambda x, w: jnp.sum((x @ w) * (x @ w))), x, w, primitive="mul") == [
-        jnp.float32
-    ]
+    sum_of_squares = jaxamp.autocast(lambda x, w: jnp.sum((x @ w) * (x @ w)))
+    assert _equation_dtypes(sum_of_squares, x, w, primitive="mul") == [jnp.float32]
 
 
 @pytest.mark.parametrize(
@@ -230,11 +229,19 @@ def test_matmul_flops_stay_all_half_in_a_transformer_block_forward_and_backward(
     params = {
         "norm1": jnp.ones(d),
         "norm2": jnp.ones(d),
-        **{name: jax.random.normal(key, (d, d)) / np.sqrt(d) for name, key in zip(("wq", "wk", "wv", "wo"), keys)},
+        **{
+            name: jax.random.normal(key, (d, d)) / np.sqrt(d)
+            for name, key in zip(("wq", "wk", "wv", "wo"), keys)
+        },
         "w1": jax.random.normal(keys[4], (d, 2 * d)) / np.sqrt(d),
         "w2": jax.random.normal(keys[5], (2 * d, d)) / np.sqrt(2 * d),
     }
     x = jax.random.normal(keys[6], (2, 4, d))
-    for transform in (jaxamp.autocast, lambda f: jax.grad(jaxamp.autocast(f)), lambda f: jaxamp.autocast(jax.grad(f))):
+    transforms = (
+        jaxamp.autocast,
+        lambda f: jax.grad(jaxamp.autocast(f)),
+        lambda f: jaxamp.autocast(jax.grad(f)),
+    )
+    for transform in transforms:
         report = jaxamp.precision_report(transform(_block), params, x)
         assert report.fraction(jnp.float16) == 1.0, str(report)

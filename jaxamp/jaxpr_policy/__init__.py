@@ -10,6 +10,8 @@ framework. One module per job:
   modules split and written back;
 * `interpreter`: the jaxpr interpreter and the per-signature cache;
 * `rules`: the dtype rule of each first-order primitive, in a table;
+* `reduction_inputs`: the elementwise chains that feed only a float32
+  reduction, which run in float32 whatever their rule;
 * `higher_order`: the rules that rewrite nested jaxprs (jit, checkpoint,
   scan, while, cond, custom_jvp, custom_vjp);
 * `scope`: `float32_scope`, the opt-out.

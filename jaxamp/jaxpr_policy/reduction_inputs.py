@@ -130,7 +130,11 @@ _enabled = True
 
 @contextlib.contextmanager
 def _disabled() -> Iterator[None]:
-    """Turns the sweep off while autocast rewrites (for before/after measurements only)."""
+    """Turns the sweep off while autocast rewrites (for before/after measurements only).
+
+    Rewrites are made when autocast traces (a first call, or ``lower``), and
+    kept as made: use a new ``autocast`` wrapper inside the block.
+    """
     global _enabled
     previous, _enabled = _enabled, False
     try:
@@ -157,7 +161,7 @@ def _may_widen(context: Rewrite, equation) -> bool:
 
 
 def reduction_inputs(context: Rewrite, jaxpr: Jaxpr) -> frozenset[int]:
-    """The equations of `jaxpr` that run in float32 because they feed only float32 reductions.
+    """The equations of `jaxpr` that run in float32 because their results go only to a float32 reduction.
 
     Args:
         context: the rewrite (its ``rule_for`` gives each equation's rule).

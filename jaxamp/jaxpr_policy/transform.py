@@ -56,7 +56,9 @@ def autocast(
     * numerically sensitive operations (exp/log family, roots and powers,
       special functions, every reduction) run in float32;
     * elementwise and structural operations follow their inputs; scalar
-      literals are weak unless the half dtype cannot hold them;
+      literals are weak unless the half dtype cannot hold them; an
+      elementwise chain whose results go only to a float32 reduction (the
+      ``h * h`` of a norm) runs in float32;
     * everything else runs in the dtypes it was traced with;
     * nested ``jit``, ``checkpoint``, ``scan``, ``while_loop``, ``cond``,
       ``custom_jvp`` and ``custom_vjp`` bodies are rewritten recursively.
