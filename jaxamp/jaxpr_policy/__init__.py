@@ -13,6 +13,8 @@ framework. One module per job:
 * `registry`: JAX's registry of primitives, the one place it is read;
 * `rules`: the dtype rule of each first-order primitive, in a table
   keyed by the primitives;
+* `reduction_inputs`: the elementwise chains that feed only a float32
+  reduction, which run in float32 whatever their rule;
 * `higher_order`: the rules that rewrite nested jaxprs (jit, checkpoint,
   scan, while, cond, custom_jvp, custom_vjp, shard_map);
 * `table`: both tables, with the primitives of optional JAX modules;

@@ -21,7 +21,8 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, jaxpr_as_fun
 
 from jaxamp.jaxpr_policy.context import Rewrite, Rule
-from jaxamp.jaxpr_policy.rules import cast, restore_rule
+from jaxamp.jaxpr_policy.reduction_inputs import reduction_inputs
+from jaxamp.jaxpr_policy.rules import cast, float32_rule, restore_rule
 from jaxamp.jaxpr_policy.scope import equation_context
 
 
@@ -29,7 +30,9 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
     """Evaluates `jaxpr` on `args`, each equation through its rule.
 
     Literals are read as NumPy values of their traced dtype, so a rule can
-    cast them without creating a traced constant.
+    cast them without creating a traced constant. Equations that feed only
+    float32 reductions run in float32
+    (`jaxamp.jaxpr_policy.reduction_inputs`).
     """
     env: dict[Any, Any] = {}
 
@@ -42,10 +45,12 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
         env[variable] = value
     for variable, value in zip(jaxpr.invars, args, strict=True):
         env[variable] = value
+    widened = reduction_inputs(context, jaxpr)
     for equation in jaxpr.eqns:
         invals = [read(atom) for atom in equation.invars]
         with equation_context(equation):
-            outvals = context.rule_for(equation)(context, equation, invals)
+            rule = float32_rule if id(equation) in widened else context.rule_for(equation)
+            outvals = rule(context, equation, invals)
         for variable, value in zip(equation.outvars, outvals, strict=True):
             env[variable] = value
     return [read(atom) for atom in jaxpr.outvars]

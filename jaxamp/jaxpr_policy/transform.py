@@ -87,7 +87,9 @@ def autocast(
     * numerically sensitive operations (exp/log family, roots and powers,
       special functions, every reduction) run in float32;
     * elementwise and structural operations follow their inputs; scalar
-      literals are weak unless the half dtype cannot hold them;
+      literals are weak unless the half dtype cannot hold them; an
+      elementwise chain whose results go only to a float32 reduction (the
+      ``h * h`` of a norm) runs in float32;
     * scatters (``x.at[i].add``, ``segment_sum``, the gradient of a
       gather), collectives, random bits, callbacks, kernels and linear
       solves (``custom_linear_solve``) run in the dtypes they were traced
