@@ -103,3 +103,133 @@ def test_the_traced_report_reads_each_operand_of_a_mixed_dot(lhs_dtype, rhs_dtyp
     assert op.operand_dtypes == (jnp.dtype(lhs_dtype).name, jnp.dtype(rhs_dtype).name)
     assert op.compute_dtype == "float32"
     assert op.flops == 2 * 4 * 4 * 3
+
+
+@pytest.mark.parametrize(
+    "make_hlo, flops",
+    [
+        (dot_hlo, 2 * 4 * 4 * 3),  # 2 * M * N * K
+        (cublas_hlo, 2 * 4 * 4 * 3),
+        (convolution_hlo, 2 * (1 * 4 * 4 * 4) * (3 * 3 * 2)),  # 2 * outputs * window * input features
+        (cudnn_hlo, 2 * (4 * 3 * 3 * 2) * (1 * 4 * 4 * 4) // 4),  # 2 * size(w) * size(y) / features(y)
+    ],
+)
+def test_each_heavy_op_kind_counts_its_flops_with_more_than_one_input_feature(make_hlo, flops):
+    """Two input features, so a count that divides by them (or ignores them) is off."""
+    (op,) = jaxamp.hlo_precision_report(make_hlo("f16", "f16")).ops
+    assert op.flops == flops
+
+
+OUTER_PRODUCT_IN_AN_UNCOUNTED_LOOP = """HloModule m
+
+%body (s: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %x = f32[4]{0} get-tuple-element(%s), index=1
+  %outer = f32[4,4]{1,0} dot(%x, %x)
+  %y = f32[4]{0} get-tuple-element(%s), index=1
+  ROOT %t = (s32[], f32[4]{0}) tuple(%i, %y)
+}
+
+%cond (s: (s32[], f32[4])) -> pred[] {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[4]) -> (s32[], f32[4]) {
+  %x = f32[4]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4]{0}) tuple(%zero, %x)
+  ROOT %loop = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_loop_without_a_known_trip_count_counts_its_body_once_and_an_outer_product_has_no_contraction():
+    """XLA prints no ``known_trip_count`` for a data-dependent loop, no contracting dims for an outer product."""
+    (op,) = jaxamp.hlo_precision_report(OUTER_PRODUCT_IN_AN_UNCOUNTED_LOOP).ops
+    assert (op.primitive, op.flops) == ("dot", 2 * 4 * 4)
+
+
+TRAFFIC_HLO = """HloModule m
+
+%body (s: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %x = f32[4]{0} get-tuple-element(%s), index=1
+  %y = f32[4]{0} add(%x, %x)
+  ROOT %t = (s32[], f32[4]{0}) tuple(%i, %y)
+}
+
+%cond (s: (s32[], f32[4])) -> pred[] {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+%small (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p)
+}
+
+%large (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %a = f32[4]{0} exponential(%p)
+  ROOT %b = f32[4]{0} multiply(%a, %p)
+}
+
+%callee (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %c = f32[4]{0} sqrt(%p)
+}
+
+%fused (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %e = f32[4]{0} exponential(%p)
+  ROOT %l = f32[4]{0} log(%e)
+}
+
+ENTRY %main (x: f32[4]) -> f32[2,2] {
+  %x = f32[4]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4]{0}) tuple(%zero, %x)
+  %loop = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %unknown = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body
+  %y = f32[4]{0} get-tuple-element(%loop), index=1
+  %pred = pred[] constant(true)
+  %branch = f32[4]{0} conditional(%pred, %y, %y), true_computation=%small, false_computation=%large
+  %called = f32[4]{0} call(%branch), to_apply=%callee
+  %fusion = f32[4]{0} fusion(%called), kind=kLoop, calls=%fused
+  %bc = f32[2,2]{1,0} bitcast(%fusion)
+  ROOT %out = f32[2,2]{1,0} add(%bc, %bc)
+}
+"""
+
+
+def test_bytes_accessed_follows_loops_branches_and_calls_but_not_into_fusions():
+    """Each term is one rule of `bytes_accessed`; a rule broken changes the total."""
+    vector = 4 * 4  # bytes of an f32[4]
+    expected = {
+        "known loop: 3 x the body's add (2 reads, 1 write)": 3 * 3 * vector,
+        "unknown loop: the body once": 3 * vector,
+        "conditional: the larger branch (exp 2, multiply 3)": 5 * vector,
+        "call: the callee's sqrt": 2 * vector,
+        "fusion: one kernel, its operand and result only": 2 * vector,
+        "add at the root": 3 * vector,
+        "parameters, constants, tuples, get-tuple-element, bitcast": 0,
+    }
+    assert jaxamp.hlo_report.bytes_accessed(TRAFFIC_HLO) == sum(expected.values())
+
+
+def test_bytes_accessed_counts_bytes_by_element_type():
+    hlo = """HloModule m
+
+ENTRY %main (a: f16[8], b: bf16[8], c: s8[8], d: f64[8]) -> pred[8] {
+  %a = f16[8]{0} parameter(0)
+  %b = bf16[8]{0} parameter(1)
+  %c = s8[8]{0} parameter(2)
+  %d = f64[8]{0} parameter(3)
+  %ab = f32[8]{0} add(%a, %b)
+  ROOT %cd = pred[8]{0} compare(%c, %d), direction=LT
+}
+"""
+    assert jaxamp.hlo_report.bytes_accessed(hlo) == (8 * 2 + 8 * 2 + 8 * 4) + (8 * 1 + 8 * 8 + 8 * 1)
