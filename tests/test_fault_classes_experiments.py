@@ -231,3 +231,15 @@ def test_no_step_is_compiled_inside_a_timed_epoch_the_first_included(monkeypatch
         assert epoch["train_step"] and epoch["eval_step"]
         assert not [name for name in epoch["compiled"] if any(step in name for step in step_names)], epoch
     assert set(results["compile_time_s"]) == {"train_step", "eval_step"}
+
+
+def test_micro_batches_that_are_one_array_count_along_its_leading_axis():
+    """A tree of one leaf: K comes from that leaf (a mutant reading a second leaf has none)."""
+
+    def grad_fn(params, carry, micro_batch):
+        return ({"loss": jnp.sum(micro_batch)}, carry), {"w": micro_batch, "b": micro_batch[0]}, jnp.array(True)
+
+    batches = jnp.arange(12.0).reshape(4, 3)
+    _, grads, grads_finite, _ = accumulate_gradients(grad_fn, PARAMS, jnp.int32(0), batches)
+    assert bool(grads_finite)
+    np.testing.assert_array_equal(grads["w"], np.asarray(batches).mean(axis=0))
