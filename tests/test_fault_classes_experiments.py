@@ -243,3 +243,11 @@ def test_micro_batches_that_are_one_array_count_along_its_leading_axis():
     _, grads, grads_finite, _ = accumulate_gradients(grad_fn, PARAMS, jnp.int32(0), batches)
     assert bool(grads_finite)
     np.testing.assert_array_equal(grads["w"], np.asarray(batches).mean(axis=0))
+
+
+@pytest.mark.parametrize("batch_size, steps", [(1, 6), (6, 1)])
+def test_epoch_batches_accepts_the_smallest_and_the_largest_batch(batch_size, steps):
+    """A batch of 1 and a batch of the whole set are valid bounds, not errors."""
+    batches = data_lib.epoch_batches(jax.random.key(0), 6, batch_size)
+    assert batches.shape == (steps, batch_size)
+    assert sorted(np.asarray(batches).ravel().tolist()) == list(range(6))

@@ -233,3 +233,69 @@ ENTRY %main (a: f16[8], b: bf16[8], c: s8[8], d: f64[8]) -> pred[8] {
 }
 """
     assert jaxamp.hlo_report.bytes_accessed(hlo) == (8 * 2 + 8 * 2 + 8 * 4) + (8 * 1 + 8 * 8 + 8 * 1)
+
+
+BRANCHES_HLO = """HloModule m
+
+%one_big (p: f32[16,16]) -> f32[16,16] {
+  %p = f32[16,16]{1,0} parameter(0)
+  ROOT %d = f32[16,16]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%two_small (p: f32[16,16]) -> f32[2,2] {
+  %p = f32[16,16]{1,0} parameter(0)
+  %s = f32[2,2]{1,0} slice(%p), slice={[0:2], [0:2]}
+  %d1 = f32[2,2]{1,0} dot(%s, %s), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %d2 = f32[2,2]{1,0} dot(%d1, %s), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: f32[16,16], a: f16[2,3,4], b: f16[3,4,5]) -> f32[2,5] {
+  %x = f32[16,16]{1,0} parameter(0)
+  %a = f16[2,3,4]{2,1,0} parameter(1)
+  %b = f16[3,4,5]{2,1,0} parameter(2)
+  %p = pred[] constant(true)
+  %branch = f32[16,16]{1,0} conditional(%p, %x, %x), true_computation=%two_small, false_computation=%one_big
+  ROOT %after = f32[2,5]{1,0} dot(%a, %b), lhs_contracting_dims={1,2}, rhs_contracting_dims={0,1}
+}
+"""
+
+
+def test_a_conditional_counts_its_branch_with_most_flops_not_most_ops_and_the_walk_goes_on_after_it():
+    report = jaxamp.hlo_precision_report(BRANCHES_HLO)
+    assert [(op.operand_dtypes, op.flops) for op in report.ops] == [
+        (("float32", "float32"), 2 * 16 * 16 * 16),  # the one big dot, not the two small ones
+        (("float16", "float16"), 2 * (2 * 5) * (3 * 4)),  # after the conditional; contracts two axes
+    ]
+
+
+def test_a_cublas_call_contracting_two_axes_counts_both():
+    hlo = hlo_module(
+        """  %a = f16[2,3,4]{2,1,0} parameter(0)
+  %b = f16[3,4,5]{2,1,0} parameter(1)
+  %gemm = (f16[2,5]{1,0}, s8[1024]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1","2"],"rhs_contracting_dimensions":["0","1"]}}}
+  ROOT %c = f16[2,5]{1,0} get-tuple-element(%gemm), index=0""",
+        "a: f16[2,3,4], b: f16[3,4,5]",
+    )
+    (op,) = jaxamp.hlo_precision_report(hlo).ops
+    assert op.flops == 2 * (2 * 5) * (3 * 4)
+
+
+@pytest.mark.parametrize("make_hlo", [dot_hlo, convolution_hlo, cublas_hlo, cudnn_hlo])
+def test_flops_are_integers(make_hlo):
+    (op,) = jaxamp.hlo_precision_report(make_hlo("f16", "f16")).ops
+    assert isinstance(op.flops, int)
+
+
+@pytest.mark.parametrize(
+    "make_hlo, remove, named",
+    [
+        (convolution_hlo, ", dim_labels=b01f_01io->b01f", "dim_labels"),
+        (cudnn_hlo, ", dim_labels=b01f_o01i->b01f", "dim_labels"),
+        (cublas_hlo, '"lhs_contracting_dimensions":["1"],', "dot_dimension_numbers"),
+    ],
+)
+def test_a_heavy_op_missing_the_attribute_its_flops_need_is_refused_naming_it(make_hlo, remove, named):
+    hlo = make_hlo("f16", "f16")
+    assert remove in hlo
+    with pytest.raises(ValueError, match=rf"without {named} in HLO: '"):
+        jaxamp.hlo_precision_report(hlo.replace(remove, ""))
