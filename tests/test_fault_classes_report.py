@@ -299,3 +299,53 @@ def test_a_heavy_op_missing_the_attribute_its_flops_need_is_refused_naming_it(ma
     assert remove in hlo
     with pytest.raises(ValueError, match=rf"without {named} in HLO: '"):
         jaxamp.hlo_precision_report(hlo.replace(remove, ""))
+
+
+# XLA's own text (``Compiled.as_text()``) prints each operand with its shape,
+# tuples in parentheses, dynamic dimensions with a bound (``<=8``), and a
+# ``lax.switch`` as a conditional with a list of branch computations.
+AS_PRINTED_BY_XLA = """HloModule m
+
+%fused (p: (s32[], f32[4])) -> (f32[4], f32[<=8,4]) {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%p), index=1
+  %y = f32[<=8,4]{1,0} broadcast(%x), dimensions={1}
+  ROOT %t = (f32[4]{0}, f32[<=8,4]{1,0}) tuple(%x, %y)
+}
+
+%b0 (p: f32[8,4]) -> f32[8,8] {
+  %p = f32[8,4]{1,0} parameter(0)
+  ROOT %d = f32[8,8]{1,0} dot(f32[8,4]{1,0} %p, f32[8,4]{1,0} %p), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+%b1 (p: f32[8,4]) -> f32[8,8] {
+  %p = f32[8,4]{1,0} parameter(0)
+  ROOT %z = f32[8,8]{1,0} broadcast(f32[] %p), dimensions={}
+}
+
+%b2 (p: f32[8,4]) -> f32[8,8] {
+  %p = f32[8,4]{1,0} parameter(0)
+  %d1 = f32[8,8]{1,0} dot(f32[8,4]{1,0} %p, f32[8,4]{1,0} %p), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  ROOT %d2 = f32[8,8]{1,0} dot(f32[8,8]{1,0} %d1, f32[8,8]{1,0} %d1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (i: s32[], x: f32[4], m: f32[8,4]) -> f32[8,8] {
+  %i = s32[] parameter(0)
+  %x = f32[4]{0} parameter(1)
+  %m = f32[8,4]{1,0} parameter(2)
+  %init = (s32[], f32[4]{0}) tuple(s32[] %i, f32[4]{0} %x)
+  %fusion = (f32[4]{0}, f32[<=8,4]{1,0}) fusion((s32[], f32[4]{0}) %init), kind=kLoop, calls=%fused
+  ROOT %switch = f32[8,8]{1,0} conditional(s32[] %i, f32[8,4]{1,0} %m, f32[8,4]{1,0} %m, f32[8,4]{1,0} %m), branch_computations={%b0, %b1, %b2}
+}
+"""
+
+
+def test_text_as_xla_prints_it_operand_shapes_tuples_bounded_dims_and_a_switch():
+    report = jaxamp.hlo_precision_report(AS_PRINTED_BY_XLA)
+    # The switch's heaviest branch is the third, named in the branch list.
+    assert [op.flops for op in report.ops] == [2 * 8 * 8 * 4, 2 * 8 * 8 * 8]
+    traffic = jaxamp.hlo_report.bytes_accessed(AS_PRINTED_BY_XLA)
+    fusion = (4 * 4 + 8 * 4 * 4) + (4 + 4 * 4)  # both results (bound 8), the tuple operand's two parts
+    # The switch: its largest branch only, two dots (each writes 8x8, reads its two operands).
+    switch = (8 * 8 * 4 + 2 * 8 * 4 * 4) + (8 * 8 * 4 + 2 * 8 * 8 * 4)
+    assert traffic == fusion + switch
