@@ -452,3 +452,45 @@ def test_a_jvp_through_a_custom_jvp_uses_the_users_rule_in_float16():
     closed = jax.make_jaxpr(lambda x, w: jax.jvp(fun, (x, w), (dx, dw)))(x, w)
     dots = [eq for eq in all_equations(closed.jaxpr) if eq.primitive.name == "dot_general"]
     assert dots and {eq.outvars[0].aval.dtype for eq in dots} == {jnp.dtype(jnp.float16)}
+
+
+# --- edges of the classes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "primitive, fun",
+    [
+        ("cumsum", lambda n: jnp.cumsum(n, axis=-1)),
+        ("reduce_max", lambda n: jnp.max(n, axis=-1)),
+        ("argmax", lambda n: jnp.argmax(n, axis=-1)),
+        ("integer_pow", lambda n: n**2),
+    ],
+)
+def test_integer_inputs_of_a_float32_class_primitive_stay_integers(primitive, fun):
+    """Only floating inputs are widened: a count or an index stays exact (and usable as an index)."""
+    counts = jnp.arange(16, dtype=jnp.int32).reshape(4, 4)
+    (equation,) = equations_of(jaxamp.autocast(fun), counts, primitive=primitive)
+    assert [atom.aval.dtype for atom in equation.invars] == [jnp.dtype(jnp.int32)]
+    np.testing.assert_array_equal(jaxamp.autocast(fun)(counts), fun(counts))
+
+
+def test_a_literal_equal_to_the_largest_float16_fits_and_stays_weak():
+    """65504 is float16's largest finite value: it fits, so the multiply stays float16."""
+    closed = jax.make_jaxpr(jaxamp.autocast(lambda x: (x @ x) * 65504.0))(square(jnp.float32))
+    (mul,) = [eq for eq in all_equations(closed.jaxpr) if eq.primitive.name == "mul"]
+    assert set(floating_dtypes(mul.invars)) == {jnp.dtype(jnp.float16)}
+
+
+def test_operand_wise_primitives_keep_each_operands_current_dtype():
+    """``optimization_barrier`` and ``device_put`` neither promote nor restore their operands."""
+
+    def model(x):
+        h = x @ x
+        h_barrier, x_barrier = lax.optimization_barrier((h, x))
+        return jax.device_put(h_barrier) + x_barrier
+
+    closed = jax.make_jaxpr(jaxamp.autocast(model))(square(jnp.float32))
+    (barrier,) = [eq for eq in all_equations(closed.jaxpr) if eq.primitive.name == "optimization_barrier"]
+    assert [atom.aval.dtype for atom in barrier.outvars] == [jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)]
+    (put,) = [eq for eq in all_equations(closed.jaxpr) if eq.primitive.name == "device_put"]
+    assert [atom.aval.dtype for atom in put.outvars] == [jnp.dtype(jnp.float16)]
