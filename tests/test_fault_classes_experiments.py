@@ -251,3 +251,20 @@ def test_epoch_batches_accepts_the_smallest_and_the_largest_batch(batch_size, st
     batches = data_lib.epoch_batches(jax.random.key(0), 6, batch_size)
     assert batches.shape == (steps, batch_size)
     assert sorted(np.asarray(batches).ravel().tolist()) == list(range(6))
+
+
+@pytest.mark.parametrize("num", [1, 3])
+def test_gradients_come_back_in_the_params_dtypes_with_integer_metrics_and_the_carry_threaded(num):
+    """bfloat16 params get bfloat16 gradients; an integer count stays an integer; the carry reaches K."""
+    params = {"w": jnp.zeros(3, jnp.bfloat16)}
+
+    def grad_fn(params, carry, micro_batch):
+        metrics = {"correct": jnp.sum(micro_batch > 1).astype(jnp.int32), "loss": jnp.sum(micro_batch)}
+        return (metrics, carry + 1), {"w": micro_batch.astype(jnp.bfloat16)}, jnp.array(True)
+
+    batches = jnp.arange(3.0 * num).reshape(num, 3)
+    carry, grads, _, metrics = accumulate_gradients(grad_fn, params, jnp.int32(0), batches)
+    assert int(carry) == num
+    assert grads["w"].dtype == jnp.bfloat16
+    assert metrics["correct"].dtype == jnp.int32
+    assert int(metrics["correct"]) == int(np.sum(np.asarray(batches) > 1))
