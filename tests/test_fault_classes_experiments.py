@@ -268,3 +268,37 @@ def test_gradients_come_back_in_the_params_dtypes_with_integer_metrics_and_the_c
     assert grads["w"].dtype == jnp.bfloat16
     assert metrics["correct"].dtype == jnp.int32
     assert int(metrics["correct"]) == int(np.sum(np.asarray(batches) > 1))
+
+
+# --- data: the synthetic stand-in and the crop offsets -----------------------------------------------
+
+
+def test_the_synthetic_dataset_is_chosen_by_name_whatever_the_source_and_keeps_its_seed():
+    by_name = data_lib.load_dataset("synthetic", seed=3)  # the default source is tfds
+    assert by_name.name == "synthetic"
+    direct = data_lib.synthetic_dataset(len(by_name.train_labels), len(by_name.test_labels), seed=3)
+    np.testing.assert_array_equal(by_name.test_images, direct.test_images)
+    np.testing.assert_array_equal(by_name.test_labels, direct.test_labels)
+    other_seed = data_lib.load_dataset("synthetic", seed=4)
+    assert not np.array_equal(other_seed.test_labels, by_name.test_labels)
+
+
+def test_synthetic_pixels_and_labels_cover_their_whole_ranges():
+    dataset = data_lib.synthetic_dataset(num_train=64, num_test=256, num_classes=10, seed=0)
+    for images, labels in ((dataset.train_images, dataset.train_labels), (dataset.test_images, dataset.test_labels)):
+        assert (images.min(), images.max()) == (0, 255)
+        assert labels.dtype == np.int32
+    assert set(dataset.test_labels.tolist()) == set(range(10))
+    assert dataset.test_labels.shape == (256,) and dataset.test_images.shape == (256, 32, 32, 3)
+
+
+def test_crop_offsets_are_uniform_over_the_nine_positions_of_each_axis():
+    """Each image is one bright pixel at (4, 4): its crop puts it at (8 - dy, 8 - dx) or mirrored."""
+    count = 900
+    images = np.zeros((count, 16, 16, 1), np.uint8)
+    images[:, 4, 4, 0] = 255
+    augmented = np.asarray(data_lib.augment(jax.random.key(0), jnp.asarray(images)))
+    rows = np.array([np.argwhere(image[..., 0] == 255)[0][0] for image in augmented])
+    frequencies = np.bincount(8 - rows, minlength=9) / count
+    assert frequencies.shape == (9,)
+    assert np.all(frequencies > 0.06) and np.all(frequencies < 0.17), frequencies
