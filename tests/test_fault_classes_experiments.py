@@ -132,13 +132,18 @@ def test_the_eval_step_draws_no_random_numbers_while_the_train_step_does():
 
 
 def test_the_model_sees_exactly_the_normalized_test_images_at_evaluation(monkeypatch):
-    """A stand-in model records its input: it must be ``normalize(images)``, pixel for pixel."""
+    """A stand-in model records its input: it must be ``normalize(images)``, pixel for pixel.
+
+    It predicts class ``row % 3`` for each row, so the correct count and the
+    summed loss over the real (masked) rows are known in closed form.
+    """
     dataset = tiny_dataset()
     seen = []
 
     def apply_fn(variables, images, train):
         seen.append((np.asarray(images), train))
-        return jnp.zeros((images.shape[0], dataset.num_classes)).at[:, 0].set(1.0)
+        predicted = jnp.arange(images.shape[0]) % 3
+        return 5.0 * jax.nn.one_hot(predicted, dataset.num_classes)
 
     def refuse(*args, **kwargs):
         raise AssertionError("evaluation called data.augment")
@@ -146,13 +151,16 @@ def test_the_model_sees_exactly_the_normalized_test_images_at_evaluation(monkeyp
     monkeypatch.setattr(data_lib, "augment", refuse)
     state = types.SimpleNamespace(apply_fn=apply_fn, params={}, batch_stats={})
     images = jnp.asarray(dataset.test_images[:4])
-    labels = jnp.asarray(dataset.test_labels[:4])
+    labels = jnp.array([0, 1, 0, 2], jnp.int32)
     mask = jnp.array([True, True, True, False])
     totals = train.make_eval_step(dataset)(state, images, labels, mask)
     ((model_input, train_flag),) = seen
     assert train_flag is False
     np.testing.assert_array_equal(model_input, data_lib.normalize(images, dataset.mean, dataset.std))
-    assert int(totals["correct"]) == int(np.sum(np.asarray(dataset.test_labels[:3]) == 0))
+    assert int(totals["correct"]) == 2  # rows 0 and 1 right, row 2 wrong, row 3 padding
+    logits = 5.0 * jax.nn.one_hot(jnp.arange(4) % 3, dataset.num_classes)
+    losses = -jax.nn.log_softmax(logits)[jnp.arange(4), labels]
+    np.testing.assert_allclose(float(totals["loss"]), float(losses[:3].sum()), rtol=1e-6)
 
 
 @pytest.mark.parametrize("eval_batch_size", [2, 4, 6, 8])
@@ -166,6 +174,10 @@ def test_the_test_batches_on_the_device_are_the_test_set_unchanged_and_padded(ev
     np.testing.assert_array_equal(images[:6], dataset.test_images)
     np.testing.assert_array_equal(labels[:6], dataset.test_labels)
     assert sum(device_data.test_batch_sizes) == 6
+    np.testing.assert_array_equal(device_data.train_images, dataset.train_images)
+    np.testing.assert_array_equal(device_data.train_labels, dataset.train_labels)
+    assert device_data.train_labels.dtype == np.int32
+    assert device_data.num_train == 8
 
 
 # --- a timed epoch compiles nothing ------------------------------------------------------------------
