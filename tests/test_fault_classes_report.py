@@ -335,17 +335,50 @@ ENTRY %main (i: s32[], x: f32[4], m: f32[8,4]) -> f32[8,8] {
   %m = f32[8,4]{1,0} parameter(2)
   %init = (s32[], f32[4]{0}) tuple(s32[] %i, f32[4]{0} %x)
   %fusion = (f32[4]{0}, f32[<=8,4]{1,0}) fusion((s32[], f32[4]{0}) %init), kind=kLoop, calls=%fused
-  ROOT %switch = f32[8,8]{1,0} conditional(s32[] %i, f32[8,4]{1,0} %m, f32[8,4]{1,0} %m, f32[8,4]{1,0} %m), branch_computations={%b0, %b1, %b2}
+  ROOT %switch = f32[8,8]{1,0} conditional(s32[] %i, f32[8,4]{1,0} %m, f32[8,4]{1,0} %m, f32[8,4]{1,0} %m), branch_computations={%b2, %b1, %b0}
 }
 """
 
 
 def test_text_as_xla_prints_it_operand_shapes_tuples_bounded_dims_and_a_switch():
     report = jaxamp.hlo_precision_report(AS_PRINTED_BY_XLA)
-    # The switch's heaviest branch is the third, named in the branch list.
+    # The switch's heaviest branch (b2) is named first in the branch list.
     assert [op.flops for op in report.ops] == [2 * 8 * 8 * 4, 2 * 8 * 8 * 8]
     traffic = jaxamp.hlo_report.bytes_accessed(AS_PRINTED_BY_XLA)
     fusion = (4 * 4 + 8 * 4 * 4) + (4 + 4 * 4)  # both results (bound 8), the tuple operand's two parts
     # The switch: its largest branch only, two dots (each writes 8x8, reads its two operands).
     switch = (8 * 8 * 4 + 2 * 8 * 4 * 4) + (8 * 8 * 4 + 2 * 8 * 8 * 4)
     assert traffic == fusion + switch
+
+
+def test_the_entry_computation_is_found_wherever_it_stands_in_the_text():
+    """XLA prints ENTRY last; a module with it first is read the same."""
+    entry_first = """HloModule m
+
+ENTRY %main (p: f32[4,4]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  ROOT %c = f32[4,4]{1,0} call(f32[4,4]{1,0} %p), to_apply=%callee
+}
+
+%callee (p: f32[4,4]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  ROOT %d = f32[4,4]{1,0} dot(f32[4,4]{1,0} %p, f32[4,4]{1,0} %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+    (op,) = jaxamp.hlo_precision_report(entry_first).ops
+    assert op.flops == 2 * 4 * 4 * 4
+
+
+def test_the_compiled_report_passes_keyword_arguments_as_static_values():
+    """``transpose=True`` changes which matmul is compiled: the report must see the keyword."""
+
+    def matmul(x, transpose=False):
+        return (x.T if transpose else x) @ jnp.ones((3, 5), x.dtype)
+
+    x = jnp.ones((3, 3), jnp.float32)
+    plain = jaxamp.precision_report(matmul, x, compiled=True)
+    transposed = jaxamp.precision_report(matmul, x, compiled=True, transpose=True)
+    assert [op.flops for op in transposed.ops] == [op.flops for op in plain.ops] == [2 * 3 * 5 * 3]
+    y = jnp.ones((4, 3), jnp.float32)
+    with pytest.raises(TypeError):
+        jaxamp.precision_report(matmul, y, compiled=True, transpose=True)  # (3, 4) @ (3, 5)
