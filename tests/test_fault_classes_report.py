@@ -1,0 +1,384 @@
+"""The precision reports read each operand's own dtype, for every kind of heavy op.
+
+A report that takes one operand's dtype for both (the left one, say) calls a
+float16 x float32 matmul all-half and overstates the half-precision share;
+one that reads the output's dtype misses a float32 accumulation. Each
+scenario here mixes the operand dtypes in both orders, so a report that
+reads either operand alone, or the result, fails one of the two.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxamp
+
+ORDERS = [("f16", "f32"), ("f32", "f16"), ("bf16", "f32"), ("f32", "bf16")]
+NUMPY_NAMES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
+
+
+def hlo_module(entry_body: str, parameters: str) -> str:
+    return f"HloModule m\n\nENTRY %main ({parameters}) -> f32[4,4] {{\n{entry_body}\n}}\n"
+
+
+def dot_hlo(lhs: str, rhs: str) -> str:
+    return hlo_module(
+        f"""  %a = {lhs}[4,3]{{1,0}} parameter(0)
+  %b = {rhs}[3,4]{{1,0}} parameter(1)
+  ROOT %d = f32[4,4]{{1,0}} dot(%a, %b), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}""",
+        f"a: {lhs}[4,3], b: {rhs}[3,4]",
+    )
+
+
+def convolution_hlo(lhs: str, rhs: str) -> str:
+    return hlo_module(
+        f"""  %x = {lhs}[1,6,6,2]{{3,2,1,0}} parameter(0)
+  %w = {rhs}[3,3,2,4]{{3,2,1,0}} parameter(1)
+  ROOT %y = f32[1,4,4,4]{{3,2,1,0}} convolution(%x, %w), window={{size=3x3}}, dim_labels=b01f_01io->b01f""",
+        f"x: {lhs}[1,6,6,2], w: {rhs}[3,3,2,4]",
+    )
+
+
+def cublas_hlo(lhs: str, rhs: str) -> str:
+    return hlo_module(
+        f"""  %a = {lhs}[4,3]{{1,0}} parameter(0)
+  %b = {rhs}[3,4]{{1,0}} parameter(1)
+  %gemm = (f32[4,4]{{1,0}}, s8[1024]{{0}}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={{"gemm_backend_config":{{"dot_dimension_numbers":{{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}}}}
+  ROOT %c = f32[4,4]{{1,0}} get-tuple-element(%gemm), index=0""",
+        f"a: {lhs}[4,3], b: {rhs}[3,4]",
+    )
+
+
+def cudnn_hlo(lhs: str, rhs: str) -> str:
+    return hlo_module(
+        f"""  %x = {lhs}[1,6,6,2]{{3,2,1,0}} parameter(0)
+  %w = {rhs}[4,3,3,2]{{3,2,1,0}} parameter(1)
+  %conv = (f32[1,4,4,4]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%x, %w), window={{size=3x3}}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convForward"
+  ROOT %y = f32[1,4,4,4]{{3,2,1,0}} get-tuple-element(%conv), index=0""",
+        f"x: {lhs}[1,6,6,2], w: {rhs}[4,3,3,2]",
+    )
+
+
+@pytest.mark.parametrize("make_hlo", [dot_hlo, convolution_hlo, cublas_hlo, cudnn_hlo])
+@pytest.mark.parametrize("lhs, rhs", ORDERS)
+def test_a_mixed_dtype_heavy_op_of_compiled_hlo_reports_each_operands_own_dtype(make_hlo, lhs, rhs):
+    """Fails if `hlo_report._heavy_op` gives both operands the left (or right) one's dtype."""
+    (op,) = jaxamp.hlo_precision_report(make_hlo(lhs, rhs)).ops
+    assert op.operand_dtypes == (NUMPY_NAMES[lhs], NUMPY_NAMES[rhs])
+    assert op.output_dtype == "float32"
+    # The wider operand decides: a half x float32 op is not half precision.
+    assert op.compute_dtype == "float32"
+
+
+@pytest.mark.parametrize("make_hlo", [dot_hlo, convolution_hlo, cublas_hlo, cudnn_hlo])
+@pytest.mark.parametrize("lhs, rhs", ORDERS)
+def test_a_mixed_dtype_op_counts_nothing_as_half_precision(make_hlo, lhs, rhs):
+    report = jaxamp.hlo_precision_report(make_hlo(lhs, rhs))
+    assert report.fraction(NUMPY_NAMES["f16"]) == 0.0
+    assert report.fraction(NUMPY_NAMES["bf16"]) == 0.0
+    assert report.fraction(jnp.float32) == 1.0
+
+
+@pytest.mark.parametrize("make_hlo", [dot_hlo, convolution_hlo, cublas_hlo, cudnn_hlo])
+def test_a_half_op_with_a_float32_result_is_still_half_precision(make_hlo):
+    """The operands, not the result, decide: a report reading the output dtype fails here."""
+    (op,) = jaxamp.hlo_precision_report(make_hlo("f16", "f16")).ops
+    assert op.operand_dtypes == ("float16", "float16")
+    assert op.output_dtype == "float32"
+    assert op.compute_dtype == "float16"
+
+
+@pytest.mark.parametrize(
+    "lhs_dtype, rhs_dtype",
+    [(jnp.float16, jnp.float32), (jnp.float32, jnp.float16), (jnp.bfloat16, jnp.float32)],
+)
+def test_the_traced_report_reads_each_operand_of_a_mixed_dot(lhs_dtype, rhs_dtype):
+    """`lax.dot_general` of mixed operands: the traced report names both dtypes in order."""
+
+    def mixed_dot(a, b):
+        return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+    args = (jax.ShapeDtypeStruct((4, 3), lhs_dtype), jax.ShapeDtypeStruct((3, 4), rhs_dtype))
+    (op,) = jaxamp.precision_report(mixed_dot, *args).ops
+    assert op.operand_dtypes == (jnp.dtype(lhs_dtype).name, jnp.dtype(rhs_dtype).name)
+    assert op.compute_dtype == "float32"
+    assert op.flops == 2 * 4 * 4 * 3
+
+
+@pytest.mark.parametrize(
+    "make_hlo, flops",
+    [
+        (dot_hlo, 2 * 4 * 4 * 3),  # 2 * M * N * K
+        (cublas_hlo, 2 * 4 * 4 * 3),
+        (convolution_hlo, 2 * (1 * 4 * 4 * 4) * (3 * 3 * 2)),  # 2 * outputs * window * input features
+        (cudnn_hlo, 2 * (4 * 3 * 3 * 2) * (1 * 4 * 4 * 4) // 4),  # 2 * size(w) * size(y) / features(y)
+    ],
+)
+def test_each_heavy_op_kind_counts_its_flops_with_more_than_one_input_feature(make_hlo, flops):
+    """Two input features, so a count that divides by them (or ignores them) is off."""
+    (op,) = jaxamp.hlo_precision_report(make_hlo("f16", "f16")).ops
+    assert op.flops == flops
+
+
+OUTER_PRODUCT_IN_AN_UNCOUNTED_LOOP = """HloModule m
+
+%body (s: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %x = f32[4]{0} get-tuple-element(%s), index=1
+  %outer = f32[4,4]{1,0} dot(%x, %x)
+  %y = f32[4]{0} get-tuple-element(%s), index=1
+  ROOT %t = (s32[], f32[4]{0}) tuple(%i, %y)
+}
+
+%cond (s: (s32[], f32[4])) -> pred[] {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[4]) -> (s32[], f32[4]) {
+  %x = f32[4]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4]{0}) tuple(%zero, %x)
+  ROOT %loop = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_loop_without_a_known_trip_count_counts_its_body_once_and_an_outer_product_has_no_contraction():
+    """XLA prints no ``known_trip_count`` for a data-dependent loop, no contracting dims for an outer product."""
+    (op,) = jaxamp.hlo_precision_report(OUTER_PRODUCT_IN_AN_UNCOUNTED_LOOP).ops
+    assert (op.primitive, op.flops) == ("dot", 2 * 4 * 4)
+
+
+TRAFFIC_HLO = """HloModule m
+
+%body (s: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %x = f32[4]{0} get-tuple-element(%s), index=1
+  %y = f32[4]{0} add(%x, %x)
+  ROOT %t = (s32[], f32[4]{0}) tuple(%i, %y)
+}
+
+%cond (s: (s32[], f32[4])) -> pred[] {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+%small (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p)
+}
+
+%large (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %a = f32[4]{0} exponential(%p)
+  ROOT %b = f32[4]{0} multiply(%a, %p)
+}
+
+%callee (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %c = f32[4]{0} sqrt(%p)
+}
+
+%fused (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %e = f32[4]{0} exponential(%p)
+  ROOT %l = f32[4]{0} log(%e)
+}
+
+ENTRY %main (x: f32[4]) -> f32[2,2] {
+  %x = f32[4]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4]{0}) tuple(%zero, %x)
+  %loop = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %unknown = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body
+  %y = f32[4]{0} get-tuple-element(%loop), index=1
+  %pred = pred[] constant(true)
+  %branch = f32[4]{0} conditional(%pred, %y, %y), true_computation=%small, false_computation=%large
+  %called = f32[4]{0} call(%branch), to_apply=%callee
+  %fusion = f32[4]{0} fusion(%called), kind=kLoop, calls=%fused
+  %bc = f32[2,2]{1,0} bitcast(%fusion)
+  ROOT %out = f32[2,2]{1,0} add(%bc, %bc)
+}
+"""
+
+
+def test_bytes_accessed_follows_loops_branches_and_calls_but_not_into_fusions():
+    """Each term is one rule of `bytes_accessed`; a rule broken changes the total."""
+    vector = 4 * 4  # bytes of an f32[4]
+    expected = {
+        "known loop: 3 x the body's add (2 reads, 1 write)": 3 * 3 * vector,
+        "unknown loop: the body once": 3 * vector,
+        "conditional: the larger branch (exp 2, multiply 3)": 5 * vector,
+        "call: the callee's sqrt": 2 * vector,
+        "fusion: one kernel, its operand and result only": 2 * vector,
+        "add at the root": 3 * vector,
+        "parameters, constants, tuples, get-tuple-element, bitcast": 0,
+    }
+    assert jaxamp.hlo_report.bytes_accessed(TRAFFIC_HLO) == sum(expected.values())
+
+
+def test_bytes_accessed_counts_bytes_by_element_type():
+    hlo = """HloModule m
+
+ENTRY %main (a: f16[8], b: bf16[8], c: s8[8], d: f64[8]) -> pred[8] {
+  %a = f16[8]{0} parameter(0)
+  %b = bf16[8]{0} parameter(1)
+  %c = s8[8]{0} parameter(2)
+  %d = f64[8]{0} parameter(3)
+  %ab = f32[8]{0} add(%a, %b)
+  ROOT %cd = pred[8]{0} compare(%c, %d), direction=LT
+}
+"""
+    assert jaxamp.hlo_report.bytes_accessed(hlo) == (8 * 2 + 8 * 2 + 8 * 4) + (8 * 1 + 8 * 8 + 8 * 1)
+
+
+BRANCHES_HLO = """HloModule m
+
+%one_big (p: f32[16,16]) -> f32[16,16] {
+  %p = f32[16,16]{1,0} parameter(0)
+  ROOT %d = f32[16,16]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%two_small (p: f32[16,16]) -> f32[2,2] {
+  %p = f32[16,16]{1,0} parameter(0)
+  %s = f32[2,2]{1,0} slice(%p), slice={[0:2], [0:2]}
+  %d1 = f32[2,2]{1,0} dot(%s, %s), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %d2 = f32[2,2]{1,0} dot(%d1, %s), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: f32[16,16], a: f16[2,3,4], b: f16[3,4,5]) -> f32[2,5] {
+  %x = f32[16,16]{1,0} parameter(0)
+  %a = f16[2,3,4]{2,1,0} parameter(1)
+  %b = f16[3,4,5]{2,1,0} parameter(2)
+  %p = pred[] constant(true)
+  %branch = f32[16,16]{1,0} conditional(%p, %x, %x), true_computation=%two_small, false_computation=%one_big
+  ROOT %after = f32[2,5]{1,0} dot(%a, %b), lhs_contracting_dims={1,2}, rhs_contracting_dims={0,1}
+}
+"""
+
+
+def test_a_conditional_counts_its_branch_with_most_flops_not_most_ops_and_the_walk_goes_on_after_it():
+    report = jaxamp.hlo_precision_report(BRANCHES_HLO)
+    assert [(op.operand_dtypes, op.flops) for op in report.ops] == [
+        (("float32", "float32"), 2 * 16 * 16 * 16),  # the one big dot, not the two small ones
+        (("float16", "float16"), 2 * (2 * 5) * (3 * 4)),  # after the conditional; contracts two axes
+    ]
+
+
+def test_a_cublas_call_contracting_two_axes_counts_both():
+    hlo = hlo_module(
+        """  %a = f16[2,3,4]{2,1,0} parameter(0)
+  %b = f16[3,4,5]{2,1,0} parameter(1)
+  %gemm = (f16[2,5]{1,0}, s8[1024]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1","2"],"rhs_contracting_dimensions":["0","1"]}}}
+  ROOT %c = f16[2,5]{1,0} get-tuple-element(%gemm), index=0""",
+        "a: f16[2,3,4], b: f16[3,4,5]",
+    )
+    (op,) = jaxamp.hlo_precision_report(hlo).ops
+    assert op.flops == 2 * (2 * 5) * (3 * 4)
+
+
+@pytest.mark.parametrize("make_hlo", [dot_hlo, convolution_hlo, cublas_hlo, cudnn_hlo])
+def test_flops_are_integers(make_hlo):
+    (op,) = jaxamp.hlo_precision_report(make_hlo("f16", "f16")).ops
+    assert isinstance(op.flops, int)
+
+
+@pytest.mark.parametrize(
+    "make_hlo, remove, named",
+    [
+        (convolution_hlo, ", dim_labels=b01f_01io->b01f", "dim_labels"),
+        (cudnn_hlo, ", dim_labels=b01f_o01i->b01f", "dim_labels"),
+        (cublas_hlo, '"lhs_contracting_dimensions":["1"],', "dot_dimension_numbers"),
+    ],
+)
+def test_a_heavy_op_missing_the_attribute_its_flops_need_is_refused_naming_it(make_hlo, remove, named):
+    hlo = make_hlo("f16", "f16")
+    assert remove in hlo
+    with pytest.raises(ValueError, match=rf"without {named} in HLO: '"):
+        jaxamp.hlo_precision_report(hlo.replace(remove, ""))
+
+
+# XLA's own text (``Compiled.as_text()``) prints each operand with its shape,
+# tuples in parentheses, dynamic dimensions with a bound (``<=8``), and a
+# ``lax.switch`` as a conditional with a list of branch computations.
+AS_PRINTED_BY_XLA = """HloModule m
+
+%fused (p: (s32[], f32[4])) -> (f32[4], f32[<=8,4]) {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%p), index=1
+  %y = f32[<=8,4]{1,0} broadcast(%x), dimensions={1}
+  ROOT %t = (f32[4]{0}, f32[<=8,4]{1,0}) tuple(%x, %y)
+}
+
+%b0 (p: f32[8,4]) -> f32[8,8] {
+  %p = f32[8,4]{1,0} parameter(0)
+  ROOT %d = f32[8,8]{1,0} dot(f32[8,4]{1,0} %p, f32[8,4]{1,0} %p), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+%b1 (p: f32[8,4]) -> f32[8,8] {
+  %p = f32[8,4]{1,0} parameter(0)
+  ROOT %z = f32[8,8]{1,0} broadcast(f32[] %p), dimensions={}
+}
+
+%b2 (p: f32[8,4]) -> f32[8,8] {
+  %p = f32[8,4]{1,0} parameter(0)
+  %d1 = f32[8,8]{1,0} dot(f32[8,4]{1,0} %p, f32[8,4]{1,0} %p), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  ROOT %d2 = f32[8,8]{1,0} dot(f32[8,8]{1,0} %d1, f32[8,8]{1,0} %d1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (i: s32[], x: f32[4], m: f32[8,4]) -> f32[8,8] {
+  %i = s32[] parameter(0)
+  %x = f32[4]{0} parameter(1)
+  %m = f32[8,4]{1,0} parameter(2)
+  %init = (s32[], f32[4]{0}) tuple(s32[] %i, f32[4]{0} %x)
+  %fusion = (f32[4]{0}, f32[<=8,4]{1,0}) fusion((s32[], f32[4]{0}) %init), kind=kLoop, calls=%fused
+  ROOT %switch = f32[8,8]{1,0} conditional(s32[] %i, f32[8,4]{1,0} %m, f32[8,4]{1,0} %m, f32[8,4]{1,0} %m), branch_computations={%b2, %b1, %b0}
+}
+"""
+
+
+def test_text_as_xla_prints_it_operand_shapes_tuples_bounded_dims_and_a_switch():
+    report = jaxamp.hlo_precision_report(AS_PRINTED_BY_XLA)
+    # The switch's heaviest branch (b2) is named first in the branch list.
+    assert [op.flops for op in report.ops] == [2 * 8 * 8 * 4, 2 * 8 * 8 * 8]
+    traffic = jaxamp.hlo_report.bytes_accessed(AS_PRINTED_BY_XLA)
+    fusion = (4 * 4 + 8 * 4 * 4) + (4 + 4 * 4)  # both results (bound 8), the tuple operand's two parts
+    # The switch: its largest branch only, two dots (each writes 8x8, reads its two operands).
+    switch = (8 * 8 * 4 + 2 * 8 * 4 * 4) + (8 * 8 * 4 + 2 * 8 * 8 * 4)
+    assert traffic == fusion + switch
+
+
+def test_the_entry_computation_is_found_wherever_it_stands_in_the_text():
+    """XLA prints ENTRY last; a module with it first is read the same."""
+    entry_first = """HloModule m
+
+ENTRY %main (p: f32[4,4]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  ROOT %c = f32[4,4]{1,0} call(f32[4,4]{1,0} %p), to_apply=%callee
+}
+
+%callee (p: f32[4,4]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  ROOT %d = f32[4,4]{1,0} dot(f32[4,4]{1,0} %p, f32[4,4]{1,0} %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+    (op,) = jaxamp.hlo_precision_report(entry_first).ops
+    assert op.flops == 2 * 4 * 4 * 4
+
+
+def test_the_compiled_report_passes_keyword_arguments_as_static_values():
+    """``transpose=True`` changes which matmul is compiled: the report must see the keyword."""
+
+    def matmul(x, transpose=False):
+        return (x.T if transpose else x) @ jnp.ones((3, 5), x.dtype)
+
+    x = jnp.ones((3, 3), jnp.float32)
+    plain = jaxamp.precision_report(matmul, x, compiled=True)
+    transposed = jaxamp.precision_report(matmul, x, compiled=True, transpose=True)
+    assert [op.flops for op in transposed.ops] == [op.flops for op in plain.ops] == [2 * 3 * 5 * 3]
+    y = jnp.ones((4, 3), jnp.float32)
+    with pytest.raises(TypeError):
+        jaxamp.precision_report(matmul, y, compiled=True, transpose=True)  # (3, 4) @ (3, 5)
