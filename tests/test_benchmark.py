@@ -205,6 +205,24 @@ def test_checks_say_met_and_missed_against_the_issues_targets():
     assert checks.throughput_checks({"resnet18": {}}, {}, on_gpu=False) == []
 
 
+def test_a_target_checks_the_recipes_memory_and_every_routes_half_share():
+    """autocast's temp memory is reported, not held to the recipe's target; its half share is checked.
+
+    Fails if the memory target is applied to the autocast route (its 0.65
+    would read missed) or if the autocast route's half share goes unchecked.
+    """
+    compiled = {
+        "mixed": {"route": "apply_policy", "temp_ratio_to_fp32": 0.52, "heavy_ops_in_compute_dtype": 1.0},
+        "mixed autocast": {"route": "autocast", "temp_ratio_to_fp32": 0.65, "heavy_ops_in_compute_dtype": 0.9},
+    }
+    verdicts = {check["check"]: check["met"] for check in checks.target_checks({"h200": {"resnet50": compiled}})}
+    assert verdicts == {
+        "h200 resnet50 mixed: temp memory / fp32": True,
+        "h200 resnet50 mixed: convolutions and matmuls in half": True,
+        "h200 resnet50 mixed autocast: convolutions and matmuls in half": False,
+    }
+
+
 def test_the_torch_section_is_skipped_cleanly_when_torch_is_missing(tmp_path, monkeypatch):
     monkeypatch.setattr(torch_amp, "torch_available", lambda: False)
     budget = budget_lib.Budget()
