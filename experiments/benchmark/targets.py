@@ -74,7 +74,9 @@ def abstract_arguments(
     return jaxamp.on_device((state, *data), device)
 
 
-def compile_for(target: str, model: str, precision: str, batch_size: int, route: str = "apply_policy") -> dict:
+def compile_for(
+    target: str, model: str, precision: str, batch_size: int, route: str = "apply_policy"
+) -> dict:
     """Compiles one train step for `target` and describes what it would run.
 
     Args:
@@ -164,7 +166,9 @@ def run(
                         continue
                     fp32 = results.get(("targets", target, model, "fp32"))
                     if fp32 is not None and key != "fp32":
-                        entry["temp_ratio_to_fp32"] = entry["memory"]["temp_bytes"] / fp32["memory"]["temp_bytes"]
+                        entry["temp_ratio_to_fp32"] = (
+                            entry["memory"]["temp_bytes"] / fp32["memory"]["temp_bytes"]
+                        )
                         entry["bytes_ratio_to_fp32"] = (
                             entry["bytes_accessed_per_step"] / fp32["bytes_accessed_per_step"]
                         )
