@@ -150,36 +150,52 @@ def run(
         for model in models:
             for precision in precisions:
                 for route in routes if workload.is_half_precision(precision) else ("apply_policy",):
-                    key = variant_key(precision, route)
-                    work = f"target {target} {model} {key}"
-                    try:
-                        budget.require(work, compile_estimate)
-                    except SkipWork as skip:
-                        budget.skip(work, str(skip))
-                        continue
-                    try:
-                        entry = compile_for(target, model, precision, batch_size, route)
-                    except jax.errors.JaxRuntimeError as error:
-                        # e.g. a CUDA 13 ptxas, which no longer compiles for the V100's sm_70:
-                        # put a CUDA 12 ptxas first on PATH to compile for it.
-                        budget.skip(work, f"XLA could not compile it here: {str(error).splitlines()[0]}")
-                        continue
-                    fp32 = results.get(("targets", target, model, "fp32"))
-                    if fp32 is not None and key != "fp32":
-                        entry["temp_ratio_to_fp32"] = (
-                            entry["memory"]["temp_bytes"] / fp32["memory"]["temp_bytes"]
-                        )
-                        entry["bytes_ratio_to_fp32"] = (
-                            entry["bytes_accessed_per_step"] / fp32["bytes_accessed_per_step"]
-                        )
-                    compile_estimate = max(compile_estimate, entry["compile_s"])
-                    results.put(("targets", target, model, key), entry)
-                    print(
-                        f"{target} {model:<12} {key:<20} temp {entry['memory']['temp_bytes'] / _MB:8.0f} MB  "
-                        f"moved {entry['bytes_accessed_per_step'] / 1e9:6.2f} GB  "
-                        f"half {entry['half_flop_share']:.1%}  compile {entry['compile_s']:.1f}s",
-                        flush=True,
+                    compile_s = _compile_and_record(
+                        target, model, precision, route, batch_size, budget, results, compile_estimate
                     )
+                    compile_estimate = max(compile_estimate, compile_s)
+
+
+def _compile_and_record(
+    target: str,
+    model: str,
+    precision: str,
+    route: str,
+    batch_size: int,
+    budget: Budget,
+    results: Results,
+    compile_estimate: float,
+) -> float:
+    """Compiles one variant if the budget allows and records it with its ratios to fp32.
+
+    Returns:
+        Its compile seconds (0 when skipped).
+    """
+    key = variant_key(precision, route)
+    work = f"target {target} {model} {key}"
+    try:
+        budget.require(work, compile_estimate)
+        entry = compile_for(target, model, precision, batch_size, route)
+    except SkipWork as skip:
+        budget.skip(work, str(skip))
+        return 0.0
+    except jax.errors.JaxRuntimeError as error:
+        # e.g. a CUDA 13 ptxas, which no longer compiles for the V100's sm_70:
+        # put a CUDA 12 ptxas first on PATH to compile for it.
+        budget.skip(work, f"XLA could not compile it here: {str(error).splitlines()[0]}")
+        return 0.0
+    fp32 = results.get(("targets", target, model, "fp32"))
+    if fp32 is not None and key != "fp32":
+        entry["temp_ratio_to_fp32"] = entry["memory"]["temp_bytes"] / fp32["memory"]["temp_bytes"]
+        entry["bytes_ratio_to_fp32"] = entry["bytes_accessed_per_step"] / fp32["bytes_accessed_per_step"]
+    results.put(("targets", target, model, key), entry)
+    print(
+        f"{target} {model:<12} {key:<20} temp {entry['memory']['temp_bytes'] / _MB:8.0f} MB  "
+        f"moved {entry['bytes_accessed_per_step'] / 1e9:6.2f} GB  "
+        f"half {entry['half_flop_share']:.1%}  compile {entry['compile_s']:.1f}s",
+        flush=True,
+    )
+    return entry["compile_s"]
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
