@@ -15,7 +15,7 @@ import pytest
 
 import jaxamp
 from experiments.benchmark import budget as budget_lib
-from experiments.benchmark import checks, loss_scale, roofline, targets, timing, torch_amp
+from experiments.benchmark import checks, loss_scale, roofline, targets, timing, torch_amp, workload
 from experiments.benchmark.__main__ import (
     build_parser,
     resolve_settings,
@@ -205,6 +205,30 @@ def test_checks_say_met_and_missed_against_the_issues_targets():
     assert checks.throughput_checks({"resnet18": {}}, {}, on_gpu=False) == []
 
 
+def test_a_target_checks_the_recipes_memory_and_every_routes_half_share():
+    """autocast's temp memory is reported, not held to the recipe's target; its half share is checked.
+
+    Fails if the memory target is applied to the autocast route (its 0.65
+    would read missed) or if the autocast route's half share goes unchecked.
+    """
+    compiled = {
+        "mixed": {"route": "apply_policy", "temp_ratio_to_fp32": 0.52, "heavy_ops_in_compute_dtype": 1.0},
+        "mixed autocast": {
+            "route": "autocast",
+            "temp_ratio_to_fp32": 0.65,
+            "heavy_ops_in_compute_dtype": 0.9,
+        },
+    }
+    verdicts = {
+        check["check"]: check["met"] for check in checks.target_checks({"h200": {"resnet50": compiled}})
+    }
+    assert verdicts == {
+        "h200 resnet50 mixed: temp memory / fp32": True,
+        "h200 resnet50 mixed: convolutions and matmuls in half": True,
+        "h200 resnet50 mixed autocast: convolutions and matmuls in half": False,
+    }
+
+
 def test_the_torch_section_is_skipped_cleanly_when_torch_is_missing(tmp_path, monkeypatch):
     monkeypatch.setattr(torch_amp, "torch_available", lambda: False)
     budget = budget_lib.Budget()
@@ -235,14 +259,62 @@ def test_the_pytorch_models_have_exactly_our_parameter_counts(name):
     assert torch_reference.parameter_count(torch_reference.create_model(name)) == ours
 
 
-def test_a_target_compile_reports_memory_and_every_heavy_op_in_half():
+def test_a_half_precision_is_compiled_for_a_target_by_both_routes_with_memory_traffic_half_share(tmp_path):
+    """fp32, then mixed by apply_policy and by autocast, compiled for an H200 on this CPU.
+
+    Fails if the autocast route is not compiled for a half precision (or is
+    compiled for fp32 too), if it runs the model without the policy
+    (half share 0%, temp memory not below fp32's), if a field or ratio is
+    dropped, or if the table leaves the route out.
+    """
     if not jaxamp.gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]'; run with JAX_PLATFORMS=cpu)")
-    entry = targets.compile_for("h200", "resnet_tiny", "mixed", batch_size=4)
-    assert entry["device_kind"] == "NVIDIA H200"
-    assert entry["heavy_ops_in_compute_dtype"] == 1.0 and set(entry["heavy_ops_by_dtype"]) == {"float16"}
-    assert entry["cudnn_convolutions"] > 0
-    assert entry["memory"]["temp_bytes"] > 0 and entry["roofline_epoch_s"] > 0
+    results = Results(str(tmp_path), {"environment": {}})
+    targets.run(["h200"], ["resnet_tiny"], ["fp32", "mixed"], 4, budget_lib.Budget(), results)
+    entries = results.data["targets"]["h200"]["resnet_tiny"]
+    assert set(entries) == {"fp32", "mixed", "mixed autocast"}
+    assert [entries[key]["route"] for key in ("fp32", "mixed", "mixed autocast")] == [
+        "apply_policy",
+        "apply_policy",
+        "autocast",
+    ]
+    fp32 = entries["fp32"]
+    assert fp32["half_flop_share"] == 0.0 and set(fp32["heavy_ops_by_dtype"]) == {"float32"}
+    for key in ("mixed", "mixed autocast"):
+        entry = entries[key]
+        assert entry["device_kind"] == "NVIDIA H200" and entry["cudnn_convolutions"] > 0
+        assert entry["half_flop_share"] == 1.0 and entry["heavy_ops_in_compute_dtype"] == 1.0
+        assert set(entry["heavy_ops_by_dtype"]) == {"float16"}
+        assert 0 < entry["memory"]["temp_bytes"] < fp32["memory"]["temp_bytes"]
+        assert entry["temp_ratio_to_fp32"] == entry["memory"]["temp_bytes"] / fp32["memory"]["temp_bytes"]
+        assert 0 < entry["bytes_accessed_per_step"] < fp32["bytes_accessed_per_step"]
+        bytes_ratio = entry["bytes_accessed_per_step"] / fp32["bytes_accessed_per_step"]
+        assert entry["bytes_ratio_to_fp32"] == bytes_ratio
+        assert entry["roofline_epoch_s"] > 0
+    table = "\n".join(targets.table_rows(results.data["targets"]))
+    assert "| NVIDIA H200 | resnet_tiny | mixed | autocast |" in table
+    assert "| NVIDIA H200 | resnet_tiny | mixed | apply_policy |" in table
+
+
+def test_the_autocast_route_applies_the_plain_model_through_autocast_with_the_same_params():
+    """No compile: the route's state, traced.
+
+    Fails if the autocast route returns the recipe's state unchanged (its
+    apply_fn is no autocast function), applies the plain model without
+    autocast (the traced report is float32), or changes the params.
+    """
+    config = workload.train_config("resnet_tiny", "mixed", 4)
+    recipe = workload.abstract_train_state(config, steps_per_epoch=10)
+    autocast = workload.abstract_train_state(config, steps_per_epoch=10, route="autocast")
+    assert hasattr(autocast.apply_fn, "rewrites") and not hasattr(recipe.apply_fn, "rewrites")
+    same_leaf = lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype)
+    assert all(jax.tree.leaves(jax.tree.map(same_leaf, recipe.params, autocast.params)))
+    variables = {"params": autocast.params, "batch_stats": autocast.batch_stats}
+    images = jax.ShapeDtypeStruct((4, 32, 32, 3), jnp.float32)
+    report = jaxamp.precision_report(autocast.apply_fn, variables, images, train=False)
+    assert report.fraction(jnp.float16) == 1.0
+    with pytest.raises(ValueError, match="Unknown route 'amp'; choose one of apply_policy, autocast"):
+        workload.apply_route(recipe, "resnet_tiny", jaxamp.get_policy("mixed_float16"), "amp")
 
 
 def test_bad_settings_are_refused_with_the_flag_to_change():

@@ -25,7 +25,9 @@ lists what it skipped):
    device, same models and batch, when ``torch`` is importable.
 5. ``targets`` (`experiments.benchmark.targets`): the train step compiled
    for GPU targets without a GPU (needs the CUDA PJRT plugin): memory,
-   dtypes of every convolution and matmul, compile time, roofline bound.
+   bytes moved, dtypes of every convolution and matmul, compile time,
+   roofline bound; each half precision by both routes a policy can take
+   (``apply_policy`` and ``autocast``).
 
 Results go to ``results/<device>/benchmark/`` (``results.json`` rewritten
 after every measurement, ``table.md``, PNG plots).

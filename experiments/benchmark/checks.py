@@ -87,7 +87,9 @@ def target_checks(targets: dict) -> list[dict]:
     for target, models in targets.items():
         for model, precisions in models.items():
             for precision, entry in precisions.items():
-                if precision.startswith("mixed") and "temp_ratio_to_fp32" in entry:
+                # The memory target is the recipe's (apply_policy); autocast's ratio is reported beside it.
+                recipe_route = entry.get("route", "apply_policy") == "apply_policy"
+                if precision.startswith("mixed") and recipe_route and "temp_ratio_to_fp32" in entry:
                     value = entry["temp_ratio_to_fp32"]
                     checks.append(
                         _check(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from experiments.benchmark import targets
 from experiments.results import write_text_atomically
 
 _MB = 1e6
@@ -85,26 +86,6 @@ def _torch_rows(torch: dict, throughput: dict) -> list[str]:
     return rows
 
 
-def _target_rows(targets: dict) -> list[str]:
-    rows = [
-        "| target | model | precision | temp MB | vs fp32 | temp+arg+out MB "
-        "| convolutions and matmuls by dtype | cuDNN convolutions | compile s | epoch s bound on paper |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for target, models in targets.items():
-        for model, precisions in models.items():
-            for precision, entry in precisions.items():
-                ops = ", ".join(f"{count} {dtype}" for dtype, count in entry["heavy_ops_by_dtype"].items())
-                memory = entry["memory"]
-                rows.append(
-                    f"| {entry['device_kind']} | {model} | {precision} | {memory['temp_bytes'] / _MB:.0f} "
-                    f"| {_fmt(entry.get('temp_ratio_to_fp32'))} | {memory['total_bytes'] / _MB:.0f} "
-                    f"| {ops} | {entry['cudnn_convolutions']} | {entry['compile_s']:.1f} "
-                    f"| {entry['roofline_epoch_s']:.3f} |"
-                )
-    return rows
-
-
 def table(results: dict) -> str:
     """The whole run as Markdown: settings, one table per section, checks, skipped work."""
     environment = results["environment"]
@@ -163,7 +144,7 @@ def table(results: dict) -> str:
             "",
             "## Compiled for GPU targets on this machine (no GPU; no autotuning)",
             "",
-            *_target_rows(results["targets"]),
+            *targets.table_rows(results["targets"]),
         ]
     if results.get("checks"):
         lines += ["", "## Targets", "", "| check | measured | target | |", "|---|---|---|---|"]

@@ -12,6 +12,20 @@ own cost analysis is empty for a deviceless compile) split by the dtypes
 of the optimized program's heavy ops, and bytes estimated from the
 optimized program's own kernels (`jaxamp.hlo_report.bytes_accessed`).
 
+Each half precision (``mixed``, ``mixed_bf16``, any float16 or bfloat16
+policy) is compiled by both routes a policy can take
+(`experiments.benchmark.workload.ROUTES`): ``apply_policy``, the recipe's,
+recorded under the precision's name, and ``autocast``, recorded under
+``"<precision> autocast"``. Beside each: temp memory, bytes moved per step,
+the share of convolution and matmul FLOPs in half precision, and the
+ratios of temp memory and bytes moved to ``fp32``'s.
+
+Bytes moved is an estimate from the optimized program
+(`jaxamp.hlo_report.bytes_accessed`): XLA's ``cost_analysis()`` is empty
+for a program compiled without its GPU. It counts every operand a kernel
+reads, so each step includes the whole uint8 training set once (the
+gather's operand, 154 MB for CIFAR-10), alike in every route.
+
 Caveats: nothing is autotuned (cuDNN and cuBLAS take default algorithms,
 whose workspace is what is counted), and the cuDNN and CUDA versions are
 those the target config states.
@@ -35,11 +49,22 @@ from jaxamp import hlo_report
 _CIFAR10_SHAPES = {"images": (roofline.CIFAR10_TRAIN_EXAMPLES, 32, 32, 3)}
 
 
-def abstract_arguments(model: str, precision: str, batch_size: int, device) -> tuple:
-    """The train step's arguments as ShapeDtypeStructs on `device`."""
+_HALF_DTYPES = ("float16", "bfloat16")
+_MB = 1e6
+
+
+def variant_key(precision: str, route: str) -> str:
+    """The results key of `precision` compiled by `route`: the recipe's route keeps the precision's name."""
+    return precision if route == "apply_policy" else f"{precision} {route}"
+
+
+def abstract_arguments(
+    model: str, precision: str, batch_size: int, device, route: str = "apply_policy"
+) -> tuple:
+    """The train step's arguments as ShapeDtypeStructs on `device`, the model applied by `route`."""
     config = workload.train_config(model, precision, batch_size)
     steps_per_epoch = roofline.CIFAR10_TRAIN_EXAMPLES // batch_size
-    state = workload.abstract_train_state(config, steps_per_epoch)
+    state = workload.abstract_train_state(config, steps_per_epoch, route=route)
     data = (
         jax.ShapeDtypeStruct(_CIFAR10_SHAPES["images"], jnp.uint8),
         jax.ShapeDtypeStruct((roofline.CIFAR10_TRAIN_EXAMPLES,), jnp.int32),
@@ -49,13 +74,24 @@ def abstract_arguments(model: str, precision: str, batch_size: int, device) -> t
     return jaxamp.on_device((state, *data), device)
 
 
-def compile_for(target: str, model: str, precision: str, batch_size: int) -> dict:
-    """Compiles one train step for `target` and describes what it would run."""
+def compile_for(
+    target: str, model: str, precision: str, batch_size: int, route: str = "apply_policy"
+) -> dict:
+    """Compiles one train step for `target` and describes what it would run.
+
+    Args:
+        target: a name of `jaxamp.GPU_TARGETS`.
+        model: a name of `experiments.models.MODELS`.
+        precision: ``fp32``, ``tf32`` or a jaxamp policy name.
+        batch_size: images per step.
+        route: how the policy reaches the model, one of
+            `experiments.benchmark.workload.ROUTES`.
+    """
     spec = jaxamp.gpu_targets.gpu_spec(target)
     device = jaxamp.gpu_target_device(spec)
     config = workload.train_config(model, precision, batch_size)
     dataset = data_lib.synthetic_dataset(num_train=1, num_test=1)  # mean/std only
-    arguments = abstract_arguments(model, precision, batch_size, device)
+    arguments = abstract_arguments(model, precision, batch_size, device, route)
     with train.resolve_precision(precision).context():
         start = time.perf_counter()
         lowered = jax.jit(train.make_train_step(config, dataset), donate_argnums=0).lower(*arguments)
@@ -75,6 +111,7 @@ def compile_for(target: str, model: str, precision: str, batch_size: int) -> dic
         "device_kind": device.device_kind,
         "model": model,
         "precision": precision,
+        "route": route,
         "batch_size": batch_size,
         "compile_s": compile_s,
         "memory": workload.memory_of(compiled),
@@ -83,6 +120,7 @@ def compile_for(target: str, model: str, precision: str, batch_size: int) -> dic
         "cudnn_convolutions": sum(op.primitive.startswith("__cudnn$conv") for op in report.ops),
         "heavy_ops_in_compute_dtype": sum(op.compute_dtype == compute_dtype for op in report.ops)
         / len(report.ops),
+        "half_flop_share": sum(report.fraction(dtype) for dtype in _HALF_DTYPES),
         "flops_per_step": total_flops,
         "bytes_accessed_per_step": bytes_accessed,
         "roofline_step_s": bound["bound_s"],
@@ -99,32 +137,108 @@ def run(
     batch_size: int,
     budget: Budget,
     results: Results,
+    routes: tuple[str, ...] = workload.ROUTES,
 ) -> None:
-    """Compiles every target x model x precision that fits the budget."""
+    """Compiles every target x model x precision x route that fits the budget.
+
+    A float32 precision (``fp32``, ``tf32``) is compiled once, by the
+    recipe's route (a float32 policy changes nothing, so the routes would
+    compile the same program); a half precision once per route in `routes`.
+    """
     compile_estimate = 0.0
     for target in targets:
         for model in models:
             for precision in precisions:
-                work = f"target {target} {model} {precision}"
-                try:
-                    budget.require(work, compile_estimate)
-                except SkipWork as skip:
-                    budget.skip(work, str(skip))
-                    continue
-                try:
-                    entry = compile_for(target, model, precision, batch_size)
-                except jax.errors.JaxRuntimeError as error:
-                    # e.g. a CUDA 13 ptxas, which no longer compiles for the V100's sm_70:
-                    # put a CUDA 12 ptxas first on PATH to compile for it.
-                    budget.skip(work, f"XLA could not compile it here: {str(error).splitlines()[0]}")
-                    continue
-                fp32 = results.get(("targets", target, model, "fp32"))
-                if fp32 is not None and precision != "fp32":
-                    entry["temp_ratio_to_fp32"] = entry["memory"]["temp_bytes"] / fp32["memory"]["temp_bytes"]
-                compile_estimate = max(compile_estimate, entry["compile_s"])
-                results.put(("targets", target, model, precision), entry)
-                print(
-                    f"{target} {model:<12} {precision:<11} temp {entry['memory']['temp_bytes'] / 1e6:8.0f} MB  "
-                    f"ops {entry['heavy_ops_by_dtype']}  compile {entry['compile_s']:.1f}s",
-                    flush=True,
-                )
+                for route in routes if workload.is_half_precision(precision) else ("apply_policy",):
+                    compile_s = _compile_and_record(
+                        target, model, precision, route, batch_size, budget, results, compile_estimate
+                    )
+                    compile_estimate = max(compile_estimate, compile_s)
+
+
+def _compile_and_record(
+    target: str,
+    model: str,
+    precision: str,
+    route: str,
+    batch_size: int,
+    budget: Budget,
+    results: Results,
+    compile_estimate: float,
+) -> float:
+    """Compiles one variant if the budget allows and records it with its ratios to fp32.
+
+    Returns:
+        Its compile seconds (0 when skipped).
+    """
+    key = variant_key(precision, route)
+    work = f"target {target} {model} {key}"
+    try:
+        budget.require(work, compile_estimate)
+        entry = compile_for(target, model, precision, batch_size, route)
+    except SkipWork as skip:
+        budget.skip(work, str(skip))
+        return 0.0
+    except jax.errors.JaxRuntimeError as error:
+        # e.g. a CUDA 13 ptxas, which no longer compiles for the V100's sm_70:
+        # put a CUDA 12 ptxas first on PATH to compile for it.
+        budget.skip(work, f"XLA could not compile it here: {str(error).splitlines()[0]}")
+        return 0.0
+    fp32 = results.get(("targets", target, model, "fp32"))
+    if fp32 is not None and key != "fp32":
+        entry["temp_ratio_to_fp32"] = entry["memory"]["temp_bytes"] / fp32["memory"]["temp_bytes"]
+        entry["bytes_ratio_to_fp32"] = entry["bytes_accessed_per_step"] / fp32["bytes_accessed_per_step"]
+    results.put(("targets", target, model, key), entry)
+    print(
+        f"{target} {model:<12} {key:<20} temp {entry['memory']['temp_bytes'] / _MB:8.0f} MB  "
+        f"moved {entry['bytes_accessed_per_step'] / 1e9:6.2f} GB  "
+        f"half {entry['half_flop_share']:.1%}  compile {entry['compile_s']:.1f}s",
+        flush=True,
+    )
+    return entry["compile_s"]
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "" if value is None else format(value, spec)
+
+
+def table_rows(targets: dict) -> list[str]:
+    """The section's Markdown table: one row per target x model x precision x route, then a note."""
+    rows = [
+        "| target | model | precision | route | temp MB | temp vs fp32 | bytes moved GB | bytes vs fp32 "
+        "| half share of conv+matmul FLOPs | temp+arg+out MB | convolutions and matmuls by dtype "
+        "| cuDNN convolutions | compile s | epoch s bound on paper |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for models in targets.values():
+        for model, variants in models.items():
+            for entry in variants.values():
+                ops = ", ".join(f"{count} {dtype}" for dtype, count in entry["heavy_ops_by_dtype"].items())
+                memory = entry["memory"]
+                # Results written before routes existed lack the new fields: their cells stay empty.
+                half_share = entry.get("half_flop_share")
+                cells = [
+                    entry["device_kind"],
+                    model,
+                    entry["precision"],
+                    entry.get("route", "apply_policy"),
+                    f"{memory['temp_bytes'] / _MB:.0f}",
+                    _fmt(entry.get("temp_ratio_to_fp32")),
+                    f"{entry['bytes_accessed_per_step'] / 1e9:.2f}",
+                    _fmt(entry.get("bytes_ratio_to_fp32")),
+                    _fmt(half_share, ".1%"),
+                    f"{memory['total_bytes'] / _MB:.0f}",
+                    ops,
+                    str(entry["cudnn_convolutions"]),
+                    f"{entry['compile_s']:.1f}",
+                    f"{entry['roofline_epoch_s']:.3f}",
+                ]
+                rows.append("| " + " | ".join(cells) + " |")
+    rows += [
+        "",
+        "Route: how the policy reaches the model (`apply_policy`, the recipe's, or `jaxamp.autocast` of "
+        "the plain model's apply). Bytes moved: estimated from the optimized program's kernels "
+        "(XLA's cost analysis is empty without the GPU); it includes one read of the whole uint8 "
+        "training set per step (the gather's operand), alike in every route.",
+    ]
+    return rows

@@ -5,6 +5,13 @@ Built only from the training recipe's public pieces
 `make_eval_step`), so the benchmark times exactly the step
 ``python -m experiments.cifar`` trains with: the batch is gathered,
 augmented and normalized on the device inside the step.
+
+A policy reaches the model by one of two routes (`ROUTES`): the recipe's
+``apply_policy`` (each Flax layer casts its params and inputs) or
+``autocast`` (the plain float32 model's ``apply`` rewritten primitive by
+primitive, `jaxamp.autocast`). Both train the same params with the same
+loss scale in the same step; only the model's forward pass (and so its
+backward pass) differs.
 """
 
 from __future__ import annotations
@@ -17,10 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxamp
 from experiments import data as data_lib
 from experiments import train
 from experiments.benchmark import roofline
+from experiments.models import create_model
 from jaxamp.report import hlo_precision_report
+
+ROUTES = ("apply_policy", "autocast")
 
 
 @dataclasses.dataclass
@@ -44,10 +55,42 @@ def train_config(model: str, precision: str, batch_size: int) -> train.TrainConf
     )
 
 
-def abstract_train_state(config: train.TrainConfig, steps_per_epoch: int, num_classes: int = 10) -> Any:
-    """The train state's shapes and dtypes, without computing it."""
+def abstract_train_state(
+    config: train.TrainConfig, steps_per_epoch: int, num_classes: int = 10, route: str = "apply_policy"
+) -> Any:
+    """The train state's shapes and dtypes, without computing it, its model applied by `route`."""
     precision = train.resolve_precision(config.precision)
-    return jax.eval_shape(lambda: train.create_train_state(config, precision, num_classes, steps_per_epoch))
+    state = jax.eval_shape(lambda: train.create_train_state(config, precision, num_classes, steps_per_epoch))
+    return apply_route(state, config.model, precision.policy, route, num_classes)
+
+
+def apply_route(
+    state: Any, model: str, policy: jaxamp.Policy, route: str, num_classes: int = 10
+) -> Any:
+    """`state` with its model applied by `route` (one of `ROUTES`).
+
+    ``apply_policy`` returns the recipe's state unchanged. ``autocast``
+    replaces its ``apply_fn`` with ``jaxamp.autocast(plain_model.apply,
+    policy)``: the params are the same (``apply_policy`` adds no variables
+    and keeps them in the policy's float32 param dtype), and so are the
+    optimizer and the policy's loss scale.
+
+    Raises:
+        ValueError: `route` is not one of `ROUTES`.
+    """
+    if route == "apply_policy":
+        return state
+    if route == "autocast":
+        plain_model = create_model(model, num_classes)
+        return state.replace(apply_fn=jaxamp.autocast(plain_model.apply, policy))
+    raise ValueError(
+        f"Unknown route {route!r}; choose one of {', '.join(ROUTES)} (how the policy reaches the model)."
+    )
+
+
+def is_half_precision(precision_name: str) -> bool:
+    """Whether `precision_name`'s policy computes in float16 or bfloat16 (where the routes differ)."""
+    return compute_dtype_name(precision_name) in ("float16", "bfloat16")
 
 
 @dataclasses.dataclass
