@@ -27,6 +27,7 @@ lists what it skipped):
    for GPU targets without a GPU (needs the CUDA PJRT plugin): memory,
    dtypes of every convolution and matmul, compile time, roofline bound.
 
-Results go to ``results/<device>/benchmark/`` (``results.json`` rewritten
-after every measurement, ``table.md``, PNG plots).
+Results go to a new run directory, ``runs/benchmark-<quick|full|targets-...>-<time>/``
+(or ``--out-dir``; the published runs live in ``results/<device>/benchmark/``):
+``results.json`` rewritten after every measurement, ``table.md``, PNG plots.
 """

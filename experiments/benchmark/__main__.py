@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import shlex
 import sys
 import time
@@ -28,7 +27,7 @@ from experiments.benchmark.budget import Budget, SkipWork
 from experiments.benchmark.results import Results
 from experiments.compare import comma_list
 from experiments.models import MODELS
-from experiments.results import write_text_atomically
+from experiments.results import run_directory, write_text_atomically
 
 SECTIONS = ("throughput", "loss_scale", "pipeline", "torch", "targets")
 PRECISIONS = ("fp32", "tf32", "mixed", "mixed_bf16")
@@ -100,7 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
         "skipped and listed",
     )
     parser.add_argument(
-        "--out-dir", default=None, help="default: results/<device>/benchmark/<quick|full|targets-...>"
+        "--out-dir",
+        default=None,
+        help="where to write results.json, table.md and plots (default: a new "
+        "runs/benchmark-<quick|full|targets-...>-<time>/; the published runs are in "
+        "results/<device>/benchmark/)",
     )
     parser.add_argument("--no-plots", action="store_true")
     return parser
@@ -150,18 +153,13 @@ def resolve_settings(args: argparse.Namespace) -> dict:
     return settings
 
 
-def device_slug() -> str:
-    device = jax.devices()[0]
-    name = device.device_kind if device.platform != "cpu" else "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
 def default_out_dir(args: argparse.Namespace, settings: dict) -> str:
+    """A new run directory named for the kind of run: ``runs/benchmark-quick-<time>``, ..."""
     if settings["sections"] == ["targets"]:
         run = "targets-" + "-".join(settings["targets"])
     else:
         run = "quick" if args.quick else "full"
-    return f"results/{device_slug()}/benchmark/{run}"
+    return run_directory(f"benchmark-{run}")
 
 
 class SectionRunner:
