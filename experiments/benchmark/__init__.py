@@ -30,4 +30,8 @@ lists what it skipped):
 Results go to a new run directory, ``runs/benchmark-<quick|full|targets-...>-<time>/``
 (or ``--out-dir``; the published runs live in ``results/<device>/benchmark/``):
 ``results.json`` rewritten after every measurement, ``table.md``, PNG plots.
+
+Exit status: 0 when the benchmark ran, whatever it measured (a missed
+target is marked in the table and named in the log); 2 for a bad flag;
+``--check`` (for CI and scripts) makes a missed target exit 1.
 """
