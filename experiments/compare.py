@@ -24,6 +24,7 @@ import jax
 from experiments import cifar, train
 from experiments import data as data_lib
 from experiments import results as results_lib
+from experiments.flags import HelpFormatter
 from experiments.models import MODELS
 
 
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.compare",
         description="Train every model under every precision; write a Markdown table and PNG plots.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "--models",

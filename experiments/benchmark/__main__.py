@@ -26,6 +26,7 @@ from experiments.benchmark import (
 from experiments.benchmark.budget import Budget, SkipWork
 from experiments.benchmark.results import Results
 from experiments.compare import comma_list
+from experiments.flags import HelpFormatter, positive_float, positive_int
 from experiments.models import MODELS
 from experiments.results import run_directory, write_text_atomically
 
@@ -52,9 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m experiments.benchmark",
         description="Side-by-side benchmark: throughput, memory, distance to the hardware, loss-scale cost, "
         "input pipeline, PyTorch AMP, GPU targets compiled without a GPU.",
+        formatter_class=HelpFormatter,
     )
     models = sorted(MODELS)
-    parser.add_argument("--quick", action="store_true", help=f"a reduced set for a CPU: {QUICK}")
+
+    def default(key: str, full: object) -> str:
+        return f"(default: {full}; with --quick: {QUICK[key]})"
+
+    quick_flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in QUICK.items())
+    parser.add_argument("--quick", action="store_true", help=f"a reduced set for a CPU: {quick_flags}")
     parser.add_argument(
         "--sections",
         type=comma_list(SECTIONS),
@@ -62,41 +69,67 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated, run in the order given (default: throughput,loss_scale,pipeline,"
         "torch; only targets when --target is given)",
     )
-    parser.add_argument("--models", type=comma_list(models), default=None, help=f"default: {STUDY_MODELS}")
     parser.add_argument(
-        "--precisions", type=comma_list(None), default=None, help=f"default: {','.join(PRECISIONS)}"
+        "--models",
+        type=comma_list(models),
+        default=None,
+        help="comma-separated " + default("models", STUDY_MODELS),
     )
-    parser.add_argument("--batch-size", type=int, default=None, help="default: 128")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (median over them); default 5")
-    parser.add_argument("--steps", type=int, default=None, help="steps per variant per round; default 10")
+    parser.add_argument(
+        "--precisions",
+        type=comma_list(None),
+        default=None,
+        help="comma-separated " + default("precisions", ",".join(PRECISIONS)),
+    )
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=None, help="train batch size " + default("batch_size", 128)
+    )
+    parser.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=None,
+        help="timed rounds (median over them) " + default("rounds", 5),
+    )
+    parser.add_argument(
+        "--steps", type=positive_int, default=None, help="steps per variant per round " + default("steps", 10)
+    )
     parser.add_argument(
         "--num-train",
-        type=int,
+        type=positive_int,
         default=None,
-        help="device-resident synthetic examples to gather batches from (default 50000)",
+        help="device-resident synthetic examples to gather batches from " + default("num_train", 50_000),
     )
     parser.add_argument(
-        "--loss-scale-models", type=comma_list(["mlp", *models]), default=None, help="default: mlp,resnet18"
+        "--loss-scale-models",
+        type=comma_list(["mlp", *models]),
+        default=None,
+        help="models of the loss_scale section " + default("loss_scale_models", "mlp,resnet18"),
     )
-    parser.add_argument("--loss-scale-batch-size", type=int, default=None, help="default: 128")
+    parser.add_argument(
+        "--loss-scale-batch-size",
+        type=positive_int,
+        default=None,
+        help="batch size of the loss_scale section " + default("loss_scale_batch_size", 128),
+    )
     parser.add_argument(
         "--torch-models",
         type=comma_list(models),
         default=None,
-        help="default: the --models PyTorch has a reference for",
+        help="models of the torch section (default: those of --models PyTorch has a reference for)",
     )
     parser.add_argument(
         "--target",
         type=comma_list([*jaxamp.GPU_TARGETS, "all"]),
         default=None,
-        help=f"GPU targets to compile for without a GPU: {', '.join(jaxamp.GPU_TARGETS)} or all",
+        help=f"GPU targets to compile for without a GPU: {', '.join(jaxamp.GPU_TARGETS)} or all "
+        "(default: none; h200 when --sections names targets)",
     )
     parser.add_argument(
         "--budget",
-        type=float,
+        type=positive_float,
         default=None,
         help="seconds for the whole run: work runs in order of importance, what would not fit is "
-        "skipped and listed",
+        "skipped and listed (default: no limit)",
     )
     parser.add_argument(
         "--out-dir",
