@@ -194,7 +194,7 @@ def _load_cifar10_tfds(data_dir: str | None) -> Dataset:
         raise DataUnavailableError(
             f"CIFAR-10 is read with tensorflow-datasets, which cannot be imported here ({err}).\n"
             "Ways forward:\n"
-            "  1. Install the experiments' extra: pip install -e '.[experiments]'.\n"
+            "  1. Install the experiments' dependencies (pip >= 25.1): pip install -e . --group experiments\n"
             "  2. Pass `--data synthetic` for timing or offline runs."
         ) from err
 

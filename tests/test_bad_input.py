@@ -146,7 +146,7 @@ def test_every_flag_with_a_default_shows_it_in_help(main, capsys):
 def test_a_file_given_as_the_data_folder_exits_1_saying_it_is_a_file(tmp_path, capsys, dataset):
     """Fails where a file passes for a folder (it did: 'nothing in it', or TFDS's own error)."""
     if dataset == "cifar10":
-        pytest.importorskip("tensorflow_datasets", reason="preparing CIFAR-10 needs the experiments extra")
+        pytest.importorskip("tensorflow_datasets", reason="preparing CIFAR-10 needs the experiments group")
     archive = tmp_path / "cifar-10-binary.tar.gz"
     archive.write_bytes(b"not a folder")
     argv = [*QUICK, "--dataset", dataset, "--data", "tfds", "--data-dir", str(archive)]
