@@ -65,7 +65,7 @@ def test_without_the_plugin_a_target_device_explains_how_to_install_it(monkeypat
 
 def test_a_step_compiled_for_an_h200_halves_its_temporary_memory_under_mixed():
     if not gpu_targets.cuda_plugin_available():
-        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]'; run with JAX_PLATFORMS=cpu)")
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     device = jaxamp.gpu_target_device("h200")
     assert device.device_kind == "NVIDIA H200"
 
