@@ -210,7 +210,7 @@ def cuda_plugin_available() -> bool:
 
 
 # The device files by which JAX decides whether an NVIDIA GPU is visible
-# (jax._src.hardware_utils.has_visible_nvidia_gpu, the same list since jax 0.4).
+# (jax._src.hardware_utils.has_visible_nvidia_gpu; the same list in jax 0.10 and 0.12).
 _NVIDIA_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
 _CUDA_PLUGIN_MODULE = "jax_plugins.xla_cuda12"
 _SKIP_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
