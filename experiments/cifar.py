@@ -14,49 +14,24 @@ the devices, an overflow storm), each with one message and no traceback.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-from collections.abc import Callable
 
 import jax
 
 import jaxamp
 from experiments import checkpointing, distributed, fault_injection, train
 from experiments import data as data_lib
+from experiments.flags import (  # noqa: F401 (positive_float is part of this module's flag types)
+    HelpFormatter,
+    fraction_below_one,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from experiments.models import MODELS
 
 _DATASETS = ("cifar10", "fashion_mnist")
 _DATA_SOURCES = ("tfds", "synthetic")
-
-
-def integer_at_least(minimum: int, description: str) -> Callable[[str], int]:
-    """An argparse type: an integer >= `minimum`, called `description` in errors."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {description}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected {description}, got {value}")
-        return value
-
-    return parse
-
-
-positive_int = integer_at_least(1, "a positive integer")
-non_negative_int = integer_at_least(0, "an integer >= 0")
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {value}")
-    return value
 
 
 def injection_rate(text: str) -> float:
@@ -114,9 +89,14 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         "--epochs",
         type=positive_int,
         default=train.TrainConfig.epochs,
-        help="(default: %(default)s; 30 for accuracy)",
+        help="passes over the training data (default: %(default)s; 30 for accuracy)",
     )
-    parser.add_argument("--batch-size", type=positive_int, default=train.TrainConfig.batch_size)
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=train.TrainConfig.batch_size,
+        help="train batch size, over all devices and processes",
+    )
     parser.add_argument(
         "--eval-batch-size",
         type=positive_int,
@@ -124,7 +104,12 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         help="test batch size (default: %(default)s)",
     )
     parser.add_argument("--lr", type=positive_float, default=train.TrainConfig.lr, help="peak learning rate")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed",
+        type=non_negative_int,
+        default=0,
+        help="seed of the initialization, shuffling and augmentation",
+    )
     parser.add_argument(
         "--steps-per-epoch",
         type=positive_int,
@@ -140,7 +125,12 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         default="default",
         help="default (dynamic for float16, none otherwise), dynamic, none or static:N",
     )
-    parser.add_argument("--label-smoothing", type=float, default=0.0)
+    parser.add_argument(
+        "--label-smoothing",
+        type=fraction_below_one,
+        default=0.0,
+        help="share of each label's mass spread evenly over the classes",
+    )
     parser.add_argument(
         "--grad-accum",
         type=positive_int,
@@ -157,7 +147,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-overflows-at-min-scale",
         type=non_negative_int,
         default=0,
-        help="stop after this many overflows in a row with the loss scale at its minimum; 0: off (default)",
+        help="stop after this many overflows in a row with the loss scale at its minimum; 0 turns it off",
     )
     parser.add_argument(
         "--inject-nonfinite",
@@ -177,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.cifar",
         description="Train a CIFAR-10 model under a jaxamp precision policy, timing every epoch.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "--precision",
@@ -185,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fp32 (true float32), tf32 (float32 at JAX's default matmul precision), or any jaxamp policy: "
         "mixed, mixed_bf16, bf16, 'p=f32,c=f16,o=f32', ... (default: %(default)s)",
     )
-    parser.add_argument("--model", default="resnet18", choices=sorted(MODELS))
+    parser.add_argument("--model", default="resnet18", choices=sorted(MODELS), help="the network to train")
     add_data_arguments(parser)
     add_training_arguments(parser)
     parser.add_argument(

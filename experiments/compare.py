@@ -4,7 +4,8 @@
     python -m experiments.compare --dataset fashion_mnist --models resnet_tiny \\
         --precisions fp32,mixed,mixed_bf16 --epochs 3
 
-Writes ``results/<device>/<dataset>/`` (or ``--out-dir``): ``results.json`` (every run's
+Writes a new run directory, ``runs/compare-<YYYYMMDD-HHMMSS>/`` (or ``--out-dir``;
+the committed study lives in ``results/<device>/<dataset>/``): ``results.json`` (every run's
 per-epoch figures and environment, rewritten after each run so a crash loses
 nothing finished), ``table.md`` (the study's shape: rows are precisions,
 cells ``train: Xs test: Ys``, then speed-up and accuracy rows),
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from typing import Any
 
@@ -23,14 +23,9 @@ import jax
 
 from experiments import cifar, train
 from experiments import data as data_lib
+from experiments import results as results_lib
+from experiments.flags import HelpFormatter
 from experiments.models import MODELS
-
-
-def device_slug() -> str:
-    """A folder name for the device: ``cpu``, ``nvidia-h200``, ..."""
-    device = jax.devices()[0]
-    name = device.device_kind if device.platform != "cpu" else "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def comma_list(choices: list[str] | None, validate=None):
@@ -56,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.compare",
         description="Train every model under every precision; write a Markdown table and PNG plots.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "--models",
@@ -71,7 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cifar.add_data_arguments(parser)
     cifar.add_training_arguments(parser)
-    parser.add_argument("--out-dir", default=None, help="default: results/<device>/<dataset>")
+    parser.add_argument(
+        "--out-dir",
+        default=None,
+        help="where to write the table, plots and results.json (default: a new runs/compare-<time>/; "
+        "the published study is results/<device>/<dataset>/)",
+    )
     return parser
 
 
@@ -180,8 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     except data_lib.DataUnavailableError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    out_dir = args.out_dir or os.path.join("results", device_slug(), dataset.name)
-    os.makedirs(out_dir, exist_ok=True)
+    if args.out_dir:
+        out_dir = args.out_dir
+        os.makedirs(out_dir, exist_ok=True)
+    else:
+        out_dir = results_lib.run_directory("compare")
     results_path = os.path.join(out_dir, "results.json")
 
     results: dict[str, Any] = {
@@ -198,11 +202,10 @@ def main(argv: list[str] | None = None) -> int:
             train.write_json_atomically(results_path, results)
 
     table = write_table(results, args.models, args.precisions)
-    with open(os.path.join(out_dir, "table.md"), "w") as handle:
-        handle.write(
-            f"Device: {results['device']}. Data: {dataset.name}. Command: `{results['command']}`\n\n"
-        )
-        handle.write(table)
+    results_lib.write_text_atomically(
+        os.path.join(out_dir, "table.md"),
+        f"Device: {results['device']}. Data: {dataset.name}. Command: `{results['command']}`\n\n" + table,
+    )
     paths = plot(results, args.models, args.precisions, out_dir)
     print("\n" + table)
     print("wrote " + ", ".join([results_path, os.path.join(out_dir, "table.md"), *paths]))

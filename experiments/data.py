@@ -21,9 +21,11 @@ Typical use::
     inputs = normalize(batch, data.mean, data.std)
 """
 
+import contextlib
 import dataclasses
 import glob
 import gzip
+import logging
 import os
 import socket
 import urllib.parse
@@ -192,16 +194,17 @@ def _load_cifar10_tfds(data_dir: str | None) -> Dataset:
         raise DataUnavailableError(
             f"CIFAR-10 is read with tensorflow-datasets, which cannot be imported here ({err}).\n"
             "Ways forward:\n"
-            "  1. Install the experiments' extra: pip install -e '.[experiments]'.\n"
+            "  1. Install the experiments' dependencies (pip >= 25.1): pip install -e . --group experiments\n"
             "  2. Pass `--data synthetic` for timing or offline runs."
         ) from err
 
     if data_dir is not None:
         _check_readable_folder(data_dir, "CIFAR-10", writable=True)
-    builder = tfds.builder("cifar10", data_dir=data_dir)
-    data_dir_root = os.fspath(builder.data_dir_root)
-    manual_dir = os.path.join(data_dir_root, "downloads", "manual")
-    _prepare_cifar10(builder, manual_dir)
+    with _without_tfds_unprepared_warnings():
+        builder = tfds.builder("cifar10", data_dir=data_dir)
+        data_dir_root = os.fspath(builder.data_dir_root)
+        manual_dir = os.path.join(data_dir_root, "downloads", "manual")
+        _prepare_cifar10(builder, manual_dir)
     train_images, train_labels = _read_tfds_split(builder, "train")
     test_images, test_labels = _read_tfds_split(builder, "test")
     return Dataset(
@@ -214,6 +217,30 @@ def _load_cifar10_tfds(data_dir: str | None) -> Dataset:
         mean=_CIFAR10_MEAN,
         std=_CIFAR10_STD,
     )
+
+
+class _TfdsUnpreparedWarning(logging.Filter):
+    """Drops TFDS's warning that a data set's version folder is not prepared.
+
+    TFDS logs "Variant folder .../cifar10/3.0.2 has no dataset_info.json"
+    (through absl) whenever it looks at a data dir where CIFAR-10 is not
+    prepared yet, which is exactly the case this module then reports in its
+    own words; printed first, the warning reads like a failure of its own.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Variant folder %s has no %s")
+
+
+@contextlib.contextmanager
+def _without_tfds_unprepared_warnings():
+    """Silences only `_TfdsUnpreparedWarning`'s message, only inside the block."""
+    logger, quiet = logging.getLogger("absl"), _TfdsUnpreparedWarning()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _prepare_cifar10(builder, manual_dir: str) -> None:
@@ -362,6 +389,8 @@ def _check_readable_folder(data_dir: str, name: str, writable: bool = False) -> 
     TFDS writes into its data dir (it prepares the data there), so CIFAR-10's
     must be writable too; Fashion-MNIST's IDX files are only read.
     """
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        raise DataUnavailableError(_a_file_given_as_data_dir(data_dir, name))
     if not os.path.isdir(data_dir):
         return
     mode = os.R_OK | os.X_OK | (os.W_OK if writable else 0)
@@ -371,6 +400,28 @@ def _check_readable_folder(data_dir: str, name: str, writable: bool = False) -> 
             f"No permission to {needed} the {name} data folder {data_dir}; fix its permissions,"
             " or pass --data-dir naming a folder you can use."
         )
+
+
+def _a_file_given_as_data_dir(path: str, name: str) -> str:
+    """The message for a --data-dir that names a file: what the folder must hold."""
+    if name != "CIFAR-10":
+        expected = ", ".join(file for pair in _FASHION_MNIST_FILES.values() for file in pair)
+        return (
+            f"--data-dir {path} is a file, not a folder. For {name}, pass --data-dir naming the folder "
+            f"that holds the four IDX .gz files ({expected})."
+        )
+    message = (
+        f"--data-dir {path} is a file, not a folder. For CIFAR-10, pass --data-dir naming the TFDS data "
+        f"folder (default ~/tensorflow_datasets), where TFDS prepares the data; a downloaded "
+        f"{_CIFAR10_ARCHIVE} goes in its downloads/manual/ subfolder."
+    )
+    if os.path.basename(path) == _CIFAR10_ARCHIVE:
+        folder = os.path.join(os.path.dirname(os.path.abspath(path)), "tensorflow_datasets")
+        message += (
+            f" For this archive: mkdir -p {os.path.join(folder, 'downloads', 'manual')}, move it there, "
+            f"and pass --data-dir {folder}."
+        )
+    return message
 
 
 def _check_fashion_mnist_files(data_dir: str) -> None:

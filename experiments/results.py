@@ -1,4 +1,10 @@
-"""What a run reports: the environment, per-epoch lines, summaries, the JSON file.
+"""What a run reports, and where: the run directory, the environment, per-epoch
+lines, summaries, the JSON file.
+
+Every command that writes results (``experiments.compare``,
+``experiments.benchmark``, ...) writes them to a fresh directory under
+``runs/`` unless the user names one (`run_directory`), so running a command
+as documented never overwrites the results committed under ``results/``.
 
 Also the two per-epoch facts about the train state that the results record:
 `state_checksum` (is this the same state, bit for bit, as another run's?)
@@ -12,6 +18,7 @@ import hashlib
 import json
 import os
 import platform
+import datetime
 import tempfile
 from typing import Any
 
@@ -75,11 +82,56 @@ def state_finite(state: jaxamp.TrainState) -> bool:
     )
 
 
+RUNS_ROOT = "runs"
+
+
+def run_directory(command: str, root: str = RUNS_ROOT, now: datetime.datetime | None = None) -> str:
+    """Creates and returns a new, empty directory for one run's results.
+
+    The name is the command and the local start time,
+    ``<root>/<command>-YYYYMMDD-HHMMSS`` (``runs/compare-20261201-083000``);
+    a second run started in the same second gets ``-2``, ``-3``, ... appended,
+    so no run ever writes into another's directory. ``runs/`` is ignored by
+    git: results under ``results/`` change only when a user passes that
+    directory explicitly (``--out-dir results/...``).
+
+    Args:
+      command: a short name for what runs (``compare``, ``benchmark-quick``);
+        it becomes the start of the directory's name.
+      root: the parent directory, created if missing (default ``runs``,
+        relative to the working directory).
+      now: the start time to name the directory by (default: now).
+
+    Returns:
+      The path of the new directory, ``root`` joined with its name.
+    """
+    stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    base = os.path.join(root, f"{command}-{stamp}")
+    os.makedirs(root, exist_ok=True)
+    path, attempt = base, 1
+    while True:
+        try:
+            os.mkdir(path)  # fails if it exists: two runs never share a directory
+            return path
+        except FileExistsError:
+            attempt += 1
+            path = f"{base}-{attempt}"
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it; it is set straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_text_atomically(path: str, text: str) -> None:
     """Writes `text` to a temporary file beside `path`, then renames it.
 
     Readers see the old file or the new one, never half a file: a crash
     mid-write leaves the previous file intact and no temporary file behind.
+    The file gets the permissions ``open(path, "w")`` would give it (0644
+    under the usual umask 022), not the temporary file's private 0600.
     """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -87,6 +139,7 @@ def write_text_atomically(path: str, text: str) -> None:
     try:
         with os.fdopen(handle, "w") as file:
             file.write(text)
+        os.chmod(temporary, 0o666 & ~_umask())
         os.replace(temporary, path)
     except BaseException:
         os.unlink(temporary)

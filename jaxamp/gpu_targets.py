@@ -18,13 +18,22 @@ defaults, and their workspace is what the default needs), the cuDNN and CUDA
 versions are those the config states, and the executable's
 ``cost_analysis()`` is empty (use the lowered module's, or
 `jaxamp.hlo_report.bytes_accessed`).
+
+On a machine without an NVIDIA GPU the plugin's start-up check of the CUDA
+libraries can only fail (there is nothing to run on), printing a traceback
+and leaving the plugin unregistered; importing jaxamp there sets the
+plugin's own switch ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (unless set), so
+the plugin registers for compiling and JAX still runs on the CPU, with
+``JAX_PLATFORMS`` set or not (`allow_compiling_without_gpu`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import importlib.util
+import os
 from typing import Any
 
 import jax
@@ -200,6 +209,63 @@ def cuda_plugin_available() -> bool:
     return importlib.util.find_spec("jax_cuda12_plugin") is not None
 
 
+# The device files by which JAX decides whether an NVIDIA GPU is visible
+# (jax._src.hardware_utils.has_visible_nvidia_gpu; the same list in jax 0.10 and 0.12).
+_NVIDIA_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
+_CUDA_PLUGIN_MODULE = "jax_plugins.xla_cuda12"
+_SKIP_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
+
+
+def nvidia_gpu_visible() -> bool:
+    """Whether this machine shows an NVIDIA GPU, as JAX itself decides it."""
+    return any(os.path.exists(path) for path in _NVIDIA_DEVICE_FILES)
+
+
+def allow_compiling_without_gpu() -> bool:
+    """Lets the CUDA plugin register for compiling on a machine without an NVIDIA GPU.
+
+    When JAX starts with ``JAX_PLATFORMS`` unset, it initializes every
+    installed plugin; the CUDA plugin first checks the CUDA libraries, which
+    on a machine without a GPU fails: JAX logs the traceback and the plugin
+    never registers, so GPU targets cannot be compiled. Where the plugin is
+    installed and no NVIDIA GPU is visible, this sets the plugin's documented
+    switch ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (unless it is set already):
+    the plugin registers, and JAX still runs on the CPU because it uses the
+    CUDA backend only where a GPU is visible. With a GPU visible, nothing
+    changes. jaxamp calls this on import, before JAX starts its backends.
+
+    Returns:
+        Whether the switch was set by this call.
+    """
+    if _SKIP_CHECK in os.environ or nvidia_gpu_visible() or not cuda_plugin_available():
+        return False
+    os.environ[_SKIP_CHECK] = "1"
+    return True
+
+
+allow_compiling_without_gpu()
+
+
+def _register_cuda_plugin_again() -> None:
+    """Runs the CUDA plugin's registration again, its library check skipped.
+
+    For a process where JAX started its backends before jaxamp was imported
+    (so the plugin's check ran, failed and left it unregistered); only on a
+    machine without a visible NVIDIA GPU.
+    """
+    if nvidia_gpu_visible() or not cuda_plugin_available():
+        return
+    previous = os.environ.get(_SKIP_CHECK)
+    os.environ[_SKIP_CHECK] = "1"
+    try:
+        importlib.import_module(_CUDA_PLUGIN_MODULE).initialize()
+    except Exception:  # pylint: disable=broad-except
+        pass  # the caller's error says what to set
+    finally:
+        if previous is None:
+            os.environ.pop(_SKIP_CHECK)
+
+
 @functools.cache
 def _topology_device(config_text: str):
     # get_topology_desc lives in jax.experimental: its one use is here.
@@ -226,10 +292,21 @@ def gpu_target_device(target: str | GpuSpec) -> Any:
         raise RuntimeError(
             "Compiling for a GPU target needs the CUDA PJRT plugin of the installed JAX "
             f"({jax.__version__}): pip install 'jaxamp[gpu-aot]' (or jax-cuda12-plugin=="
-            f"{jax.__version__} jax-cuda12-pjrt=={jax.__version__}), then run with "
-            "JAX_PLATFORMS=cpu so JAX does not look for a GPU to run on."
+            f"{jax.__version__} jax-cuda12-pjrt=={jax.__version__}). No GPU or CUDA libraries are needed; "
+            "on a machine with a GPU but without its CUDA libraries, run with JAX_PLATFORMS=cpu."
         )
-    return _topology_device(spec.target_config())
+    try:
+        return _topology_device(spec.target_config())
+    except NotImplementedError:  # "topology not implemented for cuda": the plugin did not register
+        _register_cuda_plugin_again()
+    try:
+        return _topology_device(spec.target_config())
+    except NotImplementedError:
+        raise RuntimeError(
+            "The CUDA PJRT plugin is installed but did not register with JAX (its start-up check of the "
+            "CUDA libraries failed; JAX's log above says why). To compile for a GPU target here, set "
+            "JAX_PLATFORMS=cpu before starting Python."
+        ) from None
 
 
 def on_device(tree: Any, device: Any) -> Any:

@@ -13,16 +13,15 @@
 # take dozens of seconds each: a persistent compilation cache lets the benchmark reuse the
 # study's train steps where they are the same program.
 #
-# Here, once, before the call (the device machine lacks jmp and tensorflow-datasets):
-#   echo /.whl/ >> .git/info/exclude
+# Results land in $OUT (default: a new runs/gpu-bench-<time>/; the published GPU results are
+# in results/<device>/). On a machine without network whose Python lacks a pure-Python
+# dependency (jmp, say), put its wheels in .whl/ first and they are installed for the run:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl jmp==0.0.4
-# then run `bash scripts/gpu_bench.sh` there with `.whl` carried; results land in $OUT
-# (default results/gpu).
 #
-# Settings (environment): BUDGET seconds for all of it (default 450: 8 minutes less a margin
-# for start-up and copying back), MODELS (the study's), STEPS (train steps and test batches
-# per epoch; unset: a full epoch), BENCH_RESERVE (default 120), BENCH_ARGS (extra benchmark
-# flags, placed last so they win), PYTHON (default python3). The same code path runs on a CPU with tiny settings:
+# Settings (environment): BUDGET seconds for all of it (default 450), MODELS (the study's),
+# STEPS (train steps and test batches per epoch; unset: a full epoch), BENCH_RESERVE
+# (default 120), BENCH_ARGS (extra benchmark flags, placed last so they win), PYTHON
+# (default python3). The same code path runs on a CPU with tiny settings:
 #   PYTHON=.venv/bin/python OUT=/tmp/gpu_bench MODELS=resnet_tiny STEPS=2 BUDGET=900 BENCH_RESERVE=600 \
 #     BENCH_ARGS="--models resnet_tiny --torch-models resnet_tiny --batch-size 8 --rounds 1 --steps 1 \
 #                 --num-train 64 --loss-scale-models mlp --loss-scale-batch-size 8" \
@@ -34,7 +33,7 @@ python=${PYTHON:-python3}
 budget=${BUDGET:-450}
 reserve=${BENCH_RESERVE:-120}
 models=${MODELS:-resnet18,resnet50,resnet101,mobilenetv2}
-out=${OUT:-results/gpu}
+out=${OUT:-runs/gpu-bench-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$out"
 : > "$out/skipped.txt"
 left() { echo $(( budget - (SECONDS - start) )); }
@@ -112,9 +111,13 @@ else:
     print(f"peak bytes in use: not measured ({peaks}: no device memory stats here, or a run was skipped)")
 PY
 bench_budget=$(( $(left) - 20 ))
-run benchmark "$(( bench_budget + 15 ))" "$python" -m experiments.benchmark --budget "$bench_budget" \
-  --sections throughput,torch,loss_scale,pipeline --models resnet18,mobilenetv2,resnet50 \
-  --torch-models resnet18,mobilenetv2,resnet50 "${bench_args[@]}" --out-dir "$out/benchmark"
+if (( bench_budget >= 10 )); then  # --budget takes a positive number of seconds
+  run benchmark "$(( bench_budget + 15 ))" "$python" -m experiments.benchmark --budget "$bench_budget" \
+    --sections throughput,torch,loss_scale,pipeline --models resnet18,mobilenetv2,resnet50 \
+    --torch-models resnet18,mobilenetv2,resnet50 "${bench_args[@]}" --out-dir "$out/benchmark"
+else
+  skip benchmark "$(( bench_budget > 0 ? bench_budget : 0 ))s of the budget left"
+fi
 grep -h "^skipped" "$out"/*.log >> "$out/skipped.txt" 2>/dev/null || true
 echo "=== done in $(( SECONDS - start ))s of a ${budget}s budget; skipped: ==="
 cat "$out/skipped.txt"

@@ -44,7 +44,7 @@ def offline(monkeypatch):
 def needs_tensorflow_datasets():
     """Skips a test that prepares CIFAR-10 where tensorflow-datasets is absent.
 
-    It comes with the experiments extra, which CI installs; a GPU machine
+    It comes with the experiments' dependency group, which CI installs; a GPU machine
     carrying only JAX, Flax and optax has none.
     """
-    return pytest.importorskip("tensorflow_datasets", reason="preparing CIFAR-10 needs the experiments extra")
+    return pytest.importorskip("tensorflow_datasets", reason="preparing CIFAR-10 needs the experiments group")

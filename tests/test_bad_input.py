@@ -5,6 +5,7 @@ is in tests/test_grad_accumulation.py (with and without accumulation it goes
 through the same finite check).
 """
 
+import argparse
 import contextlib
 import os
 import pathlib
@@ -17,7 +18,9 @@ import pytest
 from test_data import write_cifar10_archive, write_fashion_mnist
 
 import jaxamp
-from experiments import checkpointing, cifar
+from experiments import checkpointing, cifar, compare
+from experiments.benchmark import __main__ as benchmark
+from experiments.flags import HelpFormatter
 
 QUICK = [
     "--model", "resnet_tiny", "--data", "synthetic", "--no-progress", "--epochs", "1", "--batch-size", "8",
@@ -48,6 +51,9 @@ QUICK = [
         (["--lr", "fast"], "expected a positive number, got 'fast'"),
         (["--inject-nonfinite", "1.5"], "must lie in [0, 1)"),
         (["--max-consecutive-skips", "-1"], "expected an integer >= 0, got -1"),
+        (["--seed", "-1"], "expected an integer >= 0, got -1"),
+        (["--label-smoothing", "1.5"], "expected a number in [0, 1), got 1.5"),
+        (["--label-smoothing", "-0.1"], "expected a number in [0, 1), got -0.1"),
         (["--checkpoint-every", "10"], "--checkpoint-every needs --checkpoint-dir"),
         (["--resume"], "--resume needs --checkpoint-dir"),
     ],
@@ -95,6 +101,73 @@ def test_a_truncated_cifar10_archive_exits_1_with_the_ways_forward(
     argv = [*QUICK, "--dataset", "cifar10", "--data", "tfds", "--data-dir", str(tmp_path)]
     exit_code, error = run_cli(argv, capsys)
     assert exit_code == 1 and str(archive) in error and "Download" in error
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--budget", "-1"], "argument --budget: expected a positive finite number, got -1.0"),
+        (["--budget", "0"], "argument --budget: expected a positive finite number, got 0.0"),
+        (["--budget", "soon"], "argument --budget: expected a positive number, got 'soon'"),
+        (["--rounds", "0"], "argument --rounds: expected a positive integer, got 0"),
+        (["--batch-size", "-4"], "argument --batch-size: expected a positive integer, got -4"),
+        (["--num-train", "many"], "argument --num-train: expected a positive integer, got 'many'"),
+    ],
+)
+def test_a_bad_number_for_the_benchmark_exits_2_before_any_work(argv, expected, capsys):
+    """Fails where --budget -1 is accepted (it was: the run measured nothing and exited 0)."""
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert expected in error and "Traceback" not in error
+
+
+@pytest.mark.parametrize("main", [cifar.main, compare.main, benchmark.main], ids=["cifar", "compare", "benchmark"])
+def test_every_flag_with_a_default_shows_it_in_help(main, capsys):
+    """Fails for a parser without the defaults formatter (cifar's --batch-size showed nothing)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    assert "(default:" in capsys.readouterr().out
+    parser = {cifar.main: cifar.build_parser, compare.main: compare.build_parser}.get(
+        main, benchmark.build_parser
+    )()
+    assert parser.formatter_class is HelpFormatter
+    formatter = HelpFormatter(parser.prog)
+    for action in parser._actions:  # argparse has no public list of a parser's flags
+        if action.default in (None, argparse.SUPPRESS) or isinstance(action.default, bool):
+            continue  # no value to show: an optional setting or a switch
+        shown = formatter._get_help_string(action) % {"default": action.default}
+        assert "default" in shown, action.option_strings
+
+
+@pytest.mark.parametrize("dataset", ["cifar10", "fashion_mnist"])
+def test_a_file_given_as_the_data_folder_exits_1_saying_it_is_a_file(tmp_path, capsys, dataset):
+    """Fails where a file passes for a folder (it did: 'nothing in it', or TFDS's own error)."""
+    if dataset == "cifar10":
+        pytest.importorskip("tensorflow_datasets", reason="preparing CIFAR-10 needs the experiments group")
+    archive = tmp_path / "cifar-10-binary.tar.gz"
+    archive.write_bytes(b"not a folder")
+    argv = [*QUICK, "--dataset", dataset, "--data", "tfds", "--data-dir", str(archive)]
+    exit_code, error = run_cli(argv, capsys)
+    assert exit_code == 1
+    assert f"--data-dir {archive} is a file, not a folder" in error
+    if dataset == "cifar10":  # the archive itself: where to put it instead
+        assert f"--data-dir {tmp_path / 'tensorflow_datasets'}" in error
+
+
+def test_missing_cifar10_exits_1_with_the_projects_message_and_no_tfds_warning_first(
+    tmp_path, offline, capsys, caplog, needs_tensorflow_datasets
+):
+    """Fails where TFDS's "Variant folder ... has no dataset_info.json" warning
+    is logged before the project's message (it was)."""
+    exit_code, error = run_cli([*QUICK, "--dataset", "cifar10", "--data", "tfds", "--data-dir",
+                                str(tmp_path)], capsys)  # fmt: skip
+    assert exit_code == 1
+    assert error.startswith("error: CIFAR-10 is not prepared") and "Ways forward" in error
+    logged = [record.getMessage() for record in caplog.records]
+    assert not [message for message in logged if "Variant folder" in message], logged
 
 
 @contextlib.contextmanager

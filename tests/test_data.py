@@ -467,6 +467,6 @@ def test_epoch_batches_rejects_impossible_batch_size(batch_size):
 def test_cifar10_without_tensorflow_datasets_says_how_to_get_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # makes the import fail
 
-    with pytest.raises(data.DataUnavailableError, match=r"\[experiments\]") as error:
+    with pytest.raises(data.DataUnavailableError, match="pip install -e . --group experiments") as error:
         data.load_dataset("cifar10", "tfds")
     assert "--data synthetic" in str(error.value)

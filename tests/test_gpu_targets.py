@@ -1,5 +1,10 @@
 """Tests for `jaxamp.gpu_targets`: GPU descriptions and deviceless compilation."""
 
+import importlib.util
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -60,7 +65,7 @@ def test_without_the_plugin_a_target_device_explains_how_to_install_it(monkeypat
 
 def test_a_step_compiled_for_an_h200_halves_its_temporary_memory_under_mixed():
     if not gpu_targets.cuda_plugin_available():
-        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]'; run with JAX_PLATFORMS=cpu)")
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     device = jaxamp.gpu_target_device("h200")
     assert device.device_kind == "NVIDIA H200"
 
@@ -74,3 +79,49 @@ def test_a_step_compiled_for_an_h200_halves_its_temporary_memory_under_mixed():
         return jax.jit(forward_and_back).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
     assert temp_bytes(jnp.float16) < temp_bytes(jnp.float32)
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_COMPILE_FOR_AN_H200 = """
+import jax, jax.numpy as jnp
+import jaxamp
+device = jaxamp.gpu_target_device("h200")
+x = jaxamp.on_device(jnp.zeros((64, 64), jnp.float16), device)
+compiled = jax.jit(lambda x: x @ x).lower(x).compile()
+print(jax.devices()[0].platform, device.device_kind, compiled.memory_analysis().output_size_in_bytes)
+"""
+
+
+@pytest.mark.parametrize("jax_first", [False, True], ids=["jaxamp-imported-first", "jax-started-first"])
+def test_with_the_plugin_installed_and_jax_platforms_unset_gpu_targets_compile_and_jax_runs_on_cpu(jax_first):
+    """The gpu-aot extra on a machine without a GPU, JAX_PLATFORMS unset.
+
+    Fails where the CUDA plugin's start-up check of the CUDA libraries runs
+    (it did: JAX logged its traceback, the plugin never registered, and
+    gpu_target_device raised "topology not implemented for cuda"). Where JAX
+    started before jaxamp was imported, JAX has already logged the failed
+    check, but the target still compiles.
+    """
+    spec = importlib.util.find_spec("jax_cuda12_plugin")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
+    if gpu_targets.nvidia_gpu_visible():
+        pytest.skip("a machine with an NVIDIA GPU: the plugin's check is JAX's to run")
+    plugin_parent = os.path.dirname(list(spec.submodule_search_locations)[0])
+    environment = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
+    }
+    environment["PYTHONPATH"] = os.pathsep.join(
+        [REPO_ROOT, plugin_parent, *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    script = ("import jax; jax.devices()\n" if jax_first else "") + _COMPILE_FOR_AN_H200
+    completed = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, env=environment, capture_output=True, text=True
+    )
+
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.split() == ["cpu", "NVIDIA", "H200", str(64 * 64 * 2)]
+    if not jax_first:
+        assert "Traceback" not in completed.stderr

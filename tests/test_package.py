@@ -5,6 +5,7 @@ and must not be installed: a top-level ``experiments`` package in
 site-packages would shadow or collide with a user's own.
 """
 
+import email.parser
 import pathlib
 import shutil
 import subprocess
@@ -24,7 +25,7 @@ NOT_SOURCE = shutil.ignore_patterns(
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory):
+def wheel_path(tmp_path_factory):
     """The wheel `pip wheel` builds from a copy of the checkout, offline."""
     source = tmp_path_factory.mktemp("source") / "jaxamp"
     shutil.copytree(REPO, source, ignore=NOT_SOURCE)
@@ -35,12 +36,26 @@ def wheel(tmp_path_factory):
     ]  # fmt: skip
     result = subprocess.run(command, cwd=source, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (
-        "pip wheel failed; the test extra provides setuptools>=68 and wheel "
-        f"(pip install -e '.[test]'):\n{result.stdout}\n{result.stderr}"
+        "pip wheel failed; the test group provides setuptools>=77 and wheel "
+        f"(pip install -e . --group test):\n{result.stdout}\n{result.stderr}"
     )
     (path,) = out.glob("jaxamp-*.whl")
-    with zipfile.ZipFile(path) as archive:
+    return path
+
+
+@pytest.fixture(scope="module")
+def wheel(wheel_path):
+    """The names of the wheel's files."""
+    with zipfile.ZipFile(wheel_path) as archive:
         return archive.namelist()
+
+
+@pytest.fixture(scope="module")
+def wheel_metadata(wheel_path):
+    """The wheel's core metadata (METADATA), parsed as the email-header format it is."""
+    with zipfile.ZipFile(wheel_path) as archive:
+        text = archive.read(f"jaxamp-{jaxamp.__version__}.dist-info/METADATA").decode()
+    return email.parser.Parser().parsestr(text)
 
 
 def test_the_wheel_holds_jaxamp_and_its_metadata_only(wheel):
@@ -53,3 +68,20 @@ def test_the_wheel_holds_every_module_of_the_package_and_the_py_typed_marker(whe
     assert modules <= set(wheel)
     assert "jaxamp/py.typed" in wheel
     assert "jaxamp/__init__.py" in modules
+
+
+def test_the_wheel_carries_the_apache_license_the_metadata_names(wheel, wheel_path):
+    """Fails where the repository has no LICENSE file (it had none)."""
+    license_text = (REPO / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    (packaged,) = [name for name in wheel if name.endswith("/LICENSE")]
+    with zipfile.ZipFile(wheel_path) as archive:
+        assert archive.read(packaged).decode() == license_text
+
+
+def test_the_wheel_advertises_only_extras_the_library_honours(wheel_metadata):
+    """The experiments and tests are not in the wheel, so their dependencies are
+    dependency groups of pyproject.toml, not extras. Fails where an
+    `experiments` (or `test`) extra is advertised (it was)."""
+    assert set(wheel_metadata.get_all("Provides-Extra")) == {"cuda", "gpu-aot"}
+    assert wheel_metadata["License-Expression"] == "Apache-2.0"

@@ -29,6 +29,11 @@ lists what it skipped):
    roofline bound; each half precision by both routes a policy can take
    (``apply_policy`` and ``autocast``).
 
-Results go to ``results/<device>/benchmark/`` (``results.json`` rewritten
-after every measurement, ``table.md``, PNG plots).
+Results go to a new run directory, ``runs/benchmark-<quick|full|targets-...>-<time>/``
+(or ``--out-dir``; the published runs live in ``results/<device>/benchmark/``):
+``results.json`` rewritten after every measurement, ``table.md``, PNG plots.
+
+Exit status: 0 when the benchmark ran, whatever it measured (a missed
+target is marked in the table and named in the log); 2 for a bad flag;
+``--check`` (for CI and scripts) makes a missed target exit 1.
 """

@@ -86,6 +86,25 @@ def _torch_rows(torch: dict, throughput: dict) -> list[str]:
     return rows
 
 
+def load_sentence(load_at_start: float, load_at_end: float, cpu_count: int | None) -> str:
+    """What the measured 1-minute load averages say about the machine's other work.
+
+    The load average counts the processes running or waiting to run,
+    the benchmark's own included. Above the core count (`os.cpu_count()`),
+    something else competed for the cores during the run and its timings
+    are noisier; at or below it, no more work than cores was running. Without
+    a core count (results written before it was recorded), only the figures
+    are given.
+    """
+    figures = f"1-minute load average {load_at_start:.1f} at the start, {load_at_end:.1f} at the end"
+    if not cpu_count:
+        return figures + "."
+    cores = f"{cpu_count} core{'s' if cpu_count != 1 else ''}"
+    if max(load_at_start, load_at_end) > cpu_count:
+        return f"{figures}, above the {cores}: other work shared the machine, so timings are noisy."
+    return f"{figures}, not above the {cores}: no more work than cores was running."
+
+
 def table(results: dict) -> str:
     """The whole run as Markdown: settings, one table per section, checks, skipped work."""
     environment = results["environment"]
@@ -97,9 +116,12 @@ def table(results: dict) -> str:
     if "wall_s" in environment:
         lines += [
             "",
-            f"Run: {environment['wall_s']:.0f} s wall clock; 1-minute load average "
-            f"{environment['load_average_at_start']:.1f} at the start, {environment['load_average_at_end']:.1f} "
-            "at the end (above the core count, other work shared the machine).",
+            f"Run: {environment['wall_s']:.0f} s wall clock; "
+            + load_sentence(
+                environment["load_average_at_start"],
+                environment["load_average_at_end"],
+                environment.get("cpu_count"),
+            ),
         ]
     if environment.get("run_note"):
         lines += ["", f"Run: {environment['run_note']}"]

@@ -1,0 +1,78 @@
+"""The command-line flags' shared parts: help that shows every default, and
+number types that refuse bad values with a message naming them.
+
+Every command (``experiments.cifar``, ``experiments.compare``,
+``experiments.benchmark``) builds its parser with `HelpFormatter` and types
+each numeric flag with one of the types here, so ``--batch-size 0`` or
+``--budget -1`` stops at once with exit status 2 and one line naming the
+flag, the value and what is expected, before any work starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with every flag's default.
+
+    A flag whose default is None or False (an optional setting, a switch)
+    shows none: its help says what happens without it. Help that already
+    names its default (``default: ...``) is left as written.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if (
+            "%(default)" in help_text
+            or "default:" in help_text
+            or any(action.default is nothing for nothing in (None, False, argparse.SUPPRESS))
+            or not action.option_strings
+        ):
+            return help_text
+        default = action.default
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else "%(default)s"
+        return f"{help_text} (default: {shown})".lstrip()
+
+
+def integer_at_least(minimum: int, description: str) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum`, called `description` in errors."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {description}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {description}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = integer_at_least(1, "a positive integer")
+non_negative_int = integer_at_least(0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {value}")
+    return value
+
+
+def fraction_below_one(text: str) -> float:
+    """An argparse type: a number in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value}")
+    return value
