@@ -1,6 +1,6 @@
 """Runs the Python examples of a Markdown page, as a reader would, in order.
 
-Every fenced ``python`` block of a page runs in one namespace shared by the
+Every fenced ``python`` (or ``py``) block of a page runs in one namespace shared by the
 page's blocks (a later block may use what an earlier one defined) and by no
 other page. A block's printed output is checked where the page shows it:
 
@@ -83,7 +83,7 @@ def python_blocks(markdown: str) -> list[Block]:
     fences = _fences(markdown)
     blocks = []
     for position, (info, first_line, after, code) in enumerate(fences):
-        if info != "python":
+        if info not in ("python", "py"):
             continue
         expected = None
         if position + 1 < len(fences):

@@ -17,11 +17,11 @@ import textwrap
 import pytest
 
 import jaxamp
-from markdown_examples import ExampleFailed, run_file, run_page
+from markdown_examples import ExampleFailed, python_blocks, run_file, run_page
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
-PAGES_WITH_EXAMPLES = [page for page in PAGES if "```python" in page.read_text(encoding="utf-8")]
+PAGES_WITH_EXAMPLES = [page for page in PAGES if python_blocks(page.read_text(encoding="utf-8"))]
 
 
 @pytest.fixture(autouse=True)
