@@ -20,6 +20,8 @@ from mkdocs.structure.files import File, Files, InclusionLevel
 
 # Inline Markdown links and images: [text](target) or ![alt](target "title").
 _LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+# Reference-style link definitions: [label]: target
+_DEFINITION = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?([^\s>]+)>?", re.MULTILINE)
 # Fenced code is not prose: links inside it are not followed.
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 
@@ -27,7 +29,8 @@ _FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 def _outside_targets(markdown: str, page_uri: str) -> set[str]:
     """Relative link targets of one page that lead above the docs folder."""
     targets = set()
-    for target in _LINK.findall(_FENCE.sub("", markdown)):
+    prose = _FENCE.sub("", markdown)
+    for target in _LINK.findall(prose) + _DEFINITION.findall(prose):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith(("#", "/")):
             continue
         path = target.split("#", 1)[0]
