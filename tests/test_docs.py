@@ -33,6 +33,7 @@ def _run_from_the_repository_root(monkeypatch):
 
 @pytest.mark.parametrize("page", PAGES_WITH_EXAMPLES, ids=lambda page: str(page.relative_to(REPO)))
 def test_every_example_of_the_page_runs_and_prints_what_the_page_shows(page):
+    """Fails when an example raises or a shown figure (a GFLOPs count, a dtype) changes."""
     assert run_file(page, str(page.relative_to(REPO))) > 0
 
 
@@ -67,12 +68,18 @@ BROKEN_EXAMPLES = {
 
 @pytest.mark.parametrize("markdown", BROKEN_EXAMPLES.values(), ids=BROKEN_EXAMPLES.keys())
 def test_a_broken_example_fails_the_run(markdown):
+    """The runner's negative case: each broken page must raise, naming the page and the block.
+
+    A runner that ignored output, swallowed exceptions or leaked one page's
+    namespace into the next would let one of these pass.
+    """
     run_page("```python\ndefined_on_the_first_page = 1\n```\n", "first.md")
     with pytest.raises(ExampleFailed, match=r"broken\.md, block at line 2"):
         run_page(textwrap.dedent(markdown).lstrip("\n"), "broken.md")
 
 
 def test_blocks_of_one_page_share_a_namespace_and_their_output_is_compared():
+    """Fails if the runner misses a block, or runs blocks of a page in separate namespaces."""
     page = textwrap.dedent(
         """
         ```python
@@ -99,6 +106,7 @@ def test_blocks_of_one_page_share_a_namespace_and_their_output_is_compared():
 
 
 def test_every_public_name_has_an_entry_in_the_api_reference():
+    """A name added to `jaxamp.__all__` without a `::: jaxamp.NAME` entry fails (and the reverse)."""
     api = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
     documented = set(re.findall(r"^::: jaxamp\.(\w+)$", api, re.MULTILINE))
     assert sorted(set(jaxamp.__all__) - documented) == []
@@ -133,6 +141,7 @@ def _mkdocs_build(config: pathlib.Path, site: pathlib.Path) -> subprocess.Comple
 
 
 def test_the_documentation_site_builds_in_strict_mode_offline(tmp_path):
+    """Fails on a broken link or anchor, a page missing from the nav, an unknown API entry, a fetch."""
     build = _mkdocs_build(REPO / "mkdocs.yml", tmp_path / "site")
     assert build.returncode == 0, build.stderr
     assert (tmp_path / "site" / "api" / "index.html").is_file()
@@ -144,6 +153,7 @@ def test_the_documentation_site_builds_in_strict_mode_offline(tmp_path):
     ("target", "builds"), [("../tests/test_grads.py", True), ("../tests/test_that_does_not_exist.py", False)]
 )
 def test_a_link_into_the_repository_builds_only_when_its_file_exists(tmp_path, target, builds):
+    """The docs hook publishes linked repository files, and leaves a missing one for strict mode to fail."""
     project = tmp_path / "project"
     (project / "docs").mkdir(parents=True)
     (project / "tests").mkdir()
