@@ -1,0 +1,168 @@
+"""The documentation: every example runs as written, and the site builds strict, offline.
+
+Each page's ``python`` blocks run in order in one namespace per page, their
+printed output compared with the page where it shows it
+(`markdown_examples`); a deliberately broken example must fail that run.
+The site builds with ``mkdocs build --strict``, so a broken link, a missing
+page or an unresolved API reference fails the suite.
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import jaxamp
+from markdown_examples import ExampleFailed, python_blocks, run_file, run_page
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+PAGES_WITH_EXAMPLES = [page for page in PAGES if python_blocks(page.read_text(encoding="utf-8"))]
+
+
+@pytest.fixture(autouse=True)
+def _run_from_the_repository_root(monkeypatch):
+    """The examples import `experiments` from the repository root, as a reader's do."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.syspath_prepend(str(REPO))
+
+
+@pytest.mark.parametrize("page", PAGES_WITH_EXAMPLES, ids=lambda page: str(page.relative_to(REPO)))
+def test_every_example_of_the_page_runs_and_prints_what_the_page_shows(page):
+    """Fails when an example raises or a shown figure (a GFLOPs count, a dtype) changes."""
+    assert run_file(page, str(page.relative_to(REPO))) > 0
+
+
+BROKEN_EXAMPLES = {
+    "a name the page never defines": """
+        ```python
+        print(undefined_model)
+        ```
+        """,
+    "printed output other than the page shows": """
+        ```python
+        print(1 + 1)
+        ```
+
+        ```text
+        3
+        ```
+        """,
+    "a doctest whose output differs": """
+        ```python
+        >>> 2 * 2
+        5
+        ```
+        """,
+    "a name defined on another page": """
+        ```python
+        print(defined_on_the_first_page)
+        ```
+        """,
+}
+
+
+@pytest.mark.parametrize("markdown", BROKEN_EXAMPLES.values(), ids=BROKEN_EXAMPLES.keys())
+def test_a_broken_example_fails_the_run(markdown):
+    """The runner's negative case: each broken page must raise, naming the page and the block.
+
+    A runner that ignored output, swallowed exceptions or leaked one page's
+    namespace into the next would let one of these pass.
+    """
+    run_page("```python\ndefined_on_the_first_page = 1\n```\n", "first.md")
+    with pytest.raises(ExampleFailed, match=r"broken\.md, block at line 2"):
+        run_page(textwrap.dedent(markdown).lstrip("\n"), "broken.md")
+
+
+def test_blocks_of_one_page_share_a_namespace_and_their_output_is_compared():
+    """Fails if the runner misses a block, or runs blocks of a page in separate namespaces."""
+    page = textwrap.dedent(
+        """
+        ```python
+        width = 3
+        ```
+
+        Between two blocks, prose.
+
+        ```python
+        print("x" * width)
+        ```
+
+        ```text
+        xxx
+        ```
+
+        ```python
+        >>> width + 1
+        4
+        ```
+        """
+    )
+    assert run_page(page, "page.md") == 3
+
+
+def test_every_public_name_has_an_entry_in_the_api_reference():
+    """A name added to `jaxamp.__all__` without a `::: jaxamp.NAME` entry fails (and the reverse)."""
+    api = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
+    documented = set(re.findall(r"^::: jaxamp\.(\w+)$", api, re.MULTILINE))
+    assert sorted(set(jaxamp.__all__) - documented) == []
+    assert sorted(documented - set(jaxamp.__all__)) == []
+
+
+def test_every_relative_link_of_the_readme_leads_to_a_file():
+    """The README is not part of the site, so its links are checked here."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    readme = re.sub(r"^```.*?^```", "", readme, flags=re.MULTILINE | re.DOTALL)
+    targets = re.findall(r"\]\(([^)\s]+)\)", readme)
+    relative = [t.split("#")[0] for t in targets if not re.match(r"^[a-z]+:", t) and not t.startswith("#")]
+    assert relative, "the README links into the docs"
+    assert [t for t in relative if not (REPO / t).exists()] == []
+
+
+def _mkdocs_build(config: pathlib.Path, site: pathlib.Path) -> subprocess.CompletedProcess:
+    """`mkdocs build --strict` with every proxy pointing at a closed port: no fetch can succeed."""
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "all_proxy"):
+        env[name] = "http://127.0.0.1:9"
+    env.pop("NO_PROXY", None)
+    env.pop("no_proxy", None)
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config), "--site-dir", str(site)],
+        cwd=config.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_the_documentation_site_builds_in_strict_mode_offline(tmp_path):
+    """Fails on a broken link or anchor, a page missing from the nav, an unknown API entry, a fetch."""
+    build = _mkdocs_build(REPO / "mkdocs.yml", tmp_path / "site")
+    assert build.returncode == 0, build.stderr
+    assert (tmp_path / "site" / "api" / "index.html").is_file()
+    # The evidence the pages link to is published beside them.
+    assert (tmp_path / "site" / "_source" / "tests" / "test_grads.py").is_file()
+
+
+@pytest.mark.parametrize(
+    ("target", "builds"), [("../tests/test_grads.py", True), ("../tests/test_that_does_not_exist.py", False)]
+)
+def test_a_link_into_the_repository_builds_only_when_its_file_exists(tmp_path, target, builds):
+    """The docs hook publishes linked repository files, and leaves a missing one for strict mode to fail."""
+    project = tmp_path / "project"
+    (project / "docs").mkdir(parents=True)
+    (project / "tests").mkdir()
+    (project / "tests" / "test_grads.py").write_text("")
+    (project / "docs" / "index.md").write_text(f"# Page\n\nThe [evidence]({target}).\n")
+    (project / "mkdocs.yml").write_text(
+        f"site_name: t\nnav: [index.md]\nhooks: [{REPO / 'docs' / '_hooks' / 'source_files.py'}]\n"
+    )
+    build = _mkdocs_build(project / "mkdocs.yml", tmp_path / "site")
+    assert (build.returncode == 0) == builds, build.stderr
+    if not builds:
+        assert "test_that_does_not_exist.py" in build.stderr
