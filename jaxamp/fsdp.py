@@ -68,7 +68,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxamp.policy import _DTYPE_ALIASES, PolicySpec, get_policy
 
-_DTYPE_CHOICES = "a floating dtype such as jnp.bfloat16, one of the names " + ", ".join(sorted(_DTYPE_ALIASES))
+_DTYPE_CHOICES = "a floating dtype such as jnp.bfloat16, one of the names " + ", ".join(
+    sorted(_DTYPE_ALIASES)
+)
 
 
 def _communication_dtype(dtype: Any, field_name: str) -> np.dtype | None:
@@ -312,28 +314,6 @@ def _gather_sharded(shard: jax.Array, axis: str, dimension: int, gather_dtype, r
     return gather(shard)
 
 
-def _use_replicated(param: jax.Array, axis: str, reduce_dtype) -> jax.Array:
-    """`param` as a per-device value; its VJP all-reduces in `reduce_dtype`.
-
-    Without it, shard_map sums the gradient of a replicated input in
-    whatever dtype the model's backward pass left it (bfloat16 when the model
-    casts the param to bfloat16 first).
-    """
-
-    @jax.custom_vjp
-    def use(value):
-        return jax.lax.pcast(value, axis, to="varying")
-
-    def forward(value):
-        return use(value), None
-
-    def backward(_, local_grad):
-        return (jax.lax.psum(local_grad.astype(reduce_dtype), axis).astype(param.dtype),)
-
-    use.defvjp(forward, backward)
-    return use(param)
-
-
 def _reshard(tree: Any, specs: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda leaf, spec: jax.sharding.reshard(leaf, NamedSharding(mesh, spec)), tree, specs)
 
@@ -411,27 +391,28 @@ def fsdp_loss(
     axis_size = _check_axis(mesh, axis)
     communication = get_communication_policy(communication)
 
-    def gather(params, dimensions):
-        """The full params from this device's shards; `dimensions` from the global shapes."""
+    def gather(params, layout):
+        """The full params from this device's shards; `layout` from the global arrays."""
         leaves, treedef = jax.tree.flatten(params)
         gathered = []
-        for leaf, dimension in zip(leaves, dimensions):
+        for leaf, (dimension, dtype) in zip(leaves, layout):
             if not jnp.issubdtype(leaf.dtype, jnp.floating):
                 # No gradient to reduce: a plain gather in the leaf's own dtype.
                 if dimension is not None:
                     leaf = jax.lax.all_gather(leaf, axis, axis=dimension, tiled=True)
                 gathered.append(leaf)
                 continue
-            reduce_dtype = communication.reduce_dtype_for(leaf.dtype)
             if dimension is None:
-                gathered.append(_use_replicated(leaf, axis, reduce_dtype))
+                # Arrives in the reduce dtype (see `sharded_loss`); computes in its own.
+                gathered.append(leaf.astype(dtype))
             else:
-                gather_dtype = communication.gather_dtype_for(leaf.dtype)
+                reduce_dtype = communication.reduce_dtype_for(dtype)
+                gather_dtype = communication.gather_dtype_for(dtype)
                 gathered.append(_gather_sharded(leaf, axis, dimension, gather_dtype, reduce_dtype))
         return jax.tree.unflatten(treedef, gathered)
 
-    def local_loss(dimensions, params, *batch):
-        output = loss_fn(gather(params, dimensions), *batch)
+    def local_loss(layout, params, *batch):
+        output = loss_fn(gather(params, layout), *batch)
         if has_aux:
             if not (isinstance(output, tuple) and len(output) == 2):
                 raise TypeError(
@@ -461,8 +442,10 @@ def fsdp_loss(
         if not shape:
             return PartitionSpec()
         if shape[0] % axis_size:
+            # path[0] indexes the batch arguments, which follow params.
+            name = f"argument {path[0].idx + 1} of the loss function" + jax.tree_util.keystr(path[1:])
             raise ValueError(
-                f"Batch leaf {_key_name(path)} of shape {shape} does not split over the {axis_size} "
+                f"Batch {name}, of shape {shape}, does not split over the {axis_size} "
                 f"devices of mesh axis {axis!r}: its leading dimension {shape[0]} must be a multiple "
                 f"of {axis_size}. Choose a batch size that is."
             )
@@ -473,9 +456,23 @@ def fsdp_loss(
         for path, leaf in jax.tree_util.tree_leaves_with_path(params):
             if jnp.issubdtype(leaf.dtype, jnp.floating):
                 _check_reduce_dtype(path, leaf, communication)
-        dimensions = tuple(shard_dimension(np.shape(leaf), axis_size) for leaf in jax.tree.leaves(params))
         param_specs = jax.tree.map(lambda leaf: _param_spec(np.shape(leaf), axis, axis_size), params)
-        batch_specs = tuple(jax.tree_util.tree_map_with_path(batch_spec, part) for part in batch)
+        layout = tuple(
+            (shard_dimension(np.shape(leaf), axis_size), leaf.dtype) for leaf in jax.tree.leaves(params)
+        )
+        # A replicated leaf's gradient is summed by shard_map itself where the
+        # leaf enters it, in the dtype it enters in: hand it over in the
+        # reduce dtype (a no-op by default) and let the body cast it back.
+        params = jax.tree.map(
+            lambda leaf, spec: (
+                leaf.astype(communication.reduce_dtype_for(leaf.dtype))
+                if spec == PartitionSpec() and jnp.issubdtype(leaf.dtype, jnp.floating)
+                else leaf
+            ),
+            params,
+            param_specs,
+        )
+        batch_specs = jax.tree_util.tree_map_with_path(batch_spec, batch)
         out_specs = (PartitionSpec(), PartitionSpec()) if has_aux else PartitionSpec()
         if jax.sharding.AxisType.Explicit in mesh.axis_types:
             # Explicit axes type every array with its sharding, and shard_map
@@ -484,10 +481,16 @@ def fsdp_loss(
             params = _reshard(params, param_specs, mesh)
             batch = tuple(_reshard(part, specs, mesh) for part, specs in zip(batch, batch_specs))
         return jax.shard_map(
-            functools.partial(local_loss, dimensions),
+            functools.partial(local_loss, layout),
             mesh=mesh,
             in_specs=(param_specs, *batch_specs),
             out_specs=out_specs,
+            # Without replication types, shard_map's own VJP sums the
+            # gradients of replicated inputs and hands each device its share
+            # of the loss's cotangent; the sharded params' sums are ours.
+            # With them on, a function re-traced from a jaxpr inside
+            # (`jaxamp.autocast`) fails to mix per-device and replicated values.
+            check_vma=False,
         )(params, *batch)
 
     return sharded_loss
