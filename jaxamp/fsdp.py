@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -318,6 +319,18 @@ def _reshard(tree: Any, specs: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda leaf, spec: jax.sharding.reshard(leaf, NamedSharding(mesh, spec)), tree, specs)
 
 
+def _batch_argument_name(loss_fn: Callable[..., Any], index: int) -> str:
+    """How to name batch argument `index` (the loss function's argument ``index + 1``)."""
+    try:
+        parameters = list(inspect.signature(loss_fn).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if index + 1 < len(positional):
+        return f"argument {positional[index + 1].name!r}"
+    return f"argument {index + 2} of the loss function (params are argument 1)"
+
+
 def _check_reduce_dtype(path, leaf, communication: CommunicationPolicy) -> None:
     reduce_dtype = communication.reduce_dtype_for(leaf.dtype)
     if is_narrower(reduce_dtype, leaf.dtype) and not communication.allow_narrow_reduce:
@@ -442,8 +455,7 @@ def fsdp_loss(
         if not shape:
             return PartitionSpec()
         if shape[0] % axis_size:
-            # path[0] indexes the batch arguments, which follow params.
-            name = f"argument {path[0].idx + 1} of the loss function" + jax.tree_util.keystr(path[1:])
+            name = _batch_argument_name(loss_fn, path[0].idx) + jax.tree_util.keystr(path[1:])
             raise ValueError(
                 f"Batch {name}, of shape {shape}, does not split over the {axis_size} "
                 f"devices of mesh axis {axis!r}: its leading dimension {shape[0]} must be a multiple "

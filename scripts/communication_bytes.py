@@ -51,6 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import jaxamp  # noqa: E402
 from jaxamp.collectives import collective_totals, compile_with_partitioned_hlo  # noqa: E402
+from jaxamp.fsdp import shard_dimension  # noqa: E402
 
 AXIS = "data"
 POLICY = "mixed_bf16"
@@ -126,7 +127,9 @@ def abstract_inputs(model, mesh, batch_size, context):
     )
     shardings = jaxamp.fsdp_shardings(state, mesh, axis=AXIS)
     state = jax.tree.map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), state, shardings
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        state,
+        shardings,
     )
     batch_sharding = NamedSharding(mesh, PartitionSpec(AXIS))
     tokens = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=batch_sharding)
@@ -137,12 +140,17 @@ def totals_as_dicts(hlo_text):
     return [vars(total) for total in collective_totals(hlo_text)]
 
 
-def measure(mesh, batch_size, *, cpu_stages=True):
+def measure(mesh, batch_size, *, depth=2, cpu_stages=True):
     """Collectives per setting and HLO stage, as JSON-ready dicts."""
-    gpt = TinyGPT()
+    gpt = TinyGPT(depth=depth)
     model = jaxamp.apply_policy(gpt, POLICY)
     state, tokens = abstract_inputs(model, mesh, batch_size, gpt.context)
     param_count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(state.params))
+    sharded_param_count = sum(
+        int(np.prod(leaf.shape))
+        for leaf in jax.tree.leaves(state.params)
+        if shard_dimension(leaf.shape, mesh.shape[AXIS]) is not None
+    )
     rows = []
     for setting, communication in SETTINGS.items():
         lowered = jax.jit(make_step(model, communication, mesh)).lower(state, tokens)
@@ -154,7 +162,13 @@ def measure(mesh, batch_size, *, cpu_stages=True):
         else:
             stages["compiled"] = totals_as_dicts(lowered.compile().as_text())
         rows.append({"setting": setting, "communication": str(communication), "stages": stages})
-    return {"param_count": param_count, "devices": mesh.size, "batch_size": batch_size, "rows": rows}
+    return {
+        "param_count": param_count,
+        "sharded_param_count": sharded_param_count,
+        "devices": mesh.size,
+        "batch_size": batch_size,
+        "rows": rows,
+    }
 
 
 def _cell(totals, kinds):
@@ -201,6 +215,7 @@ def gpu_mesh(name):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--depth", type=int, default=2, help="decoder blocks of the model")
     parser.add_argument("--gpu", help="also compile for 8 GPUs of this name (e.g. h200), without one")
     parser.add_argument("--json", help="write the numbers to this JSON file")
     args = parser.parse_args(argv)
@@ -209,10 +224,14 @@ def main(argv=None):
             f"needs {DEVICES} devices, JAX has {jax.device_count()}: run it as a script (it sets "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES} before JAX starts)."
         )
-    reports = {"cpu": measure(Mesh(np.array(jax.devices()[:DEVICES]), (AXIS,)), args.batch_size)}
+    reports = {"cpu": measure(
+        Mesh(np.array(jax.devices()[:DEVICES]), (AXIS,)), args.batch_size, depth=args.depth
+    )}
     print(format_table(reports["cpu"], f"{DEVICES} virtual CPU devices"))
     if args.gpu:
-        reports[args.gpu] = measure(gpu_mesh(args.gpu), args.batch_size, cpu_stages=False)
+        reports[args.gpu] = measure(
+            gpu_mesh(args.gpu), args.batch_size, depth=args.depth, cpu_stages=False
+        )
         print()
         print(format_table(reports[args.gpu], f"{DEVICES} x {args.gpu} (compiled without a GPU)"))
     if args.json:
