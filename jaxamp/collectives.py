@@ -157,8 +157,9 @@ def compile_with_partitioned_hlo(lowered: Any) -> tuple[Any, str]:
         ``as_text()`` is the backend's final program) and the HLO text.
 
     Raises:
-        RuntimeError: XLA wrote no module after the partitioner (a program
-            with a single device is not partitioned).
+        RuntimeError: XLA wrote no module after the partitioner: a program
+            on a single device is not partitioned, and an executable served
+            by JAX's persistent compilation cache is not compiled at all.
     """
     with tempfile.TemporaryDirectory() as dump_dir:
         compiled = lowered.compile(
@@ -171,8 +172,10 @@ def compile_with_partitioned_hlo(lowered: Any) -> tuple[Any, str]:
         found = sorted(glob.glob(os.path.join(dump_dir, "*after_spmd-partitioning*.txt")))
         if not found:
             raise RuntimeError(
-                "XLA wrote no HLO module after SPMD partitioning; the program runs on one device "
-                "or this XLA names its dumps differently. Read lowered.compile().as_text() instead."
+                "XLA wrote no HLO module after SPMD partitioning: the program runs on one device, "
+                "JAX's persistent compilation cache served the executable (run without "
+                "jax_compilation_cache_dir), or this XLA names its dumps differently. Read "
+                "lowered.compile().as_text() instead."
             )
         with open(found[-1], encoding="utf-8") as dump:
             return compiled, dump.read()
