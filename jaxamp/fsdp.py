@@ -24,12 +24,13 @@ axis)::
 
 The cast before the all-gather and the cast before the reduce-scatter are
 written into the program, not left to XLA's sharding propagation: with plain
-``jax.jit`` and shardings, the partitioner gathers float32 params and casts
-after the gather, and a gradient computed in bfloat16 is summed in bfloat16
-before any cast back (JAX issue 27496), because the sum sits inside the
-partitioned matmul. Leaves no dimension of which divides by the axis size are
-replicated: they are not gathered (they keep their dtype), and their
-gradients are all-reduced in the reduce dtype.
+``jax.jit`` and shardings, the partitioner chooses per program whether a
+cast that follows a gather moves in front of it, and a gradient computed in
+bfloat16 is summed in bfloat16 before any cast back (JAX issue 27496),
+because the sum sits inside the partitioned matmul. Leaves no dimension of
+which divides by the axis size are replicated: they are not gathered (they
+keep their dtype), and their gradients are all-reduced in the reduce dtype
+(they enter the ``shard_map`` in it, and its own VJP sums them).
 
 Defaults: `CommunicationPolicy()` communicates in each parameter's own dtype;
 `CommunicationPolicy.from_policy(policy)` gathers in the policy's compute
@@ -37,7 +38,7 @@ dtype and reduces in its param dtype. A reduce dtype narrower than a
 parameter's dtype is refused unless ``allow_narrow_reduce=True``.
 
 Example:
-    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     >>> policy = jaxamp.get_policy("mixed_bf16")
     >>> model = jaxamp.apply_policy(Transformer(), policy)
     >>> communication = jaxamp.CommunicationPolicy.from_policy(policy)  # bf16 gathers, f32 sums
@@ -137,9 +138,10 @@ class CommunicationPolicy:
             all-reduce for replicated ones); the sum is cast back to the
             parameter's dtype. None: each parameter's own dtype.
         allow_narrow_reduce: accept a `reduce_dtype` narrower than a
-            parameter's dtype (bfloat16 sums of float32 gradients). Off by
-            default: a sum over many devices in bfloat16 keeps about 3
-            significant digits.
+            parameter's dtype (bfloat16 sums of float32 gradients; replicated
+            parameters then also reach the loss rounded to it). Off by
+            default: a bfloat16 sum over many devices keeps 8 significant
+            bits.
     """
 
     gather_dtype: np.dtype | None = None

@@ -22,6 +22,7 @@ import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import jaxamp  # noqa: E402
+from jaxamp.collectives import collectives, compile_with_partitioned_hlo  # noqa: E402
 
 # Every matmul in float32 on both sides: the runs then differ only in the
 # order of the cross-device sums.
@@ -120,7 +121,16 @@ def main():
     results["autocast_bf16_loss"] = relative_difference(mixed, loss)
     results["autocast_bf16_grad_dtypes"] = sorted({str(leaf.dtype) for leaf in jax.tree.leaves(mixed_grads)})
 
-    # 4. A batch that does not split over the devices.
+    # 4. The sum of a replicated parameter's gradient (Dense_1's bias, 3
+    # floats) runs in the reduce dtype too.
+    for name, communication in [("default", None), ("narrow", "gather=bf16,reduce=bf16,allow_narrow_reduce")]:
+        step = jax.jit(jax.grad(jaxamp.fsdp_loss(loss_fn, mesh, communication, has_aux=True), has_aux=True))
+        _, partitioned = compile_with_partitioned_hlo(step.lower(sharded_params, images, labels))
+        results[f"replicated_sums_{name}"] = [
+            [op.dtype, op.operand_bytes] for op in collectives(partitioned) if op.kind == "all-reduce"
+        ]
+
+    # 5. A batch that does not split over the devices.
     try:
         jax.jit(sharded)(sharded_params, images[:12], labels[:12])
         results["indivisible_batch_error"] = None

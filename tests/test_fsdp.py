@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AxisType, Mesh, PartitionSpec
 
 import jaxamp
 from jaxamp.collectives import Collective, collective_totals, collectives
@@ -101,8 +101,11 @@ QUADRATIC_PARAMS = {"kernel": jnp.arange(6.0).reshape(3, 2) / 6, "bias": jnp.one
 QUADRATIC_INPUTS = jnp.arange(12.0).reshape(4, 3) / 12
 
 
-def test_on_one_device_the_sharded_loss_and_gradients_are_the_plain_ones():
-    sharded = jaxamp.fsdp_loss(quadratic_loss, one_device_mesh(), "gather=bf16,reduce=f32")
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_on_one_device_the_sharded_loss_and_gradients_are_the_plain_ones(axis_type):
+    """Explicit mesh axes type arrays by their sharding: fsdp_loss places its inputs itself."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",), axis_types=(axis_type,))
+    sharded = jaxamp.fsdp_loss(quadratic_loss, mesh, "gather=bf16,reduce=f32")
     loss, grads = jax.jit(jax.value_and_grad(sharded))(QUADRATIC_PARAMS, QUADRATIC_INPUTS)
     rounded = jax.tree.map(lambda leaf: leaf.astype(jnp.bfloat16), QUADRATIC_PARAMS)
     expected_loss, expected_grads = jax.value_and_grad(quadratic_loss)(rounded, QUADRATIC_INPUTS)
@@ -121,7 +124,9 @@ def test_a_reduce_dtype_narrower_than_a_param_is_refused_unless_asked():
     for words in ("['bias']", "float32", "bfloat16", "allow_narrow_reduce=True", "reduce_dtype=None"):
         assert words in message, message
 
-    allowed = jaxamp.fsdp_loss(quadratic_loss, one_device_mesh(), "gather=bf16,reduce=bf16,allow_narrow_reduce")
+    allowed = jaxamp.fsdp_loss(
+        quadratic_loss, one_device_mesh(), "gather=bf16,reduce=bf16,allow_narrow_reduce"
+    )
     grads = jax.jit(jax.grad(allowed))(QUADRATIC_PARAMS, QUADRATIC_INPUTS)
     assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
 
@@ -236,7 +241,8 @@ def test_bfloat16_gathers_move_half_the_bytes_and_gradients_are_summed_in_float3
     assert full["all-gather"]["float32"]["result_bytes"] == 4 * sharded_floats
     assert set(mixed["all-gather"]) == set(narrow["all-gather"]) == {"bfloat16"}
     assert mixed["all-gather"]["bfloat16"]["result_bytes"] == 2 * sharded_floats
-    assert 2 * mixed["all-gather"]["bfloat16"]["result_bytes"] == full["all-gather"]["float32"]["result_bytes"]
+    half = mixed["all-gather"]["bfloat16"]["result_bytes"]
+    assert 2 * half == full["all-gather"]["float32"]["result_bytes"]
 
     assert set(full["reduce-scatter"]) == set(mixed["reduce-scatter"]) == {"float32"}
     assert mixed["reduce-scatter"]["float32"]["operand_bytes"] == 4 * sharded_floats
@@ -283,6 +289,13 @@ def test_sharded_training_on_eight_devices_equals_one_device(parity):
     for key in ("loss", "accuracy", "grads", "train_losses", "train_params", "train_opt_state"):
         assert parity[key] < RTOL, (key, parity[key])
     assert parity["grad_specs_match_params"]
+
+
+def test_a_replicated_parameter_is_summed_in_the_reduce_dtype(parity):
+    """Dense_1's bias (3 floats, no dimension divides by 8) is all-reduced, not gathered."""
+    assert ["float32", 12] in parity["replicated_sums_default"]
+    assert ["bfloat16", 6] in parity["replicated_sums_narrow"]
+    assert ["float32", 12] not in parity["replicated_sums_narrow"]
 
 
 def test_autocast_composes_inside_and_an_indivisible_batch_is_named(parity):
