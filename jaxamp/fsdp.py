@@ -375,7 +375,9 @@ def fsdp_loss(
     Replicated leaves (no dimension divides by the axis size) skip step 1
     and are all-reduced in step 3. The loss equals the unsharded loss of
     the whole batch when `loss_fn` returns a mean over examples, as losses
-    usually do (each device holds as many examples).
+    usually do (each device holds as many examples). The gathered params
+    stay in memory from the forward to the backward pass (one full copy in
+    the gather dtype; the backward pass does not gather again).
 
     Args:
         loss_fn: ``loss_fn(params, *batch)`` returning a scalar loss, or
@@ -401,7 +403,9 @@ def fsdp_loss(
         ValueError: `axis` is not in `mesh` (at once); a batch leaf's leading
             dimension does not divide by the axis size, or the reduce dtype
             is narrower than a parameter's dtype without
-            ``allow_narrow_reduce`` (at the first call).
+            ``allow_narrow_reduce`` (when traced).
+        TypeError: the loss is not a scalar, or an aux leaf not a float
+            (when traced).
     """
     axis_size = _check_axis(mesh, axis)
     communication = get_communication_policy(communication)
