@@ -53,6 +53,10 @@ import jaxamp  # noqa: E402
 from jaxamp.collectives import collective_totals, compile_with_partitioned_hlo  # noqa: E402
 from jaxamp.fsdp import shard_dimension  # noqa: E402
 
+# Programs served by a persistent compilation cache are not compiled, so XLA
+# would write no partitioned module to read.
+jax.config.update("jax_enable_compilation_cache", False)
+
 AXIS = "data"
 POLICY = "mixed_bf16"
 SETTINGS = {

@@ -27,6 +27,8 @@ from jaxamp.collectives import collectives, compile_with_partitioned_hlo  # noqa
 # Every matmul in float32 on both sides: the runs then differ only in the
 # order of the cross-device sums.
 jax.config.update("jax_default_matmul_precision", "highest")
+# A cached executable is not compiled, and XLA would write no partitioned module.
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 class Mlp(nn.Module):
