@@ -17,6 +17,7 @@ Example:
 """
 
 from jaxamp.finite import all_finite, select_tree
+from jaxamp.fsdp import CommunicationPolicy, fsdp_loss, fsdp_shardings, get_communication_policy
 from jaxamp.gpu_targets import GPU_TARGETS, GpuSpec, gpu_target_device, on_device
 from jaxamp.grads import scaled_value_and_grad
 from jaxamp.jaxpr_policy import autocast, float32_scope
@@ -37,6 +38,7 @@ from jaxamp.train_state import TrainState
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommunicationPolicy",
     "GPU_TARGETS",
     "NORMALIZATION_LAYERS",
     "DynamicLossScale",
@@ -54,6 +56,9 @@ __all__ = [
     "autocast",
     "default_loss_scale",
     "float32_scope",
+    "fsdp_loss",
+    "fsdp_shardings",
+    "get_communication_policy",
     "get_policy",
     "gpu_target_device",
     "hlo_precision_report",

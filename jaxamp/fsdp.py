@@ -1,0 +1,514 @@
+"""Fully sharded data parallel training with mixed-precision communication.
+
+Parameters and optimizer state are sharded over one mesh axis (each leaf
+split along one dimension, `fsdp_shardings`), and so is the batch (along its
+leading dimension). Every step, each device gathers the full parameters,
+computes the loss and gradients of its share of the batch, and the gradients
+are summed over the devices and scattered back into shards. A
+`CommunicationPolicy` states in which dtype those two collectives run, like
+PyTorch FSDP's ``MixedPrecision(param_dtype, reduce_dtype)``: for instance
+bfloat16 gathers (half the bytes of float32) and float32 reductions.
+
+`fsdp_loss` turns a loss function into one that takes the sharded params and
+the global batch; it is an ordinary JAX function, so it composes with
+`jax.value_and_grad`, `jaxamp.scaled_value_and_grad`, `jax.jit` and
+`jaxamp.TrainState` as they are. Inside, per leaf (``shard_map`` over the
+axis)::
+
+    # forward: gather in the gather dtype
+    full = all_gather(shard.astype(gather_dtype), axis, tiled=True)
+    loss = pmean(loss_fn(full, local_batch), axis)
+    # backward (a custom VJP): reduce in the reduce dtype
+    grad_shard = psum_scatter(local_grad.astype(reduce_dtype), axis, tiled=True)
+    grad_shard = grad_shard.astype(shard.dtype)
+
+The cast before the all-gather and the cast before the reduce-scatter are
+written into the program, not left to XLA's sharding propagation: with plain
+``jax.jit`` and shardings, the partitioner chooses per program whether a
+cast that follows a gather moves in front of it, and a gradient computed in
+bfloat16 is summed in bfloat16 before any cast back (JAX issue 27496),
+because the sum sits inside the partitioned matmul. Leaves no dimension of
+which divides by the axis size are replicated: they are not gathered (they
+keep their dtype), and their gradients are all-reduced in the reduce dtype
+(they enter the ``shard_map`` in it, and its own VJP sums them).
+
+Defaults: `CommunicationPolicy()` communicates in each parameter's own dtype;
+`CommunicationPolicy.from_policy(policy)` gathers in the policy's compute
+dtype and reduces in its param dtype. A reduce dtype narrower than a
+parameter's dtype is refused unless ``allow_narrow_reduce=True``.
+
+Example:
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    >>> policy = jaxamp.get_policy("mixed_bf16")
+    >>> model = jaxamp.apply_policy(Transformer(), policy)
+    >>> communication = jaxamp.CommunicationPolicy.from_policy(policy)  # bf16 gathers, f32 sums
+    >>> def loss_fn(params, tokens, targets):
+    ...     logits = model.apply({"params": params}, tokens)
+    ...     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    >>> sharded_loss = jaxamp.fsdp_loss(loss_fn, mesh, communication)
+    >>> state = jaxamp.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+    >>> state = jax.device_put(state, jaxamp.fsdp_shardings(state, mesh))
+    >>> @jax.jit
+    ... def train_step(state, tokens, targets):
+    ...     loss, grads, grads_finite = jaxamp.scaled_value_and_grad(
+    ...         sharded_loss, state.loss_scale)(state.params, tokens, targets)
+    ...     return state.apply_gradients(grads=grads, grads_finite=grads_finite), loss
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxamp.policy import _DTYPE_ALIASES, PolicySpec, get_policy
+
+_DTYPE_CHOICES = "a floating dtype such as jnp.bfloat16, one of the names " + ", ".join(
+    sorted(_DTYPE_ALIASES)
+)
+
+
+def _communication_dtype(dtype: Any, field_name: str) -> np.dtype | None:
+    """The canonical floating dtype `dtype` names, or None for "the parameter's own"."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        key = dtype.strip().lower()
+        if key in ("param", "params", "none"):
+            return None
+        if key not in _DTYPE_ALIASES:
+            raise ValueError(
+                f"CommunicationPolicy {field_name} {dtype!r} names no floating dtype; valid: "
+                f"{_DTYPE_CHOICES}, or 'param' (or None) for each parameter's own dtype."
+            )
+        return jnp.dtype(_DTYPE_ALIASES[key])
+    try:
+        canonical = jnp.dtype(dtype)
+    except TypeError as error:
+        raise TypeError(
+            f"CommunicationPolicy {field_name} must be {_DTYPE_CHOICES}, or None for each "
+            f"parameter's own dtype; got {dtype!r}."
+        ) from error
+    if not jnp.issubdtype(canonical, jnp.floating):
+        raise TypeError(
+            f"CommunicationPolicy {field_name} must be {_DTYPE_CHOICES}, or None for each "
+            f"parameter's own dtype; got {canonical.name}."
+        )
+    return canonical
+
+
+def is_narrower(dtype: Any, than: Any) -> bool:
+    """Whether summing in `dtype` loses what `than` holds.
+
+    Fewer bits is narrower; so is another format of as many bits (bfloat16
+    against float16 loses mantissa, float16 against bfloat16 loses range).
+    """
+    dtype, than = jnp.dtype(dtype), jnp.dtype(than)
+    if dtype == than:
+        return False
+    return jnp.finfo(dtype).bits <= jnp.finfo(than).bits
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationPolicy:
+    """The dtypes in which sharded parameters are gathered and gradients summed.
+
+    Immutable and hashable (a static argument of `jax.jit`); ``str(policy)``
+    gives a string that `get_communication_policy` parses back.
+
+    Example:
+        >>> str(CommunicationPolicy(gather_dtype="bf16", reduce_dtype="f32"))
+        'gather=bfloat16,reduce=float32'
+        >>> str(CommunicationPolicy.from_policy("mixed_bf16"))
+        'gather=bfloat16,reduce=float32'
+
+    Attributes:
+        gather_dtype: the dtype each parameter shard is cast to before the
+            all-gather, hence the dtype of the full parameters the loss
+            function receives. None: each parameter's own dtype.
+        reduce_dtype: the dtype local gradients are cast to before they are
+            summed over the devices (reduce-scatter for sharded parameters,
+            all-reduce for replicated ones); the sum is cast back to the
+            parameter's dtype. None: each parameter's own dtype.
+        allow_narrow_reduce: accept a `reduce_dtype` narrower than a
+            parameter's dtype (bfloat16 sums of float32 gradients; replicated
+            parameters then also reach the loss rounded to it). Off by
+            default: a bfloat16 sum over many devices keeps 8 significant
+            bits.
+    """
+
+    gather_dtype: np.dtype | None = None
+    reduce_dtype: np.dtype | None = None
+    allow_narrow_reduce: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "gather_dtype", _communication_dtype(self.gather_dtype, "gather_dtype"))
+        object.__setattr__(self, "reduce_dtype", _communication_dtype(self.reduce_dtype, "reduce_dtype"))
+        if not isinstance(self.allow_narrow_reduce, bool):
+            raise TypeError(
+                "CommunicationPolicy allow_narrow_reduce must be True or False; got "
+                f"{self.allow_narrow_reduce!r}."
+            )
+
+    @classmethod
+    def from_policy(cls, policy: PolicySpec, **overrides) -> CommunicationPolicy:
+        """Gathers in the policy's compute dtype and reduces in its param dtype.
+
+        The model computes in ``compute_dtype`` anyway (`jaxamp.apply_policy`
+        casts its params there), so gathering them in that dtype moves fewer
+        bytes and changes no matmul; gradients are summed in the dtype the
+        params are stored and updated in.
+
+        Args:
+            policy: anything `jaxamp.get_policy` accepts.
+            **overrides: fields to set instead (``reduce_dtype=...``).
+        """
+        policy = get_policy(policy)
+        fields = {"gather_dtype": policy.compute_dtype, "reduce_dtype": policy.param_dtype, **overrides}
+        return cls(**fields)
+
+    def gather_dtype_for(self, param_dtype: Any) -> np.dtype:
+        """The dtype a floating parameter stored in `param_dtype` is gathered in."""
+        return jnp.dtype(param_dtype) if self.gather_dtype is None else self.gather_dtype
+
+    def reduce_dtype_for(self, param_dtype: Any) -> np.dtype:
+        """The dtype the gradients of a parameter stored in `param_dtype` are summed in."""
+        return jnp.dtype(param_dtype) if self.reduce_dtype is None else self.reduce_dtype
+
+    def __str__(self) -> str:
+        gather = "param" if self.gather_dtype is None else self.gather_dtype.name
+        reduce = "param" if self.reduce_dtype is None else self.reduce_dtype.name
+        text = f"gather={gather},reduce={reduce}"
+        return text + (",allow_narrow_reduce" if self.allow_narrow_reduce else "")
+
+
+_COMMUNICATION_KEYS = {
+    "gather": "gather_dtype",
+    "g": "gather_dtype",
+    "reduce": "reduce_dtype",
+    "r": "reduce_dtype",
+}
+
+
+def get_communication_policy(spec: CommunicationPolicy | str | None) -> CommunicationPolicy:
+    """Returns the `CommunicationPolicy` that `spec` names.
+
+    Args:
+        spec: a `CommunicationPolicy` (returned as is); None or ``"param"``
+            (each parameter's own dtype both ways); or a string such as
+            ``"gather=bf16,reduce=f32"`` with keys ``gather``/``g`` and
+            ``reduce``/``r``, values a dtype alias or ``param``, and the bare
+            token ``allow_narrow_reduce`` to accept a narrow reduce dtype.
+
+    Raises:
+        ValueError: the string is malformed; the message names the bad part.
+    """
+    if isinstance(spec, CommunicationPolicy):
+        return spec
+    if spec is None:
+        return CommunicationPolicy()
+    if not isinstance(spec, str):
+        raise TypeError(
+            "A communication policy must be a jaxamp.CommunicationPolicy, None or a string such as "
+            f"'gather=bf16,reduce=f32'; got {type(spec).__name__}: {spec!r}."
+        )
+    normalized = "".join(spec.split()).lower()
+    if normalized in ("", "param", "params", "none"):
+        return CommunicationPolicy()
+    fields: dict[str, Any] = {}
+    for part in normalized.split(","):
+        if part == "allow_narrow_reduce":
+            fields["allow_narrow_reduce"] = True
+            continue
+        key, separator, value = part.partition("=")
+        if not separator or key not in _COMMUNICATION_KEYS or not value:
+            raise ValueError(
+                f"Malformed part {part!r} in communication policy {spec!r}: expected gather=DTYPE, "
+                "reduce=DTYPE or allow_narrow_reduce, e.g. 'gather=bf16,reduce=f32'."
+            )
+        fields[_COMMUNICATION_KEYS[key]] = value
+    return CommunicationPolicy(**fields)
+
+
+def _check_axis(mesh: Any, axis: str) -> int:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"FSDP needs a jax.sharding.Mesh (e.g. jax.make_mesh((jax.device_count(),), ('data',))); "
+            f"got {type(mesh).__name__}."
+        )
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"Mesh axis {axis!r} is not in the mesh, whose axes are {tuple(mesh.axis_names)}. Pass "
+            "axis= one of them, or build the mesh with that axis name."
+        )
+    return mesh.shape[axis]
+
+
+def shard_dimension(shape: tuple[int, ...], axis_size: int) -> int | None:
+    """The dimension a leaf of `shape` is split along, or None to replicate it.
+
+    The largest dimension that divides by `axis_size` (the first of equals);
+    None for scalars and for leaves none of whose dimensions divides. The
+    rule depends on shapes only, so a parameter and its optimizer moments
+    split alike, and `fsdp_loss` finds the same split from traced shapes.
+    """
+    candidates = [(size, -index) for index, size in enumerate(shape) if size % axis_size == 0 and size > 0]
+    if not candidates:
+        return None
+    return -max(candidates)[1]
+
+
+def _param_spec(shape: tuple[int, ...], axis: str, axis_size: int) -> PartitionSpec:
+    dimension = shard_dimension(tuple(shape), axis_size)
+    if dimension is None:
+        return PartitionSpec()
+    return PartitionSpec(*([None] * dimension), axis)
+
+
+def fsdp_shardings(tree: Any, mesh: Mesh, *, axis: str = "data") -> Any:
+    """`NamedSharding`s that split each array leaf of `tree` over `axis`.
+
+    Use it for params, optimizer state or a whole `jaxamp.TrainState`:
+    ``jax.device_put(state, fsdp_shardings(state, mesh))``. Each leaf is
+    split along the dimension `shard_dimension` picks (the same one
+    `fsdp_loss` gathers along); scalars and leaves with no divisible
+    dimension are replicated.
+
+    Args:
+        tree: a pytree of arrays (or ``ShapeDtypeStruct``s).
+        mesh: the device mesh.
+        axis: the mesh axis to split over.
+
+    Returns:
+        A pytree of `NamedSharding` with the structure of `tree`.
+    """
+    axis_size = _check_axis(mesh, axis)
+    return jax.tree.map(lambda leaf: NamedSharding(mesh, _param_spec(np.shape(leaf), axis, axis_size)), tree)
+
+
+def _key_name(path) -> str:
+    return jax.tree_util.keystr(path) or "(root)"
+
+
+def _gather_sharded(shard: jax.Array, axis: str, dimension: int, gather_dtype, reduce_dtype) -> jax.Array:
+    """All-gathers `shard` in `gather_dtype`; its VJP reduce-scatters in `reduce_dtype`."""
+
+    @jax.custom_vjp
+    def gather(local):
+        return jax.lax.all_gather(local.astype(gather_dtype), axis, axis=dimension, tiled=True)
+
+    def forward(local):
+        return gather(local), None
+
+    def backward(_, local_grad):
+        summed = jax.lax.psum_scatter(
+            local_grad.astype(reduce_dtype), axis, scatter_dimension=dimension, tiled=True
+        )
+        return (summed.astype(shard.dtype),)
+
+    gather.defvjp(forward, backward)
+    return gather(shard)
+
+
+def _reshard(tree: Any, specs: Any, mesh: Mesh) -> Any:
+    return jax.tree.map(lambda leaf, spec: jax.sharding.reshard(leaf, NamedSharding(mesh, spec)), tree, specs)
+
+
+def _batch_argument_name(loss_fn: Callable[..., Any], index: int) -> str:
+    """How to name batch argument `index` (the loss function's argument ``index + 1``)."""
+    try:
+        parameters = list(inspect.signature(loss_fn).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if index + 1 < len(positional):
+        return f"argument {positional[index + 1].name!r}"
+    return f"argument {index + 2} of the loss function (params are argument 1)"
+
+
+def _check_reduce_dtype(path, leaf, communication: CommunicationPolicy) -> None:
+    reduce_dtype = communication.reduce_dtype_for(leaf.dtype)
+    if is_narrower(reduce_dtype, leaf.dtype) and not communication.allow_narrow_reduce:
+        raise ValueError(
+            f"Parameter {_key_name(path)} is {jnp.dtype(leaf.dtype).name}, but the communication "
+            f"policy {communication} sums its gradients in {reduce_dtype.name}, a narrower dtype: "
+            "each device's gradient would be rounded before the sum and the sum itself kept to "
+            f"{jnp.finfo(reduce_dtype).nmant + 1} significant bits. Use reduce_dtype=None (each "
+            f"parameter's own dtype) or {jnp.dtype(leaf.dtype).name}, or pass "
+            "allow_narrow_reduce=True to accept it."
+        )
+
+
+def fsdp_loss(
+    loss_fn: Callable[..., Any],
+    mesh: Mesh,
+    communication: CommunicationPolicy | str | None = None,
+    *,
+    axis: str = "data",
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """Makes a loss function run fully sharded, communicating as `communication` says.
+
+    The returned function has `loss_fn`'s signature, ``(params, *batch)``,
+    and returns the loss of the whole batch. Differentiate it with
+    `jax.value_and_grad` or `jaxamp.scaled_value_and_grad` inside `jax.jit`:
+    the gradients come out split like the params (`fsdp_shardings`), ready
+    for the optimizer, which then updates each shard where it lives.
+
+    Per step and per parameter leaf split over `axis`, each device:
+
+    1. casts its shard to the gather dtype and all-gathers it (the full
+       parameter is in the gather dtype);
+    2. runs ``loss_fn(full_params, *local_batch)`` on its share of the batch;
+       the returned loss is averaged over the devices (``pmean``);
+    3. in the backward pass, casts the gradient of its local loss to the
+       reduce dtype and reduce-scatters it: each device gets the sum of its
+       shard, cast back to the parameter's dtype.
+
+    Replicated leaves (no dimension divides by the axis size) skip step 1
+    and are all-reduced in step 3. The loss equals the unsharded loss of
+    the whole batch when `loss_fn` returns a mean over examples, as losses
+    usually do (each device holds as many examples). The gathered params
+    stay in memory from the forward to the backward pass (one full copy in
+    the gather dtype; the backward pass does not gather again).
+
+    Args:
+        loss_fn: ``loss_fn(params, *batch)`` returning a scalar loss, or
+            ``(loss, aux)`` with `has_aux`. Compose precision policies
+            inside it: an `apply_policy` model, or ``jaxamp.autocast(loss_fn,
+            policy)`` passed here.
+        mesh: the device mesh; the params must be placed with
+            `fsdp_shardings` on it (or the partitioner will reshard them).
+        communication: a `CommunicationPolicy` or a string
+            `get_communication_policy` parses; None communicates in each
+            parameter's own dtype.
+        axis: the mesh axis params and batch are split over. Other mesh axes,
+            if any, see the params and the batch replicated.
+        has_aux: whether `loss_fn` returns ``(loss, aux)``; aux leaves must be
+            floating arrays and are averaged over the devices, like the loss.
+
+    Returns:
+        ``sharded_loss(params, *batch)``. Every batch leaf with a dimension
+        is split along its leading one (which must divide by the axis size);
+        scalar leaves are passed to every device as they are.
+
+    Raises:
+        ValueError: `axis` is not in `mesh` (at once); a batch leaf's leading
+            dimension does not divide by the axis size, or the reduce dtype
+            is narrower than a parameter's dtype without
+            ``allow_narrow_reduce`` (when traced).
+        TypeError: the loss is not a scalar, or an aux leaf not a float
+            (when traced).
+    """
+    axis_size = _check_axis(mesh, axis)
+    communication = get_communication_policy(communication)
+
+    def gather(params, layout):
+        """The full params from this device's shards; `layout` from the global arrays."""
+        leaves, treedef = jax.tree.flatten(params)
+        gathered = []
+        for leaf, (dimension, dtype) in zip(leaves, layout):
+            if not jnp.issubdtype(leaf.dtype, jnp.floating):
+                # No gradient to reduce: a plain gather in the leaf's own dtype.
+                if dimension is not None:
+                    leaf = jax.lax.all_gather(leaf, axis, axis=dimension, tiled=True)
+                gathered.append(leaf)
+                continue
+            if dimension is None:
+                # Arrives in the reduce dtype (see `sharded_loss`); computes in its own.
+                gathered.append(leaf.astype(dtype))
+            else:
+                reduce_dtype = communication.reduce_dtype_for(dtype)
+                gather_dtype = communication.gather_dtype_for(dtype)
+                gathered.append(_gather_sharded(leaf, axis, dimension, gather_dtype, reduce_dtype))
+        return jax.tree.unflatten(treedef, gathered)
+
+    def local_loss(layout, params, *batch):
+        output = loss_fn(gather(params, layout), *batch)
+        if has_aux:
+            if not (isinstance(output, tuple) and len(output) == 2):
+                raise TypeError(
+                    f"fsdp_loss(has_aux=True) needs loss_fn to return a (loss, aux) pair; it returned "
+                    f"{type(output).__name__}."
+                )
+            loss, aux = output
+        else:
+            loss, aux = output, None
+        loss = jnp.asarray(loss)
+        if loss.shape != ():
+            raise TypeError(
+                f"fsdp_loss needs loss_fn to return a scalar loss; got shape {loss.shape}. Reduce it "
+                "(e.g. with .mean()) first."
+            )
+        for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
+            if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+                raise TypeError(
+                    f"fsdp_loss averages aux over the devices; aux leaf {_key_name(path)} is "
+                    f"{jnp.result_type(leaf).name}. Return it as a float (e.g. a count as float32)."
+                )
+        averaged = jax.lax.pmean(loss, axis)
+        return (averaged, jax.lax.pmean(aux, axis)) if has_aux else averaged
+
+    def batch_spec(path, leaf):
+        shape = np.shape(leaf)
+        if not shape:
+            return PartitionSpec()
+        if shape[0] % axis_size:
+            name = _batch_argument_name(loss_fn, path[0].idx) + jax.tree_util.keystr(path[1:])
+            raise ValueError(
+                f"Batch {name}, of shape {shape}, does not split over the {axis_size} "
+                f"devices of mesh axis {axis!r}: its leading dimension {shape[0]} must be a multiple "
+                f"of {axis_size}. Choose a batch size that is."
+            )
+        return PartitionSpec(axis)
+
+    @functools.wraps(loss_fn)
+    def sharded_loss(params, *batch):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+            if jnp.issubdtype(leaf.dtype, jnp.floating):
+                _check_reduce_dtype(path, leaf, communication)
+        param_specs = jax.tree.map(lambda leaf: _param_spec(np.shape(leaf), axis, axis_size), params)
+        layout = tuple(
+            (shard_dimension(np.shape(leaf), axis_size), leaf.dtype) for leaf in jax.tree.leaves(params)
+        )
+        # A replicated leaf's gradient is summed by shard_map itself where the
+        # leaf enters it, in the dtype it enters in: hand it over in the
+        # reduce dtype (a no-op by default) and let the body cast it back.
+        params = jax.tree.map(
+            lambda leaf, spec: (
+                leaf.astype(communication.reduce_dtype_for(leaf.dtype))
+                if spec == PartitionSpec() and jnp.issubdtype(leaf.dtype, jnp.floating)
+                else leaf
+            ),
+            params,
+            param_specs,
+        )
+        batch_specs = jax.tree_util.tree_map_with_path(batch_spec, batch)
+        out_specs = (PartitionSpec(), PartitionSpec()) if has_aux else PartitionSpec()
+        if jax.sharding.AxisType.Explicit in mesh.axis_types:
+            # Explicit axes type every array with its sharding, and shard_map
+            # refuses an input typed otherwise than its spec: place it first
+            # (a no-op for inputs placed by fsdp_shardings).
+            params = _reshard(params, param_specs, mesh)
+            batch = tuple(_reshard(part, specs, mesh) for part, specs in zip(batch, batch_specs))
+        return jax.shard_map(
+            functools.partial(local_loss, layout),
+            mesh=mesh,
+            in_specs=(param_specs, *batch_specs),
+            out_specs=out_specs,
+            # Without replication types, shard_map's own VJP sums the
+            # gradients of replicated inputs and hands each device its share
+            # of the loss's cotangent; the sharded params' sums are ours.
+            # With them on, a function re-traced from a jaxpr inside
+            # (`jaxamp.autocast`) fails to mix per-device and replicated values.
+            check_vma=False,
+        )(params, *batch)
+
+    return sharded_loss

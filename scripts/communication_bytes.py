@@ -1,0 +1,247 @@
+"""Collective dtypes and bytes per training step, per communication setting.
+
+    python scripts/communication_bytes.py > results/cpu/communication_bytes.txt
+    python scripts/communication_bytes.py --json out.json     # also the numbers as JSON
+    PYTHONPATH=/work/cuda_plugin JAX_PLATFORMS=cpu python scripts/communication_bytes.py --gpu h200
+
+One training step (loss, gradients, Adam update through `jaxamp.TrainState`)
+of a small GPT-like model (token embedding, pre-norm causal self-attention,
+GELU MLP, tied output embedding) under the ``mixed_bf16`` policy, with
+params and optimizer state sharded over 8 devices (`jaxamp.fsdp_shardings`)
+and the batch split over the same axis, compiled for each setting:
+
+* ``jit + shardings``: the step as users write it today, plain ``jax.jit``
+  over the sharded arrays; XLA's partitioner places the collectives;
+* ``fsdp_loss`` with ``CommunicationPolicy()`` (each parameter's own
+  dtype, float32 both ways), with ``from_policy("mixed_bf16")``
+  (bfloat16 gathers, float32 sums: the policy's default) and with
+  ``gather=bf16,reduce=bf16,allow_narrow_reduce`` (bfloat16 sums).
+
+For each, the collectives of the program as XLA's SPMD partitioner leaves
+it (what every backend receives) and of the CPU executable (XLA on CPU
+widens bfloat16 collectives to float32), and with ``--gpu NAME`` of the
+program compiled for 8 such GPUs without one (the CUDA PJRT plugin
+needed). Bytes are per device and per step: for an all-gather what it
+receives (the gathered parameters), for a reduce-scatter or all-reduce what
+it hands in (the gradients to sum).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+DEVICES = 8
+if "jax" not in sys.modules:
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
+    ).strip()
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+import jaxamp  # noqa: E402
+from jaxamp.collectives import collective_totals, compile_with_partitioned_hlo  # noqa: E402
+from jaxamp.fsdp import shard_dimension  # noqa: E402
+
+# Programs served by a persistent compilation cache are not compiled, so XLA
+# would write no partitioned module to read.
+jax.config.update("jax_enable_compilation_cache", False)
+
+AXIS = "data"
+POLICY = "mixed_bf16"
+SETTINGS = {
+    "jit + shardings": None,
+    "fsdp_loss gather=param,reduce=param": jaxamp.CommunicationPolicy(),
+    "fsdp_loss gather=bf16,reduce=f32": jaxamp.CommunicationPolicy.from_policy(POLICY),
+    "fsdp_loss gather=bf16,reduce=bf16": jaxamp.CommunicationPolicy(
+        gather_dtype="bf16", reduce_dtype="bf16", allow_narrow_reduce=True
+    ),
+}
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: causal self-attention and a GELU MLP."""
+
+    width: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, x):
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+        x = x + nn.SelfAttention(num_heads=self.heads, use_bias=False)(nn.LayerNorm()(x), mask=mask)
+        hidden = nn.gelu(nn.Dense(4 * self.width)(nn.LayerNorm()(x)))
+        return x + nn.Dense(self.width)(hidden)
+
+
+class TinyGPT(nn.Module):
+    """Token embedding, decoder blocks, final norm, tied output embedding."""
+
+    vocab: int = 256
+    width: int = 64
+    depth: int = 2
+    heads: int = 4
+    context: int = 32
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(self.vocab, self.width)
+        position = self.param("position", nn.initializers.normal(0.02), (self.context, self.width))
+        x = embed(tokens) + position[: tokens.shape[1]]
+        for _ in range(self.depth):
+            x = Block(self.width, self.heads)(x)
+        return embed.attend(nn.LayerNorm()(x))
+
+
+def make_step(model, communication, mesh):
+    """A train step: next-token loss, gradients, Adam update."""
+
+    def loss_fn(params, tokens):
+        logits = model.apply({"params": params}, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    if communication is not None:
+        loss_fn = jaxamp.fsdp_loss(loss_fn, mesh, communication, axis=AXIS)
+
+    def train_step(state, tokens):
+        loss, grads, grads_finite = jaxamp.scaled_value_and_grad(loss_fn, state.loss_scale)(
+            state.params, tokens
+        )
+        return state.apply_gradients(grads=grads, grads_finite=grads_finite), loss
+
+    return train_step
+
+
+def abstract_inputs(model, mesh, batch_size, context):
+    """The sharded state and batch as ShapeDtypeStructs on `mesh`."""
+    tokens = jnp.zeros((batch_size, context + 1), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens[:, :-1])["params"])
+    state = jax.eval_shape(
+        lambda params: jaxamp.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3)),
+        params,
+    )
+    shardings = jaxamp.fsdp_shardings(state, mesh, axis=AXIS)
+    state = jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        state,
+        shardings,
+    )
+    batch_sharding = NamedSharding(mesh, PartitionSpec(AXIS))
+    tokens = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=batch_sharding)
+    return state, tokens
+
+
+def totals_as_dicts(hlo_text):
+    return [vars(total) for total in collective_totals(hlo_text)]
+
+
+def measure(mesh, batch_size, *, depth=2, cpu_stages=True):
+    """Collectives per setting and HLO stage, as JSON-ready dicts."""
+    gpt = TinyGPT(depth=depth)
+    model = jaxamp.apply_policy(gpt, POLICY)
+    state, tokens = abstract_inputs(model, mesh, batch_size, gpt.context)
+    param_count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(state.params))
+    sharded_param_count = sum(
+        int(np.prod(leaf.shape))
+        for leaf in jax.tree.leaves(state.params)
+        if shard_dimension(leaf.shape, mesh.shape[AXIS]) is not None
+    )
+    rows = []
+    for setting, communication in SETTINGS.items():
+        lowered = jax.jit(make_step(model, communication, mesh)).lower(state, tokens)
+        stages = {}
+        if cpu_stages:
+            compiled, partitioned = compile_with_partitioned_hlo(lowered)
+            stages["partitioned"] = totals_as_dicts(partitioned)
+            stages["compiled cpu"] = totals_as_dicts(compiled.as_text())
+        else:
+            stages["compiled"] = totals_as_dicts(lowered.compile().as_text())
+        rows.append({"setting": setting, "communication": str(communication), "stages": stages})
+    return {
+        "param_count": param_count,
+        "sharded_param_count": sharded_param_count,
+        "devices": mesh.size,
+        "batch_size": batch_size,
+        "rows": rows,
+    }
+
+
+def _cell(totals, kinds):
+    parts = [
+        f"{total['dtype']} {total['operand_bytes' if total['kind'] != 'all-gather' else 'result_bytes']:,}"
+        for total in totals
+        if total["kind"] in kinds
+    ]
+    return " + ".join(parts) or "-"
+
+
+def format_table(report, title):
+    header = (
+        "| setting | HLO | all-gather (bytes received) | reduce-scatter (bytes sent) "
+        "| all-reduce (bytes sent) |"
+    )
+    lines = [
+        f"{title}: {report['param_count']:,} parameters (float32), {report['devices']} devices, "
+        f"batch {report['batch_size']}, policy {POLICY}; bytes per device per step",
+        "",
+        header,
+        "|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        for stage, totals in row["stages"].items():
+            lines.append(
+                f"| {row['setting']} | {stage} | {_cell(totals, {'all-gather'})} | "
+                f"{_cell(totals, {'reduce-scatter'})} | {_cell(totals, {'all-reduce'})} |"
+            )
+    return "\n".join(lines)
+
+
+def gpu_mesh(name):
+    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+
+    from jaxamp.gpu_targets import gpu_spec  # pylint: disable=g-import-not-at-top
+
+    topology = topologies.get_topology_desc(
+        platform="cuda", target_config=gpu_spec(name).target_config(), topology=f"1x1x{DEVICES}"
+    )
+    return Mesh(np.array(topology.devices), (AXIS,))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--depth", type=int, default=2, help="decoder blocks of the model")
+    parser.add_argument("--gpu", help="also compile for 8 GPUs of this name (e.g. h200), without one")
+    parser.add_argument("--json", help="write the numbers to this JSON file")
+    args = parser.parse_args(argv)
+    if jax.device_count() < DEVICES:
+        parser.error(
+            f"needs {DEVICES} devices, JAX has {jax.device_count()}: run it as a script (it sets "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES} before JAX starts)."
+        )
+    reports = {"cpu": measure(
+        Mesh(np.array(jax.devices()[:DEVICES]), (AXIS,)), args.batch_size, depth=args.depth
+    )}
+    print(format_table(reports["cpu"], f"{DEVICES} virtual CPU devices"))
+    if args.gpu:
+        reports[args.gpu] = measure(
+            gpu_mesh(args.gpu), args.batch_size, depth=args.depth, cpu_stages=False
+        )
+        print()
+        print(format_table(reports[args.gpu], f"{DEVICES} x {args.gpu} (compiled without a GPU)"))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(reports, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
