@@ -1,0 +1,69 @@
+"""The performance figures of a compiled train step: FLOPs, memory, MFU.
+
+FLOPs per step are XLA's own count for the compiled program
+(``compiled.cost_analysis()``, attention included), the same source the
+CIFAR benchmark uses; the analytic estimate ``6N + 12 L d T`` per token
+(`experiments.lm.model.model_flops_per_token`) is recorded beside it as a
+check. Model FLOPs utilization divides the achieved rate by the device's
+published peak for the precision's heavy math (`jaxamp.GpuSpec`,
+`experiments.benchmark.roofline.main_peak_key`); a CPU has no such figure
+here, so its MFU is reported as not applicable rather than invented.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from experiments.benchmark import roofline
+from experiments.benchmark.throughput import device_spec
+from experiments.benchmark.workload import memory_of, peak_bytes_in_use
+from jaxamp.report import hlo_precision_report
+
+MFU_NOT_APPLICABLE = "not applicable: no published peak FLOP/s for this device"
+
+
+def step_cost(compiled: Any, device_count: int) -> dict[str, Any]:
+    """FLOPs and bytes of one train step, and its matmul FLOPs by dtype.
+
+    Under SPMD partitioning XLA compiles one program per device and counts
+    that program's work; the step's total is the device count times it.
+    """
+    cost = roofline.cost_of(compiled)
+    report = hlo_precision_report(compiled.as_text())
+    flops = cost.get("flops")
+    return {
+        "flops_per_step": None if flops is None else flops * device_count,
+        "bytes_accessed_per_device": cost.get("bytes accessed"),
+        "matmul_flops_by_dtype_per_device": report.flops_by_dtype(),
+        "memory_per_device": memory_of(compiled),
+    }
+
+
+def throughput(
+    flops_per_step: float | None, tokens_per_step: int, step_s: float, precision: str, compute_dtype: Any
+) -> dict[str, Any]:
+    """Tokens/s, achieved FLOP/s and MFU against this device's peak (GPUs we know)."""
+    result: dict[str, Any] = {"tokens_per_s": tokens_per_step / step_s, "step_s": step_s}
+    spec = device_spec()
+    if flops_per_step is None:
+        result["mfu"] = None
+        result["mfu_note"] = "XLA reported no FLOPs for this program"
+        return result
+    achieved = flops_per_step / step_s
+    result["achieved_tflops"] = achieved / 1e12
+    if spec is None:
+        result["mfu"] = None
+        result["mfu_note"] = MFU_NOT_APPLICABLE
+        return result
+    key = roofline.main_peak_key(precision, np.dtype(compute_dtype).name)
+    result["peak_used"] = key
+    result["mfu"] = achieved / (spec.peak_flops[key] * jax.device_count())
+    return result
+
+
+def peak_memory() -> int | None:
+    """The process's peak device bytes in use (GPUs report it; CPUs do not)."""
+    return peak_bytes_in_use()
