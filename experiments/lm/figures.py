@@ -12,6 +12,8 @@ here, so its MFU is reported as not applicable rather than invented.
 
 from __future__ import annotations
 
+import collections
+import re
 from typing import Any
 
 import jax
@@ -22,6 +24,9 @@ from experiments.benchmark.throughput import device_spec
 from experiments.benchmark.workload import memory_of, peak_bytes_in_use
 from jaxamp.report import hlo_precision_report
 
+_COLLECTIVE = re.compile(
+    r"= (?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\][^ ]* (?P<op>all-gather|reduce-scatter|all-reduce)(?:-start)?\("
+)
 MFU_NOT_APPLICABLE = "not applicable: no published peak FLOP/s for this device"
 
 
@@ -39,7 +44,29 @@ def step_cost(compiled: Any, device_count: int) -> dict[str, Any]:
         "bytes_accessed_per_device": cost.get("bytes accessed"),
         "matmul_flops_by_dtype_per_device": report.flops_by_dtype(),
         "memory_per_device": memory_of(compiled),
+        "collectives_per_device": collectives(compiled.as_text()),
     }
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """The compiled program's all-gathers, reduce-scatters and all-reduces.
+
+    Returns:
+        ``{"all-gather float32": {"count": n, "result_bytes": b}, ...}``:
+        per op and result dtype, how many there are and the bytes they
+        produce on one device (arrays only; tuple-shaped results are left out).
+    """
+    found: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"count": 0, "result_bytes": 0})
+    for match in _COLLECTIVE.finditer(hlo_text):
+        dims = [int(size) for size in match["dims"].split(",") if size]
+        dtype = _HLO_DTYPES.get(match["dtype"], match["dtype"])
+        entry = found[f"{match['op']} {dtype}"]
+        entry["count"] += 1
+        entry["result_bytes"] += int(np.prod(dims, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return dict(found)
+
+
+_HLO_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s32": "int32", "u32": "uint32", "pred": "bool"}
 
 
 def throughput(

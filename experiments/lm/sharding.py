@@ -46,7 +46,12 @@ class Sharding:
 
     @classmethod
     def over_all_devices(cls, kind: str = "fsdp") -> Sharding:
-        return cls(Mesh(np.array(jax.devices()), (DATA_AXIS,)), fsdp=kind == "fsdp")
+        return cls.over_devices(jax.devices(), kind)
+
+    @classmethod
+    def over_devices(cls, devices, kind: str = "fsdp") -> Sharding:
+        """A mesh over `devices` (e.g. one device, to compare with a sharded run)."""
+        return cls(Mesh(np.array(devices), (DATA_AXIS,)), fsdp=kind == "fsdp")
 
     @property
     def device_count(self) -> int:

@@ -202,6 +202,7 @@ def train_and_evaluate(
     corpus: data_lib.Corpus | None = None,
     log: Callable[[str], None] = print,
     on_record: Callable[[dict[str, Any]], None] | None = None,
+    sharding: Sharding | None = None,
 ) -> dict[str, Any]:
     """Trains one model under one precision and route; returns the run's results.
 
@@ -211,6 +212,8 @@ def train_and_evaluate(
         log: where the per-evaluation lines go.
         on_record: called with the results so far after every evaluation
             (to rewrite the results file as the run goes).
+        sharding: where state and batches live; all devices, as
+            ``config.sharding`` says, when None.
 
     Returns:
         ``config``, the attention used, compile times, step cost, every
@@ -225,7 +228,7 @@ def train_and_evaluate(
     """
     validate(config)
     precision = resolve_precision(config.precision)
-    sharding = Sharding.over_all_devices(config.sharding)
+    sharding = sharding or Sharding.over_all_devices(config.sharding)
     sharding.check_batch_size(config.batch_size)
     corpus = corpus or data_lib.load_corpus(config.data, config.data_dir, config.vocab_size or 256, config.seed)
     context = config.sequence_length

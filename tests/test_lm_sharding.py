@@ -1,0 +1,59 @@
+"""FSDP-sharded training of the language model gives the one-device losses.
+
+A device count is fixed when JAX starts, so the sharded runs happen in one
+fresh process with 8 virtual CPU devices: the same tiny fp32 run on a mesh
+of one device and on all 8 with the state sharded, compared there.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from experiments.lm.sharding import leaf_spec
+from jax.sharding import PartitionSpec
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RTOL = 1e-5
+
+_SCRIPT = """
+import json, jax
+from experiments.lm import config, train
+from experiments.lm.sharding import Sharding
+settings = config.LMConfig(model="tiny", precision="fp32", context=16, batch_size=8, steps=3, eval_every=1,
+                           eval_batches=1, data="synthetic", progress=False)
+runs = {}
+for name, sharding in (("one", Sharding.over_devices(jax.devices()[:1])), ("fsdp", Sharding.over_all_devices())):
+    run = train.train_and_evaluate(settings, log=lambda line: None, sharding=sharding)
+    runs[name] = {"evaluations": run["evaluations"], "collectives": run["cost"]["collectives_per_device"],
+                  "checksum": run["summary"]["state_checksum"]}
+print(json.dumps(runs))
+"""
+
+
+def test_a_state_array_is_split_along_its_largest_divisible_axis_or_replicated():
+    assert leaf_spec((64, 256), 8) == PartitionSpec(None, "data")
+    assert leaf_spec((256, 64), 8) == PartitionSpec("data")
+    assert leaf_spec((3, 5), 8) == PartitionSpec()  # nothing divides: a full copy per device
+    assert leaf_spec((), 8) == PartitionSpec()
+    assert leaf_spec((64, 256), 1) == PartitionSpec()
+
+
+def test_eight_sharded_devices_train_like_one_device():
+    """Fails if a batch row is lost or doubled across devices, or if the state is not
+    actually sharded (no all-gather or reduce-scatter in the compiled step)."""
+    environment = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    finished = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=900
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    runs = json.loads(finished.stdout.strip().splitlines()[-1])
+    one, fsdp = runs["one"], runs["fsdp"]
+    assert len(one["evaluations"]) == len(fsdp["evaluations"]) == 4
+    for single, sharded in zip(one["evaluations"], fsdp["evaluations"]):
+        assert abs(sharded["held_out_loss"] - single["held_out_loss"]) <= RTOL * abs(single["held_out_loss"])
+        if single["step"]:
+            assert abs(sharded["train_loss"] - single["train_loss"]) <= RTOL * abs(single["train_loss"])
+    assert one["collectives"] == {}
+    assert any(name.startswith("all-gather") for name in fsdp["collectives"])
+    assert any(name.startswith(("reduce-scatter", "all-reduce")) for name in fsdp["collectives"])
