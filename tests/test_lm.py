@@ -159,6 +159,7 @@ def test_a_run_writes_json_table_and_plots_with_every_reported_figure(tmp_path):
         (["--vocab-size", "300"], "--vocab-size 300 is invalid"),
         (["--steps", "0"], "expected a positive integer, got 0"),
         (["--seeds", "a,b"], "comma-separated integers"),
+        (["--sharding", "replicated", "--gather-dtype", "bfloat16"], "need --sharding fsdp, not 'replicated'"),
     ],
 )
 def test_a_bad_flag_exits_2_naming_the_value(argv, message, capsys):

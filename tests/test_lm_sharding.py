@@ -10,8 +10,11 @@ import os
 import subprocess
 import sys
 
-from experiments.lm.sharding import leaf_spec
+import pytest
 from jax.sharding import PartitionSpec
+
+import jaxamp
+from experiments.lm.sharding import leaf_spec
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = 1e-5
@@ -57,3 +60,39 @@ def test_eight_sharded_devices_train_like_one_device():
     assert one["collectives"] == {}
     assert any(name.startswith("all-gather") for name in fsdp["collectives"])
     assert any(name.startswith(("reduce-scatter", "all-reduce")) for name in fsdp["collectives"])
+
+
+_COMMUNICATION_SCRIPT = """
+import json, jax
+from experiments.lm import config, train
+runs = {}
+for name, gather, reduce in (("xla", None, None), ("stated", "bfloat16", "float32")):
+    settings = config.LMConfig(model="tiny", precision="mixed_bf16", context=16, batch_size=8, steps=2,
+                               eval_every=2, eval_batches=1, data="synthetic", progress=False,
+                               gather_dtype=gather, reduce_dtype=reduce)
+    run = train.train_and_evaluate(settings, log=lambda line: None)
+    runs[name] = {"collectives": run["cost"]["collectives_stated"], "loss": run["evaluations"][-1]["held_out_loss"]}
+print(json.dumps(runs))
+"""
+
+
+@pytest.mark.skipif(not hasattr(jaxamp, "fsdp_loss"), reason="this jaxamp has no jaxamp.fsdp_loss")
+def test_bfloat16_gathers_move_half_the_bytes_and_gradients_are_summed_in_float32():
+    """On 8 devices under mixed_bf16 with --gather-dtype bfloat16 --reduce-dtype float32, the
+    program gathers every sharded param in bfloat16 and reduce-scatters its gradient in float32
+    (read before partitioning: XLA on CPU then widens bfloat16 collectives to float32, and
+    plain jit states none, its partitioner adds float32 ones). Fails if the flags do not
+    reach the program."""
+    environment = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    finished = subprocess.run(
+        [sys.executable, "-c", _COMMUNICATION_SCRIPT],
+        cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    runs = json.loads(finished.stdout.strip().splitlines()[-1])
+    plain, stated = runs["xla"]["collectives"], runs["stated"]["collectives"]
+    assert plain == {}
+    assert "all-gather bfloat16" in stated and "all-gather float32" not in stated
+    assert stated["reduce-scatter float32"]["count"] == stated["all-gather bfloat16"]["count"]
+    assert "reduce-scatter bfloat16" not in stated
+    assert abs(runs["stated"]["loss"] - runs["xla"]["loss"]) < 1e-2 * runs["xla"]["loss"]

@@ -134,6 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="fsdp: params and optimizer state split over all devices; replicated: a copy on each",
     )
     parser.add_argument(
+        "--gather-dtype",
+        default=None,
+        help="with fsdp: gather params in this dtype (e.g. bfloat16: half float32's bytes) through "
+        "jaxamp.fsdp_loss; 'param' for their own dtype. Neither flag: XLA's partitioner chooses "
+        "(gathers in the params' dtype)",
+    )
+    parser.add_argument(
+        "--reduce-dtype",
+        default=None,
+        help="with fsdp: sum gradients over devices in this dtype (never narrower than the params'); "
+        "'param' for their own dtype",
+    )
+    parser.add_argument(
         "--out-dir",
         default=None,
         help="where results.json, table.md and the plots go (default: a new directory under runs/)",
@@ -169,6 +182,8 @@ def configs_from_args(args: argparse.Namespace) -> list[config_lib.LMConfig]:
         eval_every=args.eval_every,
         eval_batches=args.eval_batches,
         sharding=args.sharding,
+        gather_dtype=args.gather_dtype,
+        reduce_dtype=args.reduce_dtype,
         progress=not args.no_progress,
     )
     return [
@@ -235,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             payload["runs"].append(run)
             if main_process:
                 output.write_json(out_dir, payload)
-                output.write_table(out_dir, payload["runs"], command)
+                output.write_table(out_dir, payload["runs"], command, payload["environment"])
     except (data_lib.DataUnavailableError, distributed.DistributedSetupError, config_lib.ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax.numpy as jnp
+
+import jaxamp
 from experiments import train as cifar_train
 from experiments.lm import data as data_lib
 from experiments.lm import model as model_lib
@@ -41,7 +44,14 @@ class LMConfig:
     eval_batches: int = 4
     seed: int = 0
     sharding: str = "fsdp"
+    gather_dtype: str | None = None  # None (and reduce_dtype None): plain jit with shardings
+    reduce_dtype: str | None = None
     progress: bool = True
+
+    @property
+    def communicates_explicitly(self) -> bool:
+        """Whether the dtypes of the gathers and reductions are stated (`jaxamp.fsdp_loss`)."""
+        return self.gather_dtype is not None or self.reduce_dtype is not None
 
     @property
     def sequence_length(self) -> int:
@@ -95,7 +105,49 @@ def validate(config: LMConfig) -> None:
     if config.context is not None and not (is_int(config.context) and 1 <= config.context <= limit):
         fail("--context", config.context, f"an integer from 1 to {limit}, the context of --model {config.model}")
     try:
-        cifar_train.resolve_precision(config.precision)
+        precision = cifar_train.resolve_precision(config.precision)
         cifar_train.parse_loss_scale(config.loss_scale)
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None
+    if config.communicates_explicitly:
+        communication_policy(config, precision.policy)
+
+
+def communication_policy(config: LMConfig, policy: jaxamp.Policy):
+    """The `jaxamp.CommunicationPolicy` of ``--gather-dtype`` and ``--reduce-dtype``.
+
+    A dtype left out is the parameter's own. Reducing gradients in a dtype
+    narrower than the params' is refused here, before anything compiles.
+
+    Raises:
+        ConfigError: the flags need FSDP sharding or a jaxamp with
+            `jaxamp.fsdp_loss`, name no dtype, or narrow the reduction.
+    """
+    if config.sharding != "fsdp":
+        raise ConfigError(
+            f"--gather-dtype and --reduce-dtype need --sharding fsdp, not {config.sharding!r}: "
+            "a replicated state is never gathered."
+        )
+    if not hasattr(jaxamp, "CommunicationPolicy"):
+        raise ConfigError(
+            "--gather-dtype and --reduce-dtype need jaxamp's mixed-precision communication "
+            "(jaxamp.fsdp_loss), which this jaxamp lacks; leave them out to let XLA communicate "
+            "in the params' dtype."
+        )
+    try:
+        communication = jaxamp.CommunicationPolicy(
+            gather_dtype=config.gather_dtype or "param", reduce_dtype=config.reduce_dtype or "param"
+        )
+    except (ValueError, TypeError) as error:
+        raise ConfigError(str(error)) from None
+    from jaxamp.fsdp import is_narrower
+
+    param_dtype = jnp.dtype(policy.param_dtype)
+    reduce_dtype = communication.reduce_dtype_for(param_dtype)
+    if is_narrower(reduce_dtype, param_dtype):
+        raise ConfigError(
+            f"--reduce-dtype {config.reduce_dtype!r} is narrower than the params' {param_dtype.name}: "
+            f"each device's gradient would be rounded to {reduce_dtype.name} before the sum. Use "
+            f"--reduce-dtype {param_dtype.name} or leave it out."
+        )
+    return communication

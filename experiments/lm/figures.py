@@ -30,11 +30,18 @@ _COLLECTIVE = re.compile(
 MFU_NOT_APPLICABLE = "not applicable: no published peak FLOP/s for this device"
 
 
-def step_cost(compiled: Any, device_count: int) -> dict[str, Any]:
-    """FLOPs and bytes of one train step, and its matmul FLOPs by dtype.
+def step_cost(compiled: Any, device_count: int, lowered_program: str | None = None) -> dict[str, Any]:
+    """FLOPs and bytes of one train step, its matmul FLOPs by dtype, its collectives.
 
     Under SPMD partitioning XLA compiles one program per device and counts
     that program's work; the step's total is the device count times it.
+
+    Collectives are read twice. ``collectives_per_device``: what the
+    compiled executable runs (on CPU, XLA widens every bfloat16 collective
+    to float32, so there they all read float32). ``collectives_stated``:
+    those the program itself writes before partitioning (`jaxamp.fsdp_loss`
+    writes its gathers and reduce-scatters with their dtypes; with plain
+    ``jit`` and shardings there are none, the partitioner adds them).
     """
     cost = roofline.cost_of(compiled)
     report = hlo_precision_report(compiled.as_text())
@@ -45,6 +52,7 @@ def step_cost(compiled: Any, device_count: int) -> dict[str, Any]:
         "matmul_flops_by_dtype_per_device": report.flops_by_dtype(),
         "memory_per_device": memory_of(compiled),
         "collectives_per_device": collectives(compiled.as_text()),
+        "collectives_stated": collectives(lowered_program) if lowered_program else {},
     }
 
 

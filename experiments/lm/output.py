@@ -42,12 +42,21 @@ def _mib(value: float | None) -> str:
     return "n/a" if value is None else f"{value / 2**20:,.1f}"
 
 
-def markdown_table(runs: list[dict[str, Any]], command: str | None = None) -> str:
+def markdown_table(
+    runs: list[dict[str, Any]], command: str | None = None, environment: dict[str, Any] | None = None
+) -> str:
     """One row per finished run; the fp32 column compares with fp32 at the same seed."""
     finished = [run for run in runs if "summary" in run]
     lines = []
     if command:
         lines += [f"Command: `{command}`", ""]
+    if environment:
+        lines += [
+            f"{environment['device_kind']} x{environment['device_count']}, JAX {environment['jax']}, Python "
+            f"{environment['python']}; load average {environment['load_average_at_start']:.1f} on "
+            f"{environment['cpu_count']} CPUs at the start (timings on a shared machine are noisy).",
+            "",
+        ]
     lines += [
         "| model | precision | route | seed | steps | held-out bits/byte | vs fp32 | tokens/s | MFU "
         "| GFLOP/step | temp MiB | peak MiB | skipped | loss scale |",
@@ -85,8 +94,10 @@ def markdown_table(runs: list[dict[str, Any]], command: str | None = None) -> st
     return "\n".join(lines) + "\n"
 
 
-def write_table(out_dir: str, runs: list[dict[str, Any]], command: str | None = None) -> None:
-    write_text_atomically(os.path.join(out_dir, "table.md"), markdown_table(runs, command))
+def write_table(
+    out_dir: str, runs: list[dict[str, Any]], command: str | None = None, environment: dict[str, Any] | None = None
+) -> None:
+    write_text_atomically(os.path.join(out_dir, "table.md"), markdown_table(runs, command, environment))
 
 
 def write_plots(out_dir: str, runs: list[dict[str, Any]]) -> list[str]:

@@ -14,7 +14,9 @@ Read top to bottom, this is the whole recipe:
    `jaxamp.scaled_value_and_grad`, and `TrainState.apply_gradients` skips a
    step whose gradients overflowed.
 4. `train_and_evaluate` shards the state over the devices
-   (`experiments.lm.sharding`), compiles the steps ahead of time, feeds each
+   (`experiments.lm.sharding`; with ``--gather-dtype``/``--reduce-dtype``
+   the loss runs under `jaxamp.fsdp_loss`, which gathers params and sums
+   gradients in those dtypes), compiles the steps ahead of time, feeds each
    process only its rows of each batch (`experiments.lm.data`), and
    evaluates the held-out loss every ``--eval-every`` steps.
 """
@@ -37,7 +39,7 @@ from experiments.distributed import host_value
 from experiments.lm import data as data_lib
 from experiments.lm import figures
 from experiments.lm import model as model_lib
-from experiments.lm.config import LMConfig, validate
+from experiments.lm.config import LMConfig, communication_policy, validate
 from experiments.lm.sharding import Sharding
 from experiments.progress import Progress
 from experiments.results import state_checksum, state_finite
@@ -142,6 +144,7 @@ class Compiled:
     train_step: Any
     eval_step: Any
     compile_s: dict[str, float]
+    train_step_program: str  # the train step as lowered, before XLA partitions and optimizes it
 
 
 def compile_steps(config, precision, model, sharding: Sharding, context: int) -> Compiled:
@@ -161,6 +164,10 @@ def compile_steps(config, precision, model, sharding: Sharding, context: int) ->
         state_sharding,
     )
     loss_fn = make_loss_fn(model.apply, config.route, precision.policy)
+    if config.communicates_explicitly:
+        # Gathers and gradient sums in the stated dtypes, written into the
+        # program (`jaxamp.fsdp_loss`), instead of what XLA's partitioner picks.
+        loss_fn = jaxamp.fsdp_loss(loss_fn, sharding.mesh, communication_policy(config, precision.policy))
     times = {}
     with precision.context():
         start = time.perf_counter()
@@ -173,22 +180,17 @@ def compile_steps(config, precision, model, sharding: Sharding, context: int) ->
         )
         times["init"] = time.perf_counter() - start
         start = time.perf_counter()
-        train_step = (
-            jax.jit(
-                make_train_step(loss_fn),
-                out_shardings=(state_sharding, sharding.replicated),
-                donate_argnums=0,
-            )
-            .lower(state_arg, windows)
-            .compile()
-        )
+        lowered = jax.jit(
+            make_train_step(loss_fn), out_shardings=(state_sharding, sharding.replicated), donate_argnums=0
+        ).lower(state_arg, windows)
+        train_step = lowered.compile()
         times["train_step"] = time.perf_counter() - start
         start = time.perf_counter()
         eval_step = (
             jax.jit(make_eval_step(loss_fn), out_shardings=sharding.replicated).lower(state_arg, windows).compile()
         )
         times["eval_step"] = time.perf_counter() - start
-    return Compiled(init, train_step, eval_step, times)
+    return Compiled(init, train_step, eval_step, times, lowered.as_text(dialect="hlo"))
 
 
 def evaluate(compiled: Compiled, state, batches: list[jax.Array]) -> float:
@@ -260,7 +262,7 @@ def train_and_evaluate(
         "vocab_size": vocab_size,
         "num_params": model_lib.num_params(model_lib.SIZES[config.model], vocab_size),
         "compile_s": compiled.compile_s,
-        "cost": figures.step_cost(compiled.train_step, sharding.device_count),
+        "cost": figures.step_cost(compiled.train_step, sharding.device_count, compiled.train_step_program),
         "analytic_flops_per_step": model_lib.model_flops_per_token(
             model_lib.SIZES[config.model], vocab_size, context
         )
@@ -278,7 +280,8 @@ def train_and_evaluate(
 
     def record(step: int) -> None:
         nonlocal pending
-        train_loss = float(np.mean([host_value(loss) for loss in pending])) if pending else math.nan
+        # None before the first step: JSON has no NaN.
+        train_loss = float(np.mean([host_value(loss) for loss in pending])) if pending else None
         pending = []
         held_out_loss = evaluate(compiled, state, held_out_batches)
         entry = {
@@ -334,8 +337,9 @@ def train_and_evaluate(
 
 def format_evaluation(entry: dict[str, Any], steps: int) -> str:
     """The one line printed at each evaluation."""
+    train_loss = "-" if entry["train_loss"] is None else f"{entry['train_loss']:.4f}"
     return (
-        f"step {entry['step']:>5}/{steps} | train {entry['train_time_s']:7.1f}s loss {entry['train_loss']:.4f}"
+        f"step {entry['step']:>5}/{steps} | train {entry['train_time_s']:7.1f}s loss {train_loss}"
         f" | held-out {entry['held_out_bits_per_byte']:.4f} bits/byte | loss scale {entry['loss_scale']:g}"
         f" | skipped {entry['skipped_steps']}"
     )

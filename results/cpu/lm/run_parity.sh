@@ -8,4 +8,4 @@ nice -n 10 "$python" -m experiments.lm --model tiny --precisions fp32,mixed_bf16
   --route apply_policy,autocast --seeds 0,1 --steps 300 --eval-every 50 --no-progress \
   --out-dir results/cpu/lm/tiny
 nice -n 10 "$python" -m experiments.lm --model small --precisions fp32,mixed_bf16,mixed \
-  --seeds 0,1 --steps 200 --eval-every 50 --no-progress --out-dir results/cpu/lm/small
+  --seeds 0,1 --steps 150 --batch-size 8 --eval-every 50 --no-progress --out-dir results/cpu/lm/small
