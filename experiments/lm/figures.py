@@ -21,7 +21,7 @@ import numpy as np
 
 from experiments.benchmark import roofline
 from experiments.benchmark.throughput import device_spec
-from experiments.benchmark.workload import memory_of, peak_bytes_in_use
+from experiments.benchmark.workload import memory_of
 from jaxamp.report import hlo_precision_report
 
 _COLLECTIVE = re.compile(
@@ -100,5 +100,10 @@ def throughput(
 
 
 def peak_memory() -> int | None:
-    """The process's peak device bytes in use (GPUs report it; CPUs do not)."""
-    return peak_bytes_in_use()
+    """This process's first device's peak bytes in use (GPUs report it; CPUs do not).
+
+    A local device: in a multi-process run the others' statistics are not
+    readable here.
+    """
+    stats = jax.local_devices()[0].memory_stats()
+    return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None

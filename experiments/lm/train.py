@@ -332,6 +332,8 @@ def train_and_evaluate(
             precision.policy.compute_dtype,
         ),
     }
+    prefix = f"[process {jax.process_index()}] " if jax.process_count() > 1 else ""
+    log(f"{prefix}state checksum {results['summary']['state_checksum'][:16]}")
     return results
 
 
