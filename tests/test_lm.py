@@ -27,7 +27,8 @@ def test_the_model_has_the_parameters_its_formula_counts_and_gpt2_size_is_124m()
     """Fails if a layer is added or dropped (or the embedding is not tied: +V*d)."""
     tiny = model_lib.create_model("tiny", 256)
     variables = jax.eval_shape(lambda: tiny.init(jax.random.key(0), jnp.zeros((2, 16), jnp.int32)))
-    assert sum(leaf.size for leaf in jax.tree.leaves(variables)) == model_lib.num_params(model_lib.SIZES["tiny"], 256)
+    counted = model_lib.num_params(model_lib.SIZES["tiny"], 256)
+    assert sum(leaf.size for leaf in jax.tree.leaves(variables)) == counted
     logits = jax.eval_shape(tiny.apply, variables, jnp.zeros((2, 16), jnp.int32))
     assert logits.shape == (2, 16, 256)
     # GPT-2 small with its padded vocabulary, as nanoGPT counts it.
@@ -130,7 +131,8 @@ def test_both_routes_run_every_matmul_in_half_precision_with_float32_params_and_
 def test_a_run_writes_json_table_and_plots_with_every_reported_figure(tmp_path):
     """The command line end to end: fp32 and mixed (float16, dynamic loss scale)."""
     out = tmp_path / "run"
-    argv = [*TINY_RUN, "--precisions", "fp32,mixed", "--steps", "2", "--eval-every", "1", "--out-dir", str(out)]
+    argv = [*TINY_RUN, "--precisions", "fp32,mixed", "--steps", "2", "--eval-every", "1"]
+    argv += ["--out-dir", str(out)]
     assert lm_cli.main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["command"].startswith("python -m experiments.lm --model tiny")
@@ -159,7 +161,10 @@ def test_a_run_writes_json_table_and_plots_with_every_reported_figure(tmp_path):
         (["--vocab-size", "300"], "--vocab-size 300 is invalid"),
         (["--steps", "0"], "expected a positive integer, got 0"),
         (["--seeds", "a,b"], "comma-separated integers"),
-        (["--sharding", "replicated", "--gather-dtype", "bfloat16"], "need --sharding fsdp, not 'replicated'"),
+        (
+            ["--sharding", "replicated", "--gather-dtype", "bfloat16"],
+            "need --sharding fsdp, not 'replicated'",
+        ),
     ],
 )
 def test_a_bad_flag_exits_2_naming_the_value(argv, message, capsys):
@@ -170,10 +175,11 @@ def test_a_bad_flag_exits_2_naming_the_value(argv, message, capsys):
 
 
 def test_missing_or_too_small_data_exits_1_with_one_message(tmp_path, capsys):
-    assert lm_cli.main([*TINY_RUN, "--data-dir", str(tmp_path / "nowhere"), "--out-dir", str(tmp_path / "a")]) == 1
+    out = ["--out-dir", str(tmp_path / "out")]
+    assert lm_cli.main([*TINY_RUN, "--data-dir", str(tmp_path / "nowhere"), *out]) == 1
     error = capsys.readouterr().err
     assert "nowhere" in error and "does not exist" in error and "Traceback" not in error
     (tmp_path / "few").mkdir()
     (tmp_path / "few" / "only.py").write_text("x = 1\n")
-    assert lm_cli.main([*TINY_RUN, "--data-dir", str(tmp_path / "few"), "--out-dir", str(tmp_path / "b")]) == 1
+    assert lm_cli.main([*TINY_RUN, "--data-dir", str(tmp_path / "few"), *out]) == 1
     assert "both splits need at least one" in capsys.readouterr().err

@@ -18,6 +18,9 @@ from experiments.lm.sharding import leaf_spec
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = 1e-5
+EIGHT_DEVICES = {
+    **os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"
+}
 
 _SCRIPT = """
 import json, jax
@@ -26,7 +29,8 @@ from experiments.lm.sharding import Sharding
 settings = config.LMConfig(model="tiny", precision="fp32", context=16, batch_size=8, steps=3, eval_every=1,
                            eval_batches=1, data="synthetic", progress=False)
 runs = {}
-for name, sharding in (("one", Sharding.over_devices(jax.devices()[:1])), ("fsdp", Sharding.over_all_devices())):
+meshes = (("one", Sharding.over_devices(jax.devices()[:1])), ("fsdp", Sharding.over_all_devices()))
+for name, sharding in meshes:
     run = train.train_and_evaluate(settings, log=lambda line: None, sharding=sharding)
     runs[name] = {"evaluations": run["evaluations"], "collectives": run["cost"]["collectives_per_device"],
                   "checksum": run["summary"]["state_checksum"]}
@@ -45,10 +49,10 @@ def test_a_state_array_is_split_along_its_largest_divisible_axis_or_replicated()
 def test_eight_sharded_devices_train_like_one_device():
     """Fails if a batch row is lost or doubled across devices, or if the state is not
     actually sharded (no all-gather or reduce-scatter in the compiled step)."""
-    environment = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     finished = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=900
-    )
+        [sys.executable, "-c", _SCRIPT],
+        cwd=REPO_ROOT, env=EIGHT_DEVICES, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
     assert finished.returncode == 0, finished.stderr[-3000:]
     runs = json.loads(finished.stdout.strip().splitlines()[-1])
     one, fsdp = runs["one"], runs["fsdp"]
@@ -71,7 +75,8 @@ for name, gather, reduce in (("xla", None, None), ("stated", "bfloat16", "float3
                                eval_every=2, eval_batches=1, data="synthetic", progress=False,
                                gather_dtype=gather, reduce_dtype=reduce)
     run = train.train_and_evaluate(settings, log=lambda line: None)
-    runs[name] = {"collectives": run["cost"]["collectives_stated"], "loss": run["evaluations"][-1]["held_out_loss"]}
+    runs[name] = {"collectives": run["cost"]["collectives_stated"],
+                  "loss": run["evaluations"][-1]["held_out_loss"]}
 print(json.dumps(runs))
 """
 
@@ -83,10 +88,9 @@ def test_bfloat16_gathers_move_half_the_bytes_and_gradients_are_summed_in_float3
     (read before partitioning: XLA on CPU then widens bfloat16 collectives to float32, and
     plain jit states none, its partitioner adds float32 ones). Fails if the flags do not
     reach the program."""
-    environment = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     finished = subprocess.run(
         [sys.executable, "-c", _COMMUNICATION_SCRIPT],
-        cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=900,
+        cwd=REPO_ROOT, env=EIGHT_DEVICES, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert finished.returncode == 0, finished.stderr[-3000:]
     runs = json.loads(finished.stdout.strip().splitlines()[-1])
@@ -105,15 +109,15 @@ def test_two_processes_on_loopback_train_like_one_and_end_with_the_same_state(tm
 
     run = [
         sys.executable, "-m", "experiments.lm", "--model", "tiny", "--precisions", "fp32", "--context", "16",
-        "--batch-size", "8", "--steps", "3", "--eval-every", "1", "--eval-batches", "1", "--data", "synthetic",
-        "--no-progress",
+        "--batch-size", "8", "--steps", "3", "--eval-every", "1", "--eval-batches", "1",
+        "--data", "synthetic", "--no-progress",
     ]  # fmt: skip
     port = random.randint(20000, 40000)
     environment = {**os.environ, "JAX_PLATFORMS": "cpu"}
     processes = [
         subprocess.Popen(
-            [*run, "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(index),
-             "--out-dir", str(tmp_path / "two")],
+            [*run, "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
+             "--process-id", str(index), "--out-dir", str(tmp_path / "two")],
             cwd=REPO_ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         for index in range(2)
@@ -128,7 +132,9 @@ def test_two_processes_on_loopback_train_like_one_and_end_with_the_same_state(tm
     assert single.returncode == 0, single.stderr[-3000:]
 
     def evaluation_lines(text):
-        return [line.split("| train")[0] + line.split("s loss")[1] for line in text.splitlines() if line.startswith("step ")]
+        # Each evaluation line without its timing: step, train and held-out loss, loss scale, skips.
+        lines = [line for line in text.splitlines() if line.startswith("step ")]
+        return [line.split("| train")[0] + line.split("s loss")[1] for line in lines]
 
     first, second = (stdout for stdout, _ in outputs)
     assert evaluation_lines(first) == evaluation_lines(single.stdout) != []

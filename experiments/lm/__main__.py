@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a first run of a few minutes on a CPU: tiny model, fp32 and mixed_bf16, 100 steps",
+        help="a first run of a few minutes on a CPU: sets --model tiny --precisions fp32,mixed_bf16 "
+        "--steps 100 --eval-every 25 (over those flags)",
     )
     parser.add_argument("--model", default=_DEFAULTS.model, choices=list(model_lib.SIZES), help="model size")
     parser.add_argument(
@@ -85,16 +86,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size", type=positive_int, default=_DEFAULTS.batch_size, help="global batch, in sequences"
     )
     parser.add_argument(
-        "--context", type=positive_int, default=None, help="sequence length (default: the model size's context)"
+        "--context",
+        type=positive_int,
+        default=None,
+        help="sequence length (default: the model size's context)",
     )
     parser.add_argument("--lr", type=positive_float, default=_DEFAULTS.lr, help="peak learning rate")
-    parser.add_argument("--warmup-steps", type=integer_at_least(0, "an integer >= 0"), default=_DEFAULTS.warmup_steps)
-    parser.add_argument("--weight-decay", type=float, default=_DEFAULTS.weight_decay, help="AdamW weight decay")
     parser.add_argument(
-        "--clip-norm", type=positive_float, default=_DEFAULTS.clip_norm, help="gradient clipping by global norm"
+        "--warmup-steps", type=integer_at_least(0, "an integer >= 0"), default=_DEFAULTS.warmup_steps
     )
     parser.add_argument(
-        "--eval-every", type=positive_int, default=_DEFAULTS.eval_every, help="held-out evaluation every N steps"
+        "--weight-decay", type=float, default=_DEFAULTS.weight_decay, help="AdamW weight decay"
+    )
+    parser.add_argument(
+        "--clip-norm",
+        type=positive_float,
+        default=_DEFAULTS.clip_norm,
+        help="gradient clipping by global norm",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=positive_int,
+        default=_DEFAULTS.eval_every,
+        help="held-out evaluation every N steps",
     )
     parser.add_argument(
         "--eval-batches",
@@ -118,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--data",
         default=_DEFAULTS.data,
         choices=list(data_lib.SOURCES),
-        help="stdlib: bytes of the *.py files of Python's standard library; synthetic: random tokens, for timing",
+        help="stdlib: bytes of the *.py files of Python's standard library; "
+        "synthetic: random tokens, for timing",
     )
     parser.add_argument(
         "--data-dir", default=None, help="read *.py files from this folder instead of the standard library"
@@ -151,9 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="where results.json, table.md and the plots go (default: a new directory under runs/)",
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (never drawn off a terminal)")
-    parser.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0, for several processes")
-    parser.add_argument("--num-processes", type=positive_int, default=None, help="processes in a multi-process run")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (never drawn off a terminal)"
+    )
+    parser.add_argument(
+        "--coordinator-address", default=None, help="HOST:PORT of process 0, for several processes"
+    )
+    parser.add_argument(
+        "--num-processes", type=positive_int, default=None, help="processes in a multi-process run"
+    )
     parser.add_argument(
         "--process-id", type=integer_at_least(0, "an integer >= 0"), default=None, help="this process's index"
     )
@@ -246,12 +267,18 @@ def main(argv: list[str] | None = None) -> int:
                 if main_process:
                     output.write_json(out_dir, {**payload, "runs": [*payload["runs"], run]})
 
-            run = train.train_and_evaluate(config, corpus, log=lambda line: print(line, flush=True), on_record=save)
+            run = train.train_and_evaluate(
+                config, corpus, log=lambda line: print(line, flush=True), on_record=save
+            )
             payload["runs"].append(run)
             if main_process:
                 output.write_json(out_dir, payload)
                 output.write_table(out_dir, payload["runs"], command, payload["environment"])
-    except (data_lib.DataUnavailableError, distributed.DistributedSetupError, config_lib.ConfigError) as error:
+    except (
+        data_lib.DataUnavailableError,
+        distributed.DistributedSetupError,
+        config_lib.ConfigError,
+    ) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     if main_process:

@@ -103,7 +103,8 @@ def validate(config: LMConfig) -> None:
         fail("--vocab-size", config.vocab_size, "256 (or nothing) with --data stdlib, whose tokens are bytes")
     limit = model_lib.SIZES[config.model].context
     if config.context is not None and not (is_int(config.context) and 1 <= config.context <= limit):
-        fail("--context", config.context, f"an integer from 1 to {limit}, the context of --model {config.model}")
+        valid = f"an integer from 1 to {limit}, the context of --model {config.model}"
+        fail("--context", config.context, valid)
     try:
         precision = cifar_train.resolve_precision(config.precision)
         cifar_train.parse_loss_scale(config.loss_scale)

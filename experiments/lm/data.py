@@ -69,7 +69,9 @@ def stdlib_files(root: str) -> list[str]:
     paths = []
     for folder, subfolders, files in os.walk(root):
         subfolders[:] = sorted(name for name in subfolders if name not in _SKIPPED_FOLDERS)
-        paths.extend(os.path.relpath(os.path.join(folder, name), root) for name in files if name.endswith(".py"))
+        paths.extend(
+            os.path.relpath(os.path.join(folder, name), root) for name in files if name.endswith(".py")
+        )
     return sorted(paths)
 
 
@@ -121,7 +123,8 @@ def synthetic_corpus(vocab_size: int = 256, seed: int = 0) -> Corpus:
     rng = np.random.default_rng(seed)
     dtype = np.uint8 if vocab_size <= 256 else np.int32
     train, held_out = (rng.integers(0, vocab_size, size, dtype=dtype) for size in _SYNTHETIC_TOKENS)
-    return Corpus("synthetic", train, held_out, vocab_size, f"{train.size:,} + {held_out.size:,} random tokens")
+    description = f"{train.size:,} + {held_out.size:,} random tokens"
+    return Corpus("synthetic", train, held_out, vocab_size, description)
 
 
 def load_corpus(source: str, data_dir: str | None = None, vocab_size: int = 256, seed: int = 0) -> Corpus:

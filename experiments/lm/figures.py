@@ -25,7 +25,8 @@ from experiments.benchmark.workload import memory_of
 from jaxamp.report import hlo_precision_report
 
 _COLLECTIVE = re.compile(
-    r"= (?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\][^ ]* (?P<op>all-gather|reduce-scatter|all-reduce)(?:-start)?\("
+    r"= (?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\][^ ]* "
+    r"(?P<op>all-gather|reduce-scatter|all-reduce)(?:-start)?\("
 )
 MFU_NOT_APPLICABLE = "not applicable: no published peak FLOP/s for this device"
 
@@ -74,7 +75,14 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     return dict(found)
 
 
-_HLO_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s32": "int32", "u32": "uint32", "pred": "bool"}
+_HLO_DTYPES = {
+    "f32": "float32",
+    "bf16": "bfloat16",
+    "f16": "float16",
+    "s32": "int32",
+    "u32": "uint32",
+    "pred": "bool",
+}
 
 
 def throughput(

@@ -45,7 +45,9 @@ SIZES: dict[str, GPTSize] = {
 }
 
 
-def choose_attention(requested: str, platform: str, compute_dtype, head_dim: int, route: str = "apply_policy") -> str:
+def choose_attention(
+    requested: str, platform: str, compute_dtype, head_dim: int, route: str = "apply_policy"
+) -> str:
     """The attention implementation a model uses.
 
     ``auto`` picks, in order:
@@ -78,7 +80,9 @@ def choose_attention(requested: str, platform: str, compute_dtype, head_dim: int
             f"--attention {requested!r} is invalid: expected one of {', '.join(ATTENTION_CHOICES)}."
         )
     half = jnp.dtype(compute_dtype) in [jnp.dtype(d) for d in _HALF_DTYPES]
-    cudnn_fits = platform == "gpu" and half and head_dim % 8 == 0 and head_dim <= 128 and route == "apply_policy"
+    cudnn_fits = (
+        platform == "gpu" and half and head_dim % 8 == 0 and head_dim <= 128 and route == "apply_policy"
+    )
     if requested == "cudnn" and not cudnn_fits:
         raise ValueError(
             "--attention cudnn needs a GPU, float16 or bfloat16 compute, a head size that is a "
@@ -179,7 +183,9 @@ class GPT(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         length = tokens.shape[1]
         if length > self.size.context:
-            raise ValueError(f"A sequence of {length} tokens exceeds the model's context of {self.size.context}.")
+            raise ValueError(
+                f"A sequence of {length} tokens exceeds the model's context of {self.size.context}."
+            )
         embed = nn.Embed(self.vocab_size, self.size.d_model, embedding_init=_dense_init(), name="embed")
         positions = self.param("positions", _dense_init(0.5), (self.size.context, self.size.d_model))
         x = embed(tokens) + positions[:length]

@@ -71,7 +71,8 @@ def compile_for(target: str, config: LMConfig, vocab_size: int) -> dict[str, Any
     heavy_flops = report.flops_by_dtype()
     total_flops = roofline.cost_of(lowered).get("flops", float(sum(heavy_flops.values())))
     bytes_accessed = hlo_report.bytes_accessed(text)
-    bound = roofline.roofline(roofline.flops_by_peak(config.precision, heavy_flops, total_flops), bytes_accessed, spec)
+    flops_by_peak = roofline.flops_by_peak(config.precision, heavy_flops, total_flops)
+    bound = roofline.roofline(flops_by_peak, bytes_accessed, spec)
     tokens = config.batch_size * context
     return {
         "target": target,
@@ -87,11 +88,10 @@ def compile_for(target: str, config: LMConfig, vocab_size: int) -> dict[str, Any
         "compile_s": compile_s,
         "memory": memory_of(compiled),
         "matmul_flops_by_dtype": heavy_flops,
-        "cudnn_attention_calls": sum("fmha" in op.primitive.lower() for op in report.ops)
-        + text.count("__cudnn$fmha"),
+        "cudnn_attention_calls": text.count("__cudnn$fmha"),
         "flops_per_step": total_flops,
-        "analytic_flops_per_step": model_lib.model_flops_per_token(model_lib.SIZES[config.model], vocab_size, context)
-        * tokens,
+        "analytic_flops_per_step": tokens
+        * model_lib.model_flops_per_token(model_lib.SIZES[config.model], vocab_size, context),
         "bytes_accessed_per_step": bytes_accessed,
         "roofline_step_s": bound["bound_s"],
         "roofline_compute_s": bound["compute_s"],
@@ -104,13 +104,15 @@ def markdown(entries: list[dict[str, Any]], command: str) -> str:
     lines = [
         f"Command: `{command}`",
         "",
-        "| precision | route | attention | temp GiB | GB moved/step | GFLOP/step (XLA) | half share of matmul FLOPs "
-        "| roofline ms/step (compute, memory) | tokens/s bound |",
+        "| precision | route | attention | temp GiB | GB moved/step | GFLOP/step (XLA) "
+        "| half share of matmul FLOPs | roofline ms/step (compute, memory) | tokens/s bound |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for entry in entries:
         if "error" in entry:
-            lines.append(f"| {entry['precision']} | {entry['route']} | | compile failed: {entry['error']} | | | | | |")
+            lines.append(
+                f"| {entry['precision']} | {entry['route']} | | compile failed: {entry['error']} | | | | | |"
+            )
             continue
         matmul = entry["matmul_flops_by_dtype"]
         half = sum(flops for dtype, flops in matmul.items() if dtype in ("float16", "bfloat16"))
@@ -128,8 +130,8 @@ def markdown(entries: list[dict[str, Any]], command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.lm.on_paper",
-        description="Compile the language model's train step for a GPU without one; write memory, bytes moved "
-        "and the roofline bound per precision and route.",
+        description="Compile the language model's train step for a GPU without one; write memory, "
+        "bytes moved and the roofline bound per precision and route.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--target", default="h200", choices=list(jaxamp.GPU_TARGETS))
@@ -161,12 +163,14 @@ def main(argv: list[str] | None = None) -> int:
                 except RuntimeError as error:
                     if "cuDNN" not in str(error):
                         raise
-                    entry = compile_for(args.target, dataclasses.replace(config, attention="einsum"), args.vocab_size)
-                    entry["attention_note"] = f"cudnn attention not compilable without cuDNN ({error}); einsum used"
+                    einsum = dataclasses.replace(config, attention="einsum")
+                    entry = compile_for(args.target, einsum, args.vocab_size)
+                    entry["attention_note"] = f"cudnn attention not compilable without cuDNN ({error})"
             except Exception as error:  # a compile failure is a finding to record, not a crash
                 entry = {"precision": precision, "route": route, "error": str(error).splitlines()[0][:200]}
             entries.append(entry)
-            print({key: entry.get(key) for key in ("precision", "route", "attention", "roofline_step_s", "error")}, flush=True)
+            shown = ("precision", "route", "attention", "roofline_step_s", "error")
+            print({key: entry.get(key) for key in shown}, flush=True)
             output.write_json(out_dir, {"command": command, "entries": entries})
     table = markdown(entries, command)
     write_text_atomically(f"{out_dir}/table.md", table)

@@ -32,7 +32,8 @@ def _relative_to_fp32(run: dict[str, Any], runs: list[dict[str, Any]]) -> float 
     for other in runs:
         other_config = other["config"]
         if other_config["precision"] == "fp32" and all(
-            other_config[key] == config[key] for key in ("model", "route", "seed", "steps", "data", "batch_size")
+            other_config[key] == config[key]
+            for key in ("model", "route", "seed", "steps", "data", "batch_size")
         ) and "summary" in other:
             return run["summary"]["held_out_bits_per_byte"] / other["summary"]["held_out_bits_per_byte"] - 1
     return None
@@ -73,7 +74,8 @@ def markdown_table(
             f"| {'' if relative is None else f'{relative:+.2%}'} | {summary['tokens_per_s']:,.0f} "
             f"| {'n/a' if mfu is None else f'{mfu:.1%}'} "
             f"| {'n/a' if flops is None else f'{flops / 1e9:,.2f}'} "
-            f"| {_mib(run['cost']['memory_per_device']['temp_bytes'])} | {_mib(summary.get('peak_memory_bytes'))} "
+            f"| {_mib(run['cost']['memory_per_device']['temp_bytes'])} "
+            f"| {_mib(summary.get('peak_memory_bytes'))} "
             f"| {summary['skipped_steps']} | {summary['loss_scale']:g} |"
         )
     halves = [
@@ -95,7 +97,10 @@ def markdown_table(
 
 
 def write_table(
-    out_dir: str, runs: list[dict[str, Any]], command: str | None = None, environment: dict[str, Any] | None = None
+    out_dir: str,
+    runs: list[dict[str, Any]],
+    command: str | None = None,
+    environment: dict[str, Any] | None = None,
 ) -> None:
     write_text_atomically(os.path.join(out_dir, "table.md"), markdown_table(runs, command, environment))
 

@@ -25,7 +25,9 @@ from experiments.distributed import DATA_AXIS, DistributedSetupError
 
 def leaf_spec(shape: tuple[int, ...], device_count: int) -> PartitionSpec:
     """The partition of one state array: its largest axis the devices divide, else none."""
-    candidates = [axis for axis, size in enumerate(shape) if size % device_count == 0 and size >= device_count]
+    candidates = [
+        axis for axis, size in enumerate(shape) if size % device_count == 0 and size >= device_count
+    ]
     if device_count == 1 or not candidates:
         return PartitionSpec()
     axis = max(candidates, key=lambda index: (shape[index], -index))

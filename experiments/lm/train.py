@@ -121,7 +121,8 @@ def make_train_step(loss_fn: Callable) -> Callable:
     """Returns ``train_step(state, windows)`` → ``(state, loss)``."""
 
     def train_step(state, windows):
-        loss, grads, grads_finite = jaxamp.scaled_value_and_grad(loss_fn, state.loss_scale)(state.params, windows)
+        value_and_grad = jaxamp.scaled_value_and_grad(loss_fn, state.loss_scale)
+        loss, grads, grads_finite = value_and_grad(state.params, windows)
         return state.apply_gradients(grads=grads, grads_finite=grads_finite), loss
 
     return train_step
@@ -173,7 +174,8 @@ def compile_steps(config, precision, model, sharding: Sharding, context: int) ->
         start = time.perf_counter()
         init = (
             jax.jit(
-                lambda: create_train_state(config, precision, model, context, tx), out_shardings=state_sharding
+                lambda: create_train_state(config, precision, model, context, tx),
+                out_shardings=state_sharding,
             )
             .lower()
             .compile()
@@ -187,7 +189,9 @@ def compile_steps(config, precision, model, sharding: Sharding, context: int) ->
         times["train_step"] = time.perf_counter() - start
         start = time.perf_counter()
         eval_step = (
-            jax.jit(make_eval_step(loss_fn), out_shardings=sharding.replicated).lower(state_arg, windows).compile()
+            jax.jit(make_eval_step(loss_fn), out_shardings=sharding.replicated)
+            .lower(state_arg, windows)
+            .compile()
         )
         times["eval_step"] = time.perf_counter() - start
     return Compiled(init, train_step, eval_step, times, lowered.as_text(dialect="hlo"))
@@ -232,7 +236,9 @@ def train_and_evaluate(
     precision = resolve_precision(config.precision)
     sharding = sharding or Sharding.over_all_devices(config.sharding)
     sharding.check_batch_size(config.batch_size)
-    corpus = corpus or data_lib.load_corpus(config.data, config.data_dir, config.vocab_size or 256, config.seed)
+    corpus = corpus or data_lib.load_corpus(
+        config.data, config.data_dir, config.vocab_size or 256, config.seed
+    )
     context = config.sequence_length
     data_lib.check_fits(corpus, context)
     vocab_size = config.vocab_size or corpus.vocab_size
@@ -244,7 +250,9 @@ def train_and_evaluate(
     def batch(tokens, offsets):
         return sharding.global_batch(data_lib.batch_rows(tokens, offsets, context, rows), config.batch_size)
 
-    held_out = data_lib.held_out_offsets(corpus.held_out.size, config.eval_batches * config.batch_size, context)
+    held_out = data_lib.held_out_offsets(
+        corpus.held_out.size, config.eval_batches * config.batch_size, context
+    )
     held_out_batches = [
         batch(corpus.held_out, held_out[start : start + config.batch_size])
         for start in range(0, held_out.size, config.batch_size)
@@ -299,7 +307,8 @@ def train_and_evaluate(
             on_record(results)
 
     record(0)
-    progress = Progress(config.steps, f"{config.precision} seed {config.seed}", config.progress, tokens_per_step)
+    description = f"{config.precision} seed {config.seed}"
+    progress = Progress(config.steps, description, config.progress, tokens_per_step, rate_name="tokens_s")
     start = time.perf_counter()
     for step in range(1, config.steps + 1):
         offsets = data_lib.batch_offsets(corpus.train.size, config.batch_size, context, config.seed, step)
