@@ -183,3 +183,21 @@ def test_missing_or_too_small_data_exits_1_with_one_message(tmp_path, capsys):
     (tmp_path / "few" / "only.py").write_text("x = 1\n")
     assert lm_cli.main([*TINY_RUN, "--data-dir", str(tmp_path / "few"), *out]) == 1
     assert "both splits need at least one" in capsys.readouterr().err
+
+
+def test_the_step_compiled_for_an_h200_runs_its_matmuls_in_bfloat16_with_a_roofline_bound():
+    """On paper (`python -m experiments.lm.on_paper`), tiny settings. Fails if the compiled GPU
+    program keeps a float32 matmul under mixed_bf16, or a figure of the entry is missing."""
+    from experiments.lm import on_paper
+    from jaxamp import gpu_targets
+
+    if not gpu_targets.cuda_plugin_available():
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]'; run with JAX_PLATFORMS=cpu)")
+    config = config_lib.LMConfig(
+        model="tiny", precision="mixed_bf16", route="autocast", context=16, batch_size=2
+    )
+    entry = on_paper.compile_for("h200", config, vocab_size=256)
+    assert entry["device_kind"] == "NVIDIA H200" and entry["attention"] == "einsum"
+    assert set(entry["matmul_flops_by_dtype"]) == {"bfloat16"}
+    assert entry["memory"]["temp_bytes"] > 0 and entry["bytes_accessed_per_step"] > 0
+    assert entry["roofline_step_s"] == max(entry["roofline_compute_s"], entry["roofline_memory_s"]) > 0
