@@ -5,7 +5,6 @@ batches of 4); the sharded runs are in tests/test_lm_sharding.py.
 """
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
