@@ -27,13 +27,22 @@ class Progress:
     queue of steps; images/s counts the steps known to be finished.
     """
 
-    def __init__(self, total: int, description: str, enabled: bool, batch_size: int, initial: int = 0):
+    def __init__(
+        self,
+        total: int,
+        description: str,
+        enabled: bool,
+        batch_size: int,
+        initial: int = 0,
+        rate_name: str = "img_s",
+    ):
         self._bar = None
         if bar_wanted(enabled):
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total, initial=initial, desc=description, leave=False, unit="step")
-        self._batch_size = batch_size
+        self._batch_size = batch_size  # examples per step: images, or tokens (rate_name="tokens_s")
+        self._rate_name = rate_name
         self._first_step = initial
         self._pending: tuple[int, jax.Array] | None = None
         self._start = time.perf_counter()
@@ -48,10 +57,9 @@ class Progress:
         if self._pending is not None:
             finished_step, finished_loss = self._pending
             elapsed = time.perf_counter() - self._start
-            self._bar.set_postfix(
-                loss=f"{float(host_value(finished_loss)):.4f}",
-                img_s=f"{(finished_step - self._first_step) * self._batch_size / elapsed:,.0f}",
-            )
+            rate = (finished_step - self._first_step) * self._batch_size / elapsed
+            loss = f"{float(host_value(finished_loss)):.4f}"
+            self._bar.set_postfix({"loss": loss, self._rate_name: f"{rate:,.0f}"})
         self._pending = (step, loss)
 
     def close(self) -> None:

@@ -110,6 +110,37 @@ if peaks["fp32"] and peaks["mixed"]:
 else:
     print(f"peak bytes in use: not measured ({peaks}: no device memory stats here, or a run was skipped)")
 PY
+# --- The language model: GPT-2 (124M) at context 1024, python -m experiments.lm --------------
+# tf32 and mixed_bf16 on synthetic tokens of GPT-2's padded vocabulary (50304): tokens/s and
+# MFU against the GPU's published peak. Targets: mixed_bf16 at 45% MFU or better, and at least
+# 1.6x tf32's tokens/s. LM_SECONDS (default 180) caps it; LM_MODEL, LM_BATCH, LM_STEPS and
+# LM_VOCAB shrink it (a CPU check: LM_MODEL=tiny LM_BATCH=8 LM_STEPS=3 LM_VOCAB=256).
+lm_seconds=$(( $(left) < ${LM_SECONDS:-180} ? $(left) : ${LM_SECONDS:-180} ))
+run lm "$lm_seconds" "$python" -m experiments.lm --model "${LM_MODEL:-gpt2}" --data synthetic \
+  --vocab-size "${LM_VOCAB:-50304}" --precisions tf32,mixed_bf16 --batch-size "${LM_BATCH:-8}" \
+  --steps "${LM_STEPS:-30}" --eval-every "${LM_STEPS:-30}" --eval-batches 1 --warmup-steps 0 \
+  --no-progress --out-dir "$out/lm"
+"$python" - "$out" <<'PY' | tee "$out/lm.txt"
+import json, sys
+
+try:
+    with open(f"{sys.argv[1]}/lm/results.json") as file:
+        runs = {run["config"]["precision"]: run["summary"] for run in json.load(file)["runs"] if "summary" in run}
+except (OSError, KeyError, ValueError):
+    runs = {}
+for precision, summary in runs.items():
+    mfu = "n/a" if summary.get("mfu") is None else f"{summary['mfu']:.1%}"
+    print(f"lm {precision}: {summary['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
+          f"peak memory {summary.get('peak_memory_bytes')} bytes")
+bf16, tf32 = runs.get("mixed_bf16"), runs.get("tf32")
+if bf16 and bf16.get("mfu") is not None:
+    print(f"lm mixed_bf16 MFU {bf16['mfu']:.1%} (target at least 45%: {'met' if bf16['mfu'] >= 0.45 else 'MISSED'})")
+if bf16 and tf32:
+    ratio = bf16["tokens_per_s"] / tf32["tokens_per_s"]
+    print(f"lm mixed_bf16/tf32 tokens/s {ratio:.2f}x (target at least 1.6x: {'met' if ratio >= 1.6 else 'MISSED'})")
+if not runs:
+    print("lm: not measured (the run was skipped or failed; see lm.log)")
+PY
 bench_budget=$(( $(left) - 20 ))
 if (( bench_budget >= 10 )); then  # --budget takes a positive number of seconds
   run benchmark "$(( bench_budget + 15 ))" "$python" -m experiments.benchmark --budget "$bench_budget" \

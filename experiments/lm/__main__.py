@@ -1,0 +1,292 @@
+"""Train a GPT-style language model under jaxamp precisions; write JSON, a table and plots.
+
+python -m experiments.lm --quick
+python -m experiments.lm --model small --precisions fp32,mixed_bf16,mixed --seeds 0,1 --steps 300
+python -m experiments.lm --route autocast --precisions mixed_bf16
+python -m experiments.lm --data synthetic --model gpt2 --vocab-size 50304 --batch-size 8 --steps 20
+python -m experiments.lm --target h200        # on paper: compiled for an H200, no GPU needed
+
+Exit status: 0 on success, 2 for a bad flag, 1 for anything found later (the
+corpus missing or too small, a batch that does not split over the devices),
+each with one message and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import shlex
+import sys
+from typing import Any
+
+import jax
+
+import jaxamp
+from experiments import distributed
+from experiments.cifar import integer_at_least, loss_scale_arg, positive_float, positive_int, precision_arg
+from experiments.compare import comma_list
+from experiments.lm import config as config_lib
+from experiments.lm import data as data_lib
+from experiments.lm import model as model_lib
+from experiments.lm import output, train
+
+try:
+    from experiments.results import run_directory
+except ImportError:  # the shared run-directory helper is newer than this checkout
+    run_directory = None
+
+QUICK = {"model": "tiny", "precisions": ["fp32", "mixed_bf16"], "steps": 100, "eval_every": 25}
+_DEFAULTS = config_lib.LMConfig()
+
+
+def seeds_arg(text: str) -> list[int]:
+    """An argparse type: comma-separated integer seeds."""
+    try:
+        seeds = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError("expected at least one seed")
+    return seeds
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.lm",
+        description="Train a GPT-style decoder on the bytes of Python's standard library under jaxamp "
+        "precisions; write results.json, table.md and plots of the held-out loss.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a first run of a few minutes on a CPU: sets --model tiny --precisions fp32,mixed_bf16 "
+        "--steps 100 --eval-every 25 (over those flags)",
+    )
+    parser.add_argument("--model", default=_DEFAULTS.model, choices=list(model_lib.SIZES), help="model size")
+    parser.add_argument(
+        "--precisions",
+        type=comma_list(None, precision_arg),
+        default="fp32,mixed_bf16,mixed",
+        help="comma-separated: fp32 (float32, matmuls at highest precision), tf32 (float32 at the default "
+        "precision), mixed_bf16 (bfloat16 compute, no loss scale), mixed (float16 compute, dynamic loss "
+        "scale), or any jaxamp policy",
+    )
+    parser.add_argument(
+        "--route",
+        type=comma_list(list(config_lib.ROUTES)),
+        default="apply_policy",
+        help="how the policy is applied: apply_policy (on the model), autocast (on the loss), or both",
+    )
+    parser.add_argument("--seeds", type=seeds_arg, default="0", help="comma-separated seeds; one run each")
+    parser.add_argument("--steps", type=positive_int, default=_DEFAULTS.steps, help="training steps per run")
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=_DEFAULTS.batch_size, help="global batch, in sequences"
+    )
+    parser.add_argument(
+        "--context",
+        type=positive_int,
+        default=None,
+        help="sequence length (default: the model size's context)",
+    )
+    parser.add_argument("--lr", type=positive_float, default=_DEFAULTS.lr, help="peak learning rate")
+    parser.add_argument(
+        "--warmup-steps", type=integer_at_least(0, "an integer >= 0"), default=_DEFAULTS.warmup_steps
+    )
+    parser.add_argument(
+        "--weight-decay", type=float, default=_DEFAULTS.weight_decay, help="AdamW weight decay"
+    )
+    parser.add_argument(
+        "--clip-norm",
+        type=positive_float,
+        default=_DEFAULTS.clip_norm,
+        help="gradient clipping by global norm",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=positive_int,
+        default=_DEFAULTS.eval_every,
+        help="held-out evaluation every N steps",
+    )
+    parser.add_argument(
+        "--eval-batches",
+        type=positive_int,
+        default=_DEFAULTS.eval_batches,
+        help="held-out batches per evaluation (fixed windows, evenly spaced over the held-out files)",
+    )
+    parser.add_argument(
+        "--attention",
+        default=_DEFAULTS.attention,
+        choices=list(model_lib.ATTENTION_CHOICES),
+        help="auto: cudnn on a GPU where it fits, else xla for float32 and einsum for half compute",
+    )
+    parser.add_argument(
+        "--loss-scale",
+        type=loss_scale_arg,
+        default=_DEFAULTS.loss_scale,
+        help="default (dynamic for float16, none otherwise), dynamic, none or static:N",
+    )
+    parser.add_argument(
+        "--data",
+        default=_DEFAULTS.data,
+        choices=list(data_lib.SOURCES),
+        help="stdlib: bytes of the *.py files of Python's standard library; "
+        "synthetic: random tokens, for timing",
+    )
+    parser.add_argument(
+        "--data-dir", default=None, help="read *.py files from this folder instead of the standard library"
+    )
+    parser.add_argument(
+        "--vocab-size", type=integer_at_least(2, "an integer >= 2"), default=None,
+        help="token ids (default 256: bytes); other values need --data synthetic",
+    )
+    parser.add_argument(
+        "--sharding",
+        default=_DEFAULTS.sharding,
+        choices=list(config_lib.SHARDING),
+        help="fsdp: params and optimizer state split over all devices; replicated: a copy on each",
+    )
+    parser.add_argument(
+        "--gather-dtype",
+        default=None,
+        help="with fsdp: gather params in this dtype (e.g. bfloat16: half float32's bytes) through "
+        "jaxamp.fsdp_loss; 'param' for their own dtype. Neither flag: XLA's partitioner chooses "
+        "(gathers in the params' dtype)",
+    )
+    parser.add_argument(
+        "--reduce-dtype",
+        default=None,
+        help="with fsdp: sum gradients over devices in this dtype (never narrower than the params'); "
+        "'param' for their own dtype",
+    )
+    parser.add_argument(
+        "--out-dir",
+        default=None,
+        help="where results.json, table.md and the plots go (default: a new directory under runs/)",
+    )
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (never drawn off a terminal)"
+    )
+    parser.add_argument(
+        "--coordinator-address", default=None, help="HOST:PORT of process 0, for several processes"
+    )
+    parser.add_argument(
+        "--num-processes", type=positive_int, default=None, help="processes in a multi-process run"
+    )
+    parser.add_argument(
+        "--process-id", type=integer_at_least(0, "an integer >= 0"), default=None, help="this process's index"
+    )
+    return parser
+
+
+def configs_from_args(args: argparse.Namespace) -> list[config_lib.LMConfig]:
+    """One `LMConfig` per precision x route x seed, in that order."""
+    if args.quick:
+        for name, value in QUICK.items():
+            setattr(args, name, value)
+    base = config_lib.LMConfig(
+        model=args.model,
+        attention=args.attention,
+        loss_scale=args.loss_scale,
+        data=args.data,
+        data_dir=args.data_dir,
+        vocab_size=args.vocab_size,
+        context=args.context,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        clip_norm=args.clip_norm,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        sharding=args.sharding,
+        gather_dtype=args.gather_dtype,
+        reduce_dtype=args.reduce_dtype,
+        progress=not args.no_progress,
+    )
+    return [
+        dataclasses.replace(base, precision=precision, route=route, seed=seed)
+        for precision in args.precisions
+        for route in args.route
+        for seed in args.seeds
+    ]
+
+
+def environment() -> dict[str, Any]:
+    """What ran where."""
+    device = jax.devices()[0]
+    return {
+        "device_kind": device.device_kind,
+        "platform": device.platform,
+        "device_count": jax.device_count(),
+        "process_count": jax.process_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxamp": jaxamp.__version__,
+        "load_average_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def new_out_dir() -> str:
+    """A fresh directory under ``runs/`` (git-ignored), as every experiment command makes."""
+    if run_directory is not None:
+        return run_directory("lm")
+    import datetime
+
+    path = os.path.join("runs", f"lm-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    os.makedirs(path, exist_ok=False)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configs = configs_from_args(args)
+    for config in configs:
+        try:
+            config_lib.validate(config)
+        except config_lib.ConfigError as error:
+            parser.error(str(error))
+    command = "python -m experiments.lm " + shlex.join(sys.argv[1:] if argv is None else argv)
+    try:
+        distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        main_process = jax.process_index() == 0
+        out_dir = args.out_dir or (new_out_dir() if main_process else None)
+        if args.out_dir and main_process:
+            os.makedirs(out_dir, exist_ok=True)
+        corpus = data_lib.load_corpus(configs[0].data, configs[0].data_dir, configs[0].vocab_size or 256, 0)
+        print(f"corpus: {corpus.description}", flush=True)
+        payload: dict[str, Any] = {"command": command, "environment": environment(), "runs": []}
+
+        for config in configs:
+            def save(run, payload=payload):
+                if main_process:
+                    output.write_json(out_dir, {**payload, "runs": [*payload["runs"], run]})
+
+            run = train.train_and_evaluate(
+                config, corpus, log=lambda line: print(line, flush=True), on_record=save
+            )
+            payload["runs"].append(run)
+            if main_process:
+                output.write_json(out_dir, payload)
+                output.write_table(out_dir, payload["runs"], command, payload["environment"])
+    except (
+        data_lib.DataUnavailableError,
+        distributed.DistributedSetupError,
+        config_lib.ConfigError,
+    ) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    if main_process:
+        output.write_plots(out_dir, payload["runs"])
+        print(output.markdown_table(payload["runs"]))
+        print(f"results written to {out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

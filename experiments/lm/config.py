@@ -1,0 +1,154 @@
+"""The settings of one language-model run, and their validation.
+
+`LMConfig` holds everything that defines a run; the command line maps onto
+its fields. `validate` checks them all before anything loads or compiles,
+so a bad value costs no time and names itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+import jaxamp
+from experiments import train as cifar_train
+from experiments.lm import data as data_lib
+from experiments.lm import model as model_lib
+
+ROUTES = ("apply_policy", "autocast")
+SHARDING = ("fsdp", "replicated")
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+    """One run: a model size under one precision and route, on one corpus."""
+
+    model: str = "tiny"
+    precision: str = "fp32"
+    route: str = "apply_policy"
+    attention: str = "auto"
+    loss_scale: str = "default"
+    data: str = "stdlib"
+    data_dir: str | None = None
+    vocab_size: int | None = None  # None: the corpus's own (256 for bytes)
+    context: int | None = None  # None: the model size's
+    batch_size: int = 16
+    steps: int = 200
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    eval_every: int = 50
+    eval_batches: int = 4
+    seed: int = 0
+    sharding: str = "fsdp"
+    gather_dtype: str | None = None  # None (and reduce_dtype None): plain jit with shardings
+    reduce_dtype: str | None = None
+    progress: bool = True
+
+    @property
+    def communicates_explicitly(self) -> bool:
+        """Whether the dtypes of the gathers and reductions are stated (`jaxamp.fsdp_loss`)."""
+        return self.gather_dtype is not None or self.reduce_dtype is not None
+
+    @property
+    def sequence_length(self) -> int:
+        return self.context or model_lib.SIZES[self.model].context
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names it, its value and the valid choices."""
+
+
+def validate(config: LMConfig) -> None:
+    """Checks every setting.
+
+    Raises:
+        ConfigError: naming the flag, the bad value and what is valid.
+    """
+
+    def fail(flag, value, valid):
+        raise ConfigError(f"{flag} {value!r} is invalid: expected {valid}.")
+
+    def is_int(value):
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    for name in ("batch_size", "steps", "eval_every", "eval_batches"):
+        value = getattr(config, name)
+        if not (is_int(value) and value >= 1):
+            fail(f"--{name.replace('_', '-')}", value, "an integer >= 1")
+    if not (is_int(config.warmup_steps) and config.warmup_steps >= 0):
+        fail("--warmup-steps", config.warmup_steps, "an integer >= 0")
+    for name in ("lr", "clip_norm"):
+        value = getattr(config, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            fail(f"--{name.replace('_', '-')}", value, "a finite number > 0")
+    if not (isinstance(config.weight_decay, (int, float)) and 0 <= config.weight_decay < math.inf):
+        fail("--weight-decay", config.weight_decay, "a finite number >= 0")
+    if config.model not in model_lib.SIZES:
+        fail("--model", config.model, f"one of {', '.join(model_lib.SIZES)}")
+    if config.route not in ROUTES:
+        fail("--route", config.route, f"one of {', '.join(ROUTES)}")
+    if config.attention not in model_lib.ATTENTION_CHOICES:
+        fail("--attention", config.attention, f"one of {', '.join(model_lib.ATTENTION_CHOICES)}")
+    if config.data not in data_lib.SOURCES:
+        fail("--data", config.data, f"one of {', '.join(data_lib.SOURCES)}")
+    if config.sharding not in SHARDING:
+        fail("--sharding", config.sharding, f"one of {', '.join(SHARDING)}")
+    if config.vocab_size is not None and not (is_int(config.vocab_size) and config.vocab_size >= 2):
+        fail("--vocab-size", config.vocab_size, "an integer >= 2")
+    if config.vocab_size not in (None, 256) and config.data == "stdlib":
+        fail("--vocab-size", config.vocab_size, "256 (or nothing) with --data stdlib, whose tokens are bytes")
+    limit = model_lib.SIZES[config.model].context
+    if config.context is not None and not (is_int(config.context) and 1 <= config.context <= limit):
+        valid = f"an integer from 1 to {limit}, the context of --model {config.model}"
+        fail("--context", config.context, valid)
+    try:
+        precision = cifar_train.resolve_precision(config.precision)
+        cifar_train.parse_loss_scale(config.loss_scale)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(str(error)) from None
+    if config.communicates_explicitly:
+        communication_policy(config, precision.policy)
+
+
+def communication_policy(config: LMConfig, policy: jaxamp.Policy):
+    """The `jaxamp.CommunicationPolicy` of ``--gather-dtype`` and ``--reduce-dtype``.
+
+    A dtype left out is the parameter's own. Reducing gradients in a dtype
+    narrower than the params' is refused here, before anything compiles.
+
+    Raises:
+        ConfigError: the flags need FSDP sharding or a jaxamp with
+            `jaxamp.fsdp_loss`, name no dtype, or narrow the reduction.
+    """
+    if config.sharding != "fsdp":
+        raise ConfigError(
+            f"--gather-dtype and --reduce-dtype need --sharding fsdp, not {config.sharding!r}: "
+            "a replicated state is never gathered."
+        )
+    if not hasattr(jaxamp, "CommunicationPolicy"):
+        raise ConfigError(
+            "--gather-dtype and --reduce-dtype need jaxamp's mixed-precision communication "
+            "(jaxamp.fsdp_loss), which this jaxamp lacks; leave them out to let XLA communicate "
+            "in the params' dtype."
+        )
+    try:
+        communication = jaxamp.CommunicationPolicy(
+            gather_dtype=config.gather_dtype or "param", reduce_dtype=config.reduce_dtype or "param"
+        )
+    except (ValueError, TypeError) as error:
+        raise ConfigError(str(error)) from None
+    from jaxamp.fsdp import is_narrower
+
+    param_dtype = jnp.dtype(policy.param_dtype)
+    reduce_dtype = communication.reduce_dtype_for(param_dtype)
+    if is_narrower(reduce_dtype, param_dtype):
+        raise ConfigError(
+            f"--reduce-dtype {config.reduce_dtype!r} is narrower than the params' {param_dtype.name}: "
+            f"each device's gradient would be rounded to {reduce_dtype.name} before the sum. Use "
+            f"--reduce-dtype {param_dtype.name} or leave it out."
+        )
+    return communication

@@ -1,0 +1,185 @@
+"""GPT-2 (124M) compiled for an H200 on a machine without one: memory, bytes, roofline.
+
+    PYTHONPATH=/path/to/cuda_plugin JAX_PLATFORMS=cpu python -m experiments.lm.on_paper --target h200
+
+For each precision and route, the language model's train step (the recipe's
+own `experiments.lm.train.make_train_step`) is lowered with its arguments as
+``ShapeDtypeStruct``s on the target's compile-only device
+(`jaxamp.gpu_target_device`) and compiled, as the CIFAR benchmark's
+``targets`` section does. Recorded per step: temp memory
+(``memory_analysis()``), bytes moved (`jaxamp.hlo_report.bytes_accessed` of
+the optimized program), FLOPs (the lowered module's cost analysis; where it
+gives none, the optimized program's matmul FLOPs, as the CIFAR benchmark's
+targets section does) and the
+dtype of every matmul in the optimized program (cuBLAS and cuDNN calls
+included), and the roofline bound (`experiments.benchmark.roofline`) with the
+tokens/s it allows. Nothing is autotuned; it is a bound on paper, not a
+measurement.
+
+cuDNN's fused attention cannot be compiled here: JAX asks the installed
+cuDNN library for its version while lowering it ("cuDNN not found."), so
+where ``--attention auto`` would pick ``cudnn`` on the GPU, the step is
+compiled with the ``einsum`` attention instead and the entry says so
+(``attention_note``). The bound then counts the attention's score matrices
+in memory traffic, which flash attention avoids: an upper estimate of
+bytes moved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import jaxamp
+from experiments.benchmark import roofline
+from experiments.benchmark.workload import memory_of
+from experiments.lm import model as model_lib
+from experiments.lm import output, train
+from experiments.lm.config import LMConfig
+from experiments.results import write_text_atomically
+from experiments.train import resolve_precision
+from jaxamp import hlo_report
+
+PRECISIONS = ("fp32", "tf32", "mixed_bf16", "mixed")
+ROUTES = ("apply_policy", "autocast")
+GPT2_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64, as nanoGPT does
+
+
+def compile_for(target: str, config: LMConfig, vocab_size: int) -> dict[str, Any]:
+    """Compiles one train step for `target` and describes what it would run."""
+    spec = jaxamp.gpu_targets.gpu_spec(target)
+    device = jaxamp.gpu_target_device(spec)
+    precision = resolve_precision(config.precision)
+    context = config.sequence_length
+    model, attention = train.create_model(config, precision, vocab_size, "gpu")
+    tx = train.create_optimizer(config)
+    state = jax.eval_shape(lambda: train.create_train_state(config, precision, model, context, tx))
+    windows = jax.ShapeDtypeStruct((config.batch_size, context + 1), jnp.int32)
+    arguments = jaxamp.on_device((state, windows), device)
+    step = train.make_train_step(train.make_loss_fn(model.apply, config.route, precision.policy))
+    with precision.context():
+        start = time.perf_counter()
+        lowered = jax.jit(step, donate_argnums=0).lower(*arguments)
+        compiled = lowered.compile()
+        compile_s = time.perf_counter() - start
+    text = compiled.as_text()
+    report = jaxamp.hlo_precision_report(text)
+    heavy_flops = report.flops_by_dtype()
+    total_flops = roofline.cost_of(lowered).get("flops", float(sum(heavy_flops.values())))
+    bytes_accessed = hlo_report.bytes_accessed(text)
+    flops_by_peak = roofline.flops_by_peak(config.precision, heavy_flops, total_flops)
+    bound = roofline.roofline(flops_by_peak, bytes_accessed, spec)
+    tokens = config.batch_size * context
+    return {
+        "target": target,
+        "device_kind": device.device_kind,
+        "model": config.model,
+        "precision": config.precision,
+        "route": config.route,
+        "attention": attention,
+        "batch_size": config.batch_size,
+        "context": context,
+        "vocab_size": vocab_size,
+        "num_params": model_lib.num_params(model_lib.SIZES[config.model], vocab_size),
+        "compile_s": compile_s,
+        "memory": memory_of(compiled),
+        "matmul_flops_by_dtype": heavy_flops,
+        "cudnn_attention_calls": text.count("__cudnn$fmha"),
+        "flops_per_step": total_flops,
+        "analytic_flops_per_step": tokens
+        * model_lib.model_flops_per_token(model_lib.SIZES[config.model], vocab_size, context),
+        "bytes_accessed_per_step": bytes_accessed,
+        "roofline_step_s": bound["bound_s"],
+        "roofline_compute_s": bound["compute_s"],
+        "roofline_memory_s": bound["memory_s"],
+        "roofline_tokens_per_s": tokens / bound["bound_s"],
+    }
+
+
+def markdown(entries: list[dict[str, Any]], command: str) -> str:
+    lines = [
+        f"Command: `{command}`",
+        "",
+        "| precision | route | attention | temp GiB | GB moved/step | GFLOP/step "
+        "| half share of matmul FLOPs | roofline ms/step (compute, memory) | tokens/s bound |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for entry in entries:
+        if "error" in entry:
+            lines.append(
+                f"| {entry['precision']} | {entry['route']} | | compile failed: {entry['error']} | | | | | |"
+            )
+            continue
+        matmul = entry["matmul_flops_by_dtype"]
+        half = sum(flops for dtype, flops in matmul.items() if dtype in ("float16", "bfloat16"))
+        attention = entry["attention"] + (" (cudnn not compilable here)" if "attention_note" in entry else "")
+        lines.append(
+            f"| {entry['precision']} | {entry['route']} | {attention} "
+            f"| {entry['memory']['temp_bytes'] / 2**30:.2f} | {entry['bytes_accessed_per_step'] / 1e9:.1f} "
+            f"| {entry['flops_per_step'] / 1e9:,.0f} | {half / max(1, sum(matmul.values())):.0%} "
+            f"| {entry['roofline_step_s'] * 1e3:.1f} ({entry['roofline_compute_s'] * 1e3:.1f}, "
+            f"{entry['roofline_memory_s'] * 1e3:.1f}) | {entry['roofline_tokens_per_s']:,.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.lm.on_paper",
+        description="Compile the language model's train step for a GPU without one; write memory, "
+        "bytes moved and the roofline bound per precision and route.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--target", default="h200", choices=list(jaxamp.GPU_TARGETS))
+    parser.add_argument("--model", default="gpt2", choices=list(model_lib.SIZES))
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    parser.add_argument("--vocab-size", type=int, default=GPT2_VOCAB)
+    parser.add_argument("--precisions", default=",".join(PRECISIONS))
+    parser.add_argument("--routes", default=",".join(ROUTES))
+    parser.add_argument("--out-dir", default=None, help="where results.json and table.md go (default: runs/)")
+    args = parser.parse_args(argv)
+    if not jaxamp.gpu_targets.cuda_plugin_available():
+        print(
+            "error: compiling for a GPU target needs the CUDA PJRT plugin of the installed JAX: "
+            "pip install 'jaxamp[gpu-aot]', then run with JAX_PLATFORMS=cpu.",
+            file=sys.stderr,
+        )
+        return 1
+    from experiments.lm.__main__ import new_out_dir
+
+    out_dir = args.out_dir or new_out_dir()
+    command = "python -m experiments.lm.on_paper " + " ".join(sys.argv[1:] if argv is None else argv)
+    entries = []
+    for precision in args.precisions.split(","):
+        for route in args.routes.split(","):
+            config = LMConfig(model=args.model, precision=precision, route=route, batch_size=args.batch_size)
+            try:
+                try:
+                    entry = compile_for(args.target, config, args.vocab_size)
+                except RuntimeError as error:
+                    if "cuDNN" not in str(error):
+                        raise
+                    einsum = dataclasses.replace(config, attention="einsum")
+                    entry = compile_for(args.target, einsum, args.vocab_size)
+                    entry["attention_note"] = f"cudnn attention not compilable without cuDNN ({error})"
+            except Exception as error:  # a compile failure is a finding to record, not a crash
+                entry = {"precision": precision, "route": route, "error": str(error).splitlines()[0][:200]}
+            entries.append(entry)
+            shown = ("precision", "route", "attention", "roofline_step_s", "error")
+            print({key: entry.get(key) for key in shown}, flush=True)
+            output.write_json(out_dir, {"command": command, "entries": entries})
+            table = markdown(entries, command)
+            write_text_atomically(f"{out_dir}/table.md", table)
+    print(table)
+    print(f"results written to {out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,356 @@
+"""Training a GPT-style language model with jaxamp: the recipe.
+
+Read top to bottom, this is the whole recipe:
+
+1. `experiments.train.resolve_precision` (shared with the CIFAR recipe) turns
+   ``--precision`` into a `jaxamp.Policy` and a matmul precision.
+2. `create_train_state` builds the model (`experiments.lm.model`) and a
+   `jaxamp.TrainState` with AdamW (warm-up, cosine decay, gradient clipping)
+   and the policy's loss scale. On the ``apply_policy`` route the model is
+   wrapped with `jaxamp.apply_policy`.
+3. `make_loss_fn` is the next-token cross-entropy in float32; on the
+   ``autocast`` route the plain model's loss runs under `jaxamp.autocast`.
+   `make_train_step` differentiates it through the loss scale with
+   `jaxamp.scaled_value_and_grad`, and `TrainState.apply_gradients` skips a
+   step whose gradients overflowed.
+4. `train_and_evaluate` shards the state over the devices
+   (`experiments.lm.sharding`; with ``--gather-dtype``/``--reduce-dtype``
+   the loss runs under `jaxamp.fsdp_loss`, which gathers params and sums
+   gradients in those dtypes), compiles the steps ahead of time, feeds each
+   process only its rows of each batch (`experiments.lm.data`), and
+   evaluates the held-out loss every ``--eval-every`` steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxamp
+from experiments.distributed import host_value
+from experiments.lm import data as data_lib
+from experiments.lm import figures
+from experiments.lm import model as model_lib
+from experiments.lm.config import LMConfig, communication_policy, validate
+from experiments.lm.sharding import Sharding
+from experiments.progress import Progress
+from experiments.results import state_checksum, state_finite
+from experiments.train import Precision, resolve_loss_scale, resolve_precision
+
+
+def create_model(config: LMConfig, precision: Precision, vocab_size: int, platform: str):
+    """The model (policy-wrapped on the ``apply_policy`` route) and its attention choice."""
+    size = model_lib.SIZES[config.model]
+    attention = model_lib.choose_attention(
+        config.attention, platform, precision.policy.compute_dtype, size.head_dim, config.route
+    )
+    model = model_lib.create_model(config.model, vocab_size, attention)
+    if config.route == "apply_policy":
+        model = jaxamp.apply_policy(model, precision.policy)
+    return model, attention
+
+
+def create_optimizer(config: LMConfig) -> optax.GradientTransformation:
+    """AdamW (beta2 0.95, as GPT-2 reproductions use), warm-up then cosine to a tenth, clipped.
+
+    Weight decay applies to matrices only (kernels, embeddings), not to
+    biases and LayerNorm scales.
+    """
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=config.lr,
+        warmup_steps=min(config.warmup_steps, config.steps - 1),
+        decay_steps=config.steps,
+        end_value=config.lr / 10,
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(config.clip_norm),
+        optax.adamw(
+            schedule,
+            b1=0.9,
+            b2=0.95,
+            weight_decay=config.weight_decay,
+            mask=lambda params: jax.tree.map(lambda param: param.ndim >= 2, params),
+        ),
+    )
+
+
+def create_train_state(
+    config: LMConfig, precision: Precision, model, context: int, tx: optax.GradientTransformation
+) -> jaxamp.TrainState:
+    """Initializes params from ``config.seed`` and builds the `jaxamp.TrainState` around `tx`."""
+    sample = jnp.zeros((1, context), jnp.int32)
+    params = model.init(jax.random.key(config.seed), sample)["params"]
+    return jaxamp.TrainState.create(
+        apply_fn=model.apply,
+        params=params,
+        tx=tx,
+        loss_scale=resolve_loss_scale(config.loss_scale, precision.policy),
+    )
+
+
+def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Per-token cross-entropy in float32, natural log (nats)."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+
+
+def make_loss_fn(apply_fn: Callable, route: str, policy: jaxamp.Policy) -> Callable:
+    """Returns ``loss_fn(params, windows)`` → mean next-token loss (float32).
+
+    `windows` are int32 [B, T + 1]: the model reads the first T tokens and
+    predicts the last T. On the ``autocast`` route the whole loss, the plain
+    model's apply included, runs under `jaxamp.autocast`.
+    """
+
+    def loss_fn(params, windows):
+        logits = apply_fn({"params": params}, windows[:, :-1])
+        return token_losses(logits, windows[:, 1:]).mean()
+
+    return jaxamp.autocast(loss_fn, policy) if route == "autocast" else loss_fn
+
+
+def make_train_step(loss_fn: Callable) -> Callable:
+    """Returns ``train_step(state, windows)`` → ``(state, loss)``."""
+
+    def train_step(state, windows):
+        value_and_grad = jaxamp.scaled_value_and_grad(loss_fn, state.loss_scale)
+        loss, grads, grads_finite = value_and_grad(state.params, windows)
+        return state.apply_gradients(grads=grads, grads_finite=grads_finite), loss
+
+    return train_step
+
+
+def make_eval_step(loss_fn: Callable) -> Callable:
+    """Returns ``eval_step(state, windows)`` → the batch's mean loss, under the training policy."""
+
+    def eval_step(state, windows):
+        return loss_fn(state.params, windows)
+
+    return eval_step
+
+
+@dataclasses.dataclass
+class Compiled:
+    """The run's compiled programs and what compiling them cost."""
+
+    init: Any
+    train_step: Any
+    eval_step: Any
+    compile_s: dict[str, float]
+    train_step_program: str  # the train step as lowered, before XLA partitions and optimizes it
+
+
+def compile_steps(config, precision, model, sharding: Sharding, context: int) -> Compiled:
+    """Compiles state creation, the train step and the eval step ahead of time.
+
+    The state is created inside ``jit`` with its sharded layout as output, so
+    no process ever holds a full copy; the steps keep that layout
+    (``donate`` reuses the old state's memory).
+    """
+    tx = create_optimizer(config)  # one instance: the state's tree structure includes it
+    abstract_state = jax.eval_shape(lambda: create_train_state(config, precision, model, context, tx))
+    state_sharding = sharding.state(abstract_state)
+    windows = jax.ShapeDtypeStruct((config.batch_size, context + 1), jnp.int32, sharding=sharding.batch)
+    state_arg = jax.tree.map(
+        lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
+        abstract_state,
+        state_sharding,
+    )
+    loss_fn = make_loss_fn(model.apply, config.route, precision.policy)
+    if config.communicates_explicitly:
+        # Gathers and gradient sums in the stated dtypes, written into the
+        # program (`jaxamp.fsdp_loss`), instead of what XLA's partitioner picks.
+        loss_fn = jaxamp.fsdp_loss(loss_fn, sharding.mesh, communication_policy(config, precision.policy))
+    times = {}
+    with precision.context():
+        start = time.perf_counter()
+        init = (
+            jax.jit(
+                lambda: create_train_state(config, precision, model, context, tx),
+                out_shardings=state_sharding,
+            )
+            .lower()
+            .compile()
+        )
+        times["init"] = time.perf_counter() - start
+        start = time.perf_counter()
+        lowered = jax.jit(
+            make_train_step(loss_fn), out_shardings=(state_sharding, sharding.replicated), donate_argnums=0
+        ).lower(state_arg, windows)
+        train_step = lowered.compile()
+        times["train_step"] = time.perf_counter() - start
+        start = time.perf_counter()
+        eval_step = (
+            jax.jit(make_eval_step(loss_fn), out_shardings=sharding.replicated)
+            .lower(state_arg, windows)
+            .compile()
+        )
+        times["eval_step"] = time.perf_counter() - start
+    return Compiled(init, train_step, eval_step, times, lowered.as_text(dialect="hlo"))
+
+
+def evaluate(compiled: Compiled, state, batches: list[jax.Array]) -> float:
+    """Mean held-out loss (nats per token) over the fixed held-out batches."""
+    losses = [compiled.eval_step(state, batch) for batch in batches]
+    return float(np.mean([host_value(loss) for loss in losses]))
+
+
+def train_and_evaluate(
+    config: LMConfig,
+    corpus: data_lib.Corpus | None = None,
+    log: Callable[[str], None] = print,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+    sharding: Sharding | None = None,
+) -> dict[str, Any]:
+    """Trains one model under one precision and route; returns the run's results.
+
+    Args:
+        config: the run's settings.
+        corpus: the tokens; loaded from `config` when None.
+        log: where the per-evaluation lines go.
+        on_record: called with the results so far after every evaluation
+            (to rewrite the results file as the run goes).
+        sharding: where state and batches live; all devices, as
+            ``config.sharding`` says, when None.
+
+    Returns:
+        ``config``, the attention used, compile times, step cost, every
+        evaluation (step, train seconds so far, train and held-out loss,
+        held-out bits per byte, loss scale, skipped steps) and a summary.
+
+    Raises:
+        experiments.lm.config.ConfigError: an invalid setting.
+        experiments.lm.data.DataUnavailableError: the corpus is missing or too small.
+        experiments.distributed.DistributedSetupError: the batch does not
+            split over the devices.
+    """
+    validate(config)
+    precision = resolve_precision(config.precision)
+    sharding = sharding or Sharding.over_all_devices(config.sharding)
+    sharding.check_batch_size(config.batch_size)
+    corpus = corpus or data_lib.load_corpus(
+        config.data, config.data_dir, config.vocab_size or 256, config.seed
+    )
+    context = config.sequence_length
+    data_lib.check_fits(corpus, context)
+    vocab_size = config.vocab_size or corpus.vocab_size
+    model, attention = create_model(config, precision, vocab_size, jax.devices()[0].platform)
+    compiled = compile_steps(config, precision, model, sharding, context)
+
+    rows = sharding.process_rows(config.batch_size)
+
+    def batch(tokens, offsets):
+        return sharding.global_batch(data_lib.batch_rows(tokens, offsets, context, rows), config.batch_size)
+
+    held_out = data_lib.held_out_offsets(
+        corpus.held_out.size, config.eval_batches * config.batch_size, context
+    )
+    held_out_batches = [
+        batch(corpus.held_out, held_out[start : start + config.batch_size])
+        for start in range(0, held_out.size, config.batch_size)
+    ]
+    tokens_per_step = config.batch_size * context
+    results: dict[str, Any] = {
+        "config": dataclasses.asdict(config),
+        "precision": {
+            "policy": str(precision.policy),
+            "matmul_precision": precision.matmul_precision,
+        },
+        "attention": attention,
+        "corpus": corpus.description,
+        "context": context,
+        "vocab_size": vocab_size,
+        "num_params": model_lib.num_params(model_lib.SIZES[config.model], vocab_size),
+        "compile_s": compiled.compile_s,
+        "cost": figures.step_cost(compiled.train_step, sharding.device_count, compiled.train_step_program),
+        "analytic_flops_per_step": model_lib.model_flops_per_token(
+            model_lib.SIZES[config.model], vocab_size, context
+        )
+        * tokens_per_step,
+        "evaluations": [],
+    }
+    log(
+        f"{config.model} ({results['num_params']:,} params) | {config.precision} via {config.route} | "
+        f"attention {attention} | {jax.devices()[0].device_kind} x{sharding.device_count} | compile "
+        f"{sum(compiled.compile_s.values()):.1f}s"
+    )
+
+    state = compiled.init()
+    train_s, pending = 0.0, []
+
+    def record(step: int) -> None:
+        nonlocal pending
+        # None before the first step: JSON has no NaN.
+        train_loss = float(np.mean([host_value(loss) for loss in pending])) if pending else None
+        pending = []
+        held_out_loss = evaluate(compiled, state, held_out_batches)
+        entry = {
+            "step": step,
+            "train_time_s": train_s,
+            "train_loss": train_loss,
+            "held_out_loss": held_out_loss,
+            "held_out_bits_per_byte": held_out_loss / math.log(2),
+            "loss_scale": float(host_value(state.loss_scale.loss_scale)),
+            "skipped_steps": int(host_value(state.skipped_steps)),
+        }
+        results["evaluations"].append(entry)
+        log(format_evaluation(entry, config.steps))
+        if on_record:
+            on_record(results)
+
+    record(0)
+    description = f"{config.precision} seed {config.seed}"
+    progress = Progress(config.steps, description, config.progress, tokens_per_step, rate_name="tokens_s")
+    start = time.perf_counter()
+    for step in range(1, config.steps + 1):
+        offsets = data_lib.batch_offsets(corpus.train.size, config.batch_size, context, config.seed, step)
+        state, loss = compiled.train_step(state, batch(corpus.train, offsets))
+        pending.append(loss)
+        progress.update(step, loss)
+        if step % config.eval_every == 0 or step == config.steps:
+            state = jax.block_until_ready(state)
+            train_s += time.perf_counter() - start
+            record(step)
+            start = time.perf_counter()
+    progress.close()
+
+    final = results["evaluations"][-1]
+    results["summary"] = {
+        "held_out_bits_per_byte": final["held_out_bits_per_byte"],
+        "held_out_loss": final["held_out_loss"],
+        "train_time_s": train_s,
+        "steps": config.steps,
+        "skipped_steps": final["skipped_steps"],
+        "loss_scale": final["loss_scale"],
+        "peak_memory_bytes": figures.peak_memory(),
+        "state_finite": state_finite(state),
+        "state_checksum": state_checksum(state),
+        **figures.throughput(
+            results["cost"]["flops_per_step"],
+            tokens_per_step,
+            train_s / config.steps,
+            config.precision,
+            precision.policy.compute_dtype,
+        ),
+    }
+    prefix = f"[process {jax.process_index()}] " if jax.process_count() > 1 else ""
+    log(f"{prefix}state checksum {results['summary']['state_checksum'][:16]}")
+    return results
+
+
+def format_evaluation(entry: dict[str, Any], steps: int) -> str:
+    """The one line printed at each evaluation."""
+    train_loss = "-" if entry["train_loss"] is None else f"{entry['train_loss']:.4f}"
+    return (
+        f"step {entry['step']:>5}/{steps} | train {entry['train_time_s']:7.1f}s loss {train_loss}"
+        f" | held-out {entry['held_out_bits_per_byte']:.4f} bits/byte | loss scale {entry['loss_scale']:g}"
+        f" | skipped {entry['skipped_steps']}"
+    )

@@ -1,0 +1,202 @@
+"""The language-model experiment: model, corpus, precision, and the command line.
+
+Tiny settings throughout (two layers of width 64, contexts of 16 tokens,
+batches of 4); the sharded runs are in tests/test_lm_sharding.py.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+from experiments.lm import __main__ as lm_cli
+from experiments.lm import config as config_lib
+from experiments.lm import data as data_lib
+from experiments.lm import model as model_lib
+from experiments.lm import train
+from experiments.train import resolve_loss_scale, resolve_precision
+
+TINY_RUN = ["--model", "tiny", "--context", "16", "--batch-size", "4", "--eval-batches", "1", "--no-progress"]
+
+
+def test_the_model_has_the_parameters_its_formula_counts_and_gpt2_size_is_124m():
+    """Fails if a layer is added or dropped (or the embedding is not tied: +V*d)."""
+    tiny = model_lib.create_model("tiny", 256)
+    variables = jax.eval_shape(lambda: tiny.init(jax.random.key(0), jnp.zeros((2, 16), jnp.int32)))
+    counted = model_lib.num_params(model_lib.SIZES["tiny"], 256)
+    assert sum(leaf.size for leaf in jax.tree.leaves(variables)) == counted
+    logits = jax.eval_shape(tiny.apply, variables, jnp.zeros((2, 16), jnp.int32))
+    assert logits.shape == (2, 16, 256)
+    # GPT-2 small with its padded vocabulary, as nanoGPT counts it.
+    assert model_lib.num_params(model_lib.SIZES["gpt2"], 50304) == 124_475_904
+
+
+def test_attention_is_cudnn_on_a_gpu_in_half_precision_and_einsum_or_xla_elsewhere():
+    choose = model_lib.choose_attention
+    assert choose("auto", "gpu", jnp.bfloat16, 64) == "cudnn"
+    assert choose("auto", "gpu", jnp.bfloat16, 64, route="autocast") == "einsum"  # traced in float32
+    assert choose("auto", "gpu", jnp.float32, 64) == "xla"
+    assert choose("auto", "cpu", jnp.float16, 16) == "einsum"
+    assert choose("auto", "gpu", jnp.float16, 12) == "einsum"  # head size not a multiple of 8
+    with pytest.raises(ValueError, match="cudnn needs a GPU.*platform cpu"):
+        choose("cudnn", "cpu", jnp.float16, 16)
+
+
+def test_the_einsum_attention_is_causal_and_equals_jax_attention_in_float32():
+    """Fails if the mask lets a token see its future or the scale is off."""
+    query, key, value = jax.random.normal(jax.random.key(0), (3, 2, 8, 2, 4))
+    ours = model_lib.einsum_attention(query, key, value)
+    reference = jax.nn.dot_product_attention(query, key, value, is_causal=True, implementation="xla")
+    np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-6)
+    changed_future = model_lib.einsum_attention(query, key.at[:, -1].add(1.0), value.at[:, -1].add(1.0))
+    np.testing.assert_array_equal(changed_future[:, :-1], ours[:, :-1])
+
+
+def write_python_files(folder, count):
+    for index in range(count):
+        path = folder / f"pkg{index % 3}" / f"module{index}.py"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(f"# module {index}\nvalue = {index}\n" * 20)
+
+
+def test_the_held_out_split_is_a_stable_hash_of_the_path_and_disjoint_from_training(tmp_path):
+    """Fails if the split depends on file order or seed, or a file lands in both splits."""
+    write_python_files(tmp_path, 120)
+    (tmp_path / "site-packages").mkdir()
+    (tmp_path / "site-packages" / "third_party.py").write_text("x = 1\n")
+    paths = data_lib.stdlib_files(str(tmp_path))
+    assert paths == sorted(paths) and len(paths) == 120  # site-packages left out
+    held_out = [path for path in paths if data_lib.is_held_out(path)]
+    assert 0 < len(held_out) < 20
+    corpus = data_lib.load_stdlib_corpus(str(tmp_path))
+    again = data_lib.load_stdlib_corpus(str(tmp_path))
+    np.testing.assert_array_equal(corpus.held_out, again.held_out)
+    held_out_text = bytes(corpus.held_out).decode()
+    train_text = bytes(corpus.train).decode()
+    for path in paths:
+        marker = f"# module {path.split('module')[1][:-3]}\n"
+        assert (marker in held_out_text) == data_lib.is_held_out(path) != (marker in train_text)
+    # The hash of a fixed path never changes (SHA-256, not Python's salted hash).
+    assert [data_lib.is_held_out(f"json/decoder{n}.py") for n in range(8)] == [
+        data_lib.is_held_out(f"json/decoder{n}.py") for n in range(8)
+    ]
+
+
+def test_the_standard_library_corpus_holds_about_five_percent_out():
+    corpus = data_lib.load_stdlib_corpus()
+    share = corpus.held_out.size / (corpus.train.size + corpus.held_out.size)
+    assert corpus.vocab_size == 256 and corpus.train.size > 1_000_000
+    assert 0.01 < share < 0.15
+
+
+def test_each_process_reads_only_its_rows_and_the_rows_make_the_global_batch():
+    tokens = np.arange(1000, dtype=np.int32)
+    offsets = data_lib.batch_offsets(tokens.size, 8, 16, seed=3, step=7)
+    np.testing.assert_array_equal(offsets, data_lib.batch_offsets(tokens.size, 8, 16, seed=3, step=7))
+    whole = data_lib.batch_rows(tokens, offsets, 16, slice(0, 8))
+    halves = [data_lib.batch_rows(tokens, offsets, 16, slice(start, start + 4)) for start in (0, 4)]
+    np.testing.assert_array_equal(np.concatenate(halves), whole)
+    assert whole.shape == (8, 17) and np.all(np.diff(whole, axis=1) == 1)
+
+
+@pytest.mark.parametrize("precision", ["mixed", "mixed_bf16"])
+@pytest.mark.parametrize("route", ["apply_policy", "autocast"])
+def test_both_routes_run_every_matmul_in_half_precision_with_float32_params_and_grads(precision, route):
+    """Fails if any matmul of the step, forward or backward, stays in float32 (as JAX's xla
+    attention's score gradient does) or if params or grads are not float32."""
+    config = config_lib.LMConfig(model="tiny", precision=precision, route=route, context=16, batch_size=2)
+    resolved = resolve_precision(precision)
+    model, attention = train.create_model(config, resolved, 256, "cpu")
+    assert attention == "einsum"
+    tx = train.create_optimizer(config)
+    state = jax.eval_shape(lambda: train.create_train_state(config, resolved, model, 16, tx))
+    loss_fn = train.make_loss_fn(model.apply, route, resolved.policy)
+    loss_scale = resolve_loss_scale(config.loss_scale, resolved.policy)
+    windows = jnp.zeros((2, 17), jnp.int32)
+
+    def loss_and_grads(params):
+        return jaxamp.scaled_value_and_grad(loss_fn, loss_scale)(params, windows)
+
+    report = jaxamp.precision_report(loss_and_grads, state.params)
+    assert report.fraction(resolved.policy.compute_dtype) == 1.0, str(report)
+    loss, grads, _ = jax.eval_shape(loss_and_grads, state.params)
+    assert loss.dtype == jnp.float32
+    assert {leaf.dtype for leaf in jax.tree.leaves((state.params, grads))} == {jnp.dtype(jnp.float32)}
+
+
+def test_a_run_writes_json_table_and_plots_with_every_reported_figure(tmp_path):
+    """The command line end to end: fp32 and mixed (float16, dynamic loss scale)."""
+    out = tmp_path / "run"
+    argv = [*TINY_RUN, "--precisions", "fp32,mixed", "--steps", "2", "--eval-every", "1"]
+    argv += ["--out-dir", str(out)]
+    assert lm_cli.main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["command"].startswith("python -m experiments.lm --model tiny")
+    fp32, mixed = results["runs"]
+    assert [entry["step"] for entry in mixed["evaluations"]] == [0, 1, 2]
+    for run in (fp32, mixed):
+        summary = run["summary"]
+        assert 0 < summary["held_out_bits_per_byte"] < 9
+        assert summary["tokens_per_s"] > 0 and summary["skipped_steps"] == 0
+        assert summary["mfu"] is None and "not applicable" in summary["mfu_note"]
+        assert run["cost"]["flops_per_step"] > 0 and run["cost"]["memory_per_device"]["temp_bytes"] > 0
+    assert fp32["summary"]["loss_scale"] == 1 and mixed["summary"]["loss_scale"] == 2.0**15
+    assert mixed["precision"]["policy"] == "params=float32,compute=float16,output=float32"
+    table = (out / "table.md").read_text()
+    assert "| tiny | mixed | apply_policy | 0 | 2 |" in table and "vs fp32" in table
+    assert (out / "held_out_vs_step.png").stat().st_size > 0 and (out / "held_out_vs_time.png").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--precisions", "fp32,fp33"], "fp33"),
+        (["--model", "huge"], "invalid choice: 'huge'"),
+        (["--route", "autocat"], "autocat"),
+        (["--context", "65"], "--context 65 is invalid: expected an integer from 1 to 64"),
+        (["--vocab-size", "300"], "--vocab-size 300 is invalid"),
+        (["--steps", "0"], "expected a positive integer, got 0"),
+        (["--seeds", "a,b"], "comma-separated integers"),
+        (
+            ["--sharding", "replicated", "--gather-dtype", "bfloat16"],
+            "need --sharding fsdp, not 'replicated'",
+        ),
+    ],
+)
+def test_a_bad_flag_exits_2_naming_the_value(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        lm_cli.main([*TINY_RUN, *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_or_too_small_data_exits_1_with_one_message(tmp_path, capsys):
+    out = ["--out-dir", str(tmp_path / "out")]
+    assert lm_cli.main([*TINY_RUN, "--data-dir", str(tmp_path / "nowhere"), *out]) == 1
+    error = capsys.readouterr().err
+    assert "nowhere" in error and "does not exist" in error and "Traceback" not in error
+    (tmp_path / "few").mkdir()
+    (tmp_path / "few" / "only.py").write_text("x = 1\n")
+    assert lm_cli.main([*TINY_RUN, "--data-dir", str(tmp_path / "few"), *out]) == 1
+    assert "both splits need at least one" in capsys.readouterr().err
+
+
+def test_the_step_compiled_for_an_h200_runs_its_matmuls_in_bfloat16_with_a_roofline_bound():
+    """On paper (`python -m experiments.lm.on_paper`), tiny settings. Fails if the compiled GPU
+    program keeps a float32 matmul under mixed_bf16, or a figure of the entry is missing."""
+    from experiments.lm import on_paper
+    from jaxamp import gpu_targets
+
+    if not gpu_targets.cuda_plugin_available():
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]'; run with JAX_PLATFORMS=cpu)")
+    config = config_lib.LMConfig(
+        model="tiny", precision="mixed_bf16", route="autocast", context=16, batch_size=2
+    )
+    entry = on_paper.compile_for("h200", config, vocab_size=256)
+    assert entry["device_kind"] == "NVIDIA H200" and entry["attention"] == "einsum"
+    assert set(entry["matmul_flops_by_dtype"]) == {"bfloat16"}
+    assert entry["memory"]["temp_bytes"] > 0 and entry["bytes_accessed_per_step"] > 0
+    assert entry["roofline_step_s"] == max(entry["roofline_compute_s"], entry["roofline_memory_s"]) > 0
