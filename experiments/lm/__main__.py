@@ -25,17 +25,14 @@ import jax
 
 import jaxamp
 from experiments import distributed
-from experiments.cifar import integer_at_least, loss_scale_arg, positive_float, positive_int, precision_arg
+from experiments.cifar import loss_scale_arg, precision_arg
 from experiments.compare import comma_list
+from experiments.flags import HelpFormatter, integer_at_least, positive_float, positive_int
 from experiments.lm import config as config_lib
 from experiments.lm import data as data_lib
 from experiments.lm import model as model_lib
 from experiments.lm import output, train
-
-try:
-    from experiments.results import run_directory
-except ImportError:  # the shared run-directory helper is newer than this checkout
-    run_directory = None
+from experiments.results import run_directory
 
 QUICK = {"model": "tiny", "precisions": ["fp32", "mixed_bf16"], "steps": 100, "eval_every": 25}
 _DEFAULTS = config_lib.LMConfig()
@@ -57,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m experiments.lm",
         description="Train a GPT-style decoder on the bytes of Python's standard library under jaxamp "
         "precisions; write results.json, table.md and plots of the held-out loss.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "--quick",
@@ -233,13 +230,7 @@ def environment() -> dict[str, Any]:
 
 def new_out_dir() -> str:
     """A fresh directory under ``runs/`` (git-ignored), as every experiment command makes."""
-    if run_directory is not None:
-        return run_directory("lm")
-    import datetime
-
-    path = os.path.join("runs", f"lm-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    os.makedirs(path, exist_ok=False)
-    return path
+    return run_directory("lm")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import jaxamp
 from experiments.benchmark import roofline
 from experiments.benchmark.workload import memory_of
+from experiments.flags import HelpFormatter
 from experiments.lm import model as model_lib
 from experiments.lm import output, train
 from experiments.lm.config import LMConfig
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m experiments.lm.on_paper",
         description="Compile the language model's train step for a GPU without one; write memory, "
         "bytes moved and the roofline bound per precision and route.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--target", default="h200", choices=list(jaxamp.GPU_TARGETS))
     parser.add_argument("--model", default="gpt2", choices=list(model_lib.SIZES))
