@@ -32,8 +32,8 @@ import jaxamp
 from experiments.distributed import host_value
 
 
-def environment(config: Any, precision: Any) -> dict[str, Any]:
-    """What ran where: devices, processes, versions, precision and sizes."""
+def machine() -> dict[str, Any]:
+    """What ran where: the devices, the processes and the library versions."""
     device = jax.devices()[0]
     return {
         "device_kind": device.device_kind,
@@ -46,6 +46,13 @@ def environment(config: Any, precision: Any) -> dict[str, Any]:
         "flax": flax.__version__,
         "optax": optax.__version__,
         "jaxamp": jaxamp.__version__,
+    }
+
+
+def environment(config: Any, precision: Any) -> dict[str, Any]:
+    """What ran where (`machine`), with the precision and sizes of the run."""
+    return {
+        **machine(),
         "precision": precision.name,
         "policy": str(precision.policy),
         "matmul_precision": precision.matmul_precision,

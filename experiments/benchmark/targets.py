@@ -33,7 +33,9 @@ those the target config states.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +76,55 @@ def abstract_arguments(
     return jaxamp.on_device((state, *data), device)
 
 
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """A train step compiled for a GPU target, read for the figures on paper.
+
+    Attributes:
+        compiled: the executable (``memory_analysis()``, ``as_text()``).
+        text: its optimized HLO.
+        report: matmuls and convolutions by dtype (`jaxamp.hlo_precision_report`).
+        total_flops: XLA's FLOP count of the step (the heavy FLOPs where XLA gives none).
+        bytes_accessed: the step's memory traffic (`jaxamp.hlo_report.bytes_accessed`).
+        bound: the roofline (`roofline.roofline`) at the target's peaks.
+        compile_s: seconds the lowering and compilation took.
+    """
+
+    compiled: Any
+    text: str
+    report: Any
+    total_flops: float
+    bytes_accessed: float
+    bound: dict
+    compile_s: float
+
+
+def compile_step(step, arguments, precision: str, context, spec) -> CompiledStep:
+    """`step` (donating its first argument) compiled for `arguments` placed on a GPU target.
+
+    Args:
+        step: the train step, a function of (state, *batch).
+        arguments: its abstract arguments, on the target device (`jaxamp.on_device`).
+        precision: ``fp32``, ``tf32`` or a policy name: which peak each FLOP runs at.
+        context: the precision's matmul-precision context manager.
+        spec: the target's `jaxamp.GpuSpec`.
+    """
+    with context:
+        start = time.perf_counter()
+        lowered = jax.jit(step, donate_argnums=0).lower(*arguments)
+        compiled = lowered.compile()
+        compile_s = time.perf_counter() - start
+    text = compiled.as_text()
+    report = jaxamp.hlo_precision_report(text)
+    heavy_flops = report.flops_by_dtype()
+    total_flops = roofline.cost_of(lowered).get("flops", float(sum(heavy_flops.values())))
+    bytes_accessed = hlo_report.bytes_accessed(text)
+    bound = roofline.roofline(
+        roofline.flops_by_peak(precision, heavy_flops, total_flops), bytes_accessed, spec
+    )
+    return CompiledStep(compiled, text, report, total_flops, bytes_accessed, bound, compile_s)
+
+
 def compile_for(
     target: str, model: str, precision: str, batch_size: int, route: str = "apply_policy"
 ) -> dict:
@@ -92,18 +143,20 @@ def compile_for(
     config = workload.train_config(model, precision, batch_size)
     dataset = data_lib.synthetic_dataset(num_train=1, num_test=1)  # mean/std only
     arguments = abstract_arguments(model, precision, batch_size, device, route)
-    with train.resolve_precision(precision).context():
-        start = time.perf_counter()
-        lowered = jax.jit(train.make_train_step(config, dataset), donate_argnums=0).lower(*arguments)
-        compiled = lowered.compile()
-        compile_s = time.perf_counter() - start
-    text = compiled.as_text()
-    report = jaxamp.hlo_precision_report(text)
+    step = compile_step(
+        train.make_train_step(config, dataset),
+        arguments,
+        precision,
+        train.resolve_precision(precision).context(),
+        spec,
+    )
+    compiled, report = step.compiled, step.report
     heavy_flops = report.flops_by_dtype()
-    total_flops = roofline.cost_of(lowered).get("flops", float(sum(heavy_flops.values())))
-    bytes_accessed = hlo_report.bytes_accessed(text)
-    bound = roofline.roofline(
-        roofline.flops_by_peak(precision, heavy_flops, total_flops), bytes_accessed, spec
+    total_flops, bytes_accessed, bound, compile_s = (
+        step.total_flops,
+        step.bytes_accessed,
+        step.bound,
+        step.compile_s,
     )
     compute_dtype = workload.compute_dtype_name(precision)
     return {

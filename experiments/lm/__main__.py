@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import shlex
 import sys
 from typing import Any
 
 import jax
 
-import jaxamp
 from experiments import distributed
 from experiments.cifar import loss_scale_arg, precision_arg
 from experiments.compare import comma_list
@@ -32,7 +30,8 @@ from experiments.lm import config as config_lib
 from experiments.lm import data as data_lib
 from experiments.lm import model as model_lib
 from experiments.lm import output, train
-from experiments.results import run_directory
+from experiments import results
+
 
 QUICK = {"model": "tiny", "precisions": ["fp32", "mixed_bf16"], "steps": 100, "eval_every": 25}
 _DEFAULTS = config_lib.LMConfig()
@@ -213,16 +212,9 @@ def configs_from_args(args: argparse.Namespace) -> list[config_lib.LMConfig]:
 
 
 def environment() -> dict[str, Any]:
-    """What ran where."""
-    device = jax.devices()[0]
+    """What ran where, and how loaded the machine was at the start."""
     return {
-        "device_kind": device.device_kind,
-        "platform": device.platform,
-        "device_count": jax.device_count(),
-        "process_count": jax.process_count(),
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jaxamp": jaxamp.__version__,
+        **results.machine(),
         "load_average_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "cpu_count": os.cpu_count(),
     }
@@ -230,7 +222,7 @@ def environment() -> dict[str, Any]:
 
 def new_out_dir() -> str:
     """A fresh directory under ``runs/`` (git-ignored), as every experiment command makes."""
-    return run_directory("lm")
+    return results.run_directory("lm")
 
 
 def main(argv: list[str] | None = None) -> int:

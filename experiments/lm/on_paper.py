@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 import jaxamp
-from experiments.benchmark import roofline
+from experiments.benchmark import targets
 from experiments.benchmark.workload import memory_of
 from experiments.flags import HelpFormatter
 from experiments.lm import model as model_lib
@@ -45,7 +44,6 @@ from experiments.lm import output, train
 from experiments.lm.config import LMConfig
 from experiments.results import write_text_atomically
 from experiments.train import resolve_precision
-from jaxamp import hlo_report
 
 PRECISIONS = ("fp32", "tf32", "mixed_bf16", "mixed")
 ROUTES = ("apply_policy", "autocast")
@@ -64,18 +62,14 @@ def compile_for(target: str, config: LMConfig, vocab_size: int) -> dict[str, Any
     windows = jax.ShapeDtypeStruct((config.batch_size, context + 1), jnp.int32)
     arguments = jaxamp.on_device((state, windows), device)
     step = train.make_train_step(train.make_loss_fn(model.apply, config.route, precision.policy))
-    with precision.context():
-        start = time.perf_counter()
-        lowered = jax.jit(step, donate_argnums=0).lower(*arguments)
-        compiled = lowered.compile()
-        compile_s = time.perf_counter() - start
-    text = compiled.as_text()
-    report = jaxamp.hlo_precision_report(text)
-    heavy_flops = report.flops_by_dtype()
-    total_flops = roofline.cost_of(lowered).get("flops", float(sum(heavy_flops.values())))
-    bytes_accessed = hlo_report.bytes_accessed(text)
-    flops_by_peak = roofline.flops_by_peak(config.precision, heavy_flops, total_flops)
-    bound = roofline.roofline(flops_by_peak, bytes_accessed, spec)
+    compiled_step = targets.compile_step(step, arguments, config.precision, precision.context(), spec)
+    compiled, text, compile_s = compiled_step.compiled, compiled_step.text, compiled_step.compile_s
+    heavy_flops = compiled_step.report.flops_by_dtype()
+    total_flops, bytes_accessed, bound = (
+        compiled_step.total_flops,
+        compiled_step.bytes_accessed,
+        compiled_step.bound,
+    )
     tokens = config.batch_size * context
     return {
         "target": target,
