@@ -28,7 +28,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from jaxamp.hlo_report import ArrayShape, HloModule, Instruction, _called_computations, _trip_count
+from jaxamp.hlo_report import ArrayShape, HloModule, Instruction, walk
 
 COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -77,24 +77,6 @@ def _instruction_collectives(
         yield Collective(kind, operand.dtype, operand.num_bytes, result.num_bytes, repeats)
 
 
-def _walk(module: HloModule, computation: str, repeats: int) -> Iterator[Collective]:
-    shapes = module.shapes_of(computation)
-    for instruction in module.computations[computation]:
-        yield from _instruction_collectives(instruction, shapes, repeats)
-        if _collective_kind(instruction.opcode) is not None:
-            continue  # to_apply is the reduction's scalar arithmetic
-        called = [name for name in _called_computations(instruction) if name in module.computations]
-        if instruction.opcode == "conditional":
-            branches = [list(_walk(module, branch, repeats)) for branch in called]
-            yield from max(
-                branches, key=lambda ops: sum(op.operand_bytes * op.count for op in ops), default=[]
-            )
-            continue
-        body_repeats = repeats * _trip_count(instruction) if instruction.opcode == "while" else repeats
-        for name in called:
-            yield from _walk(module, name, body_repeats)
-
-
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective the HLO module runs, one entry per array.
 
@@ -104,8 +86,14 @@ def collectives(hlo_text: str) -> list[Collective]:
     Returns:
         The collectives in the order the entry computation reaches them.
     """
-    module = HloModule.parse(hlo_text)
-    return list(_walk(module, module.entry, 1))
+    return list(
+        walk(
+            HloModule.parse(hlo_text),
+            _instruction_collectives,
+            weight=lambda op: op.operand_bytes * op.count,
+            descend=lambda instruction: _collective_kind(instruction.opcode) is None,
+        )
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,10 +29,12 @@ a private JAX or XLA API.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 # HLO element types that have a numpy name; others keep their HLO name.
 _NUMPY_NAMES = {
@@ -306,20 +308,59 @@ def _heavy_op(instruction: Instruction, shapes: dict[str, tuple[ArrayShape, ...]
     return HeavyOp(target or instruction.opcode, (lhs.dtype, rhs.dtype), out.dtype, flops)
 
 
-def _walk(module: HloModule, computation: str, repeats: int) -> Iterator[HeavyOp]:
+def walk(
+    module: HloModule,
+    ops_of: Callable[[Instruction, dict, int], Iterable[Any]],
+    weight: Callable[[Any], float],
+    *,
+    computation: str | None = None,
+    repeats: int = 1,
+    descend: Callable[[Instruction], bool] = lambda instruction: True,
+) -> Iterator[Any]:
+    """What `ops_of` finds in every instruction the program executes, loops unrolled.
+
+    The walk follows the program's control flow from `computation` (the
+    entry by default)::
+
+        for instruction in computation:
+            yield from ops_of(instruction, shapes, repeats)
+            if not descend(instruction): continue
+            conditional: walk each branch; yield the branch heaviest by sum(weight)
+                         (a step runs one branch: count the most it can cost)
+            while:       walk condition and body with repeats * trip count
+            otherwise:   walk every called computation (fusions, calls) with repeats
+
+    Args:
+        module: the parsed module.
+        ops_of: the ops an instruction contributes, given the computation's
+            shapes by name and how often the instruction runs.
+        weight: an op's cost, to choose a conditional's branch.
+        computation: where to start; the entry computation by default.
+        repeats: how often `computation` runs.
+        descend: whether to walk the computations an instruction calls
+            (a collective's ``to_apply`` is scalar arithmetic, not program).
+    """
+    computation = module.entry if computation is None else computation
     shapes = module.shapes_of(computation)
     for instruction in module.computations[computation]:
-        op = _heavy_op(instruction, shapes)
-        if op is not None:
-            yield dataclasses.replace(op, flops=op.flops * repeats)
+        yield from ops_of(instruction, shapes, repeats)
+        if not descend(instruction):
+            continue
         called = [name for name in _called_computations(instruction) if name in module.computations]
+        into = functools.partial(walk, module, ops_of, weight, descend=descend)
         if instruction.opcode == "conditional":
-            branches = [list(_walk(module, branch, repeats)) for branch in called]
-            yield from max(branches, key=lambda ops: sum(op.flops for op in ops), default=[])
+            branches = [list(into(computation=branch, repeats=repeats)) for branch in called]
+            yield from max(branches, key=lambda ops: sum(weight(op) for op in ops), default=[])
             continue
         body_repeats = repeats * _trip_count(instruction) if instruction.opcode == "while" else repeats
         for name in called:
-            yield from _walk(module, name, body_repeats)
+            yield from into(computation=name, repeats=body_repeats)
+
+
+def _heavy_ops_of(instruction: Instruction, shapes: dict, repeats: int) -> Iterator[HeavyOp]:
+    op = _heavy_op(instruction, shapes)
+    if op is not None:
+        yield dataclasses.replace(op, flops=op.flops * repeats)
 
 
 def heavy_ops(hlo_text: str) -> list[HeavyOp]:
@@ -332,8 +373,7 @@ def heavy_ops(hlo_text: str) -> list[HeavyOp]:
     Returns:
         The operations in the order the entry computation reaches them.
     """
-    module = HloModule.parse(hlo_text)
-    return list(_walk(module, module.entry, 1))
+    return list(walk(HloModule.parse(hlo_text), _heavy_ops_of, weight=lambda op: op.flops))
 
 
 def bytes_accessed(hlo_text: str) -> int:
