@@ -195,10 +195,11 @@ class PrecisionReport:
 
     def __str__(self) -> str:
         total = sum(op.flops for op in self.ops) or 1
-        lines = [f"{'dtype':<10} {'ops':>6} {'GFLOPs':>12} {'share':>7}"]
         counts = self.count_by_dtype()
+        width = max([10, *(len(dtype) for dtype in counts)])  # float8_e4m3fn is 13
+        lines = [f"{'dtype':<{width}} {'ops':>6} {'GFLOPs':>12} {'share':>7}"]
         for dtype, flops in sorted(self.flops_by_dtype().items(), key=lambda item: -item[1]):
-            lines.append(f"{dtype:<10} {counts[dtype]:>6} {flops / 1e9:>12.4f} {flops / total:>7.1%}")
+            lines.append(f"{dtype:<{width}} {counts[dtype]:>6} {flops / 1e9:>12.4f} {flops / total:>7.1%}")
         rows = self.fp8_rows()
         if rows:
             lines += ["", f"{'FP8':<18} {'pass':<8} {'operands':<27} {'as':<24} {'ops':>4} {'GFLOPs':>9} {'share':>7}"]
