@@ -202,13 +202,15 @@ class PrecisionReport:
             lines.append(f"{dtype:<{width}} {counts[dtype]:>6} {flops / 1e9:>12.4f} {flops / total:>7.1%}")
         rows = self.fp8_rows()
         if rows:
-            lines += ["", f"{'FP8':<18} {'pass':<8} {'operands':<27} {'as':<24} {'ops':>4} {'GFLOPs':>9} {'share':>7}"]
+            lines += [
+                "",
+                f"{'FP8':<18} {'pass':<8} {'operands':<19} {'as':<24} {'ops':>4} {'GFLOPs':>9} {'share':>7}  reason",
+            ]
             for row in rows:
-                status = f"{row.status}: {row.reason}" if row.reason else row.status
                 operands = " x ".join(dtype.removeprefix("float8_") for dtype in row.operand_dtypes)
                 lines.append(
-                    f"{status:<18} {row.direction:<8} {operands:<27} {row.primitive:<24} {row.ops:>4} "
-                    f"{row.flops / 1e9:>9.4f} {row.flops / total:>7.1%}"
+                    f"{row.status:<18} {row.direction:<8} {operands:<19} {row.primitive:<24} {row.ops:>4} "
+                    f"{row.flops / 1e9:>9.4f} {row.flops / total:>7.1%}  {row.reason}".rstrip()
                 )
         return "\n".join(lines)
 

@@ -84,7 +84,7 @@ def test_an_fp8_cublaslt_call_counts_as_fp8_with_its_flops_op_name_and_source():
         ),
     )
     assert report.fp8_fraction() == 1.0
-    assert "fp8                forward  e4m3fn x e4m3fn" in str(report)
+    assert "fp8                forward  e4m3fn x e4m3fn     __cublas$lt$matmul$f8" in str(report)
 
 
 def test_an_fp8_cudnn_graph_convolution_counts_its_forward_flops_as_fp8():
@@ -225,7 +225,7 @@ def test_a_fallback_under_its_scope_is_a_row_with_its_reason_and_no_warning():
         assert jaxamp.check_fp8(report) == ()
     (row,) = report.fp8_rows()
     assert (row.status, row.reason, row.direction) == ("fallback", "shape_not_multiple_of_16", "forward")
-    assert "fallback: shape_not_multiple_of_16" in str(report)
+    assert str(report).endswith("100.0%  shape_not_multiple_of_16")
 
 
 # ---- compiled for an H200 (needs the CUDA plugin) -------------------------------------------------
