@@ -81,10 +81,10 @@ def _message(missed: tuple[OpRecord, ...], report: PrecisionReport) -> str:
     if len(groups) > _LISTED:
         lines.append(f"  ... and {len(groups) - _LISTED} more")
     lines.append(
-        "A convert to FP8 and back before a matmul (quantize-dequantize) is folded away by XLA's default "
-        "flags. Give lax.dot_general the FP8 operands themselves with "
-        "precision=lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32 and multiply the scales into its result "
-        "(as jaxamp's FP8 matmuls do), or wrap the op in a jaxamp_fp8_fallback_<reason> named scope if "
-        "bfloat16 is intended."
+        "Causes: compiled for a CPU or a GPU without FP8 tensor cores (before Hopper), XLA runs FP8 matmuls "
+        "in a wider dtype; a convert to FP8 and back before a matmul (quantize-dequantize) is folded by "
+        "XLA's default flags into a plain GEMM: give lax.dot_general the FP8 operands themselves with "
+        "precision=lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32 and multiply the scales into its result. "
+        "If the wider dtype is intended, trace the op under a jaxamp_fp8_fallback_<reason> named scope."
     )
     return "\n".join(lines)
