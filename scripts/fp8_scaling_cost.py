@@ -26,11 +26,14 @@ data, each reading its operands and writing its result once, as
 `jaxamp.hlo_report.bytes_accessed` counts them) into:
 
 * ``gemm``: the cuBLAS/cuBLASLt calls (bytes: FP8 operands in, result out);
-* ``amax``: kernels that hold a ``reduce`` by ``maximum`` (the amax passes);
+* ``amax``: kernels that hold a ``reduce`` by ``maximum`` and write only
+  its result (the amax passes);
 * ``quantize``: kernels that write FP8 (scale, clip, convert; cuBLASLt's FP8
   GEMM takes both operands K-major, so a transpose rides along);
 * ``other``: everything else (a split-K GEMM's sum, output casts, the
-  scalar arithmetic of the scales).
+  scalar arithmetic of the scales, and a producer kernel that computes the
+  amax on the side: XLA fuses the reduction into the kernel that writes
+  the activation, as one multi-output fusion).
 
 Each class gets a time on paper at the GPU's peak rates from
 `jaxamp.GPU_TARGETS`: the GEMM ``max(FLOPs / peak FP8 FLOP/s, bytes /
@@ -42,10 +45,13 @@ measurement:
 real kernels reach a fraction of either peak, and small elementwise kernels
 a smaller fraction than GEMMs.
 
-Two passes per shape: ``forward`` (y = f(x, w): one GEMM, amax of x and w)
-and ``train`` (y and the vector-Jacobian product with a cotangent g given
+Three passes per shape: ``forward`` (y = f(x, w): one GEMM, amax of x and
+w), ``train`` (y and the vector-Jacobian product with a cotangent g given
 as an input: three GEMMs, amax of x, w and g, the forward's and backward's
-quantizations as the function writes them).
+quantizations as the function writes them), and ``gelu-fwd`` (y = f(gelu(h),
+w): the activation made by a kernel, as in a transformer's MLP, so that its
+amax can ride in that kernel; the bfloat16 side then includes the GELU
+kernel's own read of h and write of x).
 
 The function measured defaults to `current_scaling_dot_general`, written
 here with plain ``lax`` as the reference pattern; ``--function
@@ -191,7 +197,7 @@ def cost(compiled_text: str) -> Cost:
         moved = sum(shape.num_bytes for shape in (*results, *operands))
         if is_call and "__cublas$" in instruction.attributes:
             totals["gemm"] += moved
-        elif _is_max_reduce(module, instruction):
+        elif _is_max_reduce(module, instruction) and len(instruction.shapes) == 1:
             totals["amax"] += moved
             amax_kernels += 1
         elif any(shape.dtype.startswith("float8_") for shape in instruction.shapes):
@@ -218,7 +224,10 @@ def _programs(dot_general: Callable) -> dict[str, Callable]:
         y, vjp = jax.vjp(forward, x, w)
         return y, vjp(g)
 
-    return {"forward": forward, "train": train}
+    def gelu_forward(h, w):
+        return forward(jax.nn.gelu(h), w)
+
+    return {"forward": forward, "train": train, "gelu-fwd": gelu_forward}
 
 
 def measure(dot_general: Callable = current_scaling_dot_general, *, target: str = "h200", shapes=SHAPES) -> list[dict]:
@@ -258,6 +267,8 @@ def measure(dot_general: Callable = current_scaling_dot_general, *, target: str 
                 2 * tokens * features_in * features_out / spec.peak_flops["bfloat16"],
                 2 * (tokens * features_in + features_in * features_out + tokens * features_out) / spec.memory_bandwidth,
             )
+            if mode == "gelu-fwd":  # the GELU kernel: read h, write x, in bfloat16
+                bf16_s += 4 * tokens * features_in / spec.memory_bandwidth
             rows.append(
                 {
                     "shape": name,
@@ -296,7 +307,7 @@ def table(rows: list[dict], target: str, function_name: str) -> str:
             f"{_fp8_s(row, delayed=False) / row['bf16_s']:>12.2f}x {_fp8_s(row, delayed=True) / row['bf16_s']:>12.2f}x"
         )
     lines.append("")
-    for mode in ("forward", "train"):
+    for mode in ("forward", "train", "gelu-fwd"):
         chosen = [row for row in rows if row["mode"] == mode and row["shape"].startswith("gpt2")]
         if not chosen:
             continue
