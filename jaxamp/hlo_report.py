@@ -10,11 +10,20 @@ float16. This module reads that text and lists each heavy operation:
   fusions: a Triton or oneDNN/YNN GEMM fusion holds its ``dot``);
 * cuDNN convolution custom calls (``__cudnn$convForward``,
   ``__cudnn$convBackwardInput``, ``__cudnn$convBackwardFilter``,
-  ``__cudnn$convBiasActivationForward``) and cuBLAS GEMM custom calls
-  (``__cublas$gemm``, ``__cublas$lt$matmul``).
+  ``__cudnn$convBiasActivationForward``, the FP8 ``__cudnn$convForwardGraph``)
+  and cuBLAS GEMM custom calls (``__cublas$gemm``, ``__cublas$lt$matmul``,
+  the FP8 ``__cublas$lt$matmul$f8``).
 
 Each counts by the dtype of its operands (the widest of the two, as in the
-traced report) and its FLOPs. The walk starts at the entry computation and
+traced report) and its FLOPs, and carries its metadata: the JAX name stack
+it was traced under (``op_name``) and its Python source location (the
+module's ``StackFrames`` tables). XLA keeps both when it rewrites a ``dot``
+into a cuBLAS call or a GEMM fusion, which is how FP8 is proved: a
+``__cublas$lt$matmul$f8`` or ``__cudnn$convForwardGraph`` call on FP8
+operands ran in FP8, and its op_name says whether it was traced under
+jaxamp's ``jaxamp_fp8`` scope (`fp8_scope`) and in a backward pass
+(`is_backward`). `fp8_fed_matmuls` reads the program before optimization
+for matmuls fed FP8 values through a dequantize. The walk starts at the entry computation and
 follows every called computation, so an operation runs as often as it is
 called: a ``while`` body with a known trip count (as ``lax.scan`` compiles
 to) counts that many times, with an unknown one once; a ``conditional``

@@ -341,3 +341,22 @@ def test_compiled_for_an_h200_fallbacks_keep_their_scope_and_reason_through_fusi
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert jaxamp.check_fp8(report) == ()
+
+
+def test_compiled_for_an_h200_a_forward_convolution_of_scaled_fp8_operands_runs_in_cudnn_fp8():
+    """XLA rewrites a forward conv of convert(f8) * scale operands into cuDNN's
+    FP8 graph call. Fails if the graph call were not counted as a convolution
+    (no op) or its f8 operands were misread (a 'requested, not fp8' row)."""
+
+    def conv(x, w, x_scale, w_scale):
+        x = x.astype(jnp.bfloat16) * x_scale.astype(jnp.bfloat16)
+        w = w.astype(jnp.bfloat16) * w_scale.astype(jnp.bfloat16)
+        with jax.named_scope("jaxamp_fp8"):
+            return lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    shapes = [((2, 8, 8, 16), E4M3), ((3, 3, 16, 32), E4M3), ((), jnp.float32), ((), jnp.float32)]
+    args = jaxamp.on_device([jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes], _h200())
+    report = jaxamp.precision_report(conv, *args, compiled=True)
+    (row,) = report.fp8_rows()
+    assert (row.status, row.direction, row.primitive) == ("fp8", "forward", "__cudnn$convForwardGraph")
+    assert row.flops == 2 * (2 * 8 * 8 * 32) * (3 * 3 * 16)
