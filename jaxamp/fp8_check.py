@@ -71,13 +71,17 @@ def _message(missed: tuple[OpRecord, ...], report: PrecisionReport) -> str:
     groups: dict[tuple, list[OpRecord]] = collections.defaultdict(list)
     for op in missed:
         groups[(op.op_name, op.source, op.primitive, op.operand_dtypes)].append(op)
-    lines = [
-        f"FP8 was requested for {len(missed)} matmul(s)/convolution(s) "
-        f"({sum(op.flops for op in missed) / total:.1%} of the program's FLOPs) that XLA ran in a wider dtype:"
-    ]
+    share = sum(op.flops for op in missed) / total
+    summary = (
+        f"FP8 was requested for {len(missed)} matmul(s)/convolution(s) ({share:.1%} of the program's FLOPs) "
+        "that XLA ran in a wider dtype:"
+    )
+    lines = [summary]
     for (op_name, source, primitive, dtypes), ops in list(groups.items())[:_LISTED]:
         where = f" at {source}" if source else ""
-        lines.append(f"  {op_name or '(no op_name)'}{where}: {primitive} on {' x '.join(dtypes)}, {len(ops)} op(s)")
+        lines.append(
+            f"  {op_name or '(no op_name)'}{where}: {primitive} on {' x '.join(dtypes)}, {len(ops)} op(s)"
+        )
     if len(groups) > _LISTED:
         lines.append(f"  ... and {len(groups) - _LISTED} more")
     lines.append(

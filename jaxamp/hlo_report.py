@@ -215,7 +215,7 @@ def _parse_instruction(line: str) -> Instruction | None:
         opcode=opcode_match.group(1),
         operands=tuple(re.findall(r"%([\w.\-]+)", operand_text)),
         attributes=rest[operands_end + 1 :],
-        parameter_number=int(operand_text) if opcode_match.group(1) == "parameter" and operand_text.strip().isdigit() else None,
+        parameter_number=int(operand_text) if opcode_match.group(1) == "parameter" else None,
     )
 
 
@@ -281,7 +281,9 @@ def _stack_frames(tables: dict[str, dict[int, str]]) -> dict[int, str]:
     locations = {}
     for key, value in tables.get("FileLocations", {}).items():
         fields = {name: int(number) for name, number in _TABLE_FIELD.findall(value)}
-        locations[key] = f"{files.get(fields.get('file_name_id'), '?')}:{fields.get('line', 0)}:{fields.get('column', 0)}"
+        locations[key] = (
+            f"{files.get(fields.get('file_name_id'), '?')}:{fields.get('line', 0)}:{fields.get('column', 0)}"
+        )
     frames = {}
     for key, value in tables.get("StackFrames", {}).items():
         fields = {name: int(number) for name, number in _TABLE_FIELD.findall(value)}
@@ -467,7 +469,9 @@ def walk(
             yield from into(computation=name, repeats=body_repeats)
 
 
-def _heavy_ops_of(module: HloModule, instruction: Instruction, shapes: dict, repeats: int) -> Iterator[HeavyOp]:
+def _heavy_ops_of(
+    module: HloModule, instruction: Instruction, shapes: dict, repeats: int
+) -> Iterator[HeavyOp]:
     op = _heavy_op(instruction, shapes, module)
     if op is not None:
         yield dataclasses.replace(op, flops=op.flops * repeats)
@@ -535,6 +539,10 @@ _DEQUANTIZE_OPCODES = frozenset(
 )  # fmt: skip
 
 
+# A tuple carries the marks of its elements (a call's result, a loop's carry).
+_PASS_THROUGH_OPCODES = _DEQUANTIZE_OPCODES | {"tuple", "get-tuple-element"}
+
+
 def _is_fp8(shape: ArrayShape) -> bool:
     return shape.dtype.startswith("float8_")
 
@@ -567,36 +575,35 @@ def fp8_fed_matmuls(hlo_text: str) -> set[tuple[str, str]]:
     """
     module = HloModule.parse(hlo_text)
     found: set[tuple[str, str]] = set()
-    done: set[str] = set()
+    visited: set[str] = set()
 
-    def visit(computation: str, parameters_fed: tuple[bool, ...]) -> bool:
-        done.add(computation)
+    def visit(computation: str, arguments_fed: tuple[bool, ...]) -> bool:
+        """Marks `computation`'s values; returns whether its root is fp8_fed."""
+        visited.add(computation)
         fed: dict[str, bool] = {}
-        root = False
+        value = False
         for instruction in module.computations[computation]:
-            operands_fed = [fed.get(name, False) for name in instruction.operands]
+            operands_fed = tuple(fed.get(name, False) for name in instruction.operands)
             called = [name for name in _called_computations(instruction) if name in module.computations]
+            value = any(_is_fp8(shape) for shape in instruction.shapes)
             if instruction.opcode == "parameter":
                 number = instruction.parameter_number
-                value = any(_is_fp8(shape) for shape in instruction.shapes) or (
-                    number is not None and number < len(parameters_fed) and parameters_fed[number]
+                value = value or (
+                    number is not None and number < len(arguments_fed) and arguments_fed[number]
                 )
             elif instruction.opcode == "call":
-                value = any(_is_fp8(shape) for shape in instruction.shapes)
                 for name in called:
-                    value = visit(name, tuple(operands_fed)) or value
+                    value = visit(name, operands_fed) or value
             else:
-                value = any(_is_fp8(shape) for shape in instruction.shapes) or (
-                    instruction.opcode in _DEQUANTIZE_OPCODES and any(operands_fed)
-                ) or (instruction.opcode in ("tuple", "get-tuple-element") and any(operands_fed))
+                value = value or (instruction.opcode in _PASS_THROUGH_OPCODES and any(operands_fed))
                 if instruction.opcode in ("dot", "convolution") and any(operands_fed[:2]):
                     found.add(metadata_key(instruction, module))
+                # Loop bodies, branches, reductions: read once, their parameters unmarked.
                 for name in called:
-                    if name not in done:
+                    if name not in visited:
                         visit(name, ())
             fed[instruction.name] = value
-            root = value
-        return root
+        return value  # XLA prints a computation's root last
 
     visit(module.entry, ())
     return found

@@ -356,5 +356,6 @@ def hlo_precision_report(hlo_text: str, lowered_hlo_text: str | None = None) -> 
     records = []
     for op in hlo_report.heavy_ops(hlo_text):
         in_scope = hlo_report.fp8_scope(op.op_name)[0]
-        records.append(OpRecord(**dataclasses.asdict(op), fp8_requested=in_scope or (op.op_name, op.source) in fed))
+        requested = in_scope or (op.op_name, op.source) in fed
+        records.append(OpRecord(**dataclasses.asdict(op), fp8_requested=requested))
     return PrecisionReport(tuple(records), compiled=True)

@@ -115,7 +115,9 @@ def _fp8_matmul(a, b, contracting, scale):
     own 2**-4).
     """
     with jax.named_scope("jaxamp_fp8"):
-        product = lax.dot_general(a, b, (contracting, ((), ())), precision=FP8_PRESET, preferred_element_type=jnp.bfloat16)
+        product = lax.dot_general(
+            a, b, (contracting, ((), ())), precision=FP8_PRESET, preferred_element_type=jnp.bfloat16
+        )
     return product * scale.astype(jnp.bfloat16)
 
 
@@ -179,7 +181,11 @@ def _is_max_reduce(module: hlo_report.HloModule, instruction: hlo_report.Instruc
     """A ``reduce`` whose combiner returns a ``maximum`` (an amax), or a kernel holding one."""
     if instruction.opcode == "reduce":
         return any(module.computations[name][-1].opcode == "maximum" for name in _called(module, instruction))
-    return any(_is_max_reduce(module, inner) for name in _called(module, instruction) for inner in module.computations[name])
+    return any(
+        _is_max_reduce(module, inner)
+        for name in _called(module, instruction)
+        for inner in module.computations[name]
+    )
 
 
 def cost(compiled_text: str) -> Cost:
@@ -230,7 +236,9 @@ def _programs(dot_general: Callable) -> dict[str, Callable]:
     return {"forward": forward, "train": train, "gelu-fwd": gelu_forward}
 
 
-def measure(dot_general: Callable = current_scaling_dot_general, *, target: str = "h200", shapes=SHAPES) -> list[dict]:
+def measure(
+    dot_general: Callable = current_scaling_dot_general, *, target: str = "h200", shapes=SHAPES
+) -> list[dict]:
     """Compiles `dot_general`'s forward and train programs at each shape and costs them.
 
     Args:
@@ -258,14 +266,17 @@ def measure(dot_general: Callable = current_scaling_dot_general, *, target: str 
             args = jaxamp.on_device((x, w, g) if mode == "train" else (x, w), device)
             measured = cost(jax.jit(program).lower(*args).compile().as_text())
             gemm_s = max(
-                measured.gemm_flops / spec.peak_flops["float8_e4m3fn"], measured.gemm_bytes / spec.memory_bandwidth
+                measured.gemm_flops / spec.peak_flops["float8_e4m3fn"],
+                measured.gemm_bytes / spec.memory_bandwidth,
             )
             # The pass in bfloat16: one GEMM forward, three (y, dx, dw) in training, each
             # reading its two operands and writing its result once.
             gemms = 3 if mode == "train" else 1
             bf16_s = gemms * max(
                 2 * tokens * features_in * features_out / spec.peak_flops["bfloat16"],
-                2 * (tokens * features_in + features_in * features_out + tokens * features_out) / spec.memory_bandwidth,
+                2
+                * (tokens * features_in + features_in * features_out + tokens * features_out)
+                / spec.memory_bandwidth,
             )
             if mode == "gelu-fwd":  # the GELU kernel: read h, write x, in bfloat16
                 bf16_s += 4 * tokens * features_in / spec.memory_bandwidth
@@ -288,14 +299,18 @@ def measure(dot_general: Callable = current_scaling_dot_general, *, target: str 
 def table(rows: list[dict], target: str, function_name: str) -> str:
     """The rows as a text table, with totals and the figures the decision needs."""
     spec = jaxamp.GPU_TARGETS[target]
-    lines = [
-        f"FP8 GEMM with per-tensor current scaling, compiled for {spec.description} (no GPU; times on paper at "
-        f"{spec.peak_flops['float8_e4m3fn'] / 1e12:.0f} TFLOP/s FP8 and {spec.memory_bandwidth / 1e12:.1f} TB/s)",
-        f"function: {function_name}; jax {jax.__version__}; {datetime.date.today().isoformat()}",
-        "",
+    peaks = f"{spec.peak_flops['float8_e4m3fn'] / 1e12:.0f} TFLOP/s FP8 and {spec.memory_bandwidth / 1e12:.1f} TB/s"
+    header = (
         f"{'shape':<24} {'M x K x N':<17} {'pass':<8} {'fp8':>5} {'GEMM MB':>8} {'amax MB':>8} {'quant MB':>9} "
         f"{'other MB':>9} {'GEMM us':>8} {'amax us':>8} {'quant us':>9} {'other us':>9} {'amax/GEMM':>10} "
-        f"{'bf16 us':>8} {'current/bf16':>13} {'delayed/bf16':>13}",
+        f"{'bf16 us':>8} {'current/bf16':>13} {'delayed/bf16':>13}"
+    )
+    title = f"FP8 GEMM with per-tensor current scaling, compiled for {spec.description}"
+    lines = [
+        f"{title} (no GPU; times on paper at {peaks})",
+        f"function: {function_name}; jax {jax.__version__}; {datetime.date.today().isoformat()}",
+        "",
+        header,
     ]
     for row in rows:
         lines.append(
@@ -339,7 +354,9 @@ def _function(spec: str) -> Callable:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="the text file to write (default: fp8_scaling_cost.txt in a new runs/ directory)")
+    parser.add_argument(
+        "--out", help="the text file to write (default: fp8_scaling_cost.txt in a new runs/ directory)"
+    )
     parser.add_argument("--target", default="h200", help="the GPU to compile for (default h200)")
     parser.add_argument(
         "--function",

@@ -107,7 +107,11 @@ def test_an_fp8_cudnn_graph_convolution_counts_its_forward_flops_as_fp8():
             False,
             "shape_not_multiple_of_16",
         ),
-        ("jit(step)/jaxamp_fp8/jaxamp_fp8_fallback_conv_backward/conv_general_dilated", False, "conv_backward"),
+        (
+            "jit(step)/jaxamp_fp8/jaxamp_fp8_fallback_conv_backward/conv_general_dilated",
+            False,
+            "conv_backward",
+        ),
         ("jit(step)/my_jaxamp_fp8_layer/dot_general", False, None),
         ("jit(step)/not_jaxamp_fp8/dot_general", False, None),
         ("jit(step)/dot_general", False, None),
@@ -207,7 +211,10 @@ def _scoped_bf16_dot_hlo(scope):
 def test_a_requested_fp8_gemm_that_ran_in_bfloat16_warns_or_raises_and_is_listed():
     """Fails if check_fp8 ignored the jaxamp_fp8 scope on a bfloat16 GEMM."""
     report = jaxamp.hlo_precision_report(_scoped_bf16_dot_hlo("jaxamp_fp8"))
-    with pytest.warns(jaxamp.Fp8NotUsedWarning, match=r"jit\(loss\)/jvp\(jaxamp_fp8\)/dot_general at /home/user/model.py:12:15"):
+    with pytest.warns(
+        jaxamp.Fp8NotUsedWarning,
+        match=r"jit\(loss\)/jvp\(jaxamp_fp8\)/dot_general at /home/user/model.py:12:15",
+    ):
         missed = jaxamp.check_fp8(report)
     assert missed == report.ops
     assert [(row.status, row.operand_dtypes) for row in report.fp8_rows()] == [
@@ -245,7 +252,9 @@ def _quantize(x, dtype):
 
 def _fp8_matmul(a, b, contracting):
     with jax.named_scope("jaxamp_fp8"):
-        return lax.dot_general(a, b, (contracting, ((), ())), precision=FP8_PRESET, preferred_element_type=jnp.float32)
+        return lax.dot_general(
+            a, b, (contracting, ((), ())), precision=FP8_PRESET, preferred_element_type=jnp.float32
+        )
 
 
 @jax.custom_vjp
@@ -284,7 +293,10 @@ def test_compiled_for_an_h200_the_three_gemms_of_an_fp8_dense_layer_run_in_fp8_a
     )
     report = jaxamp.precision_report(step, *args, compiled=True)
     gemm = 2 * m * k * n
-    rows = {(row.status, row.direction, row.operand_dtypes, row.primitive): (row.ops, row.flops) for row in report.fp8_rows()}
+    rows = {
+        (row.status, row.direction, row.operand_dtypes, row.primitive): (row.ops, row.flops)
+        for row in report.fp8_rows()
+    }
     assert rows == {
         ("fp8", "forward", ("float8_e4m3fn", "float8_e4m3fn"), "__cublas$lt$matmul$f8"): (1, gemm),
         ("fp8", "backward", ("float8_e5m2", "float8_e4m3fn"), "__cublas$lt$matmul$f8"): (1, gemm),
@@ -315,7 +327,9 @@ def test_compiled_for_an_h200_the_quantize_dequantize_trap_runs_bfloat16_and_is_
     ]
     with pytest.warns(jaxamp.Fp8NotUsedWarning, match="quantize-dequantize"):
         (missed,) = jaxamp.check_fp8(report)
-    assert missed.source.endswith("test_fp8_report.py:" + str(quantize_dequantize_matmul.__code__.co_firstlineno + 2) + ":11")
+    assert missed.source.endswith(
+        "test_fp8_report.py:" + str(quantize_dequantize_matmul.__code__.co_firstlineno + 2) + ":11"
+    )
 
 
 def test_compiled_for_an_h200_fallbacks_keep_their_scope_and_reason_through_fusion():
