@@ -78,6 +78,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import jaxamp
+from experiments.results import run_directory
 from jaxamp import hlo_report
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -364,14 +365,15 @@ def main() -> None:
         "current-scaling pattern, e.g. jaxamp:fp8_dot_general",
     )
     args = parser.parse_args()
-    if args.target not in jaxamp.GPU_TARGETS:
-        parser.error(f"--target {args.target!r}: choose one of {', '.join(jaxamp.GPU_TARGETS)}")
+    fp8_targets = [name for name, spec in jaxamp.GPU_TARGETS.items() if "float8_e4m3fn" in spec.peak_flops]
+    if args.target not in fp8_targets:
+        parser.error(
+            f"--target {args.target!r}: choose a GPU with FP8 tensor cores: {', '.join(fp8_targets)}"
+        )
     function = _function(args.function) if args.function else current_scaling_dot_general
     function_name = args.function or "scripts/fp8_scaling_cost.py:current_scaling_dot_general"
-    from experiments.results import run_directory  # pylint: disable=import-outside-toplevel
-
-    out = args.out or os.path.join(run_directory("fp8-scaling-cost"), "fp8_scaling_cost.txt")
     text = table(measure(function, target=args.target), args.target, function_name)
+    out = args.out or os.path.join(run_directory("fp8-scaling-cost"), "fp8_scaling_cost.txt")
     pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(out).write_text(text, encoding="utf-8")
     print(text, end="")

@@ -8,6 +8,9 @@ dot algorithm, a ``custom_vjp`` for the backward GEMMs), compile them for
 an H200 without a GPU and skip without the CUDA plugin.
 """
 
+import importlib.util
+import pathlib
+import sys
 import warnings
 
 import jax
@@ -374,3 +377,27 @@ def test_compiled_for_an_h200_a_forward_convolution_of_scaled_fp8_operands_runs_
     (row,) = report.fp8_rows()
     assert (row.status, row.direction, row.primitive) == ("fp8", "forward", "__cudnn$convForwardGraph")
     assert row.flops == 2 * (2 * 8 * 8 * 32) * (3 * 3 * 16)
+
+
+def test_the_scaling_cost_scripts_amax_passes_read_each_bfloat16_operand_once():
+    """scripts/fp8_scaling_cost.py's sorting of kernels, on its reference pattern:
+    the amax kernels read x and w (plus their few partial maxima), the GEMM
+    reads the FP8 operands and writes bfloat16. Fails if the split-K sum or a
+    producer were counted as an amax pass, or the GEMM's workspace as bytes."""
+    device = _h200()
+    path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "fp8_scaling_cost.py"
+    spec = importlib.util.spec_from_file_location("fp8_scaling_cost", path)
+    fp8_scaling_cost = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = fp8_scaling_cost  # its dataclass looks its module up there
+    spec.loader.exec_module(fp8_scaling_cost)
+    m, k, n = 1024, 256, 512
+    x, w = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+    forward = fp8_scaling_cost._programs(fp8_scaling_cost.current_scaling_dot_general)["forward"]
+    cost = fp8_scaling_cost.cost(
+        jax.jit(forward).lower(*jaxamp.on_device((x, w), device)).compile().as_text()
+    )
+    operands = 2 * (m * k + k * n)
+    assert operands <= cost.amax_bytes <= 1.05 * operands
+    assert cost.gemm_bytes == m * k + k * n + 2 * m * n + 2 * 4  # FP8 in, bfloat16 out, two f32 scales
+    assert cost.gemm_flops == 2 * m * k * n
+    assert cost.fp8_share == 1.0
