@@ -343,8 +343,9 @@ def hlo_precision_report(hlo_text: str, lowered_hlo_text: str | None = None) -> 
     op_name lies under the ``jaxamp_fp8`` named scope, or, given the
     program before optimization, when that program fed it FP8 values,
     directly or through a dequantize (`hlo_report.fp8_fed_matmuls`; ops
-    are matched by op_name and source location, which XLA keeps through
-    its rewrites).
+    are matched by name stack and source location, which XLA keeps
+    through its rewrites: the op_name without its last part, the
+    primitive, which XLA may replace with that of a transpose it merged).
 
     Args:
         hlo_text: the optimized module's text.
@@ -353,9 +354,12 @@ def hlo_precision_report(hlo_text: str, lowered_hlo_text: str | None = None) -> 
             named scope marks FP8 requests.
     """
     fed = hlo_report.fp8_fed_matmuls(lowered_hlo_text) if lowered_hlo_text else set()
+    # Matched without the op_name's last part: XLA gives a dot that it merges with
+    # the transpose after it (as a backward pass's dot often is) the transpose's name.
+    fed_scopes = {(op_name.rpartition("/")[0], source) for op_name, source in fed}
     records = []
     for op in hlo_report.heavy_ops(hlo_text):
         in_scope = hlo_report.fp8_scope(op.op_name)[0]
-        requested = in_scope or (op.op_name, op.source) in fed
+        requested = in_scope or (op.op_name.rpartition("/")[0], op.source) in fed_scopes
         records.append(OpRecord(**dataclasses.asdict(op), fp8_requested=requested))
     return PrecisionReport(tuple(records), compiled=True)

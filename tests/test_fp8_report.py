@@ -401,3 +401,44 @@ def test_the_scaling_cost_scripts_amax_passes_read_each_bfloat16_operand_once():
     assert cost.gemm_bytes == m * k + k * n + 2 * m * n + 2 * 4  # FP8 in, bfloat16 out, two f32 scales
     assert cost.gemm_flops == 2 * m * k * n
     assert cost.fp8_share == 1.0
+
+
+def _lowered_qdq_dot_hlo(line):
+    """A program before optimization: x rounded through FP8 into a backward dot at model.py:`line`."""
+    return f"""\
+HloModule jit_loss
+
+FileNames
+1 "/home/user/model.py"
+
+FunctionNames
+1 "dense"
+
+FileLocations
+1 {{file_name_id=1 function_name_id=1 line={line} end_line={line} column=15 end_column=103}}
+
+StackFrames
+1 {{file_location_id=1 parent_frame_id=1}}
+
+
+ENTRY %main (x.1: bf16[32,64], w.1: bf16[64,48]) -> bf16[32,48] {{
+  %x.1 = bf16[32,64]{{1,0}} parameter(0)
+  %w.1 = bf16[64,48]{{1,0}} parameter(1)
+  %q.1 = f8e4m3fn[32,64]{{1,0}} convert(%x.1)
+  %dq.1 = bf16[32,64]{{1,0}} convert(%q.1)
+  ROOT %dot.1 = bf16[32,48]{{1,0}} dot(%dq.1, %w.1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, metadata={{op_name="jit(loss)/transpose(jvp(dense))/dot_general" stack_frame_id=1}}
+}}
+"""
+
+
+@pytest.mark.parametrize("line, requested", [(12, True), (13, False)])
+def test_a_dot_that_xla_renamed_after_a_transpose_is_still_matched_to_its_fp8_request(line, requested):
+    """XLA gives a dot it merges with a following transpose (common in backward
+    passes) the transpose's op_name. Matching by name stack and source finds it
+    anyway (line 12); a dot at another source line is not matched (line 13).
+    Fails if ops were matched by their whole op_name."""
+    compiled = _scoped_bf16_dot_hlo("jaxamp_fp8").replace(
+        "jit(loss)/jvp(jaxamp_fp8)/dot_general", "jit(loss)/transpose(jvp(dense))/transpose"
+    )
+    (op,) = jaxamp.hlo_precision_report(compiled, _lowered_qdq_dot_hlo(line)).ops
+    assert (op.fp8_requested, op.direction) == (requested, "backward")
