@@ -1,9 +1,9 @@
-"""Proof that FP8 ran, or did not: three programs compiled for an H200.
+"""Proof that FP8 ran, or did not: small programs compiled for an H200.
 
     PYTHONPATH=/work/cuda_plugin JAX_PLATFORMS=cpu \\
         python scripts/fp8_proof.py > results/cpu/fp8_proof.txt
 
-Each program is compiled for an H200 target without a GPU
+Each is compiled for an H200 target without a GPU
 (`jaxamp.gpu_target_device`); the script prints its compiled
 `jaxamp.precision_report` and what `jaxamp.check_fp8` says:
 
