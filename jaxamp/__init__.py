@@ -17,6 +17,7 @@ Example:
 """
 
 from jaxamp.finite import all_finite, select_tree
+from jaxamp.fp8_check import Fp8NotUsedWarning, check_fp8
 from jaxamp.fsdp import CommunicationPolicy, fsdp_loss, fsdp_shardings, get_communication_policy
 from jaxamp.gpu_targets import GPU_TARGETS, GpuSpec, gpu_target_device, on_device
 from jaxamp.grads import scaled_value_and_grad
@@ -42,6 +43,7 @@ __all__ = [
     "GPU_TARGETS",
     "NORMALIZATION_LAYERS",
     "DynamicLossScale",
+    "Fp8NotUsedWarning",
     "GpuSpec",
     "LossScale",
     "LossScaleStuckError",
@@ -54,6 +56,7 @@ __all__ = [
     "all_finite",
     "apply_policy",
     "autocast",
+    "check_fp8",
     "default_loss_scale",
     "float32_scope",
     "fsdp_loss",

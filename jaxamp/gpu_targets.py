@@ -66,7 +66,8 @@ class GpuSpec:
         shared_memory_per_sm: shared memory per multiprocessor, bytes.
         shared_memory_per_block_optin: the most one block may opt in to.
         peak_flops: FLOP/s per compute dtype name (``float32``, ``tf32``,
-            ``float16``, ``bfloat16``).
+            ``float16``, ``bfloat16``; ``float8_e4m3fn`` and ``float8_e5m2``
+            where the GPU has FP8 tensor cores).
     """
 
     description: str
@@ -129,8 +130,10 @@ _H100 = GpuSpec(
     l2_cache_bytes=50 * _MIB,
     shared_memory_per_sm=228 * 1024,
     shared_memory_per_block_optin=227 * 1024,
+    # FP8 tensor cores (Hopper and later): 1978.9 dense TFLOP/s for either format.
     peak_flops={"float32": 67 * _TERA, "tf32": 494.7 * _TERA,
-                "float16": 989.4 * _TERA, "bfloat16": 989.4 * _TERA},
+                "float16": 989.4 * _TERA, "bfloat16": 989.4 * _TERA,
+                "float8_e4m3fn": 1978.9 * _TERA, "float8_e5m2": 1978.9 * _TERA},
 )  # fmt: skip
 
 GPU_TARGETS: dict[str, GpuSpec] = {

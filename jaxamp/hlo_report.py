@@ -10,11 +10,20 @@ float16. This module reads that text and lists each heavy operation:
   fusions: a Triton or oneDNN/YNN GEMM fusion holds its ``dot``);
 * cuDNN convolution custom calls (``__cudnn$convForward``,
   ``__cudnn$convBackwardInput``, ``__cudnn$convBackwardFilter``,
-  ``__cudnn$convBiasActivationForward``) and cuBLAS GEMM custom calls
-  (``__cublas$gemm``, ``__cublas$lt$matmul``).
+  ``__cudnn$convBiasActivationForward``, the FP8 ``__cudnn$convForwardGraph``)
+  and cuBLAS GEMM custom calls (``__cublas$gemm``, ``__cublas$lt$matmul``,
+  the FP8 ``__cublas$lt$matmul$f8``).
 
 Each counts by the dtype of its operands (the widest of the two, as in the
-traced report) and its FLOPs. The walk starts at the entry computation and
+traced report) and its FLOPs, and carries its metadata: the JAX name stack
+it was traced under (``op_name``) and its Python source location (the
+module's ``StackFrames`` tables). XLA keeps both when it rewrites a ``dot``
+into a cuBLAS call or a GEMM fusion, which is how FP8 is proved: a
+``__cublas$lt$matmul$f8`` or ``__cudnn$convForwardGraph`` call on FP8
+operands ran in FP8, and its op_name says whether it was traced under
+jaxamp's ``jaxamp_fp8`` scope (`fp8_scope`) and in a backward pass
+(`is_backward`). `fp8_fed_matmuls` reads the program before optimization
+for matmuls fed FP8 values through a dequantize. The walk starts at the entry computation and
 follows every called computation, so an operation runs as often as it is
 called: a ``while`` body with a known trip count (as ``lax.scan`` compiles
 to) counts that many times, with an unknown one once; a ``conditional``
@@ -53,9 +62,16 @@ _NUMPY_NAMES = {
     "pred": "bool",
     "f8e4m3fn": "float8_e4m3fn",
     "f8e5m2": "float8_e5m2",
+    "f8e4m3": "float8_e4m3",
+    "f8e3m4": "float8_e3m4",
+    "f8e4m3fnuz": "float8_e4m3fnuz",
+    "f8e5m2fnuz": "float8_e5m2fnuz",
+    "f8e4m3b11fnuz": "float8_e4m3b11fnuz",
+    "f8e8m0fnu": "float8_e8m0fnu",
 }
 _BYTES_PER_ELEMENT = {
-    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e3m4": 1,
+    "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "f8e8m0fnu": 1,
     "f16": 2, "bf16": 2, "s16": 2, "u16": 2,
     "f32": 4, "s32": 4, "u32": 4,
     "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16,
@@ -74,6 +90,20 @@ _OPCODE = re.compile(r"^([a-z][a-z0-9\-]*)\(")
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _CALLED_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_OP_NAME = re.compile(r'\bop_name="([^"]*)"')
+_STACK_FRAME_ID = re.compile(r"\bstack_frame_id=(\d+)")
+# The header tables that resolve an instruction's stack_frame_id to a source
+# location, as XLA prints them above the computations.
+_TABLE_ROW = re.compile(r"^(\d+)\s+(.*)$")
+_TABLE_FIELD = re.compile(r"(\w+)=(\d+)")
+
+# The cuBLASLt and cuDNN calls that compute in FP8 on Hopper and later GPUs.
+FP8_TARGETS = ("__cublas$lt$matmul$f8", "__cudnn$convForwardGraph")
+# jaxamp traces every FP8 matmul under this named scope, and every matmul that
+# looked eligible but fell back to bfloat16 under FP8_FALLBACK_SCOPE + reason.
+FP8_SCOPE = "jaxamp_fp8"
+FP8_FALLBACK_SCOPE = "jaxamp_fp8_fallback_"
+_FP8_SCOPES = re.compile(r"(?<![\w])jaxamp_fp8(?:_fallback_(\w+))?(?![\w])")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +133,8 @@ class Instruction:
         opcode: ``dot``, ``convolution``, ``custom-call``, ``fusion``, ...
         operands: names of its operands.
         attributes: the text after the operand list.
+        parameter_number: a ``parameter(n)`` instruction's ``n``; None for
+            other instructions.
     """
 
     name: str
@@ -110,6 +142,7 @@ class Instruction:
     opcode: str
     operands: tuple[str, ...]
     attributes: str
+    parameter_number: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,12 +155,19 @@ class HeavyOp:
         operand_dtypes: dtypes of its two data operands.
         output_dtype: dtype of its result.
         flops: multiply-adds times two, times the times it runs.
+        op_name: the ``op_name`` of its metadata: the JAX name stack it was
+            traced under (``jit(step)/transpose(jvp(jaxamp_fp8))/dot_general``),
+            empty if the HLO carries none.
+        source: where in Python it was traced (``file.py:12:8``), empty if
+            unknown.
     """
 
     primitive: str
     operand_dtypes: tuple[str, str]
     output_dtype: str
     flops: int
+    op_name: str = ""
+    source: str = ""
 
 
 def _matching_paren(text: str, start: int) -> int:
@@ -175,6 +215,7 @@ def _parse_instruction(line: str) -> Instruction | None:
         opcode=opcode_match.group(1),
         operands=tuple(re.findall(r"%([\w.\-]+)", operand_text)),
         attributes=rest[operands_end + 1 :],
+        parameter_number=int(operand_text) if opcode_match.group(1) == "parameter" else None,
     )
 
 
@@ -185,17 +226,29 @@ class HloModule:
     Attributes:
         computations: instructions of each computation, by computation name.
         entry: the name of the entry computation.
+        stack_frames: source location (``file:line:column``) of each
+            ``stack_frame_id`` the instructions' metadata refers to.
     """
 
     computations: dict[str, tuple[Instruction, ...]]
     entry: str
+    stack_frames: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def parse(cls, hlo_text: str) -> HloModule:
         """Parses ``Compiled.as_text()`` (or any HLO module text)."""
         computations: dict[str, list[Instruction]] = {}
-        entry, current = None, None
+        tables: dict[str, dict[int, str]] = {}
+        entry, current, table = None, None, None
         for line in hlo_text.splitlines():
+            if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+                table = tables.setdefault(line, {})
+                continue
+            row = _TABLE_ROW.match(line) if table is not None and current is None else None
+            if row is not None:
+                table[int(row.group(1))] = row.group(2)
+                continue
+            table = None
             if current is None:
                 header = _COMPUTATION_HEADER.match(line)
                 if header and not line.startswith((" ", "HloModule")):
@@ -215,11 +268,67 @@ class HloModule:
                 "No ENTRY computation found in the HLO text; pass the text of a whole "
                 "module, e.g. jax.jit(f).lower(*args).compile().as_text()."
             )
-        return cls({name: tuple(body) for name, body in computations.items()}, entry)
+        return cls({name: tuple(body) for name, body in computations.items()}, entry, _stack_frames(tables))
 
     def shapes_of(self, computation: str) -> dict[str, tuple[ArrayShape, ...]]:
         """Result shapes of a computation's instructions, by name."""
         return {instruction.name: instruction.shapes for instruction in self.computations[computation]}
+
+
+def _stack_frames(tables: dict[str, dict[int, str]]) -> dict[int, str]:
+    """``file:line:column`` of each stack frame (its innermost location) in the header tables."""
+    files = {key: value.strip('"') for key, value in tables.get("FileNames", {}).items()}
+    locations = {}
+    for key, value in tables.get("FileLocations", {}).items():
+        fields = {name: int(number) for name, number in _TABLE_FIELD.findall(value)}
+        locations[key] = (
+            f"{files.get(fields.get('file_name_id'), '?')}:{fields.get('line', 0)}:{fields.get('column', 0)}"
+        )
+    frames = {}
+    for key, value in tables.get("StackFrames", {}).items():
+        fields = {name: int(number) for name, number in _TABLE_FIELD.findall(value)}
+        frames[key] = locations.get(fields.get("file_location_id"), "")
+    return frames
+
+
+def metadata_key(instruction: Instruction, module: HloModule) -> tuple[str, str]:
+    """The instruction's ``(op_name, source location)`` from its metadata.
+
+    XLA keeps an operation's metadata when it rewrites it (a ``dot`` into a
+    cuBLAS call, into a GEMM fusion, split into several GEMMs), so this key
+    finds the compiled form of an operation of the program before
+    optimization.
+    """
+    op_name = _OP_NAME.search(instruction.attributes)
+    frame = _STACK_FRAME_ID.search(instruction.attributes)
+    source = module.stack_frames.get(int(frame.group(1)), "") if frame else ""
+    return (op_name.group(1) if op_name else "", source)
+
+
+def fp8_scope(op_name: str) -> tuple[bool, str | None]:
+    """What jaxamp's named scopes in `op_name` say about FP8.
+
+    Returns:
+        ``(requested, fallback_reason)``: ``(True, None)`` under the
+        ``jaxamp_fp8`` scope, ``(False, reason)`` under
+        ``jaxamp_fp8_fallback_<reason>``, ``(False, None)`` under neither.
+        The innermost of several such scopes decides.
+    """
+    scopes = list(_FP8_SCOPES.finditer(op_name))
+    if not scopes:
+        return False, None
+    reason = scopes[-1].group(1)
+    return reason is None, reason
+
+
+def is_backward(op_name: str) -> bool:
+    """Whether JAX traced the operation in a backward pass.
+
+    JAX's name stack wraps what the transpose of a linearized function
+    computes in ``transpose(jvp(...))``: the cotangent matmuls of
+    ``jax.grad``, and a ``custom_vjp``'s backward function.
+    """
+    return "transpose(" in op_name
 
 
 def _called_computations(instruction: Instruction) -> list[str]:
@@ -288,7 +397,9 @@ def _custom_call_target(attributes: str) -> str:
     return match.group(1) if match else ""
 
 
-def _heavy_op(instruction: Instruction, shapes: dict[str, tuple[ArrayShape, ...]]) -> HeavyOp | None:
+def _heavy_op(
+    instruction: Instruction, shapes: dict[str, tuple[ArrayShape, ...]], module: HloModule | None = None
+) -> HeavyOp | None:
     """The instruction as a `HeavyOp`, or None if it is not a matmul or convolution."""
     target = _custom_call_target(instruction.attributes) if instruction.opcode == "custom-call" else ""
     is_cudnn_convolution = target.startswith("__cudnn$conv")
@@ -305,7 +416,8 @@ def _heavy_op(instruction: Instruction, shapes: dict[str, tuple[ArrayShape, ...]
         flops = _cudnn_convolution_flops(target, (lhs, rhs), out, _dim_labels(instruction.attributes))
     else:
         flops = _dot_flops(lhs, out, _gemm_contracting_dims(instruction.attributes))
-    return HeavyOp(target or instruction.opcode, (lhs.dtype, rhs.dtype), out.dtype, flops)
+    op_name, source = metadata_key(instruction, module) if module is not None else ("", "")
+    return HeavyOp(target or instruction.opcode, (lhs.dtype, rhs.dtype), out.dtype, flops, op_name, source)
 
 
 def walk(
@@ -357,8 +469,10 @@ def walk(
             yield from into(computation=name, repeats=body_repeats)
 
 
-def _heavy_ops_of(instruction: Instruction, shapes: dict, repeats: int) -> Iterator[HeavyOp]:
-    op = _heavy_op(instruction, shapes)
+def _heavy_ops_of(
+    module: HloModule, instruction: Instruction, shapes: dict, repeats: int
+) -> Iterator[HeavyOp]:
+    op = _heavy_op(instruction, shapes, module)
     if op is not None:
         yield dataclasses.replace(op, flops=op.flops * repeats)
 
@@ -373,7 +487,8 @@ def heavy_ops(hlo_text: str) -> list[HeavyOp]:
     Returns:
         The operations in the order the entry computation reaches them.
     """
-    return list(walk(HloModule.parse(hlo_text), _heavy_ops_of, weight=lambda op: op.flops))
+    module = HloModule.parse(hlo_text)
+    return list(walk(module, functools.partial(_heavy_ops_of, module), weight=lambda op: op.flops))
 
 
 def bytes_accessed(hlo_text: str) -> int:
@@ -414,3 +529,91 @@ def _traffic(module: HloModule, computation: str) -> int:
             operands = (shape for name in instruction.operands for shape in shapes.get(name, ()))
             total += sum(shape.num_bytes for shape in (*results, *operands))
     return total
+
+
+# Operations through which an FP8 value stays "dequantized FP8" on its way to a
+# matmul: the widening convert itself, the scale multiply or divide, and the
+# layout changes XLA folds into a GEMM's operands.
+_DEQUANTIZE_OPCODES = frozenset(
+    {"convert", "multiply", "divide", "reshape", "transpose", "broadcast", "bitcast", "copy", "slice"}
+)  # fmt: skip
+
+
+# A tuple carries the marks of its elements (a call's result, a loop's carry).
+_PASS_THROUGH_OPCODES = _DEQUANTIZE_OPCODES | {"tuple", "get-tuple-element"}
+
+
+def _is_fp8(shape: ArrayShape) -> bool:
+    return shape.dtype.startswith("float8_")
+
+
+def fp8_fed_matmuls(hlo_text: str) -> set[tuple[str, str]]:
+    """The matmuls and convolutions that a program before optimization feeds FP8 values.
+
+    Reads the HLO of a lowered, not yet optimized program (see
+    `lowered_hlo_text`) and marks every value that is an FP8 array or
+    derives from one through a dequantize (`_DEQUANTIZE_OPCODES`:
+    ``convert``, the scale's ``multiply``/``divide``, layout changes)::
+
+        fp8_fed(v) = v has an FP8 element type
+                     or v = op(operands) with op in _DEQUANTIZE_OPCODES
+                        and fp8_fed(some operand)
+                     or v is a parameter of a called computation whose
+                        argument is fp8_fed, or a call's result whose root is
+
+    A ``dot`` or ``convolution`` with an fp8_fed operand asked for FP8
+    math, whatever XLA then makes of it (the classic quantize-dequantize
+    pattern ``convert(convert(x, f8), bf16) @ w`` is one). Loop bodies and
+    branches are read with unmarked parameters: an FP8 value that enters
+    a loop through its carry is not followed.
+
+    Args:
+        hlo_text: the HLO text of a lowered program, with metadata.
+
+    Returns:
+        The `metadata_key` (op_name, source) of each such matmul.
+    """
+    module = HloModule.parse(hlo_text)
+    found: set[tuple[str, str]] = set()
+    visited: set[str] = set()
+
+    def visit(computation: str, arguments_fed: tuple[bool, ...]) -> bool:
+        """Marks `computation`'s values; returns whether its root is fp8_fed."""
+        visited.add(computation)
+        fed: dict[str, bool] = {}
+        value = False
+        for instruction in module.computations[computation]:
+            operands_fed = tuple(fed.get(name, False) for name in instruction.operands)
+            called = [name for name in _called_computations(instruction) if name in module.computations]
+            value = any(_is_fp8(shape) for shape in instruction.shapes)
+            if instruction.opcode == "parameter":
+                number = instruction.parameter_number
+                value = value or (
+                    number is not None and number < len(arguments_fed) and arguments_fed[number]
+                )
+            elif instruction.opcode == "call":
+                for name in called:
+                    value = visit(name, operands_fed) or value
+            else:
+                value = value or (instruction.opcode in _PASS_THROUGH_OPCODES and any(operands_fed))
+                if instruction.opcode in ("dot", "convolution") and any(operands_fed[:2]):
+                    found.add(metadata_key(instruction, module))
+                # Loop bodies, branches, reductions: read once, their parameters unmarked.
+                for name in called:
+                    if name not in visited:
+                        visit(name, ())
+            fed[instruction.name] = value
+        return value  # XLA prints a computation's root last
+
+    visit(module.entry, ())
+    return found
+
+
+def lowered_hlo_text(lowered: Any) -> str:
+    """The HLO text, with metadata, of a ``jax.jit(f).lower(...)`` result.
+
+    ``Lowered.as_text(dialect="hlo")`` drops the metadata (op_name, source
+    location) that ties an operation to its optimized form; the HLO module
+    of ``Lowered.compiler_ir("hlo")`` prints it.
+    """
+    return lowered.compiler_ir("hlo").as_hlo_module().to_string()

@@ -12,6 +12,12 @@ its trip count is not known at trace time. A ``cond`` (or ``switch``) runs
 one branch per call, so it counts the branch with the most FLOPs only: the
 report is an upper bound on what one call computes, never the sum of
 branches that cannot all run.
+
+Compiled for a GPU, the report also proves FP8: which matmuls and
+convolutions ran in cuBLASLt's and cuDNN's FP8 calls, forward and backward,
+which ones asked for FP8 and got a wider GEMM from XLA, and which ones fell
+back to bfloat16 on purpose, with the reason (`PrecisionReport.fp8_rows`,
+`jaxamp.check_fp8`).
 """
 
 from __future__ import annotations
@@ -41,17 +47,87 @@ class OpRecord:
         output_dtype: dtype of its result.
         flops: multiply-adds times two (times the iterations of an
             enclosing ``scan``).
+        op_name: compiled reports: the JAX name stack the op was traced
+            under (its HLO metadata), e.g.
+            ``jit(step)/transpose(jvp(jaxamp_fp8))/dot_general``.
+        source: compiled reports: the Python location it was traced at.
+        fp8_requested: compiled reports: the program asked for this op in
+            FP8, by the ``jaxamp_fp8`` named scope or by feeding it FP8
+            values through a dequantize (see `hlo_precision_report`).
     """
 
     primitive: str
     operand_dtypes: tuple[str, str]
     output_dtype: str
     flops: int
+    op_name: str = ""
+    source: str = ""
+    fp8_requested: bool = False
 
     @property
     def compute_dtype(self) -> str:
         """The widest operand dtype: the precision the op runs in."""
         return max(self.operand_dtypes, key=lambda name: np.dtype(name).itemsize)
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether both operands are FP8: the op runs on FP8 tensor cores."""
+        return all(dtype.startswith("float8_") for dtype in self.operand_dtypes)
+
+    @property
+    def direction(self) -> str:
+        """``backward`` for an op of a transposed (gradient) computation, else ``forward``."""
+        return "backward" if hlo_report.is_backward(self.op_name) else "forward"
+
+    @property
+    def fallback_reason(self) -> str | None:
+        """The reason slug of a ``jaxamp_fp8_fallback_<reason>`` scope around the op."""
+        return hlo_report.fp8_scope(self.op_name)[1]
+
+    @property
+    def fp8_status(self) -> str | None:
+        """What happened to FP8 here, or None where FP8 was never in question.
+
+        ``fp8``: the op ran with FP8 operands. ``fallback``: jaxamp chose
+        bfloat16 for it (`fallback_reason` says why). ``requested, not
+        fp8``: the program asked for FP8 and XLA ran a wider GEMM.
+        """
+        if self.is_fp8:
+            return FP8_RAN
+        if self.fallback_reason is not None:
+            return FP8_FALLBACK
+        if self.fp8_requested:
+            return FP8_MISSED
+        return None
+
+
+FP8_RAN = "fp8"
+FP8_FALLBACK = "fallback"
+FP8_MISSED = "requested, not fp8"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Row:
+    """Matmuls and convolutions that share one FP8 outcome, summed.
+
+    Attributes:
+        status: ``fp8``, ``requested, not fp8`` or ``fallback`` (`OpRecord.fp8_status`).
+        direction: ``forward`` or ``backward``.
+        operand_dtypes: dtypes of the two operands.
+        primitive: the HLO opcode or library call
+            (``__cublas$lt$matmul$f8``, ``__cudnn$convForwardGraph``, ``dot``).
+        reason: a fallback's reason slug (``shape_not_multiple_of_16``), else "".
+        ops: how many ops.
+        flops: their FLOPs.
+    """
+
+    status: str
+    direction: str
+    operand_dtypes: tuple[str, str]
+    primitive: str
+    reason: str
+    ops: int
+    flops: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +136,12 @@ class PrecisionReport:
 
     Attributes:
         ops: every matmul and convolution, in trace order.
+        compiled: whether the ops are those of an optimized, compiled
+            program (`hlo_precision_report`) rather than a traced one.
     """
 
     ops: tuple[OpRecord, ...]
+    compiled: bool = False
 
     def flops_by_dtype(self) -> dict[str, int]:
         """FLOPs of matmuls and convolutions per compute dtype."""
@@ -82,12 +161,57 @@ class PrecisionReport:
             return 0.0
         return self.flops_by_dtype().get(np.dtype(dtype).name, 0) / total
 
+    def fp8_rows(self) -> tuple[Fp8Row, ...]:
+        """The FP8 outcome of every op where FP8 was in question, grouped.
+
+        One row per (status, direction, operand dtypes, primitive, reason),
+        in that order; ops with no FP8 in question (`OpRecord.fp8_status`
+        None) are left out. Meaningful for compiled reports: a traced
+        program only says what it asks for.
+        """
+        groups: dict[tuple, list[OpRecord]] = collections.defaultdict(list)
+        for op in self.ops:
+            if op.fp8_status is not None:
+                key = (op.fp8_status, op.direction, op.operand_dtypes, op.primitive, op.fallback_reason or "")
+                groups[key].append(op)
+        order = {FP8_RAN: 0, FP8_MISSED: 1, FP8_FALLBACK: 2}
+        return tuple(
+            Fp8Row(*key, ops=len(ops), flops=sum(op.flops for op in ops))
+            for key, ops in sorted(groups.items(), key=lambda item: (order[item[0][0]], item[0][1:]))
+        )
+
+    def fp8_fraction(self, direction: str | None = None) -> float:
+        """Share of matmul and convolution FLOPs that ran with FP8 operands (0 to 1).
+
+        Args:
+            direction: ``forward`` or ``backward`` to count only those ops;
+                None for all.
+        """
+        if direction not in (None, "forward", "backward"):
+            raise ValueError(f"direction={direction!r}; choose 'forward', 'backward' or None (both).")
+        ops = [op for op in self.ops if direction is None or op.direction == direction]
+        total = sum(op.flops for op in ops)
+        return sum(op.flops for op in ops if op.is_fp8) / total if total else 0.0
+
     def __str__(self) -> str:
         total = sum(op.flops for op in self.ops) or 1
-        lines = [f"{'dtype':<10} {'ops':>6} {'GFLOPs':>12} {'share':>7}"]
         counts = self.count_by_dtype()
+        width = max([10, *(len(dtype) for dtype in counts)])  # float8_e4m3fn is 13
+        lines = [f"{'dtype':<{width}} {'ops':>6} {'GFLOPs':>12} {'share':>7}"]
         for dtype, flops in sorted(self.flops_by_dtype().items(), key=lambda item: -item[1]):
-            lines.append(f"{dtype:<10} {counts[dtype]:>6} {flops / 1e9:>12.4f} {flops / total:>7.1%}")
+            lines.append(f"{dtype:<{width}} {counts[dtype]:>6} {flops / 1e9:>12.4f} {flops / total:>7.1%}")
+        rows = self.fp8_rows()
+        if rows:
+            lines += [
+                "",
+                f"{'FP8':<18} {'pass':<8} {'operands':<19} {'as':<24} {'ops':>4} {'GFLOPs':>9} {'share':>7}  reason",
+            ]
+            for row in rows:
+                operands = " x ".join(dtype.removeprefix("float8_") for dtype in row.operand_dtypes)
+                lines.append(
+                    f"{row.status:<18} {row.direction:<8} {operands:<19} {row.primitive:<24} {row.ops:>4} "
+                    f"{row.flops / 1e9:>9.4f} {row.flops / total:>7.1%}  {row.reason}".rstrip()
+                )
         return "\n".join(lines)
 
 
@@ -166,7 +290,8 @@ def precision_report(
       instructions and cuDNN/cuBLAS custom calls are counted (see
       `jaxamp.hlo_report`). On CPU, XLA runs half-precision convolutions in
       float32 and this mode says so; for a GPU, even one compiled for without
-      a GPU (`jaxamp.gpu_targets`), it shows the half-precision cuDNN calls.
+      a GPU (`jaxamp.gpu_targets`), it shows the half-precision cuDNN calls,
+      and the FP8 ones (`PrecisionReport.fp8_rows`, `jaxamp.check_fp8`).
 
     Pass a training step (or ``jax.value_and_grad`` of a loss) to see the
     backward pass too.
@@ -191,8 +316,8 @@ def precision_report(
         A `PrecisionReport`.
     """
     if compiled:
-        compiled_text = jax.jit(functools.partial(fun, **kwargs)).lower(*args).compile().as_text()
-        return hlo_precision_report(compiled_text)
+        lowered = jax.jit(functools.partial(fun, **kwargs)).lower(*args)
+        return hlo_precision_report(lowered.compile().as_text(), hlo_report.lowered_hlo_text(lowered))
     # Keyword arguments are bound statically: flags such as ``train=False``
     # must stay Python values, not tracers.
     closed_jaxpr = jax.make_jaxpr(functools.partial(fun, **kwargs))(*args)
@@ -201,14 +326,40 @@ def precision_report(
     return PrecisionReport(tuple(records))
 
 
-def hlo_precision_report(hlo_text: str) -> PrecisionReport:
+def hlo_precision_report(hlo_text: str, lowered_hlo_text: str | None = None) -> PrecisionReport:
     """A `PrecisionReport` of an optimized HLO module's text.
 
-    Use it on a step that is already compiled, to avoid compiling it twice:
-    ``hlo_precision_report(jax.jit(step).lower(*args).compile().as_text())``.
+    Use it on a step that is already compiled, to avoid compiling it twice::
+
+        lowered = jax.jit(step).lower(*args)
+        report = hlo_precision_report(
+            lowered.compile().as_text(), jaxamp.hlo_report.lowered_hlo_text(lowered))
+
     A record's ``primitive`` is the HLO opcode (``dot``, ``convolution``) or
-    the custom call target (``__cudnn$convForward``, ``__cublas$gemm``, ...).
+    the custom call target (``__cudnn$convForward``, ``__cublas$gemm``,
+    ``__cublas$lt$matmul$f8``, ...).
+
+    An op counts as FP8-requested (`OpRecord.fp8_requested`) when its
+    op_name lies under the ``jaxamp_fp8`` named scope, or, given the
+    program before optimization, when that program fed it FP8 values,
+    directly or through a dequantize (`hlo_report.fp8_fed_matmuls`; ops
+    are matched by name stack and source location, which XLA keeps
+    through its rewrites: the op_name without its last part, the
+    primitive, which XLA may replace with that of a transpose it merged).
+
+    Args:
+        hlo_text: the optimized module's text.
+        lowered_hlo_text: the same program's HLO before optimization, with
+            metadata (`hlo_report.lowered_hlo_text`); without it, only the
+            named scope marks FP8 requests.
     """
-    return PrecisionReport(
-        tuple(OpRecord(**dataclasses.asdict(op)) for op in hlo_report.heavy_ops(hlo_text))
-    )
+    fed = hlo_report.fp8_fed_matmuls(lowered_hlo_text) if lowered_hlo_text else set()
+    # Matched without the op_name's last part: XLA gives a dot that it merges with
+    # the transpose after it (as a backward pass's dot often is) the transpose's name.
+    fed_scopes = {(op_name.rpartition("/")[0], source) for op_name, source in fed}
+    records = []
+    for op in hlo_report.heavy_ops(hlo_text):
+        in_scope = hlo_report.fp8_scope(op.op_name)[0]
+        requested = in_scope or (op.op_name.rpartition("/")[0], op.source) in fed_scopes
+        records.append(OpRecord(**dataclasses.asdict(op), fp8_requested=requested))
+    return PrecisionReport(tuple(records), compiled=True)

@@ -1,0 +1,117 @@
+"""Proof that FP8 ran, or did not: small programs compiled for an H200.
+
+    PYTHONPATH=/work/cuda_plugin JAX_PLATFORMS=cpu \\
+        python scripts/fp8_proof.py > results/cpu/fp8_proof.txt
+
+Each is compiled for an H200 target without a GPU
+(`jaxamp.gpu_target_device`); the script prints its compiled
+`jaxamp.precision_report` and what `jaxamp.check_fp8` says:
+
+1. a dense layer in FP8 with per-tensor current scaling (the reference
+   pattern of ``scripts/fp8_scaling_cost.py``: ``lax.dot_general`` on FP8
+   operands with the ``ANY_F8_ANY_F8_F32`` preset, a custom VJP whose two
+   backward GEMMs take the cotangent in ``float8_e5m2``), forward and
+   backward: three cuBLASLt FP8 GEMMs, no warning;
+2. the bfloat16 quantize-dequantize pattern ``convert(convert(x, f8),
+   bf16) @ ...``: XLA folds the round trip and runs a bfloat16 GEMM; the
+   check warns;
+3. matmuls that fall back to bfloat16 on purpose, under jaxamp's
+   ``jaxamp_fp8_fallback_<reason>`` scopes: rows with their reasons, no
+   warning;
+4. a Flax ``nn.Dense`` with Flax's FP8 ops as its ``dot_general_cls``,
+   forward and backward: the deprecated quantize-dequantize
+   ``Fp8DotGeneralOp`` (bfloat16 GEMMs; the check warns) and
+   ``Fp8DirectDotGeneralOp`` (FP8 GEMMs), where the installed Flax has them.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import sys
+import warnings
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen import fp8_ops
+
+import jaxamp
+from scripts.fp8_scaling_cost import MATMUL, current_scaling_dot_general
+
+E4M3 = jnp.float8_e4m3fn
+
+
+def fp8_dense_step(x, w, g):
+    """The layer's output and its gradients for the cotangent `g`."""
+    y, vjp = jax.vjp(lambda x, w: current_scaling_dot_general(x, w, MATMUL), x, w)
+    return y, vjp(g)
+
+
+def quantize_dequantize_dense(x, w):
+    """FP8 numerics, bfloat16 math: the pattern XLA folds away."""
+    return x.astype(E4M3).astype(jnp.bfloat16) @ w.astype(E4M3).astype(jnp.bfloat16)
+
+
+def with_fallbacks(x, w, q, k):
+    """A matmul whose sizes are not multiples of 16 and a batched attention core."""
+    with jax.named_scope("jaxamp_fp8_fallback_shape_not_multiple_of_16"):
+        y = x @ w
+    with jax.named_scope("jaxamp_fp8_fallback_batch_dims"):
+        scores = jnp.einsum("bqd,bkd->bqk", q, k)
+    return y, scores
+
+
+def flax_dense_step(dot_general_cls):
+    """value_and_grad of a Flax Dense layer's sum, with its variables and input as arguments."""
+    model = nn.Dense(768, dot_general_cls=dot_general_cls, dtype=jnp.bfloat16)
+
+    def step(variables, x):
+        return jax.value_and_grad(lambda v: model.apply(v, x).astype(jnp.float32).sum())(variables)
+
+    x = jax.ShapeDtypeStruct((256, 768), jnp.bfloat16)
+    return step, (jax.eval_shape(model.init, jax.random.key(0), x), x)
+
+
+def show(title: str, fun, shapes=None, args=None) -> None:
+    """Prints the compiled report of fun on bfloat16 arrays of `shapes` (or on `args`), and the check."""
+    device = jaxamp.gpu_target_device("h200")
+    if args is None:
+        args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes]
+        title = f"{title}: {', '.join(f'bfloat16{list(shape)}' for shape in shapes)}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Flax's deprecated FP8 op says so
+        report = jaxamp.precision_report(fun, *jaxamp.on_device(args, device), compiled=True)
+    print(f"== {title}\n{report}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", jaxamp.Fp8NotUsedWarning)
+        missed = jaxamp.check_fp8(report)
+    print(f"check_fp8: {len(missed)} op(s) missed FP8")
+    for warning in caught:
+        if issubclass(warning.category, jaxamp.Fp8NotUsedWarning):
+            # Paths relative to the repository, so the output reads the same on every machine.
+            message = re.sub(r"\S*site-packages/", "", str(warning.message).replace(os.getcwd() + os.sep, ""))
+            print(f"Fp8NotUsedWarning: {message}")
+    print()
+
+
+def main() -> None:
+    print(f"jax {jax.__version__}, compiled for {jaxamp.GPU_TARGETS['h200'].description} (no GPU)\n")
+    show("FP8 dense layer, forward and backward", fp8_dense_step, [(256, 768), (768, 3072), (256, 3072)])
+    show("bfloat16 quantize-dequantize", quantize_dequantize_dense, [(256, 768), (768, 3072)])
+    show("fallbacks under their scopes", with_fallbacks, [(24, 40), (40, 24), (2, 64, 32), (2, 64, 32)])
+    for name in ("Fp8DotGeneralOp", "Fp8DirectDotGeneralOp"):
+        if hasattr(fp8_ops, name):
+            step, args = flax_dense_step(getattr(fp8_ops, name))
+            show(
+                f"flax nn.Dense(768, dot_general_cls={name}), forward and backward, x bfloat16[256, 768]",
+                step,
+                args=args,
+            )
+
+
+if __name__ == "__main__":
+    main()
