@@ -17,10 +17,17 @@ Example:
 """
 
 from jaxamp.finite import all_finite, select_tree
+from jaxamp.fp8 import (
+    Fp8QuantizationStats,
+    Fp8TensorStats,
+    fp8_dot_general,
+    fp8_quantization_stats,
+)
 from jaxamp.fsdp import CommunicationPolicy, fsdp_loss, fsdp_shardings, get_communication_policy
 from jaxamp.gpu_targets import GPU_TARGETS, GpuSpec, gpu_target_device, on_device
 from jaxamp.grads import scaled_value_and_grad
 from jaxamp.jaxpr_policy import autocast, float32_scope
+from jaxamp.jaxpr_policy.fp8_rules import FP8_FALLBACK_REASONS
 from jaxamp.layer_policies import NORMALIZATION_LAYERS
 from jaxamp.loss_scale import (
     DynamicLossScale,
@@ -39,6 +46,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CommunicationPolicy",
+    "FP8_FALLBACK_REASONS",
+    "Fp8QuantizationStats",
+    "Fp8TensorStats",
     "GPU_TARGETS",
     "NORMALIZATION_LAYERS",
     "DynamicLossScale",
@@ -56,6 +66,8 @@ __all__ = [
     "autocast",
     "default_loss_scale",
     "float32_scope",
+    "fp8_dot_general",
+    "fp8_quantization_stats",
     "fsdp_loss",
     "fsdp_shardings",
     "get_communication_policy",
