@@ -363,7 +363,12 @@ class Fp8QuantizationStats:
         return self.underflowed / nonzero if nonzero else 0.0
 
 
-def fp8_quantization_stats(fun: Callable[..., Any], policy: Any = "mixed_float8") -> Callable[..., Fp8QuantizationStats]:
+def fp8_quantization_stats(
+    fun: Callable[..., Any],
+    policy: Any = "mixed_float8",
+    *,
+    gradient_argnums: int | Sequence[int] | None = None,
+) -> Callable[..., Fp8QuantizationStats]:
     """A diagnostic: how the FP8 matmuls of ``autocast(fun, policy)`` quantize their operands.
 
     ``fp8_quantization_stats(fun)(*args)`` runs ``jaxamp.autocast(fun,
@@ -371,16 +376,19 @@ def fp8_quantization_stats(fun: Callable[..., Any], policy: Any = "mixed_float8"
     to the host (``jax.debug.callback``), and returns them. `autocast`
     itself stays a pure transformation with no outputs added; this is a
     separate run, for a notebook or a logging step, not the train step.
-    Pass ``jax.grad(loss)`` (or a function that calls it) as `fun` to see
-    the backward's quantizations too.
+    With `gradient_argnums` it runs ``jax.grad(autocast(fun, policy),
+    gradient_argnums)`` instead (`fun` returns a scalar loss), so the
+    backward's cotangent quantizations (``float8_e5m2``) are counted too.
 
     Example:
-        >>> stats = jaxamp.fp8_quantization_stats(loss_fn)(params, x, y)
+        >>> stats = jaxamp.fp8_quantization_stats(loss_fn, gradient_argnums=0)(params, x, y)
         >>> stats.underflow_fraction, stats.saturated, stats.non_finite
 
     Args:
         fun: the function, as given to `jaxamp.autocast`.
         policy: a policy with FP8 matmuls (``"mixed_float8"`` by default).
+        gradient_argnums: None to run `fun` forward only; an int or ints to
+            run its gradient with respect to those arguments.
 
     Returns:
         A function of `fun`'s arguments returning `Fp8QuantizationStats`.
@@ -405,7 +413,10 @@ def fp8_quantization_stats(fun: Callable[..., Any], policy: Any = "mixed_float8"
             values = {name: np.asarray(value).item() for name, value in counts.items()}
             records.append(Fp8TensorStats(role, shape, fp8_dtype, **values))
 
-        jax.block_until_ready(autocast_with_fp8_observer(fun, resolved, observer)(*args, **kwargs))
+        observed = autocast_with_fp8_observer(fun, resolved, observer)
+        if gradient_argnums is not None:
+            observed = jax.grad(observed, gradient_argnums)
+        jax.block_until_ready(observed(*args, **kwargs))
         jax.effects_barrier()
         return Fp8QuantizationStats(tuple(records))
 
