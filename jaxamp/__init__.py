@@ -18,6 +18,7 @@ Example:
 
 from jaxamp.finite import all_finite, select_tree
 from jaxamp.fp8 import (
+    FP8_FALLBACK_REASONS,
     Fp8QuantizationStats,
     Fp8TensorStats,
     fp8_dot_general,
@@ -27,7 +28,6 @@ from jaxamp.fsdp import CommunicationPolicy, fsdp_loss, fsdp_shardings, get_comm
 from jaxamp.gpu_targets import GPU_TARGETS, GpuSpec, gpu_target_device, on_device
 from jaxamp.grads import scaled_value_and_grad
 from jaxamp.jaxpr_policy import autocast, float32_scope
-from jaxamp.jaxpr_policy.fp8_rules import FP8_FALLBACK_REASONS
 from jaxamp.layer_policies import NORMALIZATION_LAYERS
 from jaxamp.loss_scale import (
     DynamicLossScale,

@@ -62,6 +62,37 @@ FP8_BACKWARD_DTYPE = jnp.dtype(jnp.float8_e5m2)
 FP8_SCOPE_NAME = "jaxamp_fp8"
 """The `jax.named_scope` every FP8 GEMM is traced under (it names the op in compiled HLO)."""
 
+FP8_FALLBACK_SCOPE_PREFIX = "jaxamp_fp8_fallback_"
+"""A fallback runs under ``jax.named_scope(FP8_FALLBACK_SCOPE_PREFIX + reason)``."""
+
+FP8_FALLBACK_REASONS: dict[str, str] = {
+    "shape_not_multiple_of_16": (
+        "a dot's M, N or K (the product of the lhs free dims, of the rhs free dims, of the "
+        "contracting dims), or a convolution's input or output features, is not a multiple of 16, the FP8 GEMM granularity of cuBLASLt and TransformerEngine. "
+        "XLA would pad such an op and still run FP8; jaxamp keeps it in bfloat16 instead, since "
+        "such matmuls are small (a classifier head, a projection to a few outputs) and sit where "
+        "precision matters most."
+    ),
+    "batch_dims": (
+        "the dot has batch dimensions: an attention core (queries times keys, probabilities "
+        "times values) or another batched matmul; FP8 attention needs its own scaling of the "
+        "softmax probabilities, so it stays bfloat16."
+    ),
+    "integer_operands": "an integer dot (int8 matmuls); runs as traced.",
+    "grouped_conv": "a grouped or depthwise convolution (feature or batch groups), kept in bfloat16.",
+    "transposed_conv": "a transposed convolution (lhs dilation), kept in bfloat16.",
+    "conv_backward": (
+        "the two backward convolutions (input and kernel gradients) of an FP8 forward "
+        "convolution: XLA rewrites only forward convolutions into cuDNN FP8 graphs, so these run "
+        "in bfloat16 on the saved FP8 operands."
+    ),
+    "ragged_dot": "a ragged (grouped) dot, which has no FP8 form here.",
+}
+"""Why an eligible-looking matmul or convolution did not run in FP8, by slug.
+
+The slug is what the compiled program's op names carry
+(``jaxamp_fp8_fallback_<slug>``); the value says what it means."""
+
 _FORWARD_PRESET = lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM
 _BACKWARD_PRESET = lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32
 
@@ -216,6 +247,73 @@ def _fp8_dot_backward(dimension_numbers, result_dtype, observer, residuals, cota
 
 
 _fp8_dot.defvjp(_fp8_dot_forward, _fp8_dot_backward)
+
+
+def _dequantize(quantized: Quantized, dtype: Any) -> jax.Array:
+    return quantized.values.astype(dtype) * quantized.scale_inv.astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _fp8_convolution(lhs, rhs, convolution, result_dtype, observer):
+    return _fp8_convolution_forward(lhs, rhs, convolution, result_dtype, observer)[0]
+
+
+def _fp8_convolution_forward(lhs, rhs, convolution, result_dtype, observer):
+    with jax.named_scope(FP8_SCOPE_NAME):
+        q_lhs = quantize(lhs, FP8_FORWARD_DTYPE)
+        q_rhs = quantize(rhs, FP8_FORWARD_DTYPE)
+        _observe(observer, "lhs", lhs, q_lhs)
+        _observe(observer, "rhs", rhs, q_rhs)
+        # convert(f8) times a scalar scale on both operands: the pattern that XLA
+        # rewrites into a cuDNN FP8 convolution graph.
+        out = convolution(_dequantize(q_lhs, result_dtype), _dequantize(q_rhs, result_dtype))
+    dtypes = (np.zeros((), lhs.dtype), np.zeros((), rhs.dtype))
+    return out, (q_lhs, q_rhs, dtypes)
+
+
+def _fp8_convolution_backward(convolution, result_dtype, observer, residuals, cotangent):
+    q_lhs, q_rhs, (lhs_dtype, rhs_dtype) = residuals
+    with jax.named_scope(FP8_FALLBACK_SCOPE_PREFIX + "conv_backward"):
+        lhs, rhs = _dequantize(q_lhs, result_dtype), _dequantize(q_rhs, result_dtype)
+        cotangent = cotangent.astype(result_dtype)
+        # Transposed one operand at a time: a vjp would trace the forward convolution again.
+        (d_lhs,) = jax.linear_transpose(lambda lhs: convolution(lhs, rhs), lhs)(cotangent)
+        (d_rhs,) = jax.linear_transpose(lambda rhs: convolution(lhs, rhs), rhs)(cotangent)
+    return d_lhs.astype(lhs_dtype.dtype), d_rhs.astype(rhs_dtype.dtype)
+
+
+_fp8_convolution.defvjp(_fp8_convolution_forward, _fp8_convolution_backward)
+
+
+def fp8_convolution(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    convolution: Callable[[jax.Array, jax.Array], jax.Array],
+    result_dtype: Any = jnp.bfloat16,
+    *,
+    _observer: Callable | None = None,
+) -> jax.Array:
+    """A convolution whose forward takes FP8 operands; its two backward convolutions bfloat16.
+
+    ``convolution(lhs, rhs)`` is the convolution in `result_dtype` (a
+    ``lax.conv_general_dilated`` with its options bound). Both operands are
+    quantized to ``float8_e4m3fn`` with current scaling (see `quantize`)
+    and handed to it as ``convert(fp8) * scale``, which XLA rewrites into a
+    cuDNN FP8 convolution (``__cudnn$convForwardGraph`` on FP8 operands) on
+    a Hopper GPU. The backward differentiates ``convolution`` on the saved
+    FP8 operands in `result_dtype`, under the ``conv_backward`` fallback
+    scope: XLA has no FP8 rewrite for backward convolutions.
+
+    Args:
+        lhs: floating input.
+        rhs: floating kernel.
+        convolution: a function of (input, kernel), linear in each.
+        result_dtype: dtype of the result and of the backward convolutions.
+
+    Returns:
+        The convolution's result in `result_dtype`; gradients in the operands' dtypes.
+    """
+    return _fp8_convolution(lhs, rhs, convolution, jnp.dtype(result_dtype), _observer)
 
 
 def _canonical_dimension_numbers(dimension_numbers: Any, lhs_ndim: int, rhs_ndim: int) -> tuple:

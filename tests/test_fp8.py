@@ -237,14 +237,52 @@ def test_an_ineligible_dot_falls_back_under_a_scope_naming_its_reason(reason, fu
     assert operands == (jnp.dtype(operand_dtype),) * 2
 
 
-def test_a_convolution_runs_in_bfloat16_under_the_conv_fallback_scope():
-    """Fails if a convolution changed dtype or lost its scope under mixed_float8."""
-    images, kernel = jnp.ones((2, 8, 8, 16)), jnp.ones((3, 3, 16, 16))
-    conv = lambda a, b: jax.lax.conv_general_dilated(a, b, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    closed = jax.make_jaxpr(jaxamp.autocast(conv, "mixed_float8"))(images, kernel)
-    ((scope, found),) = [(scope, eq) for scope, eq in equations(closed.jaxpr) if eq.primitive is jax.lax.conv_general_dilated_p]
-    assert "jaxamp_fp8_fallback_conv" in scope
-    assert [v.aval.dtype for v in found.invars] == [jnp.bfloat16] * 2
+def _conv(images, kernel, feature_group_count=1):
+    return jax.lax.conv_general_dilated(
+        images, kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        feature_group_count=feature_group_count,
+    )
+
+
+def convolutions(fun, *args):
+    """(name scope, operand dtypes) of every convolution `fun` traces to."""
+    closed = jax.make_jaxpr(fun)(*args)
+    return [
+        (scope, tuple(v.aval.dtype for v in eq.invars))
+        for scope, eq in equations(closed.jaxpr)
+        if eq.primitive is jax.lax.conv_general_dilated_p
+    ]
+
+
+def test_a_convolution_runs_forward_on_fp8_values_and_backward_in_bfloat16_under_conv_backward():
+    """Forward: both operands quantized to e4m3 and handed over as bfloat16 (convert times the
+    scale, the pattern XLA rewrites into a cuDNN FP8 graph), about 4% off float32 like a dot.
+    Backward: the two gradient convolutions in bfloat16 under the conv_backward scope. Fails if
+    the forward skipped quantization (0.3% off) or the backward lost its scope."""
+    images, kernel = gaussian(0, 2, 8, 8, 16), gaussian(1, 3, 3, 16, 32) * 0.1
+    forward = jaxamp.autocast(_conv, "mixed_float8")(images, kernel)
+    assert forward.dtype == jnp.float32  # autocast returns what the function returns
+    assert 0.02 < relative_error(forward, _conv(images, kernel)) < 0.06
+    loss = lambda images, kernel: jnp.sum(jnp.tanh(_conv(images, kernel)))
+    found = convolutions(jax.grad(jaxamp.autocast(loss, "mixed_float8"), (0, 1)), images, kernel)
+    assert len(found) == 3
+    forward_scope = [scope for scope, _ in found if "conv_backward" not in scope]
+    assert len(forward_scope) == 1 and "jaxamp_fp8" in forward_scope[0]
+    assert sum("jaxamp_fp8_fallback_conv_backward" in scope for scope, _ in found) == 2
+    assert {operands for _, operands in found} == {(jnp.dtype(jnp.bfloat16),) * 2}
+
+
+@pytest.mark.parametrize(
+    "reason, images, kernel, groups",
+    [("grouped_conv", (2, 8, 8, 32), (3, 3, 16, 32), 2), ("shape_not_multiple_of_16", (2, 8, 8, 3), (3, 3, 3, 16), 1)],
+    ids=["grouped", "three-input-channels"],
+)
+def test_an_ineligible_convolution_runs_in_bfloat16_under_its_fallback_scope(reason, images, kernel, groups):
+    """Fails if a grouped convolution or a 3-channel first layer went to FP8 or lost its reason."""
+    conv = lambda a, b: _conv(a, b, groups)
+    ((scope, operands),) = convolutions(jaxamp.autocast(conv, "mixed_float8"), jnp.ones(images), jnp.ones(kernel))
+    assert f"jaxamp_fp8_fallback_{reason}" in scope
+    assert operands == (jnp.dtype(jnp.bfloat16),) * 2
 
 
 def test_mixed_float8_composes_with_jit_vmap_scan_and_remat():
@@ -334,13 +372,33 @@ def test_compiled_for_an_h200_all_five_gemms_of_an_mlp_gradient_are_cublaslt_fp8
     assert all("jaxamp_fp8" in re.search(r'op_name="([^"]+)"', call).group(1) for call in calls)
     algorithms = sorted(re.search(r'"algorithm":"(\w+)"', call).group(1) for call in calls)
     assert algorithms == ["ALG_DOT_ANY_F8_ANY_F8_F32"] * 3 + ["ALG_DOT_ANY_F8_ANY_F8_F32_FAST_ACCUM"] * 2
+    operand_types = []
     for call in calls:
         operands = re.search(r"custom-call\(%([\w.\-]+), %([\w.\-]+)", call).groups()
-        types = [re.search(rf"%{re.escape(name)} = (\w+)\[", text).group(1) for name in operands]
-        assert set(types) <= {"f8e4m3fn", "f8e5m2"}, (call, types)
-    backward_types = [re.search(r"custom-call\(%([\w.\-]+)", call).group(1) for call in calls]
-    assert "f8e5m2" in {re.search(rf"%{re.escape(name)} = (\w+)\[", text).group(1) for name in backward_types} | {
-        re.search(rf"%{re.escape(name)} = (\w+)\[", text).group(1)
-        for call in calls
-        for name in re.search(r"custom-call\(%[\w.\-]+, %([\w.\-]+)", call).groups()
-    }
+        operand_types.append({re.search(rf"%{re.escape(name)} = (\w+)\[", text).group(1) for name in operands})
+    assert sorted(map(sorted, operand_types)) == [["f8e4m3fn"]] * 2 + [["f8e4m3fn", "f8e5m2"]] * 3
+
+
+def test_compiled_for_an_h200_a_forward_convolution_is_a_cudnn_fp8_graph_and_its_gradients_bfloat16():
+    """The forward convolution is ``__cudnn$convForwardGraph`` on f8e4m3fn operands; the two
+    backward ones are bfloat16 cuDNN convolutions under the conv_backward scope. Fails if XLA
+    did not rewrite the forward (a plain ``__cudnn$convForward`` on bf16 operands)."""
+    if not jaxamp.gpu_targets.cuda_plugin_available():
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
+    images, kernel = jax.ShapeDtypeStruct((8, 16, 16, 32), jnp.float32), jax.ShapeDtypeStruct((3, 3, 32, 64), jnp.float32)
+    loss = lambda images, kernel: jnp.sum(jnp.tanh(_conv(images, kernel)))
+    step = jax.jit(jax.grad(jaxamp.autocast(loss, "mixed_float8"), (0, 1)))
+    text = step.lower(*jaxamp.on_device((images, kernel), jaxamp.gpu_target_device("h200"))).compile().as_text()
+    calls = [line for line in text.splitlines() if "custom-call(" in line and "__cudnn" in line]
+    found = []
+    for call in calls:
+        target = re.search(r'custom_call_target="([^"]+)"', call).group(1)
+        operands = re.search(r"custom-call\(%([\w.\-]+), %([\w.\-]+)", call).groups()
+        types = tuple(re.search(rf"%{re.escape(name)} = (\w+)\[", text).group(1) for name in operands)
+        backward = "conv_backward" in re.search(r'op_name="([^"]+)"', call).group(1)
+        found.append((target, types, backward))
+    assert sorted(found) == sorted(
+        [("__cudnn$convForwardGraph", ("f8e4m3fn", "f8e4m3fn"), False)]
+        + [(target, ("bf16", "bf16"), True) for target, _, backward in found if backward]
+    )
+    assert sum(backward for *_, backward in found) == 2

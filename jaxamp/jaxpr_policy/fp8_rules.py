@@ -5,7 +5,9 @@ the compute rule of ``dot_general``, ``conv_general_dilated`` and
 ``ragged_dot_general`` (`fp8_rules`); every other primitive keeps its rule
 from `jaxamp.jaxpr_policy.rules`, exactly as under ``"mixed_bfloat16"``.
 
-An eligible ``dot_general`` becomes `jaxamp.fp8_dot_general`, traced under
+An eligible ``dot_general`` becomes `jaxamp.fp8_dot_general` and an
+eligible convolution `jaxamp.fp8.fp8_convolution` (forward FP8, backward
+bfloat16 under the ``conv_backward`` fallback scope), both traced under
 ``jax.named_scope("jaxamp_fp8")``. Every other floating matmul or
 convolution runs in the compute dtype (the compute rule) under
 ``jax.named_scope("jaxamp_fp8_fallback_<reason>")``, with the reason one of
@@ -23,38 +25,16 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
 
-from jaxamp.fp8 import FP8_SCOPE_NAME, fp8_dot_general
+from jaxamp.fp8 import (
+    FP8_FALLBACK_REASONS,
+    FP8_FALLBACK_SCOPE_PREFIX,
+    FP8_SCOPE_NAME,
+    fp8_convolution,
+    fp8_dot_general,
+)
 from jaxamp.jaxpr_policy.context import Rewrite, Rule
 from jaxamp.jaxpr_policy.registry import registered
-from jaxamp.jaxpr_policy.rules import compute_rule, is_floating, traced_dtypes
-
-FP8_FALLBACK_SCOPE_PREFIX = "jaxamp_fp8_fallback_"
-"""A fallback runs under ``jax.named_scope(FP8_FALLBACK_SCOPE_PREFIX + reason)``."""
-
-FP8_FALLBACK_REASONS: dict[str, str] = {
-    "shape_not_multiple_of_16": (
-        "M, N or K (the product of the lhs free dims, of the rhs free dims, of the contracting "
-        "dims) is not a multiple of 16, the FP8 GEMM granularity of cuBLASLt and TransformerEngine. "
-        "XLA would pad such a dot and still run FP8; jaxamp keeps it in bfloat16 instead, since "
-        "such matmuls are small (a classifier head, a projection to a few outputs) and sit where "
-        "precision matters most."
-    ),
-    "batch_dims": (
-        "the dot has batch dimensions: an attention core (queries times keys, probabilities "
-        "times values) or another batched matmul; FP8 attention needs its own scaling of the "
-        "softmax probabilities, so it stays bfloat16."
-    ),
-    "integer_operands": "an integer dot (int8 matmuls); runs as traced.",
-    "conv": (
-        "a convolution: forward and backward convolutions run in bfloat16 (FP8 convolutions "
-        "are not built yet)."
-    ),
-    "ragged_dot": "a ragged (grouped) dot, which has no FP8 form here.",
-}
-"""Why an eligible-looking matmul or convolution did not run in FP8, by slug.
-
-The slug is what the compiled program's op names carry
-(``jaxamp_fp8_fallback_<slug>``); the value says what it means."""
+from jaxamp.jaxpr_policy.rules import bind, compute_rule, is_floating, traced_dtypes
 
 _MULTIPLE = 16
 
@@ -77,6 +57,43 @@ def dot_fallback_reason(equation) -> str | None:
     if any(size % _MULTIPLE for size in sizes):
         return "shape_not_multiple_of_16"
     return None
+
+
+def conv_fallback_reason(equation) -> str | None:
+    """Why `equation` (a ``conv_general_dilated``) cannot run as an FP8 forward convolution, or None."""
+    if not all(is_floating(dtype) for dtype in traced_dtypes(equation.invars)):
+        return "integer_operands"
+    params = equation.params
+    if params["feature_group_count"] != 1 or params["batch_group_count"] != 1:
+        return "grouped_conv"
+    if any(dilation != 1 for dilation in params["lhs_dilation"]):
+        return "transposed_conv"
+    numbers = params["dimension_numbers"]
+    lhs_shape, rhs_shape = (atom.aval.shape for atom in equation.invars)
+    features = (lhs_shape[numbers.lhs_spec[1]], rhs_shape[numbers.rhs_spec[0]])
+    if any(size % _MULTIPLE for size in features):
+        return "shape_not_multiple_of_16"
+    return None
+
+
+def fp8_conv_rule(observer: Callable | None = None) -> Rule:
+    """The ``conv_general_dilated`` rule: forward FP8 when eligible (backward bfloat16), else
+    the compute dtype under a fallback scope."""
+
+    def rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
+        reason = conv_fallback_reason(equation)
+        if reason is not None:
+            return _in_fallback_scope(reason, compute_rule)(context, equation, invals)
+        dtype = context.compute_dtype
+
+        def convolution(lhs, rhs):
+            (out,) = bind(equation, [lhs, rhs], preferred_element_type=dtype)
+            return out
+
+        with jax.named_scope(FP8_SCOPE_NAME):
+            return [fp8_convolution(*invals, convolution, dtype, _observer=observer)]
+
+    return rule
 
 
 def _in_fallback_scope(reason: str, rule: Rule) -> Rule:
@@ -121,7 +138,7 @@ def fp8_rules(observer: Callable | None = None) -> dict[Primitive, Rule]:
     """primitive -> rule, the entries that a policy with FP8 matmuls changes."""
     rules: dict[Primitive, Rule] = {
         lax.dot_general_p: fp8_dot_rule(observer),
-        lax.conv_general_dilated_p: _in_fallback_scope("conv", compute_rule),
+        lax.conv_general_dilated_p: fp8_conv_rule(observer),
     }
     ragged = registered("ragged_dot_general")
     if ragged is not None:
