@@ -285,6 +285,17 @@ def test_an_ineligible_convolution_runs_in_bfloat16_under_its_fallback_scope(rea
     assert operands == (jnp.dtype(jnp.bfloat16),) * 2
 
 
+def test_autocast_outside_grad_runs_the_backward_matmuls_as_e4m3_fp8_dots():
+    """The documented limit: ``autocast(jax.grad(loss))`` sees the backward matmuls as plain
+    matmuls, so all three GEMMs are FP8 but with e4m3 operands only (``grad(autocast(loss))``
+    gives the e5m2 cotangent). Fails if a backward matmul escaped FP8 there (bfloat16 operands)."""
+    x, w = gaussian(0, 16, 32), gaussian(1, 32, 16)
+    loss = lambda x, w: jnp.sum(jnp.tanh(x @ w))
+    found = dots(jaxamp.autocast(jax.grad(loss, (0, 1)), "mixed_float8"), x, w)
+    assert len(found) == 2 * 3  # three GEMMs, each a CUDA and a default branch
+    assert {operands for _, operands, _ in found} == {(E4M3, E4M3)}
+
+
 def test_mixed_float8_composes_with_jit_vmap_scan_and_remat():
     """A scanned, rematerialized layer under vmap and jit: every dot is FP8 and the gradient
     is close to float32's. Fails if a higher-order rule dropped the FP8 rules (bfloat16 dots)."""
