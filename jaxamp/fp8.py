@@ -12,7 +12,7 @@ The algorithm of `fp8_dot_general(lhs, rhs, dimension_numbers)`::
                return out.astype(result dtype)             # bfloat16 by default
     backward:  q_g, s_g = quantize(cotangent, float8_e5m2)
                d_lhs = dot(q_g, q_rhs) * s_g * s_rhs      # split accumulation
-               d_rhs = dot(q_lhs, q_g) * s_lhs * s_g      # split accumulation
+               d_rhs = dot(q_lhs, q_g) * s_lhs * s_g      # (as JAX's transpose rules)
 
     quantize(x, fp8):                           # current scaling
         amax  = max(|x|)                        # of the tensor now
@@ -169,33 +169,49 @@ def _remaining(dims: range, *excluded: Sequence[int]) -> list[int]:
     return [dim for dim in dims if dim not in taken]
 
 
-def _lhs_gradient(
-    g: Quantized, x: Quantized, y: Quantized, x_ndim: int, dimension_numbers, swap_ans: bool = False
+def _operand_gradient(
+    g: Quantized, other: Quantized, ndim: int, dimension_numbers, operand_is_lhs: bool
 ) -> jax.Array:
-    """The cotangent of ``dot_general(x, y)``'s first operand, as JAX's own transpose rule.
+    """The cotangent of one operand of ``dot_general(lhs, rhs)``, as an FP8 dot. Float32.
 
-    The FP8 port of ``jax._src.lax.lax._dot_general_transpose_lhs``: the
-    cotangent is contracted with the kept dims of `y`, then the axes are put
-    back in `x`'s order. Result in float32.
+    As JAX's transpose rule (``_dot_general_transpose_lhs``), the cotangent
+    `g` is contracted with the other operand's kept dims and the result's
+    axes are put back in the operand's order. Of the two operand orders,
+    ``dot(g, other)`` and ``dot(other, g)``, the one whose result is already
+    in the operand's axis order is taken when there is one (the weight
+    gradient ``x.T @ g`` of ``x @ w`` is ``dot(x, g)``): XLA fuses the scales
+    into the cuBLASLt call only when no transpose follows it.
+
+    Args:
+        g: the quantized cotangent of the product.
+        other: the other operand, quantized.
+        ndim: the rank of the operand whose gradient this is.
+        dimension_numbers: ``((contract, other_contract), (batch, other_batch))``,
+            this operand's first.
+        operand_is_lhs: whether this operand was the product's lhs.
     """
-    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
-    x_kept = _remaining(range(x_ndim), x_contract, x_batch)
-    y_kept = _remaining(range(y.values.ndim), y_contract, y_batch)
-    if swap_ans:
-        ans_batch, ans_y, _ = _ranges_like(x_batch, y_kept, x_kept)
+    (contract, other_contract), (batch, other_batch) = dimension_numbers
+    kept = _remaining(range(ndim), contract, batch)
+    other_kept = _remaining(range(other.values.ndim), other_contract, other_batch)
+    if operand_is_lhs:
+        ans_batch, ans_kept, ans_other = _ranges_like(batch, kept, other_kept)
     else:
-        ans_batch, _, ans_y = _ranges_like(x_batch, x_kept, y_kept)
-    dims = ((ans_y, y_kept), (ans_batch, list(y_batch)))
-    x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
-    unsorted_axes = list(x_batch) + x_kept + x_contract_sorted_by_y
-    product = _scaled_dot(g, y, dims, _BACKWARD_PRESET, jnp.float32)
-    return lax.transpose(product, tuple(int(axis) for axis in np.argsort(unsorted_axes)))
-
-
-def _rhs_gradient(g: Quantized, x: Quantized, y: Quantized, y_ndim: int, dimension_numbers) -> jax.Array:
-    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
-    swapped = ((y_contract, x_contract), (y_batch, x_batch))
-    return _lhs_gradient(g, y, x, y_ndim, swapped, swap_ans=True)
+        ans_batch, ans_other, ans_kept = _ranges_like(batch, other_kept, kept)
+    contract_by_other = [int(dim) for dim in np.take(contract, np.argsort(other_contract))]
+    g_first = list(batch) + kept + contract_by_other
+    other_first = list(batch) + contract_by_other + kept
+    if other_first == sorted(other_first) and g_first != sorted(g_first):
+        dims = ((other_kept, ans_other), (list(other_batch), ans_batch))
+        product = _scaled_dot(other, g, dims, _BACKWARD_PRESET, jnp.float32)
+        unsorted_axes = other_first
+    else:
+        dims = ((ans_other, other_kept), (ans_batch, list(other_batch)))
+        product = _scaled_dot(g, other, dims, _BACKWARD_PRESET, jnp.float32)
+        unsorted_axes = g_first
+    permutation = tuple(int(axis) for axis in np.argsort(unsorted_axes))
+    if permutation == tuple(range(ndim)):
+        return product
+    return lax.transpose(product, permutation)
 
 
 def _observe(observer: Callable | None, role: str, x: jax.Array, quantized: Quantized) -> None:
@@ -240,9 +256,10 @@ def _fp8_dot_backward(dimension_numbers, result_dtype, observer, residuals, cota
     with jax.named_scope(FP8_SCOPE_NAME):
         q_cotangent = quantize(cotangent, FP8_BACKWARD_DTYPE)
         _observe(observer, "cotangent", cotangent, q_cotangent)
-        lhs_ndim, rhs_ndim = q_lhs.values.ndim, q_rhs.values.ndim
-        d_lhs = _lhs_gradient(q_cotangent, q_lhs, q_rhs, lhs_ndim, dimension_numbers)
-        d_rhs = _rhs_gradient(q_cotangent, q_lhs, q_rhs, rhs_ndim, dimension_numbers)
+        (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+        rhs_first = ((rhs_contract, lhs_contract), (rhs_batch, lhs_batch))
+        d_lhs = _operand_gradient(q_cotangent, q_rhs, q_lhs.values.ndim, dimension_numbers, True)
+        d_rhs = _operand_gradient(q_cotangent, q_lhs, q_rhs.values.ndim, rhs_first, False)
     return d_lhs.astype(lhs_dtype.dtype), d_rhs.astype(rhs_dtype.dtype)
 
 

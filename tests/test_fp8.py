@@ -101,7 +101,7 @@ def test_any_dimension_numbers_give_the_shapes_and_gradients_of_lax_dot_general(
 
 
 def test_all_three_gemms_of_a_training_step_take_fp8_operands_with_the_presets_on_cuda():
-    """Forward e4m3 x e4m3 with fast accumulation, both backward GEMMs e5m2 (the cotangent) x e4m3 with split
+    """Forward e4m3 x e4m3 with fast accumulation, both backward GEMMs e5m2 (the cotangent) times e4m3 with split
     accumulation, each as a CUDA branch (the preset) and a default branch (plain dot). Fails if
     the backward were JAX's own transpose (bfloat16 or float32 operands)."""
     x, w = gaussian(0, 32, 64), gaussian(1, 64, 48)
@@ -110,7 +110,8 @@ def test_all_three_gemms_of_a_training_step_take_fp8_operands_with_the_presets_o
     fast, split = jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM, jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32
     assert sorted(found, key=str) == sorted(
         [((E4M3, E4M3), fast), ((E4M3, E4M3), None)]
-        + [((E5M2, E4M3), split), ((E5M2, E4M3), None)] * 2,
+        + [((E5M2, E4M3), split), ((E5M2, E4M3), None)]  # input gradient: g @ w.T
+        + [((E4M3, E5M2), split), ((E4M3, E5M2), None)],  # weight gradient: x.T @ g
         key=str,
     )
 
@@ -388,6 +389,9 @@ def test_compiled_for_an_h200_all_five_gemms_of_an_mlp_gradient_are_cublaslt_fp8
         operands = re.search(r"custom-call\(%([\w.\-]+), %([\w.\-]+)", call).groups()
         operand_types.append({re.search(rf"%{re.escape(name)} = (\w+)\[", text).group(1) for name in operands})
     assert sorted(map(sorted, operand_types)) == [["f8e4m3fn"]] * 2 + [["f8e4m3fn", "f8e5m2"]] * 3
+    # The scales ride in the call (its alpha operands), not in a multiply after it.
+    scale_operands = [re.search(r"custom-call\(%[\w.\-]+, %[\w.\-]+, %([\w.\-]+), %([\w.\-]+)", call).groups() for call in calls]
+    assert all(not all(name.startswith("constant") for name in names) for names in scale_operands), scale_operands
 
 
 def test_compiled_for_an_h200_a_forward_convolution_is_a_cudnn_fp8_graph_and_its_gradients_bfloat16():
