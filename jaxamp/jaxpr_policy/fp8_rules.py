@@ -28,7 +28,6 @@ from jax.extend.core import Primitive
 from jaxamp.fp8 import (
     FP8_FALLBACK_REASONS,
     FP8_FALLBACK_SCOPE_PREFIX,
-    FP8_SCOPE_NAME,
     fp8_convolution,
     fp8_dot_general,
 )
@@ -90,8 +89,8 @@ def fp8_conv_rule(observer: Callable | None = None) -> Rule:
             (out,) = bind(equation, [lhs, rhs], preferred_element_type=dtype)
             return out
 
-        with jax.named_scope(FP8_SCOPE_NAME):
-            return [fp8_convolution(*invals, convolution, dtype, _observer=observer)]
+        # fp8_convolution traces itself under the jaxamp_fp8 scope.
+        return [fp8_convolution(*invals, convolution, dtype, _observer=observer)]
 
     return rule
 
@@ -121,14 +120,14 @@ def fp8_dot_rule(observer: Callable | None = None) -> Rule:
         if reason is not None:
             return _in_fallback_scope(reason, compute_rule)(context, equation, invals)
         lhs, rhs = invals
-        with jax.named_scope(FP8_SCOPE_NAME):
-            out = fp8_dot_general(
-                lhs,
-                rhs,
-                equation.params["dimension_numbers"],
-                preferred_element_type=context.compute_dtype,
-                _observer=observer,
-            )
+        # fp8_dot_general traces itself under the jaxamp_fp8 scope.
+        out = fp8_dot_general(
+            lhs,
+            rhs,
+            equation.params["dimension_numbers"],
+            preferred_element_type=context.compute_dtype,
+            _observer=observer,
+        )
         return [out]
 
     return rule
