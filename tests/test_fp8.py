@@ -417,3 +417,39 @@ def test_compiled_for_an_h200_a_forward_convolution_is_a_cudnn_fp8_graph_and_its
         + [(target, ("bf16", "bf16"), True) for target, _, backward in found if backward]
     )
     assert sum(backward for *_, backward in found) == 2
+
+
+def test_compiled_for_an_h200_a_transformer_blocks_projections_are_fp8_and_its_attention_cores_bfloat16():
+    """Every cuBLAS call of a transformer block's gradient (attention projections and MLP,
+    forward and backward) is ``__cublas$lt$matmul$f8`` under the jaxamp_fp8 scope; the
+    attention cores (batched dots) run in bfloat16 under the batch_dims fallback scope. XLA
+    merges FP8 GEMMs that share an operand (q, k and v's projections), so there are fewer
+    calls than the block's 18 projection GEMMs. Fails if any projection GEMM ran in bfloat16
+    (a ``__cublas$gemm`` or bf16 ``__cublas$lt$matmul`` call) or a core lost its reason."""
+    if not jaxamp.gpu_targets.cuda_plugin_available():
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
+    batch, length, width, heads = 2, 32, 64, 2
+
+    def block(params, x):
+        q, k, v = (
+            jnp.einsum("btd,de->bte", x, params[name]).reshape(batch, length, heads, width // heads)
+            for name in ("wq", "wk", "wv")
+        )
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(width // heads)
+        attended = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v).reshape(batch, length, width)
+        x = x + attended @ params["wo"]
+        return x + jax.nn.gelu(x @ params["w1"]) @ params["w2"]
+
+    shapes = {"wq": (width, width), "wk": (width, width), "wv": (width, width), "wo": (width, width),
+              "w1": (width, 4 * width), "w2": (4 * width, width)}  # fmt: skip
+    params = {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in shapes.items()}
+    x = jax.ShapeDtypeStruct((batch, length, width), jnp.float32)
+    step = jax.jit(jax.grad(jaxamp.autocast(lambda params, x: jnp.mean(block(params, x) ** 2), "mixed_float8")))
+    text = step.lower(*jaxamp.on_device((params, x), jaxamp.gpu_target_device("h200"))).compile().as_text()
+    op_names = lambda lines: [re.search(r'op_name="([^"]+)"', line).group(1) for line in lines]
+    cublas = [line for line in text.splitlines() if "custom-call(" in line and "__cublas" in line]
+    assert cublas and all('custom_call_target="__cublas$lt$matmul$f8"' in line for line in cublas)
+    assert all("jaxamp_fp8" in name and "fallback" not in name for name in op_names(cublas))
+    cores = [line for line in text.splitlines() if re.search(r"= bf16\[[^=]*\bdot\(", line)]
+    assert len(cores) == 6  # two cores forward, four backward
+    assert all("jaxamp_fp8_fallback_batch_dims" in name for name in op_names(cores))
