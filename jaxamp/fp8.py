@@ -194,9 +194,9 @@ def _operand_gradient(
     kept = _remaining(range(ndim), contract, batch)
     other_kept = _remaining(range(other.values.ndim), other_contract, other_batch)
     if operand_is_lhs:
-        ans_batch, ans_kept, ans_other = _ranges_like(batch, kept, other_kept)
+        ans_batch, _, ans_other = _ranges_like(batch, kept, other_kept)
     else:
-        ans_batch, ans_other, ans_kept = _ranges_like(batch, other_kept, kept)
+        ans_batch, ans_other, _ = _ranges_like(batch, other_kept, kept)
     contract_by_other = [int(dim) for dim in np.take(contract, np.argsort(other_contract))]
     g_first = list(batch) + kept + contract_by_other
     other_first = list(batch) + contract_by_other + kept
@@ -226,7 +226,9 @@ def _observe(observer: Callable | None, role: str, x: jax.Array, quantized: Quan
     counts = {
         "elements": jnp.asarray(x32.size, jnp.int32),
         "nonzero": jnp.sum(x32 != 0, dtype=jnp.int32),
-        "underflowed": jnp.sum(finite & (x32 != 0) & (quantized.values.astype(jnp.float32) == 0), dtype=jnp.int32),
+        "underflowed": jnp.sum(
+            finite & (x32 != 0) & (quantized.values.astype(jnp.float32) == 0), dtype=jnp.int32
+        ),
         "saturated": jnp.sum(finite & (jnp.abs(scaled) > fp8_max), dtype=jnp.int32),
         "non_finite": jnp.sum(~finite, dtype=jnp.int32),
         "amax": jnp.max(jnp.abs(x32)),
@@ -351,7 +353,10 @@ def _canonical_dimension_numbers(dimension_numbers: Any, lhs_ndim: int, rhs_ndim
             f"fp8_dot_general's dimension_numbers {dimension_numbers!r} pair a different number of "
             "lhs and rhs dims; each lhs contracting (batch) dim needs one rhs contracting (batch) dim."
         )
-    for dims, ndim, side in ((lhs_contract + lhs_batch, lhs_ndim, "lhs"), (rhs_contract + rhs_batch, rhs_ndim, "rhs")):
+    for dims, ndim, side in (
+        (lhs_contract + lhs_batch, lhs_ndim, "lhs"),
+        (rhs_contract + rhs_batch, rhs_ndim, "rhs"),
+    ):
         if any(not 0 <= dim < ndim for dim in dims) or len(set(dims)) != len(dims):
             raise ValueError(
                 f"fp8_dot_general's dimension_numbers {dimension_numbers!r} name {side} dims "

@@ -9,7 +9,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
@@ -107,7 +106,10 @@ def test_all_three_gemms_of_a_training_step_take_fp8_operands_with_the_presets_o
     x, w = gaussian(0, 32, 64), gaussian(1, 64, 48)
     loss = lambda x, w: jaxamp.fp8_dot_general(x, w, MATMUL).astype(jnp.float32).sum()
     found = [(operands, precision) for _, operands, precision in dots(jax.grad(loss, (0, 1)), x, w)]
-    fast, split = jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM, jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32
+    fast, split = (
+        jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM,
+        jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32,
+    )
     assert sorted(found, key=str) == sorted(
         [((E4M3, E4M3), fast), ((E4M3, E4M3), None)]
         + [((E5M2, E4M3), split), ((E5M2, E4M3), None)]  # input gradient: g @ w.T
@@ -222,9 +224,24 @@ def test_autocast_runs_an_eligible_matmul_as_an_fp8_dot_under_the_jaxamp_fp8_sco
 @pytest.mark.parametrize(
     "reason, fun, args, operand_dtype",
     [
-        ("shape_not_multiple_of_16", lambda x, w: x @ w, [jnp.ones((16, 32)), jnp.ones((32, 10))], jnp.bfloat16),
-        ("shape_not_multiple_of_16", lambda x, w: x @ w, [jnp.ones((16, 24)), jnp.ones((24, 16))], jnp.bfloat16),
-        ("batch_dims", lambda q, k: jnp.einsum("bqd,bkd->bqk", q, k), [jnp.ones((2, 16, 16))] * 2, jnp.bfloat16),
+        (
+            "shape_not_multiple_of_16",
+            lambda x, w: x @ w,
+            [jnp.ones((16, 32)), jnp.ones((32, 10))],
+            jnp.bfloat16,
+        ),
+        (
+            "shape_not_multiple_of_16",
+            lambda x, w: x @ w,
+            [jnp.ones((16, 24)), jnp.ones((24, 16))],
+            jnp.bfloat16,
+        ),
+        (
+            "batch_dims",
+            lambda q, k: jnp.einsum("bqd,bkd->bqk", q, k),
+            [jnp.ones((2, 16, 16))] * 2,
+            jnp.bfloat16,
+        ),
         ("integer_operands", lambda x, w: x @ w, [jnp.ones((16, 16), jnp.int32)] * 2, jnp.int32),
     ],
     ids=["n-is-10", "k-is-24", "attention-core", "int32"],
@@ -240,7 +257,11 @@ def test_an_ineligible_dot_falls_back_under_a_scope_naming_its_reason(reason, fu
 
 def _conv(images, kernel, feature_group_count=1):
     return jax.lax.conv_general_dilated(
-        images, kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        images,
+        kernel,
+        (1, 1),
+        "SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
         feature_group_count=feature_group_count,
     )
 
@@ -275,13 +296,18 @@ def test_a_convolution_runs_forward_on_fp8_values_and_backward_in_bfloat16_under
 
 @pytest.mark.parametrize(
     "reason, images, kernel, groups",
-    [("grouped_conv", (2, 8, 8, 32), (3, 3, 16, 32), 2), ("shape_not_multiple_of_16", (2, 8, 8, 3), (3, 3, 3, 16), 1)],
+    [
+        ("grouped_conv", (2, 8, 8, 32), (3, 3, 16, 32), 2),
+        ("shape_not_multiple_of_16", (2, 8, 8, 3), (3, 3, 3, 16), 1),
+    ],
     ids=["grouped", "three-input-channels"],
 )
 def test_an_ineligible_convolution_runs_in_bfloat16_under_its_fallback_scope(reason, images, kernel, groups):
     """Fails if a grouped convolution or a 3-channel first layer went to FP8 or lost its reason."""
     conv = lambda a, b: _conv(a, b, groups)
-    ((scope, operands),) = convolutions(jaxamp.autocast(conv, "mixed_float8"), jnp.ones(images), jnp.ones(kernel))
+    ((scope, operands),) = convolutions(
+        jaxamp.autocast(conv, "mixed_float8"), jnp.ones(images), jnp.ones(kernel)
+    )
     assert f"jaxamp_fp8_fallback_{reason}" in scope
     assert operands == (jnp.dtype(jnp.bfloat16),) * 2
 
@@ -320,12 +346,22 @@ def test_mixed_float8_composes_with_jit_vmap_scan_and_remat():
 
 
 @pytest.mark.parametrize(
-    "spec", ["mixed_float8", "MIXED_FP8", "p=f32,c=bf16,o=f32,matmul=float8", "params=float32,compute=bfloat16,output=float32,m=fp8"]
+    "spec",
+    [
+        "mixed_float8",
+        "MIXED_FP8",
+        "p=f32,c=bf16,o=f32,matmul=float8",
+        "params=float32,compute=bfloat16,output=float32,m=fp8",
+    ],
 )
 def test_mixed_float8_is_mixed_bfloat16_plus_fp8_matmuls_in_every_spelling(spec):
     """Fails if a spelling were refused or lost the FP8 matmuls."""
     policy = jaxamp.get_policy(spec)
-    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (jnp.float32, jnp.bfloat16, jnp.float32)
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (
+        jnp.float32,
+        jnp.bfloat16,
+        jnp.float32,
+    )
     assert policy.matmul_dtype == E4M3 and policy.fp8_matmuls
     assert str(policy) == "params=float32,compute=bfloat16,output=float32,matmul=float8"
     assert jaxamp.get_policy(str(policy)) == policy
@@ -336,14 +372,37 @@ def test_mixed_float8_is_mixed_bfloat16_plus_fp8_matmuls_in_every_spelling(spec)
 @pytest.mark.parametrize(
     "make, error, message",
     [
-        (lambda: jaxamp.get_policy("p=f32,matmul=f16"), ValueError, r"Unknown matmul dtype 'f16'.*Valid: f8, fp8, float8"),
+        (
+            lambda: jaxamp.get_policy("p=f32,matmul=f16"),
+            ValueError,
+            r"Unknown matmul dtype 'f16'.*Valid: f8, fp8, float8",
+        ),
         (lambda: jaxamp.get_policy("mixed_float9"), ValueError, r"'mixed_float9'.*mixed_float8"),
         (lambda: jaxamp.Policy("f32", "bf16", "f32", "float16"), TypeError, r"matmul_dtype.*'float16'"),
-        (lambda: jaxamp.fp8_dot_general(jnp.ones((2, 2), int), jnp.ones((2, 2)), MATMUL), TypeError, r"lhs is int"),
-        (lambda: jaxamp.fp8_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), (((2,), (0,)), ((), ()))), ValueError, r"lhs dims \(2,\)"),
-        (lambda: jaxamp.fp8_quantization_stats(jnp.sum, "mixed_bfloat16"), ValueError, r"'params=float32,compute=bfloat16,output=float32' has none\. Pass 'mixed_float8'"),
+        (
+            lambda: jaxamp.fp8_dot_general(jnp.ones((2, 2), int), jnp.ones((2, 2)), MATMUL),
+            TypeError,
+            r"lhs is int",
+        ),
+        (
+            lambda: jaxamp.fp8_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), (((2,), (0,)), ((), ()))),
+            ValueError,
+            r"lhs dims \(2,\)",
+        ),
+        (
+            lambda: jaxamp.fp8_quantization_stats(jnp.sum, "mixed_bfloat16"),
+            ValueError,
+            r"'params=float32,compute=bfloat16,output=float32' has none\. Pass 'mixed_float8'",
+        ),
     ],
-    ids=["bad-matmul-dtype", "unknown-name", "policy-field", "integer-operand", "bad-dims", "stats-without-fp8"],
+    ids=[
+        "bad-matmul-dtype",
+        "unknown-name",
+        "policy-field",
+        "integer-operand",
+        "bad-dims",
+        "stats-without-fp8",
+    ],
 )
 def test_bad_fp8_inputs_are_refused_naming_the_value_and_the_choices(make, error, message):
     """Fails if a bad input passed silently or the message lost the value or the choices."""
@@ -369,7 +428,10 @@ def test_compiled_for_an_h200_all_five_gemms_of_an_mlp_gradient_are_cublaslt_fp8
     GEMM (``__cublas$gemm`` / ``__cublas$lt$matmul``) or the backward lost FP8."""
     if not jaxamp.gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
-    params = {"w1": jax.ShapeDtypeStruct((32, 64), jnp.float32), "w2": jax.ShapeDtypeStruct((64, 16), jnp.float32)}
+    params = {
+        "w1": jax.ShapeDtypeStruct((32, 64), jnp.float32),
+        "w2": jax.ShapeDtypeStruct((64, 16), jnp.float32),
+    }
     x, y = jax.ShapeDtypeStruct((16, 32), jnp.float32), jax.ShapeDtypeStruct((16, 16), jnp.float32)
 
     def loss(params, x, y):
@@ -387,11 +449,18 @@ def test_compiled_for_an_h200_all_five_gemms_of_an_mlp_gradient_are_cublaslt_fp8
     operand_types = []
     for call in calls:
         operands = re.search(r"custom-call\(%([\w.\-]+), %([\w.\-]+)", call).groups()
-        operand_types.append({re.search(rf"%{re.escape(name)} = (\w+)\[", text).group(1) for name in operands})
+        operand_types.append(
+            {re.search(rf"%{re.escape(name)} = (\w+)\[", text).group(1) for name in operands}
+        )
     assert sorted(map(sorted, operand_types)) == [["f8e4m3fn"]] * 2 + [["f8e4m3fn", "f8e5m2"]] * 3
     # The scales ride in the call (its alpha operands), not in a multiply after it.
-    scale_operands = [re.search(r"custom-call\(%[\w.\-]+, %[\w.\-]+, %([\w.\-]+), %([\w.\-]+)", call).groups() for call in calls]
-    assert all(not all(name.startswith("constant") for name in names) for names in scale_operands), scale_operands
+    scale_operands = [
+        re.search(r"custom-call\(%[\w.\-]+, %[\w.\-]+, %([\w.\-]+), %([\w.\-]+)", call).groups()
+        for call in calls
+    ]
+    assert all(not all(name.startswith("constant") for name in names) for names in scale_operands), (
+        scale_operands
+    )
 
 
 def test_compiled_for_an_h200_a_forward_convolution_is_a_cudnn_fp8_graph_and_its_gradients_bfloat16():
@@ -400,10 +469,15 @@ def test_compiled_for_an_h200_a_forward_convolution_is_a_cudnn_fp8_graph_and_its
     did not rewrite the forward (a plain ``__cudnn$convForward`` on bf16 operands)."""
     if not jaxamp.gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
-    images, kernel = jax.ShapeDtypeStruct((8, 16, 16, 32), jnp.float32), jax.ShapeDtypeStruct((3, 3, 32, 64), jnp.float32)
+    images, kernel = (
+        jax.ShapeDtypeStruct((8, 16, 16, 32), jnp.float32),
+        jax.ShapeDtypeStruct((3, 3, 32, 64), jnp.float32),
+    )
     loss = lambda images, kernel: jnp.sum(jnp.tanh(_conv(images, kernel)))
     step = jax.jit(jax.grad(jaxamp.autocast(loss, "mixed_float8"), (0, 1)))
-    text = step.lower(*jaxamp.on_device((images, kernel), jaxamp.gpu_target_device("h200"))).compile().as_text()
+    text = (
+        step.lower(*jaxamp.on_device((images, kernel), jaxamp.gpu_target_device("h200"))).compile().as_text()
+    )
     calls = [line for line in text.splitlines() if "custom-call(" in line and "__cudnn" in line]
     found = []
     for call in calls:
@@ -444,7 +518,9 @@ def test_compiled_for_an_h200_a_transformer_blocks_projections_are_fp8_and_its_a
               "w1": (width, 4 * width), "w2": (4 * width, width)}  # fmt: skip
     params = {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in shapes.items()}
     x = jax.ShapeDtypeStruct((batch, length, width), jnp.float32)
-    step = jax.jit(jax.grad(jaxamp.autocast(lambda params, x: jnp.mean(block(params, x) ** 2), "mixed_float8")))
+    step = jax.jit(
+        jax.grad(jaxamp.autocast(lambda params, x: jnp.mean(block(params, x) ** 2), "mixed_float8"))
+    )
     text = step.lower(*jaxamp.on_device((params, x), jaxamp.gpu_target_device("h200"))).compile().as_text()
     op_names = lambda lines: [re.search(r'op_name="([^"]+)"', line).group(1) for line in lines]
     cublas = [line for line in text.splitlines() if "custom-call(" in line and "__cublas" in line]

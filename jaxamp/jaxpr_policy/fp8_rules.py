@@ -46,7 +46,7 @@ def dot_fallback_reason(equation) -> str | None:
     """Why `equation` (a ``dot_general``) cannot run as an FP8 dot, or None if it can."""
     if not all(is_floating(dtype) for dtype in traced_dtypes(equation.invars)):
         return "integer_operands"
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = equation.params["dimension_numbers"]
+    (lhs_contract, rhs_contract), (lhs_batch, _) = equation.params["dimension_numbers"]
     if lhs_batch:
         return "batch_dims"
     lhs_shape, rhs_shape = (atom.aval.shape for atom in equation.invars)
