@@ -17,6 +17,13 @@ Example:
 """
 
 from jaxamp.finite import all_finite, select_tree
+from jaxamp.fp8 import (
+    FP8_FALLBACK_REASONS,
+    Fp8QuantizationStats,
+    Fp8TensorStats,
+    fp8_dot_general,
+    fp8_quantization_stats,
+)
 from jaxamp.fp8_check import Fp8NotUsedWarning, check_fp8
 from jaxamp.fsdp import CommunicationPolicy, fsdp_loss, fsdp_shardings, get_communication_policy
 from jaxamp.gpu_targets import GPU_TARGETS, GpuSpec, gpu_target_device, on_device
@@ -40,6 +47,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CommunicationPolicy",
+    "FP8_FALLBACK_REASONS",
+    "Fp8QuantizationStats",
+    "Fp8TensorStats",
     "GPU_TARGETS",
     "NORMALIZATION_LAYERS",
     "DynamicLossScale",
@@ -59,6 +69,8 @@ __all__ = [
     "check_fp8",
     "default_loss_scale",
     "float32_scope",
+    "fp8_dot_general",
+    "fp8_quantization_stats",
     "fsdp_loss",
     "fsdp_shardings",
     "get_communication_policy",

@@ -66,6 +66,18 @@ def normalization_policy(policy: Policy) -> Policy:
     return Policy(policy.param_dtype, jnp.float32, policy.compute_dtype)
 
 
+def _without_fp8_matmuls(policy: Policy) -> Policy:
+    """`policy`, refused if it asks for FP8 matmuls, which only `jaxamp.autocast` runs."""
+    if policy.fp8_matmuls:
+        raise ValueError(
+            f"apply_policy cannot run the policy {str(policy)!r}: its FP8 matmuls are a "
+            "rewrite of the traced program, which only jaxamp.autocast does. Use "
+            "jaxamp.autocast(model.apply, 'mixed_float8') (or jax.grad of it) instead, or "
+            "apply_policy(model, 'mixed_bfloat16') for the same policy without FP8."
+        )
+    return policy
+
+
 @dataclasses.dataclass(frozen=True)
 class ModulePolicies:
     """The policy of a model and the per-class overrides.
@@ -82,7 +94,7 @@ class ModulePolicies:
     @classmethod
     def create(cls, policy: PolicySpec, overrides: Mapping[type, PolicySpec] | None = None) -> ModulePolicies:
         """Validates and resolves `policy` and `overrides`."""
-        policy = get_policy(policy)
+        policy = _without_fp8_matmuls(get_policy(policy))
         if overrides is None:
             overrides = {}
         if not isinstance(overrides, Mapping):
@@ -97,7 +109,7 @@ class ModulePolicies:
                     "overrides keys must be Flax module classes (e.g. nn.Dense, "
                     f"nn.BatchNorm); got {module_class!r}."
                 )
-            user_overrides.append((module_class, get_policy(spec)))
+            user_overrides.append((module_class, _without_fp8_matmuls(get_policy(spec))))
         return cls(policy, tuple(user_overrides))
 
     def policy_for(self, module_class: type, caller_policy: Policy) -> Policy:

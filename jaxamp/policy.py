@@ -5,7 +5,9 @@ nothing else; applying it to a Flax model is the job of `jaxamp.apply_policy`.
 
 Policies are usually named by a string, so that they fit a command-line flag or
 a config file. `get_policy` accepts short names (``"mixed"``, ``"bf16"``) and
-jmp's grammar (``"params=float32,compute=float16,output=float32"``).
+jmp's grammar (``"params=float32,compute=float16,output=float32"``), with one
+key of jaxamp's own: ``matmul=float8`` runs the eligible matrix
+multiplications in FP8 under `jaxamp.autocast` (``"mixed_float8"``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,16 @@ _DTYPE_ALIASES: dict[str, Any] = {
 
 _F32, _F16, _BF16 = jnp.float32, jnp.float16, jnp.bfloat16
 
+# The one FP8 matmul dtype a policy names: float8_e4m3fn operands forward,
+# float8_e5m2 for the incoming cotangent backward (the "hybrid" format of
+# TransformerEngine); the policy stores the forward dtype.
+_MATMUL_DTYPE_ALIASES: dict[str, Any] = {
+    "f8": jnp.float8_e4m3fn,
+    "fp8": jnp.float8_e4m3fn,
+    "float8": jnp.float8_e4m3fn,
+    "float8_e4m3fn": jnp.float8_e4m3fn,
+}
+
 # Named policies: (params, compute, output).
 _NAMED_POLICIES: dict[str, tuple[Any, Any, Any]] = {
     "float32": (_F32, _F32, _F32),
@@ -53,6 +65,12 @@ _NAMED_POLICIES: dict[str, tuple[Any, Any, Any]] = {
     "bf16": (_BF16, _BF16, _BF16),
 }
 
+# Named policies whose eligible matmuls run in FP8: (params, compute, output).
+_NAMED_FP8_POLICIES: dict[str, tuple[Any, Any, Any]] = {
+    "mixed_float8": (_F32, _BF16, _F32),
+    "mixed_fp8": (_F32, _BF16, _F32),
+}
+
 _GRAMMAR_KEYS = {
     "p": "param_dtype",
     "params": "param_dtype",
@@ -60,6 +78,8 @@ _GRAMMAR_KEYS = {
     "compute": "compute_dtype",
     "o": "output_dtype",
     "output": "output_dtype",
+    "m": "matmul_dtype",
+    "matmul": "matmul_dtype",
 }
 
 
@@ -96,6 +116,28 @@ def _canonical_dtype(dtype: Any, field_name: str) -> np.dtype:
     return canonical
 
 
+def _canonical_matmul_dtype(dtype: Any) -> np.dtype | None:
+    """None (matmuls in the compute dtype) or float8_e4m3fn (FP8 matmuls)."""
+    if dtype is None:
+        return None
+    key = dtype.strip().lower() if isinstance(dtype, str) else None
+    if key is not None and key in _MATMUL_DTYPE_ALIASES:
+        return jnp.dtype(_MATMUL_DTYPE_ALIASES[key])
+    if key is None:
+        try:
+            canonical = jnp.dtype(dtype)
+        except TypeError:
+            canonical = None
+        if canonical == jnp.dtype(jnp.float8_e4m3fn):
+            return canonical
+    raise TypeError(
+        f"Policy matmul_dtype must be None (matmuls in the compute dtype) or FP8 "
+        f"({', '.join(_MATMUL_DTYPE_ALIASES)}, or jnp.float8_e4m3fn); got {dtype!r}. "
+        "FP8 matmuls take float8_e4m3fn operands forward and a float8_e5m2 cotangent "
+        "backward; the policy names them by the forward dtype."
+    )
+
+
 def is_floating_array(leaf: Any) -> bool:
     """Whether `leaf` is a floating-point JAX array, NumPy array or NumPy scalar."""
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(leaf.dtype, jnp.floating)
@@ -125,6 +167,11 @@ class Policy:
     field of a Flax module. ``str(policy)`` gives a string that `get_policy`
     parses back into an equal policy.
 
+    A fourth, optional field, `matmul_dtype`, asks `jaxamp.autocast` to run
+    the eligible matrix multiplications in FP8 (``get_policy("mixed_float8")``,
+    see `jaxamp.fp8_dot_general`); every other operation follows the three
+    dtypes as usual.
+
     Example:
         >>> policy = Policy(jnp.float32, jnp.float16, jnp.float32)
         >>> str(policy)
@@ -136,15 +183,27 @@ class Policy:
         param_dtype: dtype in which parameters are stored and updated.
         compute_dtype: dtype of the arithmetic (matmuls, convolutions).
         output_dtype: dtype of what the model returns.
+        matmul_dtype: None (matmuls in ``compute_dtype``), or
+            ``float8_e4m3fn``: under `jaxamp.autocast`, every eligible
+            ``dot_general`` runs as `jaxamp.fp8_dot_general` (operands
+            float8_e4m3fn, cotangent float8_e5m2, result in ``compute_dtype``).
+            Accepts the strings ``float8``, ``fp8``, ``f8``.
     """
 
     param_dtype: np.dtype
     compute_dtype: np.dtype
     output_dtype: np.dtype
+    matmul_dtype: np.dtype | None = None
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            object.__setattr__(self, field.name, _canonical_dtype(getattr(self, field.name), field.name))
+        for name in ("param_dtype", "compute_dtype", "output_dtype"):
+            object.__setattr__(self, name, _canonical_dtype(getattr(self, name), name))
+        object.__setattr__(self, "matmul_dtype", _canonical_matmul_dtype(self.matmul_dtype))
+
+    @property
+    def fp8_matmuls(self) -> bool:
+        """Whether `jaxamp.autocast` runs the eligible matmuls in FP8."""
+        return self.matmul_dtype is not None
 
     def cast_to_param(self, tree: T) -> T:
         """Casts the floating-point array leaves of `tree` to `param_dtype`."""
@@ -168,14 +227,15 @@ class Policy:
         return jnp.finfo(self.compute_dtype).bits < jnp.finfo(self.param_dtype).bits
 
     def to_jmp(self) -> jmp.Policy:
-        """Returns the equivalent `jmp.Policy`."""
+        """Returns the equivalent `jmp.Policy` (jmp has no FP8 matmuls: `matmul_dtype` is dropped)."""
         return jmp.Policy(self.param_dtype, self.compute_dtype, self.output_dtype)
 
     def __str__(self) -> str:
-        return (
+        text = (
             f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
             f"output={self.output_dtype.name}"
         )
+        return text + (",matmul=float8" if self.fp8_matmuls else "")
 
 
 PolicySpec = Policy | jmp.Policy | str
@@ -211,11 +271,20 @@ def _parse_grammar(normalized: str, spec: str) -> Policy:
             raise ValueError(
                 f"Unknown key {key!r} in precision policy {spec!r}. Valid keys: {', '.join(_GRAMMAR_KEYS)}."
             )
+        if _GRAMMAR_KEYS[key] == "matmul_dtype":
+            if value not in _MATMUL_DTYPE_ALIASES:
+                raise ValueError(
+                    f"Unknown matmul dtype {value!r} in precision policy {spec!r}. Valid: "
+                    f"{', '.join(_MATMUL_DTYPE_ALIASES)} (FP8 matmuls under jaxamp.autocast); leave "
+                    "the key out for matmuls in the compute dtype."
+                )
+            dtypes["matmul_dtype"] = _MATMUL_DTYPE_ALIASES[value]
+            continue
         dtypes[_GRAMMAR_KEYS[key]] = _parse_dtype(value, spec)
     param_dtype = dtypes.get("param_dtype", jnp.float32)
     compute_dtype = dtypes.get("compute_dtype", param_dtype)
     output_dtype = dtypes.get("output_dtype", compute_dtype)
-    return Policy(param_dtype, compute_dtype, output_dtype)
+    return Policy(param_dtype, compute_dtype, output_dtype, dtypes.get("matmul_dtype"))
 
 
 def get_policy(spec: PolicySpec) -> Policy:
@@ -230,13 +299,17 @@ def get_policy(spec: PolicySpec) -> Policy:
               compute float16, output float32); ``mixed_bfloat16``/
               ``mixed_bf16`` (params float32, compute bfloat16, output
               float32); ``float16``/``fp16`` and ``bfloat16``/``bf16`` (all
-              three in that dtype);
+              three in that dtype); ``mixed_float8``/``mixed_fp8`` (as
+              ``mixed_bfloat16``, plus the eligible matmuls in FP8 under
+              `jaxamp.autocast`);
             * a single dtype alias such as ``f16`` or ``half`` (all three);
             * jmp's grammar, e.g. ``params=float32,compute=float16,output=float32``
               with keys ``p``/``params``, ``c``/``compute``, ``o``/``output``
               and dtype aliases ``f32``/``float32``/``full``, ``f16``/
               ``float16``, ``bf16``/``bfloat16`` and ``half`` (bfloat16 on TPU,
-              float16 elsewhere). Missing keys take jmp's defaults.
+              float16 elsewhere). Missing keys take jmp's defaults. One key
+              jmp does not have: ``m``/``matmul`` with ``float8``/``fp8``/
+              ``f8`` (FP8 matmuls; e.g. ``p=f32,c=bf16,o=f32,matmul=float8``).
 
     Returns:
         The policy.
@@ -260,12 +333,14 @@ def get_policy(spec: PolicySpec) -> Policy:
         return _parse_grammar(normalized, spec)
     if normalized in _NAMED_POLICIES:
         return Policy(*_NAMED_POLICIES[normalized])
+    if normalized in _NAMED_FP8_POLICIES:
+        return Policy(*_NAMED_FP8_POLICIES[normalized], matmul_dtype=jnp.float8_e4m3fn)
     if normalized in _DTYPE_ALIASES or normalized == "half":
         dtype = _parse_dtype(normalized, spec)
         return Policy(dtype, dtype, dtype)
     raise ValueError(
         f"Unknown precision policy {spec!r}. Valid names: "
-        f"{', '.join(_NAMED_POLICIES)}; a dtype alias "
+        f"{', '.join([*_NAMED_POLICIES, *_NAMED_FP8_POLICIES])}; a dtype alias "
         f"({', '.join(sorted(_DTYPE_ALIASES))}, half); or jmp's grammar such as "
-        "'params=float32,compute=float16,output=float32'."
+        "'params=float32,compute=float16,output=float32' (add ',matmul=float8' for FP8 matmuls)."
     )

@@ -362,8 +362,9 @@ _ALIASES = "bf16, bfloat16, f16, f32, f64, float16, float32, float64, fp16, fp32
 _GRAMMAR_EXAMPLE = "'params=float32,compute=float16,output=float32'"
 _UNKNOWN_NAME = (
     "Unknown precision policy {spec!r}. Valid names: float32, fp32, full, mixed, mixed_float16, "
-    "mixed_fp16, mixed_bfloat16, mixed_bf16, float16, fp16, bfloat16, bf16; a dtype alias "
-    f"({_ALIASES}); or jmp's grammar such as {_GRAMMAR_EXAMPLE}."
+    "mixed_fp16, mixed_bfloat16, mixed_bf16, float16, fp16, bfloat16, bf16, mixed_float8, mixed_fp8; "
+    f"a dtype alias ({_ALIASES}); or jmp's grammar such as {_GRAMMAR_EXAMPLE} (add ',matmul=float8' "
+    "for FP8 matmuls)."
 )
 
 
@@ -392,7 +393,7 @@ _UNKNOWN_NAME = (
         (
             lambda: jaxamp.get_policy("p=f32,x=f16"),
             ValueError,
-            "Unknown key 'x' in precision policy 'p=f32,x=f16'. Valid keys: p, params, c, compute, o, output.",
+            "Unknown key 'x' in precision policy 'p=f32,x=f16'. Valid keys: p, params, c, compute, o, output, m, matmul.",
         ),
         (
             lambda: jaxamp.get_policy("p=f32,c"),

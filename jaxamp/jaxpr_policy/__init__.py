@@ -15,6 +15,8 @@ framework. One module per job:
   keyed by the primitives;
 * `reduction_inputs`: the elementwise chains that feed only a float32
   reduction, which run in float32 whatever their rule;
+* `fp8_rules`: the matmul and convolution rules of a policy with FP8
+  matmuls (``"mixed_float8"``), with their named fallbacks;
 * `higher_order`: the rules that rewrite nested jaxprs (jit, checkpoint,
   scan, while, cond, custom_jvp, custom_vjp, shard_map);
 * `table`: both tables, with the primitives of optional JAX modules;

@@ -11,11 +11,12 @@ from jax.extend.core import Primitive
 
 from jaxamp.jaxpr_policy.arguments import split_call
 from jaxamp.jaxpr_policy.context import Rule
+from jaxamp.jaxpr_policy.fp8_rules import fp8_rules
 from jaxamp.jaxpr_policy.interpreter import RewriteCache
 from jaxamp.jaxpr_policy.registry import find
 from jaxamp.jaxpr_policy.rules import RULES_BY_NAME
 from jaxamp.jaxpr_policy.table import higher_order_rules, rules_table
-from jaxamp.policy import PolicySpec, get_policy
+from jaxamp.policy import Policy, PolicySpec, get_policy
 
 
 def _primitive_named(name: str, table: Mapping[Primitive, Rule]) -> Primitive:
@@ -36,8 +37,12 @@ def _primitive_named(name: str, table: Mapping[Primitive, Rule]) -> Primitive:
     )
 
 
-def _resolve_rules(overrides: Mapping[str | Primitive, str] | None) -> dict[Primitive, Rule]:
+def _resolve_rules(
+    overrides: Mapping[str | Primitive, str] | None, policy: Policy, fp8_observer: Callable | None = None
+) -> dict[Primitive, Rule]:
     rules = rules_table()
+    if policy.fp8_matmuls:
+        rules.update(fp8_rules(fp8_observer))
     if overrides is None:
         return rules
     if not isinstance(overrides, Mapping):
@@ -107,7 +112,11 @@ def autocast(
     Code under `jaxamp.float32_scope` keeps its traced dtypes.
 
     The policy's compute dtype is what matters here: params stay as the
-    caller holds them and outputs come back as `fun` returns them.
+    caller holds them and outputs come back as `fun` returns them. A policy
+    with FP8 matmuls (``"mixed_float8"``) also runs every eligible
+    ``dot_general`` as `jaxamp.fp8_dot_general`, and the other matmuls and
+    convolutions in the compute dtype under a named fallback scope
+    (`jaxamp.FP8_FALLBACK_REASONS`).
 
     Example:
         >>> @jaxamp.autocast
@@ -141,8 +150,18 @@ def autocast(
         return functools.partial(autocast, policy=policy, overrides=overrides)
     if not callable(fun):
         raise TypeError(f"autocast needs a function to transform; got {type(fun).__name__}: {fun!r}.")
-    compute_dtype = get_policy(policy).compute_dtype
-    rewrites = RewriteCache(compute_dtype, _resolve_rules(overrides))
+    resolved = get_policy(policy)
+    return _autocast(fun, resolved, _resolve_rules(overrides, resolved))
+
+
+def autocast_with_fp8_observer(fun: Callable[..., Any], policy: Policy, observer: Callable) -> Callable[..., Any]:
+    """`autocast` whose FP8 quantizations report their counts to `observer` (for
+    `jaxamp.fp8_quantization_stats`; the rewritten program gains host callbacks)."""
+    return _autocast(fun, policy, _resolve_rules(None, policy, observer))
+
+
+def _autocast(fun: Callable[..., Any], policy: Policy, rules: Mapping[Primitive, Rule]) -> Callable[..., Any]:
+    rewrites = RewriteCache(policy.compute_dtype, rules)
 
     def autocast_fun(*args, **kwargs):
         call = split_call(fun, args, kwargs)
