@@ -442,3 +442,30 @@ def test_a_dot_that_xla_renamed_after_a_transpose_is_still_matched_to_its_fp8_re
     )
     (op,) = jaxamp.hlo_precision_report(compiled, _lowered_qdq_dot_hlo(line)).ops
     assert (op.fp8_requested, op.direction) == (requested, "backward")
+
+
+def test_compiled_for_an_h200_autocast_mixed_float8_proves_every_gemm_of_an_mlp_gradient_ran_in_fp8():
+    """The library end to end: `autocast(loss, "mixed_float8")` under `jax.grad`,
+    compiled for an H200, read back by `precision_report` and `check_fp8`.
+    Two layers' forward GEMMs (e4m3 x e4m3), both weight gradients and the
+    hidden activation's gradient (e4m3 with the e5m2 cotangent): five
+    cuBLASLt FP8 calls, all of the matmul FLOPs, and no warning. Fails if
+    autocast's FP8 scope stopped reaching the compiled program (no FP8 rows)
+    or if any GEMM ran wider (check_fp8 raises)."""
+
+    def loss(params, x):
+        hidden = jax.nn.gelu(x @ params["w1"])
+        return jnp.mean((hidden @ params["w2"]) ** 2)
+
+    m, k, h, n = 32, 64, 128, 32
+    params = {"w1": jax.ShapeDtypeStruct((k, h), jnp.float32), "w2": jax.ShapeDtypeStruct((h, n), jnp.float32)}
+    args = jaxamp.on_device((params, jax.ShapeDtypeStruct((m, k), jnp.float32)), _h200())
+    report = jaxamp.precision_report(jax.grad(jaxamp.autocast(loss, "mixed_float8")), *args, compiled=True)
+    rows = {(row.status, row.direction, row.operand_dtypes): row.flops for row in report.fp8_rows()}
+    assert rows == {
+        ("fp8", "forward", ("float8_e4m3fn", "float8_e4m3fn")): 2 * m * k * h + 2 * m * h * n,
+        ("fp8", "backward", ("float8_e4m3fn", "float8_e5m2")): 2 * h * m * n + 2 * k * m * h,
+        ("fp8", "backward", ("float8_e5m2", "float8_e4m3fn")): 2 * m * n * h,
+    }
+    assert {row.primitive for row in report.fp8_rows()} == {"__cublas$lt$matmul$f8"}
+    assert jaxamp.check_fp8(report, raise_error=True) == ()
