@@ -12,13 +12,15 @@ per-device gradients with ``psum``, ``jax.grad`` inside, a ``scan`` inside)
 as ``autocast(shard_map(f))`` and ``shard_map(autocast(f))``, and the tests
 below read its findings.
 
-Negative controls, seen failing: on the code before the ``shard_map`` rule
-(commit 1bb247f^), ``autocast(shard_map(f))`` raised ``NotImplementedError:
-... no rule for the higher-order primitive 'shard_map'`` and
-``shard_map(autocast(f))`` raised ``ValueError: ... requires varying manual
-axes to match``; with the varying-axes type dropped from the avals the body
-is re-traced with (``interpreter.abstract`` returning a plain
-``ShapeDtypeStruct``), the ``shard_map(autocast(f))`` runs fail the same way.
+Negative controls, seen failing (jax 0.10.2): with the varying-axes type
+dropped from the avals the interpreter re-traces bodies with
+(``interpreter.abstract`` returning a plain ``ShapeDtypeStruct``, as on the
+code before commit 1bb247f), every ``shard_map(autocast(f))`` run fails
+(``Primitive dot_general requires varying manual axes to match``; for the
+psum of the gradients ``pvary is a invariant->variant collective``; for the
+scan ``Scan carry input and output got mismatched varying manual axes``),
+and so does ``autocast(shard_map(f))`` of the scan (``psum is a
+variant->invariant collective``).
 """
 
 from __future__ import annotations
