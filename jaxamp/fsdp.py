@@ -30,7 +30,8 @@ bfloat16 is summed in bfloat16 before any cast back (JAX issue 27496),
 because the sum sits inside the partitioned matmul. Leaves no dimension of
 which divides by the axis size are replicated: they are not gathered (they
 keep their dtype), and their gradients are all-reduced in the reduce dtype
-(they enter the ``shard_map`` in it, and its own VJP sums them).
+(each device casts the leaf to it and then to a per-device value,
+``jax.lax.pcast(..., to="varying")``, whose transpose is that sum).
 
 Defaults: `CommunicationPolicy()` communicates in each parameter's own dtype;
 `CommunicationPolicy.from_policy(policy)` gathers in the policy's compute
@@ -422,8 +423,12 @@ def fsdp_loss(
                 gathered.append(leaf)
                 continue
             if dimension is None:
-                # Arrives in the reduce dtype (see `sharded_loss`); computes in its own.
-                gathered.append(leaf.astype(dtype))
+                # Replicated: made per-device here, in the reduce dtype, so
+                # that the transpose of this cast to varying (the sum of
+                # the devices' gradients) runs in the reduce dtype.
+                reduce_dtype = communication.reduce_dtype_for(dtype)
+                varying = jax.lax.pcast(leaf.astype(reduce_dtype), axis, to="varying")
+                gathered.append(varying.astype(dtype))
             else:
                 reduce_dtype = communication.reduce_dtype_for(dtype)
                 gather_dtype = communication.gather_dtype_for(dtype)
@@ -478,18 +483,6 @@ def fsdp_loss(
         layout = tuple(
             (shard_dimension(np.shape(leaf), axis_size), leaf.dtype) for leaf in jax.tree.leaves(params)
         )
-        # A replicated leaf's gradient is summed by shard_map itself where the
-        # leaf enters it, in the dtype it enters in: hand it over in the
-        # reduce dtype (a no-op by default) and let the body cast it back.
-        params = jax.tree.map(
-            lambda leaf, spec: (
-                leaf.astype(communication.reduce_dtype_for(leaf.dtype))
-                if spec == PartitionSpec() and jnp.issubdtype(leaf.dtype, jnp.floating)
-                else leaf
-            ),
-            params,
-            param_specs,
-        )
         batch_specs = jax.tree_util.tree_map_with_path(batch_spec, batch)
         out_specs = (PartitionSpec(), PartitionSpec()) if has_aux else PartitionSpec()
         if jax.sharding.AxisType.Explicit in mesh.axis_types:
@@ -503,12 +496,11 @@ def fsdp_loss(
             mesh=mesh,
             in_specs=(param_specs, *batch_specs),
             out_specs=out_specs,
-            # Without replication types, shard_map's own VJP sums the
-            # gradients of replicated inputs and hands each device its share
-            # of the loss's cotangent; the sharded params' sums are ours.
-            # With them on, a function re-traced from a jaxpr inside
-            # (`jaxamp.autocast`) fails to mix per-device and replicated values.
-            check_vma=False,
+            # JAX's varying-axes types (its default): each collective's
+            # transpose is typed, so the gradients are summed exactly where
+            # the program says (the reduce-scatter of a sharded leaf, the
+            # cast to varying of a replicated one) and nowhere else.
+            check_vma=True,
         )(params, *batch)
 
     return sharded_loss
