@@ -12,9 +12,9 @@ import pytest
 
 tfds = pytest.importorskip("tensorflow_datasets", reason="the TFDS data option needs tensorflow-datasets")
 
-from experiments.lm import __main__ as lm_cli  # noqa: E402
-from experiments.lm import config as config_lib  # noqa: E402
-from experiments.lm import data as data_lib  # noqa: E402
+from experiments.lm import __main__ as lm_cli
+from experiments.lm import config as config_lib
+from experiments.lm import data as data_lib
 
 
 def article(index):
@@ -74,7 +74,9 @@ def test_the_data_flag_parses_a_name_a_version_and_a_feature():
     assert parse("tfds:tiny_shakespeare:1.0.0") == data_lib.TfdsSource("tiny_shakespeare:1.0.0")
     assert parse("tfds:wiki/en:2.0.0:title") == data_lib.TfdsSource("wiki/en:2.0.0", "title")
     for bad in ("tfds:", "tfds:lm1b:", "wikipedia", "TFDS:lm1b"):
-        with pytest.raises(ValueError, match=f"--data {bad!r} is invalid: expected stdlib, synthetic, or tfds"):
+        with pytest.raises(
+            ValueError, match=f"--data {bad!r} is invalid: expected stdlib, synthetic, or tfds"
+        ):
             parse(bad)
 
 
@@ -90,8 +92,10 @@ def test_a_prepared_data_set_is_read_as_bytes_and_each_process_reads_only_its_sh
     assert corpus.train.size == len(train_text.encode()) > len(train_text)  # é is two bytes
     assert "train[0:40]" in corpus.description and "test[0:6]" in corpus.description
 
-    shares = [data_lib.load_corpus("tfds:lm_test_articles:text", tfds_dir, process_index=index,
-                                   process_count=2) for index in range(2)]  # fmt: skip
+    shares = [
+        data_lib.load_corpus("tfds:lm_test_articles:text", tfds_dir, process_index=index, process_count=2)
+        for index in range(2)
+    ]
     assert ["train[0:20]" in shares[0].description, "train[20:40]" in shares[1].description] == [True, True]
     assert bytes(shares[0].train) + b"\n" + bytes(shares[1].train) == bytes(corpus.train)
     assert bytes(shares[0].held_out) + b"\n" + bytes(shares[1].held_out) == bytes(corpus.held_out)
@@ -114,8 +118,9 @@ def test_without_a_held_out_split_the_last_five_percent_of_train_is_held_out(tfd
         ("tfds:lm_test_story", "empty", "none is prepared under that name"),
     ],
 )
-def test_a_missing_data_set_or_feature_exits_1_with_one_message(data, data_dir, message, tfds_dir, tmp_path,
-                                                                capsys):  # fmt: skip
+def test_a_missing_data_set_or_feature_exits_1_with_one_message(
+    data, data_dir, message, tfds_dir, tmp_path, capsys
+):
     """Before anything compiles: the message names what is wrong and what to do."""
     folder = tfds_dir if data_dir == "prepared" else str(tmp_path / "empty")
     argv = ["--model", "tiny", "--data", data, "--data-dir", folder, "--out-dir", str(tmp_path / "out")]
@@ -136,5 +141,7 @@ def test_a_registered_data_set_that_is_not_prepared_says_how_to_prepare_it(tmp_p
 
 def test_the_vocabulary_of_a_tfds_data_set_is_bytes():
     config = config_lib.LMConfig(data="tfds:lm1b", vocab_size=300)
-    with pytest.raises(config_lib.ConfigError, match="--vocab-size 300 is invalid: expected 256 .* tfds:lm1b"):
+    with pytest.raises(
+        config_lib.ConfigError, match="--vocab-size 300 is invalid: expected 256 .* tfds:lm1b"
+    ):
         config_lib.validate(config)

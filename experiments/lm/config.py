@@ -102,7 +102,11 @@ def validate(config: LMConfig) -> None:
     if config.vocab_size is not None and not (is_int(config.vocab_size) and config.vocab_size >= 2):
         fail("--vocab-size", config.vocab_size, "an integer >= 2")
     if config.vocab_size not in (None, 256) and config.data != "synthetic":
-        fail("--vocab-size", config.vocab_size, f"256 (or nothing) with --data {config.data}, whose tokens are bytes")
+        fail(
+            "--vocab-size",
+            config.vocab_size,
+            f"256 (or nothing) with --data {config.data}, whose tokens are bytes",
+        )
     limit = model_lib.SIZES[config.model].context
     if config.context is not None and not (is_int(config.context) and 1 <= config.context <= limit):
         valid = f"an integer from 1 to {limit}, the context of --model {config.model}"

@@ -248,7 +248,9 @@ def load_tfds_corpus(
         ) from error
     from experiments.data import _without_tfds_unprepared_warnings  # pylint: disable=g-import-not-at-top
 
-    where = f"the TFDS data dir {data_dir!r}" if data_dir else "TFDS's default data dir (~/tensorflow_datasets)"
+    where = (
+        f"the TFDS data dir {data_dir!r}" if data_dir else "TFDS's default data dir (~/tensorflow_datasets)"
+    )
     prepare = (
         f"Prepare it once where it can be downloaded (tfds build {source.name.split(':')[0]} "
         f"--data_dir DIR), then pass --data-dir DIR; this command never downloads."
@@ -277,7 +279,10 @@ def load_tfds_corpus(
     num_train = splits["train"].num_examples
     held_out_split = next((name for name in ("validation", "test") if name in splits), None)
     if held_out_split:
-        parts = {"train": ("train", 0, num_train), "held-out": (held_out_split, 0, splits[held_out_split].num_examples)}
+        parts = {
+            "train": ("train", 0, num_train),
+            "held-out": (held_out_split, 0, splits[held_out_split].num_examples),
+        }
     else:
         cut = num_train * (100 - HELD_OUT_PERCENT) // 100
         parts = {"train": ("train", 0, cut), "held-out": ("train", cut, num_train)}
