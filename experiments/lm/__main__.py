@@ -139,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=data_arg,
         default=_DEFAULTS.data,
         help="stdlib: bytes of the *.py files of Python's standard library; synthetic: random tokens, for "
-        "timing; tfds:NAME[:FEATURE]: the bytes of a TFDS data set's text feature (needed when it has "
-        "several), prepared beforehand in --data-dir (never downloaded), e.g. tfds:tiny_shakespeare",
+        "timing; tfds:NAME[:FEATURE]: the bytes of text feature FEATURE (optional if there is only one) "
+        "of a TFDS data set prepared beforehand in --data-dir (never downloaded), e.g. "
+        "tfds:tiny_shakespeare",
     )
     parser.add_argument(
         "--data-dir",
