@@ -2,9 +2,14 @@
 
 A device count is fixed when JAX starts, so the sharded runs happen in fresh
 processes: one with 8 virtual CPU devices (`eight_device_runs`, shared by the
-tests below), and two processes of one device each on loopback. All runs are
-the same tiny float32 model on the same synthetic batches, so the losses of
-one device, 8 devices and 2 processes must agree within `RTOL`.
+tests below), and two processes of one device each on loopback. The runs
+train the same tiny float32 model on the same synthetic batches (one more, under
+mixed_bf16, shows the stated communication), so the losses of one device,
+8 devices and 2 processes must agree within `RTOL`. The two processes run
+`train.train_and_evaluate` after `experiments.distributed.initialize`, as the
+command line does with ``--coordinator-address``, ``--num-processes`` and
+``--process-id``, twice in one start (the command line takes one
+``--gather-dtype`` per start).
 """
 
 import json
