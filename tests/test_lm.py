@@ -47,11 +47,17 @@ def test_attention_is_cudnn_on_a_gpu_in_half_precision_and_einsum_or_xla_elsewhe
 
 def test_the_einsum_attention_is_causal_and_equals_jax_attention_in_float32():
     """Fails if the mask lets a token see its future or the scale is off."""
-    query, key, value = jax.random.normal(jax.random.key(0), (3, 2, 8, 2, 4))
-    ours = model_lib.einsum_attention(query, key, value)
-    reference = jax.nn.dot_product_attention(query, key, value, is_causal=True, implementation="xla")
+    query, key, value = np.random.default_rng(0).standard_normal((3, 2, 8, 2, 4), np.float32)
+
+    @jax.jit  # one compile; run op by op, this test compiled every operation of both attentions
+    def attentions(query, key, value):
+        ours = model_lib.einsum_attention(query, key, value)
+        reference = jax.nn.dot_product_attention(query, key, value, is_causal=True, implementation="xla")
+        changed_future = model_lib.einsum_attention(query, key.at[:, -1].add(1.0), value.at[:, -1].add(1.0))
+        return ours, reference, changed_future
+
+    ours, reference, changed_future = attentions(query, key, value)
     np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-6)
-    changed_future = model_lib.einsum_attention(query, key.at[:, -1].add(1.0), value.at[:, -1].add(1.0))
     np.testing.assert_array_equal(changed_future[:, :-1], ours[:, :-1])
 
 

@@ -1,12 +1,20 @@
 """FSDP-sharded training of the language model gives the one-device losses.
 
-A device count is fixed when JAX starts, so the sharded runs happen in one
-fresh process with 8 virtual CPU devices: the same tiny fp32 run on a mesh
-of one device and on all 8 with the state sharded, compared there.
+A device count is fixed when JAX starts, so the sharded runs happen in fresh
+processes: one with 8 virtual CPU devices (`eight_device_runs`, shared by the
+tests below), and two processes of one device each on loopback. The runs
+train the same tiny float32 model on the same synthetic batches (one more, under
+mixed_bf16, shows the stated communication), so the losses of one device,
+8 devices and 2 processes must agree within `RTOL`. The two processes run
+`train.train_and_evaluate` after `experiments.distributed.initialize`, as the
+command line does with ``--coordinator-address``, ``--num-processes`` and
+``--process-id``, twice in one start (the command line takes one
+``--gather-dtype`` per start).
 """
 
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -17,25 +25,93 @@ import jaxamp
 from experiments.lm.sharding import leaf_spec
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RTOL = 1e-5
-EIGHT_DEVICES = {
-    **os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"
+RTOL = 1e-5  # float32, summed in another order over devices and processes
+# Params gathered in bfloat16: a float32 param a hair from a rounding boundary rounds the other
+# way once its gradient was summed in another order (measured: 1.1e-5 after 3 steps).
+RTOL_BFLOAT16_GATHERS = 1e-4
+CPU = {**os.environ, "JAX_PLATFORMS": "cpu"}
+CPU.pop("XLA_FLAGS", None)
+# The 8-device process shares the suite's compilation cache (tests/conftest.py), so reruns skip
+# compiling. The two processes do not: one loading from the cache while the other compiles
+# outwaits gloo's 30 s rendezvous.
+CACHED = {
+    "JAX_COMPILATION_CACHE_DIR": os.path.join(REPO_ROOT, ".jax_cache"),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
 }
+HAS_FSDP_LOSS = hasattr(jaxamp, "fsdp_loss")
 
-_SCRIPT = """
-import json, jax
+# Every run: 3 steps of 8 windows of 17 tokens, evaluated after each; `train.train_and_evaluate`
+# with the settings below, on a `Sharding` over the devices named, printed as one JSON line.
+_RUN = """
+import json, sys, jax
+from experiments import distributed
 from experiments.lm import config, train
 from experiments.lm.sharding import Sharding
-settings = config.LMConfig(model="tiny", precision="fp32", context=16, batch_size=8, steps=3, eval_every=1,
-                           eval_batches=1, data="synthetic", progress=False)
-runs = {}
-meshes = (("one", Sharding.over_devices(jax.devices()[:1])), ("fsdp", Sharding.over_all_devices()))
-for name, sharding in meshes:
-    run = train.train_and_evaluate(settings, log=lambda line: None, sharding=sharding)
-    runs[name] = {"evaluations": run["evaluations"], "collectives": run["cost"]["collectives_per_device"],
-                  "checksum": run["summary"]["state_checksum"]}
+TINY = dict(model="tiny", context=16, batch_size=8, steps=3, eval_every=1, eval_batches=1, data="synthetic",
+            progress=False)
+
+def run(sharding=None, **settings):
+    result = train.train_and_evaluate(config.LMConfig(**{**TINY, **settings}), log=lambda line: None,
+                                      sharding=sharding)
+    return {"evaluations": result["evaluations"], "checksum": result["summary"]["state_checksum"],
+            "collectives": result["cost"]["collectives_per_device"],
+            "stated": result["cost"]["collectives_stated"]}
+"""
+
+_EIGHT_DEVICES = (
+    _RUN
+    + """
+one = Sharding.over_devices(jax.devices()[:1])
+runs = {"one": run(one), "fsdp": run()}
+if len(sys.argv) > 1:  # jaxamp.fsdp_loss exists: stated communication too
+    runs["one gather bfloat16"] = run(one, gather_dtype="bfloat16")
+    runs["stated mixed_bf16"] = run(precision="mixed_bf16", gather_dtype="bfloat16")
 print(json.dumps(runs))
 """
+)
+
+_TWO_PROCESSES = (
+    _RUN
+    + """
+port, index, gathers = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+distributed.initialize(f"127.0.0.1:{port}", 2, index)
+assert jax.process_count() == 2 and jax.device_count() == 2
+print(json.dumps({gather: run(gather_dtype=None if gather == "default" else gather) for gather in gathers}))
+"""
+)
+
+
+def last_json_line(finished: subprocess.CompletedProcess | tuple[str, str], returncode: int) -> dict:
+    stdout, stderr = (finished.stdout, finished.stderr) if hasattr(finished, "stdout") else finished
+    assert returncode == 0, stderr[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def losses(run):
+    return [(entry["train_loss"], entry["held_out_loss"]) for entry in run["evaluations"]]
+
+
+def assert_same_losses(runs, reference, rtol=RTOL):
+    """Every evaluation's held-out loss, and train loss after step 0, within `rtol` of `reference`."""
+    assert len(runs["evaluations"]) == len(reference["evaluations"]) == 4
+    for entry, expected in zip(runs["evaluations"], reference["evaluations"]):
+        assert entry["step"] == expected["step"]
+        for name in ("held_out_loss", "train_loss") if entry["step"] else ("held_out_loss",):
+            assert abs(entry[name] - expected[name]) <= rtol * abs(expected[name]), (entry, expected)
+
+
+@pytest.fixture(scope="module")
+def eight_device_runs():
+    """The runs of one process with 8 virtual CPU devices: one device, all 8 (plain `jit`), and,
+    with `jaxamp.fsdp_loss`, one device gathering in bfloat16 and 8 devices under mixed_bf16
+    gathering in bfloat16 (reductions left at their default)."""
+    environment = {**CPU, **CACHED, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    argv = [sys.executable, "-c", _EIGHT_DEVICES, *(["stated"] if HAS_FSDP_LOSS else [])]
+    finished = subprocess.run(
+        argv, check=False, cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=900
+    )
+    return last_json_line(finished, finished.returncode)
 
 
 def test_a_state_array_is_split_along_its_largest_divisible_axis_or_replicated():
@@ -46,95 +122,69 @@ def test_a_state_array_is_split_along_its_largest_divisible_axis_or_replicated()
     assert leaf_spec((64, 256), 1) == PartitionSpec()
 
 
-def test_eight_sharded_devices_train_like_one_device():
+def test_eight_sharded_devices_train_like_one_device(eight_device_runs):
     """Fails if a batch row is lost or doubled across devices, or if the state is not
     actually sharded (no all-gather or reduce-scatter in the compiled step)."""
-    finished = subprocess.run(
-        [sys.executable, "-c", _SCRIPT],
-        cwd=REPO_ROOT, env=EIGHT_DEVICES, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    runs = json.loads(finished.stdout.strip().splitlines()[-1])
-    one, fsdp = runs["one"], runs["fsdp"]
-    assert len(one["evaluations"]) == len(fsdp["evaluations"]) == 4
-    for single, sharded in zip(one["evaluations"], fsdp["evaluations"]):
-        assert abs(sharded["held_out_loss"] - single["held_out_loss"]) <= RTOL * abs(single["held_out_loss"])
-        if single["step"]:
-            assert abs(sharded["train_loss"] - single["train_loss"]) <= RTOL * abs(single["train_loss"])
+    one, fsdp = eight_device_runs["one"], eight_device_runs["fsdp"]
+    assert_same_losses(fsdp, one)
     assert one["collectives"] == {}
     assert any(name.startswith("all-gather") for name in fsdp["collectives"])
     assert any(name.startswith(("reduce-scatter", "all-reduce")) for name in fsdp["collectives"])
 
 
-_COMMUNICATION_SCRIPT = """
-import json, jax
-from experiments.lm import config, train
-runs = {}
-for name, gather, reduce in (("xla", None, None), ("stated", "bfloat16", "float32")):
-    settings = config.LMConfig(model="tiny", precision="mixed_bf16", context=16, batch_size=8, steps=2,
-                               eval_every=2, eval_batches=1, data="synthetic", progress=False,
-                               gather_dtype=gather, reduce_dtype=reduce)
-    run = train.train_and_evaluate(settings, log=lambda line: None)
-    runs[name] = {"collectives": run["cost"]["collectives_stated"],
-                  "loss": run["evaluations"][-1]["held_out_loss"]}
-print(json.dumps(runs))
-"""
-
-
-@pytest.mark.skipif(not hasattr(jaxamp, "fsdp_loss"), reason="this jaxamp has no jaxamp.fsdp_loss")
-def test_bfloat16_gathers_move_half_the_bytes_and_gradients_are_summed_in_float32():
-    """On 8 devices under mixed_bf16 with --gather-dtype bfloat16 --reduce-dtype float32, the
-    program gathers every sharded param in bfloat16 and reduce-scatters its gradient in float32
-    (read before partitioning: XLA on CPU then widens bfloat16 collectives to float32, and
-    plain jit states none, its partitioner adds float32 ones). Fails if the flags do not
-    reach the program."""
-    finished = subprocess.run(
-        [sys.executable, "-c", _COMMUNICATION_SCRIPT],
-        cwd=REPO_ROOT, env=EIGHT_DEVICES, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    runs = json.loads(finished.stdout.strip().splitlines()[-1])
-    plain, stated = runs["xla"]["collectives"], runs["stated"]["collectives"]
+@pytest.mark.skipif(not HAS_FSDP_LOSS, reason="this jaxamp has no jaxamp.fsdp_loss")
+def test_bfloat16_gathers_move_half_the_bytes_and_gradients_are_summed_in_float32(eight_device_runs):
+    """On 8 devices under mixed_bf16 with --gather-dtype bfloat16 and no --reduce-dtype, the
+    program gathers every sharded param in bfloat16 and reduce-scatters its gradient in float32,
+    the default (read before partitioning: XLA on CPU then widens bfloat16 collectives to
+    float32, and plain jit states none, its partitioner adds float32 ones). Fails if the flag
+    does not reach the program or the default reduction narrows to bfloat16."""
+    plain, stated = eight_device_runs["fsdp"]["stated"], eight_device_runs["stated mixed_bf16"]["stated"]
     assert plain == {}
     assert "all-gather bfloat16" in stated and "all-gather float32" not in stated
     assert stated["reduce-scatter float32"]["count"] == stated["all-gather bfloat16"]["count"]
     assert "reduce-scatter bfloat16" not in stated
-    assert abs(runs["stated"]["loss"] - runs["xla"]["loss"]) < 1e-2 * runs["xla"]["loss"]
+    # Half float32's bytes: each reduce-scatter's float32 output is an eighth of its param.
+    assert (
+        stated["all-gather bfloat16"]["result_bytes"] * 2
+        == stated["reduce-scatter float32"]["result_bytes"] * 8
+    )
+    fp32_loss = eight_device_runs["fsdp"]["evaluations"][-1]["held_out_loss"]
+    loss = eight_device_runs["stated mixed_bf16"]["evaluations"][-1]["held_out_loss"]
+    assert abs(loss - fp32_loss) < 1e-2 * fp32_loss
 
 
-def test_two_processes_on_loopback_train_like_one_and_end_with_the_same_state(tmp_path, capsys):
-    """Each process reads only its 4 rows of every batch of 8; fails if a process reads the
-    wrong rows (the losses differ from one process's) or the processes' states diverge."""
-    import random
-
-    from experiments.lm import __main__ as lm_cli
-
-    flags = [
-        "--model", "tiny", "--precisions", "fp32", "--context", "16", "--batch-size", "8", "--steps", "3",
-        "--eval-every", "1", "--eval-batches", "1", "--data", "synthetic", "--no-progress",
-    ]  # fmt: skip
-    port = random.randint(20000, 40000)
-    environment = {**os.environ, "JAX_PLATFORMS": "cpu"}
+def test_two_processes_on_loopback_train_like_one_and_end_with_the_same_state(eight_device_runs):
+    """Each process reads only its 4 rows of every batch of 8, and gathers params as XLA chooses
+    or (with `jaxamp.fsdp_loss`) in bfloat16. Fails if a process reads the wrong rows (the losses
+    differ from one device's), the bfloat16 gathers differ across processes from one device's,
+    or the processes' states diverge."""
+    gathers = ["default", "bfloat16"] if HAS_FSDP_LOSS else ["default"]
+    port = str(random.randint(20000, 40000))
     processes = [
         subprocess.Popen(
-            [sys.executable, "-m", "experiments.lm", *flags, "--coordinator-address", f"127.0.0.1:{port}",
-             "--num-processes", "2", "--process-id", str(index), "--out-dir", str(tmp_path / "two")],
-            cwd=REPO_ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [sys.executable, "-c", _TWO_PROCESSES, port, str(index), *gathers],
+            cwd=REPO_ROOT,
+            env=CPU,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for index in range(2)
     ]
     outputs = [process.communicate(timeout=900) for process in processes]
-    for process, (_, stderr) in zip(processes, outputs):
-        assert process.returncode == 0, stderr[-3000:]
-    assert lm_cli.main([*flags, "--out-dir", str(tmp_path / "one")]) == 0
-    single = capsys.readouterr().out
-
-    def evaluation_lines(text):
-        # Each evaluation line without its timing: step, train and held-out loss, loss scale, skips.
-        lines = [line for line in text.splitlines() if line.startswith("step ")]
-        return [line.split("| train")[0] + line.split("s loss")[1] for line in lines]
-
-    first, second = (stdout for stdout, _ in outputs)
-    assert evaluation_lines(first) == evaluation_lines(single) != []
-    checksums = [line.split()[-1] for line in (first + second).splitlines() if "state checksum" in line]
-    assert len(checksums) == 2 and checksums[0] == checksums[1]
+    first, second = (
+        last_json_line(output, process.returncode) for output, process in zip(outputs, processes)
+    )
+    references = {
+        "default": eight_device_runs["one"],
+        "bfloat16": eight_device_runs.get("one gather bfloat16"),
+    }
+    for gather in gathers:
+        assert_same_losses(
+            first[gather], references[gather], RTOL if gather == "default" else RTOL_BFLOAT16_GATHERS
+        )
+        assert losses(first[gather]) == losses(second[gather])
+        assert first[gather]["checksum"] == second[gather]["checksum"]
+    if HAS_FSDP_LOSS:
+        assert "all-gather bfloat16" in first["bfloat16"]["stated"]

@@ -3,6 +3,7 @@
 python -m experiments.lm --quick
 python -m experiments.lm --model small --precisions fp32,mixed_bf16,mixed --seeds 0,1 --steps 300
 python -m experiments.lm --route autocast --precisions mixed_bf16
+python -m experiments.lm --data tfds:tiny_shakespeare --data-dir ~/tensorflow_datasets   # prepared there
 python -m experiments.lm --data synthetic --model gpt2 --vocab-size 50304 --batch-size 8 --steps 20
 python -m experiments.lm --target h200        # on paper: compiled for an H200, no GPU needed
 
@@ -48,11 +49,20 @@ def seeds_arg(text: str) -> list[int]:
     return seeds
 
 
+def data_arg(text: str) -> str:
+    """An argparse type: ``stdlib``, ``synthetic`` or ``tfds:NAME[:FEATURE]``."""
+    try:
+        data_lib.parse_source(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.lm",
-        description="Train a GPT-style decoder on the bytes of Python's standard library under jaxamp "
-        "precisions; write results.json, table.md and plots of the held-out loss.",
+        description="Train a GPT-style decoder on the bytes of Python's standard library (or of a "
+        "prepared TFDS text data set) under jaxamp precisions; write results.json, table.md and plots of the held-out loss.",
         formatter_class=HelpFormatter,
     )
     parser.add_argument(
@@ -126,13 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--data",
+        type=data_arg,
         default=_DEFAULTS.data,
-        choices=list(data_lib.SOURCES),
-        help="stdlib: bytes of the *.py files of Python's standard library; "
-        "synthetic: random tokens, for timing",
+        help="stdlib: bytes of the *.py files of Python's standard library; synthetic: random tokens, for "
+        "timing; tfds:NAME[:FEATURE]: the bytes of text feature FEATURE (optional if there is only one) "
+        "of a TFDS data set prepared beforehand in --data-dir (never downloaded), e.g. "
+        "tfds:tiny_shakespeare",
     )
     parser.add_argument(
-        "--data-dir", default=None, help="read *.py files from this folder instead of the standard library"
+        "--data-dir",
+        default=None,
+        help="with stdlib: read the *.py files of this folder instead; with tfds:...: the TFDS data dir "
+        "(default: TFDS's, ~/tensorflow_datasets)",
     )
     parser.add_argument(
         "--vocab-size", type=integer_at_least(2, "an integer >= 2"), default=None,
@@ -241,7 +256,14 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = args.out_dir or (new_out_dir() if main_process else None)
         if args.out_dir and main_process:
             os.makedirs(out_dir, exist_ok=True)
-        corpus = data_lib.load_corpus(configs[0].data, configs[0].data_dir, configs[0].vocab_size or 256, 0)
+        corpus = data_lib.load_corpus(
+            configs[0].data,
+            configs[0].data_dir,
+            configs[0].vocab_size or 256,
+            0,
+            jax.process_index(),
+            jax.process_count(),
+        )
         print(f"corpus: {corpus.description}", flush=True)
         payload: dict[str, Any] = {"command": command, "environment": environment(), "runs": []}
 

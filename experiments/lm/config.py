@@ -30,8 +30,8 @@ class LMConfig:
     route: str = "apply_policy"
     attention: str = "auto"
     loss_scale: str = "default"
-    data: str = "stdlib"
-    data_dir: str | None = None
+    data: str = "stdlib"  # or "synthetic", or "tfds:NAME[:FEATURE]"
+    data_dir: str | None = None  # *.py files for stdlib; the TFDS data dir for tfds:...
     vocab_size: int | None = None  # None: the corpus's own (256 for bytes)
     context: int | None = None  # None: the model size's
     batch_size: int = 16
@@ -93,14 +93,20 @@ def validate(config: LMConfig) -> None:
         fail("--route", config.route, f"one of {', '.join(ROUTES)}")
     if config.attention not in model_lib.ATTENTION_CHOICES:
         fail("--attention", config.attention, f"one of {', '.join(model_lib.ATTENTION_CHOICES)}")
-    if config.data not in data_lib.SOURCES:
-        fail("--data", config.data, f"one of {', '.join(data_lib.SOURCES)}")
+    try:
+        data_lib.parse_source(config.data)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     if config.sharding not in SHARDING:
         fail("--sharding", config.sharding, f"one of {', '.join(SHARDING)}")
     if config.vocab_size is not None and not (is_int(config.vocab_size) and config.vocab_size >= 2):
         fail("--vocab-size", config.vocab_size, "an integer >= 2")
-    if config.vocab_size not in (None, 256) and config.data == "stdlib":
-        fail("--vocab-size", config.vocab_size, "256 (or nothing) with --data stdlib, whose tokens are bytes")
+    if config.vocab_size not in (None, 256) and config.data != "synthetic":
+        fail(
+            "--vocab-size",
+            config.vocab_size,
+            f"256 (or nothing) with --data {config.data}, whose tokens are bytes",
+        )
     limit = model_lib.SIZES[config.model].context
     if config.context is not None and not (is_int(config.context) and 1 <= config.context <= limit):
         valid = f"an integer from 1 to {limit}, the context of --model {config.model}"

@@ -237,7 +237,12 @@ def train_and_evaluate(
     sharding = sharding or Sharding.over_all_devices(config.sharding)
     sharding.check_batch_size(config.batch_size)
     corpus = corpus or data_lib.load_corpus(
-        config.data, config.data_dir, config.vocab_size or 256, config.seed
+        config.data,
+        config.data_dir,
+        config.vocab_size or 256,
+        config.seed,
+        jax.process_index(),
+        jax.process_count(),
     )
     context = config.sequence_length
     data_lib.check_fits(corpus, context)
