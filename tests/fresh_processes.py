@@ -13,7 +13,8 @@ as a `FreshProcess` named after the fixture that reads its result::
 
 Once pytest has collected and selected the tests, `start_needed` starts, in
 one background thread and one at a time, every command whose fixture a
-selected test uses, in the order the tests come; the main process runs the
+selected test uses, in the order the tests come, in the environment the
+session started with; the main process runs the
 other tests meanwhile, so on two cores the two run side by side. `result`
 waits for the command (or, where nothing started it, runs it there and then)
 and returns what it printed; the test asserts on that exactly as it would on
@@ -65,7 +66,8 @@ class FreshProcess:
             claimed, self._claimed = self._claimed, True
             return not claimed
 
-    def _run(self) -> None:
+    def _run(self, environ: dict[str, str] | None = None) -> None:
+        """Runs the command in `environ` (by default this process's environment now), updated with `env`."""
         _RAN.append(self)
         try:
             if _STOPPING.is_set():
@@ -73,7 +75,7 @@ class FreshProcess:
             self.directory = tempfile.mkdtemp(prefix=f"fresh-{self.fixture}-")
             argv = [sys.executable, *(arg.replace("{dir}", self.directory) for arg in self.argv)]
             self._process = subprocess.Popen(
-                argv, cwd=REPO_ROOT, env={**os.environ, **self.env},
+                argv, cwd=REPO_ROOT, env={**(os.environ if environ is None else environ), **self.env},
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             )  # fmt: skip
             if _STOPPING.is_set():  # the session ended while it started
@@ -132,10 +134,13 @@ def start_needed(items: Iterable) -> None:
     runs = [run for run in needed(items) if run._claim()]
     if not runs:
         return
+    # The environment as the session starts: a test that sets a variable for itself
+    # (monkeypatch.setenv) while a command starts must not hand it on.
+    environ = dict(os.environ)
 
     def run_all():
         for run in runs:
-            run._run()
+            run._run(environ)
 
     threading.Thread(target=run_all, name="fresh-processes", daemon=True).start()
 

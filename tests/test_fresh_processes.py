@@ -70,3 +70,20 @@ def test_stopping_kills_a_command_that_still_runs():
         time.sleep(0.01)
     module.SLOW.stop()
     assert module.SLOW.result().returncode == -9  # SIGKILL
+
+
+def test_commands_started_early_see_the_environment_the_session_started_with(monkeypatch):
+    """Fails if a command started in the background took a variable a running test had just set.
+
+    The first command holds the queue for half a second; the variable changes meanwhile.
+    """
+    monkeypatch.setenv("FRESH_PROCESS_PROBE", "as the session started")
+    module = types.SimpleNamespace(
+        FIRST=FreshProcess("first", "-c", "import time; time.sleep(0.5)"),
+        PROBE=FreshProcess("probe", "-c", "import os; print(os.environ['FRESH_PROCESS_PROBE'])"),
+    )
+    start_needed([fake_item(module, "first", "probe")])
+    monkeypatch.setenv("FRESH_PROCESS_PROBE", "set by a test")
+    assert module.PROBE.result().stdout == "as the session started\n"
+    for run in (module.FIRST, module.PROBE):
+        run.stop()
