@@ -122,9 +122,10 @@ def needed(items: Iterable) -> list[FreshProcess]:
     """The fresh processes whose fixture a selected test uses, in the order they are first needed."""
     found: list[FreshProcess] = []
     for item in items:
-        module = getattr(item, "module", None)
+        module = getattr(item, "module", None)  # none for a doctest or a non-Python item
+        fixturenames = getattr(item, "fixturenames", ())
         for value in vars(module).values() if module is not None else ():
-            if isinstance(value, FreshProcess) and value.fixture in item.fixturenames and value not in found:
+            if isinstance(value, FreshProcess) and value.fixture in fixturenames and value not in found:
                 found.append(value)
     return found
 
