@@ -1,9 +1,10 @@
-"""Shared test settings: a persistent compilation cache and hypothesis limits."""
+"""Shared test settings: a persistent compilation cache, hypothesis limits, fresh processes started early."""
 
 import os
 import pathlib
 import socket
 
+import fresh_processes
 import hypothesis
 import jax
 import pytest
@@ -21,6 +22,22 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 # per-example deadline; a few dozen examples per property keep the suite fast.
 hypothesis.settings.register_profile("jaxamp", deadline=None, max_examples=30)
 hypothesis.settings.load_profile("jaxamp")
+
+
+def pytest_collection_finish(session):
+    """Starts the commands the selected tests need a fresh process for (tests/fresh_processes.py).
+
+    They run in the background, one at a time, while this process runs the
+    other tests: on two cores the suite takes the longer of the two, not their sum.
+    """
+    if not session.config.option.collectonly:
+        fresh_processes.start_needed(session.items)
+
+
+def pytest_sessionfinish(session):
+    """Kills a fresh process no test waited for (a run stopped early, -x) and removes its folder."""
+    del session
+    fresh_processes.stop_all()
 
 
 @pytest.fixture

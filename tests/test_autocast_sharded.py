@@ -1,8 +1,9 @@
 """`jaxamp.autocast` with ``jax.shard_map`` and ``jax.pmap`` on 8 virtual CPU devices.
 
 A device count is fixed when JAX starts, so the checks run in one fresh
-process (tests/autocast_sharded_checks.py) and the tests below read its
-findings: a data-parallel gradient step, summed over the devices with an
+process (tests/autocast_sharded_checks.py, started in the background as soon
+as the tests are collected: tests/fresh_processes.py) and the tests below
+read its findings: a data-parallel gradient step, summed over the devices with an
 explicit ``psum`` (``check_vma=False``, as ``pmap`` stages it) or by JAX
 itself (the default varying-axes types), under ``autocast(shard_map(f))``,
 ``shard_map(autocast(f))`` and ``autocast(pmap(f))``.
@@ -17,13 +18,10 @@ without the varying-axes types of its inputs).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+from fresh_processes import FreshProcess
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = 2e-2  # float16 rounding, relative to the largest gradient
 
 AUTOCAST_RUNS = [
@@ -45,13 +43,15 @@ FLOAT32_RUN_OF = {
 }  # fmt: skip
 
 
+CHECKS = FreshProcess(
+    "findings", "-m", "tests.autocast_sharded_checks",
+    env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, timeout=600,
+)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def findings():
-    environment = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    completed = subprocess.run(
-        [sys.executable, "-m", "tests.autocast_sharded_checks"],
-        cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+    completed = CHECKS.result()
     assert completed.returncode == 0, completed.stderr
     return json.loads(completed.stdout.splitlines()[-1])
 

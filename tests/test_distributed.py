@@ -2,21 +2,20 @@
 
 Each run here is a fresh JAX process (a device count is fixed when JAX
 starts), so the file is small: one reference run in this process, one run on
-two devices of one process, and one run of two processes on loopback.
+two devices of one process, and one run of two processes on loopback; the
+last two start in the background once the tests are collected.
 """
 
 import json
 import os
+import pathlib
 import re
-import socket
-import subprocess
-import sys
 
 import pytest
+from fresh_processes import FreshProcess
 
 from experiments import cifar
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # float32 at the highest matmul precision, so the only difference between
 # the runs is the order of the cross-device sums: losses agree to RTOL.
 RUN = [
@@ -26,18 +25,31 @@ RUN = [
 RTOL = 1e-5
 
 
-def run_experiment(extra, devices=1, **popen):
-    environment = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "experiments.cifar", *RUN, *extra],
-        cwd=REPO_ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
-    )  # fmt: skip
+def devices_flag(devices):
+    return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
 
 
-def finish(process):
-    stdout, stderr = process.communicate(timeout=600)
-    assert process.returncode == 0, stderr
-    return stdout
+# The runs on two devices start in the background as soon as the tests are
+# collected (tests/fresh_processes.py), while this process makes the reference.
+TWO_DEVICES = FreshProcess(
+    "two_devices", "-m", "experiments.cifar", *RUN, "--out", "{dir}/run.json", env=devices_flag(2), timeout=600
+)
+INDIVISIBLE_BATCH = FreshProcess(
+    "indivisible_batch", "-m", "experiments.cifar", *RUN, "--batch-size", "7", env=devices_flag(2), timeout=300
+)
+
+
+@pytest.fixture
+def two_devices():
+    process = TWO_DEVICES.result()
+    assert process.returncode == 0, process.stderr
+    with open(os.path.join(TWO_DEVICES.directory, "run.json"), encoding="utf-8") as results:
+        return json.load(results)
+
+
+@pytest.fixture
+def indivisible_batch():
+    return INDIVISIBLE_BATCH.result()
 
 
 @pytest.fixture(scope="module")
@@ -54,41 +66,38 @@ def assert_same_training(epoch, reference):
 
 
 def test_two_devices_of_one_process_train_like_one_device_and_reject_an_indivisible_batch(
-    tmp_path, one_device
+    two_devices, indivisible_batch, one_device
 ):
-    out = tmp_path / "run.json"
-    finish(run_experiment(["--out", str(out)], devices=2))
-    results = json.loads(out.read_text())
+    assert two_devices["environment"]["device_count"] == 2
+    assert_same_training(two_devices["epochs"][0], one_device)
 
-    assert results["environment"]["device_count"] == 2
-    assert_same_training(results["epochs"][0], one_device)
-
-    rejected = run_experiment(["--batch-size", "7"], devices=2)
-    _, stderr = rejected.communicate(timeout=300)
-    assert rejected.returncode == 1
+    assert indivisible_batch.returncode == 1
+    stderr = indivisible_batch.stderr
     assert "--batch-size 7 does not split over 2 devices" in stderr and "Traceback" not in stderr
 
 
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+# The two processes run side by side in one background command
+# (tests/distributed_loopback_run.py), which picks the port as it starts them.
+LOOPBACK = FreshProcess(
+    "loopback", "tests/distributed_loopback_run.py", "{dir}", *RUN, env=devices_flag(1), timeout=900
+)
 
 
-def test_two_processes_on_loopback_end_identical_train_like_one_process_and_checkpoint(
-    tmp_path, one_device
-):
-    address = f"127.0.0.1:{free_port()}"
-    outs = [tmp_path / f"process{index}.json" for index in range(2)]
-    checkpoints = tmp_path / "checkpoints"
-    processes = [
-        run_experiment(
-            ["--coordinator-address", address, "--num-processes", "2", "--process-id", str(index),
-             "--out", str(outs[index]), "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2"]
-        )  # fmt: skip
-        for index in range(2)
-    ]
-    stdouts = [finish(process) for process in processes]
+@pytest.fixture
+def loopback():
+    """The standard output of process 0 and process 1, and the folder they wrote into."""
+    completed = LOOPBACK.result()
+    assert completed.returncode == 0, completed.stderr
+    processes = json.loads(completed.stdout.splitlines()[-1])
+    for process in processes:
+        assert process["returncode"] == 0, process["stderr"]
+    return [process["stdout"] for process in processes], pathlib.Path(LOOPBACK.directory)
+
+
+def test_two_processes_on_loopback_end_identical_train_like_one_process_and_checkpoint(loopback, one_device):
+    stdouts, directory = loopback
+    outs = [directory / f"process{index}.json" for index in range(2)]
+    checkpoints = directory / "checkpoints"
 
     epoch_line = re.compile(r"\[process \d\] epoch +1/1 .* state ([0-9a-f]{12})")
     checksums = [epoch_line.findall(stdout) for stdout in stdouts]

@@ -15,9 +15,10 @@ import sys
 import textwrap
 
 import pytest
+from fresh_processes import FreshProcess
+from markdown_examples import ExampleFailed, python_blocks, run_file, run_page
 
 import jaxamp
-from markdown_examples import ExampleFailed, python_blocks, run_file, run_page
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
@@ -123,30 +124,49 @@ def test_every_relative_link_of_the_readme_leads_to_a_file():
     assert [t for t in relative if not (REPO / t).exists()] == []
 
 
+# Every proxy points at a closed port, and no host bypasses them: no fetch can succeed.
+OFFLINE = {
+    **{name: "http://127.0.0.1:9" for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY",
+                                              "ALL_PROXY", "all_proxy")},
+    "NO_PROXY": "",
+    "no_proxy": "",
+    "NO_MKDOCS_2_WARNING": "1",
+}  # fmt: skip
+
+
 def _mkdocs_build(config: pathlib.Path, site: pathlib.Path) -> subprocess.CompletedProcess:
-    """`mkdocs build --strict` with every proxy pointing at a closed port: no fetch can succeed."""
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "all_proxy"):
-        env[name] = "http://127.0.0.1:9"
-    env.pop("NO_PROXY", None)
-    env.pop("no_proxy", None)
+    """`mkdocs build --strict`, offline."""
     return subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config), "--site-dir", str(site)],
         cwd=config.parent,
-        env=env,
+        env={**os.environ, **OFFLINE},
         capture_output=True,
         text=True,
         timeout=300,
     )
 
 
-def test_the_documentation_site_builds_in_strict_mode_offline(tmp_path):
+# The project's site, built from the repository root (where mkdocs.yml is) in the
+# background while the examples run (tests/fresh_processes.py).
+SITE = FreshProcess(
+    "site_build", "-m", "mkdocs", "build", "--strict", "--config-file", str(REPO / "mkdocs.yml"),
+    "--site-dir", "{dir}/site", env=OFFLINE, timeout=300,
+)  # fmt: skip
+
+
+@pytest.fixture
+def site_build():
+    """The finished build of the project's site and the folder it wrote."""
+    return SITE.result(), pathlib.Path(SITE.directory) / "site"
+
+
+def test_the_documentation_site_builds_in_strict_mode_offline(site_build):
     """Fails on a broken link or anchor, a page missing from the nav, an unknown API entry, a fetch."""
-    build = _mkdocs_build(REPO / "mkdocs.yml", tmp_path / "site")
+    build, site = site_build
     assert build.returncode == 0, build.stderr
-    assert (tmp_path / "site" / "api" / "index.html").is_file()
+    assert (site / "api" / "index.html").is_file()
     # The evidence the pages link to is published beside them.
-    assert (tmp_path / "site" / "_source" / "tests" / "test_grads.py").is_file()
+    assert (site / "_source" / "tests" / "test_grads.py").is_file()
 
 
 @pytest.mark.parametrize(

@@ -1,21 +1,20 @@
 """The CIFAR experiments: the real train step per model, the CLI, compare."""
 
 import json
-import os
-import subprocess
+import pathlib
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fresh_processes import FreshProcess
 
 import jaxamp
 from experiments import cifar, compare, train
 from experiments import data as data_lib
 from experiments.models import MODELS
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK_RUN = ["--model", "resnet_tiny", "--data", "synthetic", "--steps-per-epoch", "2", "--no-progress"]
 
 
@@ -112,27 +111,22 @@ def test_default_loss_scale_follows_the_policy():
     )
 
 
-def test_the_cli_runs_end_to_end_and_writes_the_promised_json(tmp_path):
-    out = tmp_path / "run.json"
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "experiments.cifar",
-            "--precision",
-            "mixed",
-            *QUICK_RUN,
-            "--epochs",
-            "1",
-            "--out",
-            str(out),
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+# The command a reader types, run from the repository root in its own process; it
+# starts in the background as soon as the tests are collected (tests/fresh_processes.py).
+CLI_RUN = FreshProcess(
+    "cli_run", "-m", "experiments.cifar", "--precision", "mixed", *QUICK_RUN, "--epochs", "1",
+    "--out", "{dir}/run.json", timeout=300,
+)  # fmt: skip
+
+
+@pytest.fixture
+def cli_run():
+    """The finished command and the results file it wrote."""
+    return CLI_RUN.result(), pathlib.Path(CLI_RUN.directory) / "run.json"
+
+
+def test_the_cli_runs_end_to_end_and_writes_the_promised_json(cli_run):
+    completed, out = cli_run
     assert completed.returncode == 0, completed.stderr
     assert "epoch   1/1 | train" in completed.stdout and "loss scale 32768" in completed.stdout
     # In a pipe there is no progress bar: no carriage-return frames in the log.

@@ -5,25 +5,24 @@ process's devices. What the programs communicate and compute is checked on
 8 virtual CPU devices, in two fresh processes (a device count is fixed when
 JAX starts): `scripts/communication_bytes.py` reads the collectives of one
 train step of a small GPT-like model per setting, and
-`tests/fsdp_parity_run.py` compares sharded with unsharded training.
+`tests/fsdp_parity_run.py` compares sharded with unsharded training. Both
+start in the background as soon as the tests are collected
+(tests/fresh_processes.py).
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fresh_processes import FreshProcess
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
 import jaxamp
 from jaxamp.collectives import Collective, collective_totals, collectives
 from jaxamp.fsdp import is_narrower, shard_dimension
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = 1e-5
 
 
@@ -200,21 +199,26 @@ def test_collectives_are_read_from_combined_async_and_looped_instructions():
 # --- 8 virtual CPU devices -------------------------------------------------------
 
 
-def run_fresh(*command):
-    process = subprocess.run(
-        [sys.executable, *command], cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
-        env={**os.environ, "XLA_FLAGS": ""},
-    )  # fmt: skip
+# Each script sets the 8 devices itself, with nothing inherited from XLA_FLAGS.
+COMMUNICATION = FreshProcess(
+    "communication_report", "scripts/communication_bytes.py", "--depth", "1", "--json", "{dir}/report.json",
+    env={"XLA_FLAGS": ""},
+)  # fmt: skip
+PARITY = FreshProcess("parity", "tests/fsdp_parity_run.py", env={"XLA_FLAGS": ""})
+
+
+def finished(fresh_process):
+    process = fresh_process.result()
     assert process.returncode == 0, process.stderr[-4000:]
     return process.stdout
 
 
 @pytest.fixture(scope="module")
-def communication_report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("communication") / "report.json"
-    stdout = run_fresh("scripts/communication_bytes.py", "--depth", "1", "--json", str(out))
+def communication_report():
+    stdout = finished(COMMUNICATION)
     assert "| fsdp_loss gather=bf16,reduce=f32 | partitioned | bfloat16" in stdout
-    return json.loads(out.read_text())["cpu"]
+    with open(f"{COMMUNICATION.directory}/report.json", encoding="utf-8") as report:
+        return json.load(report)["cpu"]
 
 
 def totals_of(report, setting, stage):
@@ -275,7 +279,7 @@ def test_plain_jit_with_shardings_sums_full_gradients_where_fsdp_loss_scatters_t
 
 @pytest.fixture(scope="module")
 def parity():
-    return json.loads(run_fresh("tests/fsdp_parity_run.py").strip().splitlines()[-1])
+    return json.loads(finished(PARITY).strip().splitlines()[-1])
 
 
 def test_sharded_training_on_eight_devices_equals_one_device(parity):
