@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from fresh_processes import FreshProcess
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = 2e-2  # float16 rounding, relative to the largest result
@@ -44,13 +43,15 @@ PROGRAMS = [
 ORDERS = ["autocast(shard_map(f))", "shard_map(autocast(f))"]
 
 
+CHECKS = FreshProcess(
+    "findings", "-m", "tests.autocast_vma_checks",
+    env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, timeout=600,
+)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def findings():
-    environment = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    completed = subprocess.run(
-        [sys.executable, "-m", "tests.autocast_vma_checks"],
-        cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+    completed = CHECKS.result()
     assert completed.returncode == 0, completed.stderr
     return json.loads(completed.stdout.splitlines()[-1])
 

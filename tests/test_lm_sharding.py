@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+from fresh_processes import FreshProcess
 from jax.sharding import PartitionSpec
 
 import jaxamp
@@ -101,16 +102,19 @@ def assert_same_losses(runs, reference, rtol=RTOL):
             assert abs(entry[name] - expected[name]) <= rtol * abs(expected[name]), (entry, expected)
 
 
+# The runs of one process with 8 virtual CPU devices: one device, all 8 (plain `jit`), one device
+# gathering in bfloat16 and 8 devices under mixed_bf16 gathering in bfloat16 (reductions left at
+# their default). Started in the background while other tests run (tests/fresh_processes.py).
+EIGHT_DEVICES = FreshProcess(
+    "eight_device_runs", "-c", _EIGHT_DEVICES, *(["stated"] if HAS_FSDP_LOSS else []),
+    env={**CACHED, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+    timeout=900,
+)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def eight_device_runs():
-    """The runs of one process with 8 virtual CPU devices: one device, all 8 (plain `jit`), and,
-    with `jaxamp.fsdp_loss`, one device gathering in bfloat16 and 8 devices under mixed_bf16
-    gathering in bfloat16 (reductions left at their default)."""
-    environment = {**CPU, **CACHED, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    argv = [sys.executable, "-c", _EIGHT_DEVICES, *(["stated"] if HAS_FSDP_LOSS else [])]
-    finished = subprocess.run(
-        argv, check=False, cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=900
-    )
+    finished = EIGHT_DEVICES.result()
     return last_json_line(finished, finished.returncode)
 
 
