@@ -26,12 +26,10 @@ variant->invariant collective``).
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from fresh_processes import FreshProcess
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = 2e-2  # float16 rounding, relative to the largest result
 PROGRAMS = [
     "matmul",
