@@ -200,7 +200,8 @@ class PrecisionReport:
         lines = [f"{'dtype':<{width}} {'ops':>6} {'GFLOPs':>12} {'share':>7}"]
         for dtype, flops in sorted(self.flops_by_dtype().items(), key=lambda item: -item[1]):
             lines.append(f"{dtype:<{width}} {counts[dtype]:>6} {flops / 1e9:>12.4f} {flops / total:>7.1%}")
-        rows = self.fp8_rows()
+        # FP8 outcomes are the compiled program's: a traced one only says what it asks for.
+        rows = self.fp8_rows() if self.compiled else ()
         if rows:
             lines += [
                 "",

@@ -11,7 +11,8 @@ Each is compiled for an H200 target without a GPU
    pattern of ``scripts/fp8_scaling_cost.py``: ``lax.dot_general`` on FP8
    operands with the ``ANY_F8_ANY_F8_F32`` preset, a custom VJP whose two
    backward GEMMs take the cotangent in ``float8_e5m2``), forward and
-   backward: three cuBLASLt FP8 GEMMs, no warning;
+   backward: three cuBLASLt FP8 GEMMs, no warning; then the same layer
+   written as ``x @ w`` under ``jaxamp.autocast(..., "mixed_float8")``;
 2. the bfloat16 quantize-dequantize pattern ``convert(convert(x, f8),
    bf16) @ ...``: XLA folds the round trip and runs a bfloat16 GEMM; the
    check warns;
@@ -48,6 +49,12 @@ E4M3 = jnp.float8_e4m3fn
 def fp8_dense_step(x, w, g):
     """The layer's output and its gradients for the cotangent `g`."""
     y, vjp = jax.vjp(lambda x, w: current_scaling_dot_general(x, w, MATMUL), x, w)
+    return y, vjp(g)
+
+
+def autocast_dense_step(x, w, g):
+    """The same layer as a plain matmul under ``jaxamp.autocast(..., "mixed_float8")``."""
+    y, vjp = jax.vjp(jaxamp.autocast(lambda x, w: x @ w, "mixed_float8"), x, w)
     return y, vjp(g)
 
 
@@ -101,6 +108,11 @@ def show(title: str, fun, shapes=None, args=None) -> None:
 def main() -> None:
     print(f"jax {jax.__version__}, compiled for {jaxamp.GPU_TARGETS['h200'].description} (no GPU)\n")
     show("FP8 dense layer, forward and backward", fp8_dense_step, [(256, 768), (768, 3072), (256, 3072)])
+    show(
+        'the same layer as x @ w under jaxamp.autocast(..., "mixed_float8")',
+        autocast_dense_step,
+        [(256, 768), (768, 3072), (256, 3072)],
+    )
     show("bfloat16 quantize-dequantize", quantize_dequantize_dense, [(256, 768), (768, 3072)])
     show("fallbacks under their scopes", with_fallbacks, [(24, 40), (40, 24), (2, 64, 32), (2, 64, 32)])
     for name in ("Fp8DotGeneralOp", "Fp8DirectDotGeneralOp"):
