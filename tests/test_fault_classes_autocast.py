@@ -122,3 +122,37 @@ def test_a_replicated_weight_meets_per_device_data_inside_shard_map(order):
     assert set(shard_map.params) == set(traced.params)
     for name in sorted(set(traced.params) - {"jaxpr"}):  # mesh, specs, manual axes, check_vma, ...
         assert str(shard_map.params[name]) == str(traced.params[name]), name
+
+
+# --- names and source lines: the rewritten program keeps the user's ------------------------------------
+
+
+def _scoped_model(x, w):
+    with jax.named_scope("encoder"):
+        h = x @ w
+    with jaxamp.float32_scope():
+        return h @ w
+
+
+def test_the_rewritten_program_keeps_the_users_scopes_and_source_lines():
+    """Profiles, compiled programs and errors name the user's layers and lines, not autocast's.
+
+    Fails if autocast's rules run outside each equation's name stack (the
+    ``encoder`` scope is lost, and a second rewrite no longer sees the
+    `float32_scope`, so its matmul turns float16) or outside its traceback
+    (the equations point at jaxamp's own files).
+    """
+    from jax._src import source_info_util  # the summary JAX prints in errors: file:line (function)
+
+    closed = jax.make_jaxpr(jaxamp.autocast(_scoped_model))(X, W)
+    dots = _equations(closed, "dot_general")
+    assert [str(equation.source_info.name_stack) for equation in dots] == ["encoder", "jaxamp_float32"]
+    for equation in dots:
+        assert __file__ in source_info_util.summarize(equation.source_info), source_info_util.summarize(
+            equation.source_info
+        )
+    twice = jax.make_jaxpr(jaxamp.autocast(jaxamp.autocast(_scoped_model)))(X, W)
+    assert [equation.outvars[0].aval.dtype for equation in _equations(twice, "dot_general")] == [
+        jnp.float16,
+        jnp.float32,
+    ]
