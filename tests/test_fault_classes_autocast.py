@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import Primitive
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -156,3 +157,30 @@ def test_the_rewritten_program_keeps_the_users_scopes_and_source_lines():
         jnp.float16,
         jnp.float32,
     ]
+
+
+# --- an unknown primitive that carries jaxprs: an error, wherever its params hold them -------------------
+
+
+def _body_held_as(kind):
+    closed = jax.make_jaxpr(jnp.sin)(1.0)
+    return {
+        "closed jaxpr": closed,
+        "open jaxpr": closed.jaxpr,
+        "tuple of jaxprs": (closed, closed),  # as lax.cond holds its branches
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", ["closed jaxpr", "open jaxpr", "tuple of jaxprs"])
+def test_an_unknown_primitive_is_an_error_wherever_its_params_hold_its_jaxprs(kind):
+    """A user's higher-order primitive that autocast cannot rewrite is never silently run as traced.
+
+    Fails if the check for a carried jaxpr looks only at single params (a
+    ``cond``-like tuple of branches slips through and runs in float32 with
+    no word), or only at closed jaxprs.
+    """
+    primitive = Primitive(f"my_branching_op_{kind.replace(' ', '_')}")
+    primitive.def_abstract_eval(lambda x, *, bodies: x)
+    bodies = _body_held_as(kind)
+    with pytest.raises(NotImplementedError, match=f"'{primitive.name}'.*params: bodies"):
+        jax.make_jaxpr(jaxamp.autocast(lambda x: primitive.bind(x, bodies=bodies)))(X)
