@@ -184,3 +184,17 @@ def test_an_unknown_primitive_is_an_error_wherever_its_params_hold_its_jaxprs(ki
     bodies = _body_held_as(kind)
     with pytest.raises(NotImplementedError, match=f"'{primitive.name}'.*params: bodies"):
         jax.make_jaxpr(jaxamp.autocast(lambda x: primitive.bind(x, bodies=bodies)))(X)
+
+
+def test_a_users_first_order_primitive_without_a_rule_runs_as_traced():
+    """No jaxpr to rewrite, so no error: its inputs are cast back to the dtypes they were traced with.
+
+    Fails if every primitive missing from the table is taken for a
+    higher-order one (an error), or if it follows its float16 input.
+    """
+    primitive = Primitive("my_first_order_op")
+    primitive.def_abstract_eval(lambda x, *, scale: x)
+    closed = jax.make_jaxpr(jaxamp.autocast(lambda x, w: primitive.bind(x @ w, scale=2.0)))(X, W)
+    (equation,) = _equations(closed, "my_first_order_op")
+    assert equation.invars[0].aval.dtype == jnp.float32
+    assert [equation.outvars[0].aval.dtype for equation in _equations(closed, "dot_general")] == [jnp.float16]
