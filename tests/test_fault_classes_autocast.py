@@ -6,7 +6,9 @@ one mutant: the cache of rewrites bounded and evicting the least recently
 used signature; values inside ``shard_map`` keeping the mesh axes they vary
 over, on a one-device mesh, in this process (the 8-device checks of
 test_autocast_sharded.py run in a subprocess that mutation testing cannot
-see into).
+see into); the user's name scopes and source lines kept; a user's own
+primitive an error when it carries jaxprs anywhere in its params, and run
+as traced when it carries none.
 """
 
 from __future__ import annotations
