@@ -1,0 +1,202 @@
+"""Faults in autocast's machinery (`jaxamp/jaxpr_policy/`) that its other tests let through.
+
+Each scenario here was written against mutants that mutation testing found
+alive (see docs/dev/fault-classes.md) and checks the class of fault, not the
+one mutant: the cache of rewrites bounded and evicting the least recently
+used signature; values inside ``shard_map`` keeping the mesh axes they vary
+over, on a one-device mesh, in this process (the 8-device checks of
+test_autocast_sharded.py run in a subprocess that mutation testing cannot
+see into); the user's name scopes and source lines kept; a user's own
+primitive an error when it carries jaxprs anywhere in its params, and run
+as traced when it carries none.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.core import Primitive
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jaxamp
+
+X = jax.random.normal(jax.random.key(0), (4, 8))
+W = jax.random.normal(jax.random.key(1), (8, 8)) / 3
+
+
+# --- the cache of rewrites: bounded, least recently used evicted ------------------------------------
+
+
+def _scaled(x, scale):
+    return x * scale
+
+
+def test_the_rewrite_cache_keeps_64_signatures_and_evicts_the_least_recently_used():
+    """A training loop that cycles through signatures neither leaks rewrites nor retraces the hot one.
+
+    Fails if the cache holds more or fewer than 64 entries, evicts the newest
+    entry instead of the oldest, or does not count a hit as a use (the hot
+    signature, used just before the 65th, would be the one evicted).
+    """
+    fun = jaxamp.autocast(_scaled)
+    for scale in range(64):
+        fun(X, scale)
+    assert fun.rewrites.traces == 64
+    fun(X, 0)  # a hit: 0 becomes the most recently used
+    assert fun.rewrites.traces == 64
+    fun(X, 64)  # the 65th signature evicts the least recently used one, 1
+    assert fun.rewrites.traces == 65
+    fun(X, 0)
+    fun(X, 64)
+    fun(X, 63)
+    assert fun.rewrites.traces == 65  # 0, 64 and 63 are all still cached
+    fun(X, 1)  # 1 was evicted: traced again
+    assert fun.rewrites.traces == 66
+
+
+# --- shard_map: the per-device body keeps its varying-axes types --------------------------------------
+
+
+def _one_device_mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()[:1]), ("d",))
+
+
+def _local_loss(x, w):
+    """A data-parallel loss: per-device data `x`, replicated weights `w`, summed over the mesh.
+
+    The rows of `x` are scanned over, so the scan's body is traced for one
+    slice of a value that varies over the mesh.
+    """
+
+    def step(total, row):
+        return total + jnp.tanh(row @ w).sum(), None
+
+    total, _ = jax.lax.scan(step, jnp.zeros_like(x[0, 0]), x)  # varies over the mesh, as x does
+    return jax.lax.psum(total, "d")
+
+
+def _equations(closed_jaxpr, name):
+    found = []
+
+    def walk(jaxpr):
+        for equation in jaxpr.eqns:
+            if equation.primitive.name == name:
+                found.append(equation)
+            for value in equation.params.values():
+                inner = getattr(value, "jaxpr", value)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    walk(inner)
+
+    walk(closed_jaxpr.jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("order", ["shard_map(autocast)", "autocast(shard_map)"])
+def test_a_replicated_weight_meets_per_device_data_inside_shard_map(order):
+    """The body's matmul runs in float16, its psum in float32, and the value matches float32.
+
+    ``shard_map(autocast(f))`` fails if autocast traces the body without the
+    mesh axes its values vary over (``dot_general requires varying manual
+    axes to match``: JAX inserts a ``pvary`` only for a typed value);
+    ``autocast(shard_map(f))`` fails if the rewritten ``shard_map`` loses its
+    mesh, specs, manual axes or ``check_vma``.
+    """
+    mesh = _one_device_mesh()
+    specs = {"mesh": mesh, "in_specs": (P("d"), P()), "out_specs": P()}
+    if order == "shard_map(autocast)":
+        fun = jax.jit(jax.shard_map(jaxamp.autocast(_local_loss), **specs))
+    else:
+        fun = jax.jit(jaxamp.autocast(jax.shard_map(_local_loss, **specs)))
+    reference = jax.jit(jax.shard_map(_local_loss, **specs))
+    result = fun(X, W)
+    assert result.dtype == jnp.float32
+    np.testing.assert_allclose(result, reference(X, W), rtol=2e-3)
+    closed = jax.make_jaxpr(fun)(X, W)
+    assert [equation.outvars[0].aval.dtype for equation in _equations(closed, "dot_general")] == [jnp.float16]
+    (scan,) = _equations(closed, "scan")
+    assert [variable.aval.shape for variable in scan.params["jaxpr"].jaxpr.invars[-1:]] == [(8,)]
+    psums = _equations(closed, "psum") or _equations(closed, "psum_invariant")
+    assert [equation.invars[0].aval.dtype for equation in psums] == [jnp.float32]
+    (shard_map,) = _equations(closed, "shard_map")
+    (traced,) = _equations(jax.make_jaxpr(reference)(X, W), "shard_map")
+    assert set(shard_map.params) == set(traced.params)
+    for name in sorted(set(traced.params) - {"jaxpr"}):  # mesh, specs, manual axes, check_vma, ...
+        assert str(shard_map.params[name]) == str(traced.params[name]), name
+
+
+# --- names and source lines: the rewritten program keeps the user's ------------------------------------
+
+
+def _scoped_model(x, w):
+    with jax.named_scope("encoder"):
+        h = x @ w
+    with jaxamp.float32_scope():
+        return h @ w
+
+
+def test_the_rewritten_program_keeps_the_users_scopes_and_source_lines():
+    """Profiles, compiled programs and errors name the user's layers and lines, not autocast's.
+
+    Fails if autocast's rules run outside each equation's name stack (the
+    ``encoder`` scope is lost, and a second rewrite no longer sees the
+    `float32_scope`, so its matmul turns float16) or outside its traceback
+    (the equations point at jaxamp's own files).
+    """
+    from jax._src import source_info_util  # the summary JAX prints in errors: file:line (function)
+
+    closed = jax.make_jaxpr(jaxamp.autocast(_scoped_model))(X, W)
+    dots = _equations(closed, "dot_general")
+    assert [str(equation.source_info.name_stack) for equation in dots] == ["encoder", "jaxamp_float32"]
+    for equation in dots:
+        assert __file__ in source_info_util.summarize(equation.source_info), source_info_util.summarize(
+            equation.source_info
+        )
+    twice = jax.make_jaxpr(jaxamp.autocast(jaxamp.autocast(_scoped_model)))(X, W)
+    assert [equation.outvars[0].aval.dtype for equation in _equations(twice, "dot_general")] == [
+        jnp.float16,
+        jnp.float32,
+    ]
+
+
+# --- an unknown primitive that carries jaxprs: an error, wherever its params hold them -------------------
+
+
+def _body_held_as(kind):
+    closed = jax.make_jaxpr(jnp.sin)(1.0)
+    return {
+        "closed jaxpr": closed,
+        "open jaxpr": closed.jaxpr,
+        "tuple of jaxprs": (closed, closed),  # as lax.cond holds its branches
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", ["closed jaxpr", "open jaxpr", "tuple of jaxprs"])
+def test_an_unknown_primitive_is_an_error_wherever_its_params_hold_its_jaxprs(kind):
+    """A user's higher-order primitive that autocast cannot rewrite is never silently run as traced.
+
+    Fails if the check for a carried jaxpr looks only at single params (a
+    ``cond``-like tuple of branches slips through and runs in float32 with
+    no word), or only at closed jaxprs.
+    """
+    primitive = Primitive(f"my_branching_op_{kind.replace(' ', '_')}")
+    primitive.def_abstract_eval(lambda x, *, bodies: x)
+    bodies = _body_held_as(kind)
+    with pytest.raises(NotImplementedError, match=f"'{primitive.name}'.*params: bodies"):
+        jax.make_jaxpr(jaxamp.autocast(lambda x: primitive.bind(x, bodies=bodies)))(X)
+
+
+def test_a_users_first_order_primitive_without_a_rule_runs_as_traced():
+    """No jaxpr to rewrite, so no error: its inputs are cast back to the dtypes they were traced with.
+
+    Fails if every primitive missing from the table is taken for a
+    higher-order one (an error), or if it follows its float16 input.
+    """
+    primitive = Primitive("my_first_order_op")
+    primitive.def_abstract_eval(lambda x, *, scale: x)
+    closed = jax.make_jaxpr(jaxamp.autocast(lambda x, w: primitive.bind(x @ w, scale=2.0)))(X, W)
+    (equation,) = _equations(closed, "my_first_order_op")
+    assert equation.invars[0].aval.dtype == jnp.float32
+    assert [equation.outvars[0].aval.dtype for equation in _equations(closed, "dot_general")] == [jnp.float16]
