@@ -88,10 +88,11 @@ def micro_batch_keys(rng, num_micro_batches):
     return [rng] if num_micro_batches == 1 else list(jax.random.split(rng, num_micro_batches))
 
 
-def hidden_by_hand(params, dataset, indices, key):
-    inputs = data_lib.normalize(data_lib.augment(key, jnp.asarray(dataset.train_images)[indices]), dataset.mean, dataset.std)
+@jax.jit
+def hidden_by_hand(params, images, mean, std, indices, key):
+    inputs = data_lib.normalize(data_lib.augment(key, images[indices]), mean, std)
     dense = params["Dense_0"]
-    return jnp.dot(inputs.reshape(len(indices), -1), dense["kernel"], precision="highest") + dense["bias"]
+    return jnp.dot(inputs.reshape(indices.shape[0], -1), dense["kernel"], precision="highest") + dense["bias"]
 
 
 def logits_by_hand(params, hidden):
@@ -100,23 +101,42 @@ def logits_by_hand(params, hidden):
     return (hidden - mean) / jnp.sqrt(var + EPSILON) * norm["scale"] + norm["bias"]
 
 
+@jax.jit
+def micro_batch_by_hand(params, images, labels, mean, std, indices, key):
+    """One micro-batch: (loss, its gradient, the hidden features, the logits)."""
+
+    def loss_fn(params):
+        hidden = hidden_by_hand(params, images, mean, std, indices, key)
+        logits = logits_by_hand(params, hidden)
+        loss = jnp.mean(jax.nn.logsumexp(logits, -1) - logits[jnp.arange(indices.shape[0]), labels[indices]])
+        return loss, (hidden, logits)
+
+    (loss, (hidden, logits)), grad = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return loss, grad, hidden, logits
+
+
+def by_hand(state, dataset, labels, indices, key):
+    return micro_batch_by_hand(
+        state.params,
+        jnp.asarray(dataset.train_images),
+        jnp.asarray(labels),
+        jnp.asarray(dataset.mean),
+        jnp.asarray(dataset.std),
+        jnp.asarray(indices),
+        key,
+    )
+
+
 def step_by_hand(state, dataset, labels, rng, num_micro_batches):
     """The step written out (see the module docstring): metrics, new params, new batch stats."""
     rows = BATCH_INDICES.reshape(num_micro_batches, -1)
     keys = micro_batch_keys(rng, num_micro_batches)
-
-    def loss_k(params, indices, key):
-        logits = logits_by_hand(params, hidden_by_hand(params, dataset, indices, key))
-        return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[jnp.arange(len(indices)), labels[indices]])
-
     losses, grads, correct = [], [], 0
     running_mean, running_var = RUNNING_MEAN, RUNNING_VAR
     for indices, key in zip(rows, keys):
-        loss, grad = jax.value_and_grad(loss_k)(state.params, indices, key)
+        loss, grad, hidden, logits = by_hand(state, dataset, labels, indices, key)
         losses.append(float(loss))
         grads.append(grad)
-        hidden = hidden_by_hand(state.params, dataset, indices, key)
-        logits = logits_by_hand(state.params, hidden)
         correct += int(np.sum(np.argmax(logits, -1) == labels[indices]))
         running_mean = MOMENTUM * running_mean + (1 - MOMENTUM) * hidden.mean(0)
         running_var = MOMENTUM * running_var + (1 - MOMENTUM) * hidden.var(0)
@@ -135,8 +155,7 @@ def labels_half_right(state, dataset, rng, num_micro_batches):
     labels = np.zeros(len(dataset.train_labels), np.int32)
     rows = BATCH_INDICES.reshape(num_micro_batches, -1)
     for indices, key in zip(rows, micro_batch_keys(rng, num_micro_batches)):
-        predicted = np.argmax(logits_by_hand(state.params, hidden_by_hand(state.params, dataset, indices, key)), -1)
-        labels[indices] = predicted
+        labels[indices] = np.argmax(by_hand(state, dataset, labels, indices, key)[3], -1)
     wrong = BATCH_INDICES[[2, 5, 7]]
     labels[wrong] = (labels[wrong] + 1) % NUM_CLASSES
     return labels
@@ -199,11 +218,7 @@ def test_one_micro_batch_is_augmented_with_the_steps_own_key_and_two_with_its_ha
         rows = BATCH_INDICES.reshape(num_micro_batches, -1)
 
         def loss_with(keys):
-            losses = []
-            for indices, key in zip(rows, keys):
-                logits = logits_by_hand(state.params, hidden_by_hand(state.params, dataset, indices, key))
-                losses.append(jnp.mean(jax.nn.logsumexp(logits, -1) - logits[jnp.arange(len(indices)), labels[indices]]))
-            return float(np.mean(losses))
+            return float(np.mean([by_hand(state, dataset, labels, indices, key)[0] for indices, key in zip(rows, keys)]))
 
         np.testing.assert_allclose(float(metrics["loss"]), loss_with(micro_batch_keys(rng, num_micro_batches)), rtol=1e-5)
         assert abs(loss_with(other_keys) - float(metrics["loss"])) > 1e-3
