@@ -28,6 +28,8 @@ finite check of injected gradients lost; the data-parallel sharding
 constraint dropped or put on another axis.
 """
 
+import time
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -303,3 +305,76 @@ def test_with_data_parallelism_each_micro_batch_is_sharded_along_its_batch_axis(
     loss, correct, _, _ = step_by_hand(state, dataset, labels, rng, num_micro_batches)
     np.testing.assert_allclose(float(metrics["loss"]), loss, rtol=1e-5)
     assert int(metrics["correct"]) == correct
+
+
+# --- the epoch plan and the ahead-of-time compilation --------------------------------------------------
+
+
+@pytest.mark.parametrize("num_train, batch_size, steps", [(10, 3, 3), (10, 3, 2), (8, 8, 1)])
+def test_the_epoch_plan_is_the_shuffle_of_the_first_half_key_and_the_steps_keys_of_the_second(
+    num_train, batch_size, steps
+):
+    """One step per row of ``epoch_batches(split(rng)[0])`` (cut to `steps`), keys ``split(split(rng)[1], steps)``.
+
+    Fails if the plan shuffles and augments with the same key, drops or adds
+    steps, or hands back something other than one index row and one key per step.
+    """
+    rng = jax.random.key(11)
+    batches, keys = jax.jit(train.make_epoch_plan(num_train, batch_size, steps))(rng)
+    shuffle_rng, augment_rng = jax.random.split(rng)
+    assert isinstance(batches, tuple) and isinstance(keys, tuple)
+    assert len(batches) == len(keys) == steps
+    expected = data_lib.epoch_batches(shuffle_rng, num_train, batch_size)
+    for step in range(steps):
+        np.testing.assert_array_equal(batches[step], expected[step])
+        assert batches[step].dtype == jnp.int32 and batches[step].shape == (batch_size,)
+    expected_keys = jax.random.split(augment_rng, steps)
+    for key, want in zip(keys, expected_keys):
+        np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(want))
+    shuffled_by_other_half = data_lib.epoch_batches(augment_rng, num_train, batch_size)
+    assert not np.array_equal(expected, shuffled_by_other_half)  # the control: the halves differ
+
+
+def test_the_compiled_steps_take_and_give_replicated_arrays_and_the_train_step_donates_its_state():
+    """`_compile` hands back compiled programs, not jitted functions, with the run's shardings.
+
+    Every input and output of the three programs is replicated over the
+    mesh (a mutant leaving a sharding to the compiler gets another kind of
+    sharding even on one device), the train step donates exactly its state,
+    and the two compile times are each measured from their own start: both
+    non-negative and together no more than the call took (no speed is asserted).
+    """
+    dataset = data_lib.synthetic_dataset(num_train=8, num_test=6, seed=0)
+    config = train.TrainConfig(batch_size=BATCH, eval_batch_size=4, epochs=1, steps_per_epoch=1, progress=False)
+    data_parallel = DataParallel.over_all_devices()
+    device_data = train.put_on_device(dataset, config.eval_batch_size, data_parallel)
+    state = data_parallel.replicate(initial_state())
+
+    start = time.perf_counter()
+    plan, train_step, eval_step, times = train._compile(config, dataset, state, device_data, 1, data_parallel)
+    elapsed = time.perf_counter() - start
+
+    assert set(times) == {"train_step", "eval_step"}
+    assert 0 <= times["train_step"] and 0 <= times["eval_step"]
+    assert times["train_step"] + times["eval_step"] <= elapsed
+    for program in (plan, train_step, eval_step):
+        assert isinstance(program, jax.stages.Compiled)
+        shardings = jax.tree.leaves((program.input_shardings, program.output_shardings))
+        assert shardings and all(
+            isinstance(sharding, jax.sharding.NamedSharding)
+            and sharding.spec == PartitionSpec()
+            and sharding.mesh == data_parallel.mesh
+            for sharding in shardings
+        ), program
+    state_args, *other_args = train_step.args_info[0]
+    assert all(arg.donated for arg in jax.tree.leaves(state_args))
+    assert not any(arg.donated for arg in jax.tree.leaves(other_args))
+    assert not any(arg.donated for arg in jax.tree.leaves(eval_step.args_info))
+
+    # The programs run: one planned step of the compiled train step, one test batch.
+    batches, keys = plan(data_parallel.replicate(jax.random.key(0)))
+    assert len(batches) == 1 and batches[0].shape == (BATCH,)
+    new_state, metrics = train_step(state, device_data.train_images, device_data.train_labels, batches[0], keys[0])
+    assert set(metrics) == {"loss", "correct", "injected"} and int(new_state.step) == 1
+    totals = eval_step(new_state, *device_data.test_batches[0])
+    assert set(totals) == {"loss", "correct"}
