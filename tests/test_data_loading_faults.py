@@ -265,3 +265,11 @@ def test_only_tfdss_unprepared_warning_is_silenced_and_only_inside_the_block(cap
         "Variant folder of another kind",
         "Variant folder /tfds/cifar10/3.0.2 has no dataset_info.json",
     ]
+
+
+def test_mean_and_std_of_images_that_never_reach_white_are_those_of_their_pixels():
+    """The histogram has 256 bins whatever the brightest pixel; fails if it stops at the brightest."""
+    pixels = np.array([[[0, 10], [20, 100]], [[100, 100], [3, 0]]], np.uint8)
+    mean, std = data._pixel_mean_std(pixels)
+    assert mean == pytest.approx((pixels / 255).mean(), rel=1e-12)
+    assert std == pytest.approx((pixels / 255).std(), rel=1e-12)
