@@ -263,6 +263,44 @@ def test_an_injected_step_is_counted_and_skipped_and_a_clean_one_of_the_same_run
     jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6), new_state.params, new_params)
 
 
+class BlackOutDenseBatchNorm(DenseBatchNorm):
+    """`DenseBatchNorm`, but NaN throughout for a micro-batch of black images only (a stand-in overflow)."""
+
+    @nn.compact
+    def __call__(self, images, train):
+        logits = super().__call__(images, train)
+        return logits * jnp.where(images.max() < -1.0, jnp.nan, 1.0)
+
+
+def test_a_step_with_one_non_finite_micro_batch_is_skipped_whole():
+    """K = 2, the second micro-batch all black images: its loss and gradients are NaN.
+
+    The accumulator adds zeros for it, so the mean gradient is finite; the
+    step must still be skipped (params, batch statistics and step unchanged,
+    `skipped_steps` 1) because the micro-batch's own finite flag is passed on.
+    Fails if the step hands ``apply_gradients`` no flag (it would check the
+    finite zero-filled gradients and apply half a batch).
+    """
+    dataset = the_dataset()
+    images = dataset.train_images.copy()
+    images[BATCH_INDICES[4:]] = 0
+    model = BlackOutDenseBatchNorm()
+    state = initial_state(loss_scale=jaxamp.NoOpLossScale()).replace(apply_fn=model.apply)
+    config = train.TrainConfig(batch_size=BATCH, grad_accum=2)
+    step = jax.jit(train.make_train_step(config, dataset))
+    labels = jnp.asarray(dataset.train_labels)
+
+    new_state, metrics = step(state, jnp.asarray(images), labels, jnp.asarray(BATCH_INDICES), jax.random.key(7))
+    assert int(new_state.skipped_steps) == 1 and int(new_state.step) == 0
+    jax.tree.map(np.testing.assert_array_equal, new_state.params, state.params)
+    jax.tree.map(np.testing.assert_array_equal, new_state.batch_stats, state.batch_stats)
+    assert np.isnan(float(metrics["loss"]))
+
+    # The control: with no black micro-batch the same step is applied.
+    new_state, _ = step(state, jnp.asarray(dataset.train_images), labels, jnp.asarray(BATCH_INDICES), jax.random.key(7))
+    assert int(new_state.skipped_steps) == 0 and int(new_state.step) == 1
+
+
 def sharding_constraints(jaxpr):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "sharding_constraint":
