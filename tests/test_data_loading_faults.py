@@ -98,14 +98,16 @@ def test_an_archive_in_the_download_cache_is_found_by_its_name_and_nothing_else_
 
 
 def test_the_unavailable_message_tells_a_placed_archive_from_a_missing_one(tmp_path):
-    """Fails if the two branches swap, or the data dir, the manual folder or the reason go missing."""
+    """Fails if the two branches swap, an empty manual folder passes for the archive, or the data dir,
+    the manual folder or the reason go missing."""
     builder = _Builder(tmp_path / "tfds")
     manual_dir = str(tmp_path / "manual")
     message = data._cifar10_unavailable_message(builder, manual_dir, "REASON")
     assert f"{manual_dir}: not there." in message
     assert f"TFDS data dir {tmp_path / 'tfds'} and TFDS could not get it (REASON)" in message
     assert "--data synthetic" in message
-    os.makedirs(manual_dir)
+    os.makedirs(manual_dir)  # the folder alone is not the archive
+    assert f"{manual_dir}: not there." in data._cifar10_unavailable_message(builder, manual_dir, "REASON")
     with open(os.path.join(manual_dir, "cifar-10-binary.tar.gz"), "wb"):
         pass
     message = data._cifar10_unavailable_message(builder, manual_dir, "REASON")
