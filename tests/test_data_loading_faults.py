@@ -166,6 +166,7 @@ def test_a_file_given_as_the_data_folder_gets_the_advice_of_its_data_set(tmp_pat
     assert "TFDS data folder" in other and "mkdir" not in other
     archive = data._a_file_given_as_data_dir(str(tmp_path / "cifar-10-binary.tar.gz"), "CIFAR-10")
     folder = tmp_path / "tensorflow_datasets"
+    assert archive.startswith(f"--data-dir {tmp_path / 'cifar-10-binary.tar.gz'} is a file, not a folder.")
     assert f"mkdir -p {folder / 'downloads' / 'manual'}" in archive
     assert archive.endswith(f"pass --data-dir {folder}.")
 
