@@ -244,6 +244,7 @@ def test_a_split_with_more_images_than_labels_is_refused_naming_both_counts(tmp_
     message = str(raised.value)
     assert message.startswith("t10k-images-idx3-ubyte.gz holds 3 images but t10k-labels-idx1-ubyte.gz holds 2")
     assert f"(in {tmp_path})" in message
+    assert message.endswith("Reinstall them with `apt-get install --reinstall dataset-fashion-mnist`.")
 
 
 def test_fashion_mnists_default_folder_is_the_debian_packages(monkeypatch):

@@ -200,12 +200,13 @@ def test_the_step_reports_the_loss_and_correct_count_of_the_batch_and_updates_as
     assert int(new_state.step) == 1 and int(new_state.skipped_steps) == 0
 
 
-def test_one_micro_batch_is_augmented_with_the_steps_own_key_and_two_with_its_halves():
-    """K = 1 uses the step's key itself, K = 2 the two halves of ``split(rng, 2)``.
+def test_one_micro_batch_is_augmented_with_the_steps_own_key_and_k_with_its_k_split_keys():
+    """K = 1 uses the step's key itself, K = 2 and 4 the keys of ``split(rng, K)``, in order.
 
-    The control: with any other key (``split(rng, 1)[0]``, or the halves
-    swapped) the hand-computed loss differs from the step's by far more than
-    float32 rounding, so the comparison above can tell the keys apart.
+    The control: with any other key (``split(rng, 1)[0]``, or the keys
+    reversed) the hand-computed loss differs from the step's by far more than
+    float32 rounding, so the comparison above can tell the keys apart. K = 4
+    fails where the step splits a fixed two keys (``split``'s default).
     """
     dataset = the_dataset()
     state = initial_state()
@@ -214,6 +215,7 @@ def test_one_micro_batch_is_augmented_with_the_steps_own_key_and_two_with_its_ha
     for num_micro_batches, other_keys in [
         (1, [jax.random.split(rng, 1)[0]]),
         (2, list(jax.random.split(rng, 2))[::-1]),
+        (4, list(jax.random.split(rng, 4))[::-1]),
     ]:
         config = train.TrainConfig(batch_size=BATCH, grad_accum=num_micro_batches)
         _, metrics = run_step(config, dataset, state, labels, rng)
