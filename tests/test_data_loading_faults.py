@@ -122,14 +122,20 @@ def test_an_errors_first_line_stands_for_it(text, first):
 
 
 @pytest.mark.parametrize(
-    "writable, mode, needed", [(False, os.R_OK | os.X_OK, "read"), (True, os.R_OK | os.X_OK | os.W_OK, "read and write")]
+    "writable, mode, needed",
+    [
+        ({}, os.R_OK | os.X_OK, "read"),  # the default: Fashion-MNIST's loader passes nothing
+        ({"writable": False}, os.R_OK | os.X_OK, "read"),
+        ({"writable": True}, os.R_OK | os.X_OK | os.W_OK, "read and write"),
+    ],
 )
 def test_a_data_folder_is_checked_for_the_access_its_loader_needs(tmp_path, monkeypatch, writable, mode, needed):
     """CIFAR-10's folder must be writable too (TFDS prepares there), Fashion-MNIST's only readable.
 
     The check asks `os.access` for exactly that mode with the effective ids;
     refused, the message says what was needed. Fails if the mode loses a
-    bit, gains write for Fashion-MNIST, or the effective ids are dropped.
+    bit, gains write for Fashion-MNIST (also by default), or the effective
+    ids are dropped.
     """
     asked = []
 
@@ -139,11 +145,11 @@ def test_a_data_folder_is_checked_for_the_access_its_loader_needs(tmp_path, monk
 
     monkeypatch.setattr(os, "access", access)
     granted = True
-    data._check_readable_folder(str(tmp_path), "NAME", writable=writable)
+    data._check_readable_folder(str(tmp_path), "NAME", **writable)
     assert asked == [(str(tmp_path), mode, data._EFFECTIVE_IDS)]
     granted = False
     with pytest.raises(data.DataUnavailableError) as raised:
-        data._check_readable_folder(str(tmp_path), "NAME", writable=writable)
+        data._check_readable_folder(str(tmp_path), "NAME", **writable)
     assert str(raised.value).startswith(f"No permission to {needed} the NAME data folder {tmp_path};")
 
 
@@ -152,8 +158,9 @@ def test_a_missing_data_folder_passes_the_check_and_a_file_does_not(tmp_path):
     data._check_readable_folder(str(tmp_path / "not_yet"), "CIFAR-10", writable=True)
     a_file = tmp_path / "notes.txt"
     a_file.write_text("x")
-    with pytest.raises(data.DataUnavailableError, match="is a file, not a folder"):
+    with pytest.raises(data.DataUnavailableError) as raised:
         data._check_readable_folder(str(a_file), "Fashion-MNIST")
+    assert str(raised.value).startswith(f"--data-dir {a_file} is a file, not a folder. For Fashion-MNIST,")
 
 
 def test_a_file_given_as_the_data_folder_gets_the_advice_of_its_data_set(tmp_path):
