@@ -40,7 +40,7 @@ def probes(monkeypatch):
         return _Connection()
 
     monkeypatch.setattr(socket, "create_connection", create_connection)
-    monkeypatch.setattr(urllib.request, "getproxies", lambda: {})
+    monkeypatch.setattr(urllib.request, "getproxies", dict)
     return calls
 
 
@@ -63,12 +63,14 @@ def test_an_unreachable_host_is_named_with_the_reason(monkeypatch):
         raise ConnectionRefusedError(111, "Connection refused")
 
     monkeypatch.setattr(socket, "create_connection", refuse)
-    monkeypatch.setattr(urllib.request, "getproxies", lambda: {})
+    monkeypatch.setattr(urllib.request, "getproxies", dict)
     reason = data._unreachable_reason("https://www.cs.toronto.edu/x.tar.gz")
     assert reason == "cannot reach www.cs.toronto.edu: [Errno 111] Connection refused"
 
 
-def test_with_a_proxy_for_the_urls_scheme_nothing_is_probed_and_with_another_schemes_it_is(probes, monkeypatch):
+def test_with_a_proxy_for_the_urls_scheme_nothing_is_probed_and_with_another_schemes_it_is(
+    probes, monkeypatch
+):
     """Fails if the proxy check is dropped, inverted, or reads another scheme's proxy."""
     monkeypatch.setattr(urllib.request, "getproxies", lambda: {"https": "http://proxy:3128"})
     assert data._unreachable_reason("https://example.org/a") is None
@@ -129,7 +131,9 @@ def test_an_errors_first_line_stands_for_it(text, first):
         ({"writable": True}, os.R_OK | os.X_OK | os.W_OK, "read and write"),
     ],
 )
-def test_a_data_folder_is_checked_for_the_access_its_loader_needs(tmp_path, monkeypatch, writable, mode, needed):
+def test_a_data_folder_is_checked_for_the_access_its_loader_needs(
+    tmp_path, monkeypatch, writable, mode, needed
+):
     """CIFAR-10's folder must be writable too (TFDS prepares there), Fashion-MNIST's only readable.
 
     The check asks `os.access` for exactly that mode with the effective ids;
@@ -249,7 +253,9 @@ def test_a_split_with_more_images_than_labels_is_refused_naming_both_counts(tmp_
     with pytest.raises(data.DataUnavailableError) as raised:
         data.load_dataset("fashion_mnist", data_dir=str(tmp_path))
     message = str(raised.value)
-    assert message.startswith("t10k-images-idx3-ubyte.gz holds 3 images but t10k-labels-idx1-ubyte.gz holds 2")
+    assert message.startswith(
+        "t10k-images-idx3-ubyte.gz holds 3 images but t10k-labels-idx1-ubyte.gz holds 2"
+    )
     assert f"(in {tmp_path})" in message
     assert message.endswith("Reinstall them with `apt-get install --reinstall dataset-fashion-mnist`.")
 

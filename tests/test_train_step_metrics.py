@@ -165,7 +165,9 @@ def labels_half_right(state, dataset, rng, num_micro_batches):
 
 def run_step(config, dataset, state, labels, rng, data_parallel=None):
     step = jax.jit(train.make_train_step(config, dataset, data_parallel))
-    return step(state, jnp.asarray(dataset.train_images), jnp.asarray(labels), jnp.asarray(BATCH_INDICES), rng)
+    return step(
+        state, jnp.asarray(dataset.train_images), jnp.asarray(labels), jnp.asarray(BATCH_INDICES), rng
+    )
 
 
 @pytest.mark.parametrize("num_micro_batches", [1, 2])
@@ -194,8 +196,14 @@ def test_the_step_reports_the_loss_and_correct_count_of_the_batch_and_updates_as
     assert int(metrics["correct"]) == correct
     assert int(metrics["injected"]) == 0
     np.testing.assert_allclose(float(metrics["loss"]), loss, rtol=1e-5)
-    jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6), new_state.params, new_params)
-    np.testing.assert_allclose(new_state.batch_stats["BatchNorm_0"]["mean"], running_mean, rtol=1e-5, atol=1e-6)
+    jax.tree.map(
+        lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6),
+        new_state.params,
+        new_params,
+    )
+    np.testing.assert_allclose(
+        new_state.batch_stats["BatchNorm_0"]["mean"], running_mean, rtol=1e-5, atol=1e-6
+    )
     np.testing.assert_allclose(new_state.batch_stats["BatchNorm_0"]["var"], running_var, rtol=1e-5, atol=1e-6)
     assert int(new_state.step) == 1 and int(new_state.skipped_steps) == 0
 
@@ -221,10 +229,16 @@ def test_one_micro_batch_is_augmented_with_the_steps_own_key_and_k_with_its_k_sp
         _, metrics = run_step(config, dataset, state, labels, rng)
         rows = BATCH_INDICES.reshape(num_micro_batches, -1)
 
-        def loss_with(keys):
-            return float(np.mean([by_hand(state, dataset, labels, indices, key)[0] for indices, key in zip(rows, keys)]))
+        def loss_with(keys, rows=rows):
+            return float(
+                np.mean(
+                    [by_hand(state, dataset, labels, indices, key)[0] for indices, key in zip(rows, keys)]
+                )
+            )
 
-        np.testing.assert_allclose(float(metrics["loss"]), loss_with(micro_batch_keys(rng, num_micro_batches)), rtol=1e-5)
+        np.testing.assert_allclose(
+            float(metrics["loss"]), loss_with(micro_batch_keys(rng, num_micro_batches)), rtol=1e-5
+        )
         assert abs(loss_with(other_keys) - float(metrics["loss"])) > 1e-3
 
 
@@ -262,7 +276,11 @@ def test_an_injected_step_is_counted_and_skipped_and_a_clean_one_of_the_same_run
     _, _, new_params, _ = step_by_hand(state, dataset, labels, missed, 1)
     assert int(metrics["injected"]) == 0
     assert int(new_state.skipped_steps) == 0 and int(new_state.step) == 1
-    jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6), new_state.params, new_params)
+    jax.tree.map(
+        lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6),
+        new_state.params,
+        new_params,
+    )
 
 
 class BlackOutDenseBatchNorm(DenseBatchNorm):
@@ -292,14 +310,18 @@ def test_a_step_with_one_non_finite_micro_batch_is_skipped_whole():
     step = jax.jit(train.make_train_step(config, dataset))
     labels = jnp.asarray(dataset.train_labels)
 
-    new_state, metrics = step(state, jnp.asarray(images), labels, jnp.asarray(BATCH_INDICES), jax.random.key(7))
+    new_state, metrics = step(
+        state, jnp.asarray(images), labels, jnp.asarray(BATCH_INDICES), jax.random.key(7)
+    )
     assert int(new_state.skipped_steps) == 1 and int(new_state.step) == 0
     jax.tree.map(np.testing.assert_array_equal, new_state.params, state.params)
     jax.tree.map(np.testing.assert_array_equal, new_state.batch_stats, state.batch_stats)
     assert np.isnan(float(metrics["loss"]))
 
     # The control: with no black micro-batch the same step is applied.
-    new_state, _ = step(state, jnp.asarray(dataset.train_images), labels, jnp.asarray(BATCH_INDICES), jax.random.key(7))
+    new_state, _ = step(
+        state, jnp.asarray(dataset.train_images), labels, jnp.asarray(BATCH_INDICES), jax.random.key(7)
+    )
     assert int(new_state.skipped_steps) == 0 and int(new_state.step) == 1
 
 
@@ -329,7 +351,13 @@ def test_with_data_parallelism_each_micro_batch_is_sharded_along_its_batch_axis(
     labels = np.asarray(dataset.train_labels)
     config = train.TrainConfig(batch_size=BATCH, grad_accum=num_micro_batches)
     data_parallel = DataParallel.over_all_devices()
-    arguments = (state, jnp.asarray(dataset.train_images), jnp.asarray(labels), jnp.asarray(BATCH_INDICES), rng)
+    arguments = (
+        state,
+        jnp.asarray(dataset.train_images),
+        jnp.asarray(labels),
+        jnp.asarray(BATCH_INDICES),
+        rng,
+    )
 
     jaxpr = jax.make_jaxpr(train.make_train_step(config, dataset, data_parallel))(*arguments)
     (constraint,) = sharding_constraints(jaxpr.jaxpr)
@@ -385,7 +413,9 @@ def test_the_compiled_steps_take_and_give_replicated_arrays_and_the_train_step_d
     non-negative and together no more than the call took (no speed is asserted).
     """
     dataset = data_lib.synthetic_dataset(num_train=8, num_test=6, seed=0)
-    config = train.TrainConfig(batch_size=BATCH, eval_batch_size=4, epochs=1, steps_per_epoch=1, progress=False)
+    config = train.TrainConfig(
+        batch_size=BATCH, eval_batch_size=4, epochs=1, steps_per_epoch=1, progress=False
+    )
     data_parallel = DataParallel.over_all_devices()
     device_data = train.put_on_device(dataset, config.eval_batch_size, data_parallel)
     state = data_parallel.replicate(initial_state())
@@ -414,7 +444,9 @@ def test_the_compiled_steps_take_and_give_replicated_arrays_and_the_train_step_d
     # The programs run: one planned step of the compiled train step, one test batch.
     batches, keys = plan(data_parallel.replicate(jax.random.key(0)))
     assert len(batches) == 1 and batches[0].shape == (BATCH,)
-    new_state, metrics = train_step(state, device_data.train_images, device_data.train_labels, batches[0], keys[0])
+    new_state, metrics = train_step(
+        state, device_data.train_images, device_data.train_labels, batches[0], keys[0]
+    )
     assert set(metrics) == {"loss", "correct", "injected"} and int(new_state.step) == 1
     totals = eval_step(new_state, *device_data.test_batches[0])
     assert set(totals) == {"loss", "correct"}
