@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
-# FP8 training parity on a CPU: the tiny language model on the standard-library
-# corpus, mixed_float8 against mixed_bf16, both through autocast (so the FP8
-# matmuls are the only difference), the same seeds and steps. Writes
+# FP8 training parity on a CPU: language models on the standard-library corpus,
+# mixed_float8 against mixed_bf16, both through autocast (so the FP8 matmuls
+# are the only difference), the same seeds and steps. Each run writes
 # results.json, table.md and plots, then parity.md: the final held-out loss of
 # each precision per seed and their relative gap (target: within 2%).
+#   bash results/cpu/lm/fp8_parity/run.sh [tiny|small|all]   (default: all)
+#   tiny:  2 layers of width 64, 300 steps of 16 windows of 64 bytes  -> fp8_parity/
+#   small: 4 layers of width 128, 150 steps of 8 windows of 128 bytes -> fp8_parity/small/
 set -euo pipefail
 cd "$(dirname "$0")/../../../.."
 python=${PYTHON:-python}
-out=results/cpu/lm/fp8_parity
-nice -n 5 "$python" -m experiments.lm --model tiny --precisions mixed_float8,mixed_bf16 --route autocast \
-  --seeds 0,1 --steps 300 --eval-every 50 --no-progress --out-dir "$out"
-"$python" - "$out" <<'PY'
+which=${1:-all}
+
+parity_table() {
+  "$python" - "$1" <<'PY'
 import json, sys
 
 out = sys.argv[1]
 payload = json.load(open(f"{out}/results.json"))
 final = {(run["config"]["precision"], run["config"]["seed"]): run["summary"] for run in payload["runs"]}
 lines = [
-    f"Command: `bash {out}/run.sh` (`{payload['command']}`)",
+    f"Command: `{payload['command']}` (in `bash results/cpu/lm/fp8_parity/run.sh`)",
     "",
     f"Load average at the start: {payload['environment']['load_average_at_start']:.1f} "
     f"on {payload['environment']['cpu_count']} CPUs.",
@@ -42,3 +45,17 @@ lines += ["", f"Largest gap in final held-out loss: {worst:.2%} (target at most 
 open(f"{out}/parity.md", "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY
+}
+
+if [[ $which == tiny || $which == all ]]; then
+  out=results/cpu/lm/fp8_parity
+  nice -n 5 "$python" -m experiments.lm --model tiny --precisions mixed_float8,mixed_bf16 --route autocast \
+    --seeds 0,1 --steps 300 --eval-every 50 --no-progress --out-dir "$out"
+  parity_table "$out"
+fi
+if [[ $which == small || $which == all ]]; then
+  out=results/cpu/lm/fp8_parity/small
+  nice -n 5 "$python" -m experiments.lm --model small --precisions mixed_float8,mixed_bf16 --route autocast \
+    --seeds 0,1 --steps 150 --batch-size 8 --eval-every 50 --no-progress --out-dir "$out"
+  parity_table "$out"
+fi
