@@ -233,3 +233,19 @@ def test_fp8_takes_the_autocast_route_runs_its_projections_in_fp8_and_refuses_ap
     # each, bfloat16 (jaxamp keeps batched dots out of FP8).
     assert sum(op.is_fp8 for op in report.ops) == 27, str(report)
     assert report.count_by_dtype()["bfloat16"] == 12 and report.fp8_fraction() > 0.9, str(report)
+
+
+def test_fp8_mfu_divides_by_the_fp8_peak_and_the_bound_counts_fp8_gemms_at_the_fp8_rate(monkeypatch):
+    """On an H200, mixed_float8's MFU is against 1979 TFLOP/s, not bfloat16's 989. Fails if the
+    heavy-math dtype passed is the compute dtype (bfloat16) or if FP8 FLOPs fall to the TF32 rate."""
+    from experiments.benchmark import roofline
+    from experiments.lm import figures
+
+    h200 = jaxamp.gpu_targets.gpu_spec("h200")
+    monkeypatch.setattr(figures, "device_spec", lambda: h200)
+    policy = resolve_precision("mixed_float8").policy
+    run = figures.throughput(7e12, 8192, 0.02, "mixed_float8", policy.matmul_dtype or policy.compute_dtype)
+    assert run["peak_used"] == "float8_e4m3fn"
+    assert run["mfu"] == pytest.approx(350e12 / h200.peak_flops["float8_e4m3fn"])
+    by_peak = roofline.flops_by_peak("mixed_float8", {"float8_e4m3fn": 4e12, "float8_e5m2": 2e12}, 7e12)
+    assert by_peak == {"float8_e4m3fn": 4e12, "float8_e5m2": 2e12, "float32": 1e12}
