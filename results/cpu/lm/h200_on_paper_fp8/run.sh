@@ -6,3 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/../../../.."
 JAX_PLATFORMS=cpu nice -n 5 "${PYTHON:-python}" -m experiments.lm.on_paper --target h200 \
   --precisions mixed_bf16,mixed_float8 --routes autocast --out-dir results/cpu/lm/h200_on_paper_fp8
+# Bytes moved per step split by kernel (GEMMs, FP8 quantization, the rest): traffic.json.
+PYTHONPATH="${PYTHONPATH:-}:$PWD" JAX_PLATFORMS=cpu nice -n 5 "${PYTHON:-python}" results/cpu/lm/h200_on_paper_fp8/traffic.py
