@@ -111,13 +111,15 @@ else:
     print(f"peak bytes in use: not measured ({peaks}: no device memory stats here, or a run was skipped)")
 PY
 # --- The language model: GPT-2 (124M) at context 1024, python -m experiments.lm --------------
-# tf32 and mixed_bf16 on synthetic tokens of GPT-2's padded vocabulary (50304): tokens/s and
-# MFU against the GPU's published peak. Targets: mixed_bf16 at 45% MFU or better, and at least
-# 1.6x tf32's tokens/s. LM_SECONDS (default 180) caps it; LM_MODEL, LM_BATCH, LM_STEPS and
-# LM_VOCAB shrink it (a CPU check: LM_MODEL=tiny LM_BATCH=8 LM_STEPS=3 LM_VOCAB=256).
-lm_seconds=$(( $(left) < ${LM_SECONDS:-180} ? $(left) : ${LM_SECONDS:-180} ))
+# tf32, mixed_bf16 and mixed_float8 (FP8 matmuls, through autocast) on synthetic tokens of GPT-2's
+# padded vocabulary (50304): tokens/s and MFU against the GPU's published peak for each precision's
+# matmuls (FP8's for mixed_float8). Targets: mixed_bf16 at 45% MFU or better, and at least 1.6x
+# tf32's tokens/s; mixed_float8's tokens/s over mixed_bf16's is reported. LM_SECONDS (default 240)
+# caps it; LM_MODEL, LM_BATCH, LM_STEPS and LM_VOCAB shrink it (a CPU check: LM_MODEL=tiny
+# LM_BATCH=8 LM_STEPS=3 LM_VOCAB=256).
+lm_seconds=$(( $(left) < ${LM_SECONDS:-240} ? $(left) : ${LM_SECONDS:-240} ))
 run lm "$lm_seconds" "$python" -m experiments.lm --model "${LM_MODEL:-gpt2}" --data synthetic \
-  --vocab-size "${LM_VOCAB:-50304}" --precisions tf32,mixed_bf16 --batch-size "${LM_BATCH:-8}" \
+  --vocab-size "${LM_VOCAB:-50304}" --precisions tf32,mixed_bf16,mixed_float8 --batch-size "${LM_BATCH:-8}" \
   --steps "${LM_STEPS:-30}" --eval-every "${LM_STEPS:-30}" --eval-batches 1 --warmup-steps 0 \
   --no-progress --out-dir "$out/lm"
 "$python" - "$out" <<'PY' | tee "$out/lm.txt"
@@ -138,6 +140,11 @@ if bf16 and bf16.get("mfu") is not None:
 if bf16 and tf32:
     ratio = bf16["tokens_per_s"] / tf32["tokens_per_s"]
     print(f"lm mixed_bf16/tf32 tokens/s {ratio:.2f}x (target at least 1.6x: {'met' if ratio >= 1.6 else 'MISSED'})")
+fp8 = runs.get("mixed_float8")
+if fp8 and fp8.get("mfu") is not None:
+    print(f"lm mixed_float8 MFU {fp8['mfu']:.1%} (against the {fp8.get('peak_used')} peak)")
+if fp8 and bf16:
+    print(f"lm mixed_float8/mixed_bf16 tokens/s {fp8['tokens_per_s'] / bf16['tokens_per_s']:.2f}x")
 if not runs:
     print("lm: not measured (the run was skipped or failed; see lm.log)")
 PY

@@ -206,3 +206,52 @@ def test_the_step_compiled_for_an_h200_runs_its_matmuls_in_bfloat16_with_a_roofl
     assert set(entry["matmul_flops_by_dtype"]) == {"bfloat16"}
     assert entry["memory"]["temp_bytes"] > 0 and entry["bytes_accessed_per_step"] > 0
     assert entry["roofline_step_s"] == max(entry["roofline_compute_s"], entry["roofline_memory_s"]) > 0
+
+
+def test_fp8_takes_the_autocast_route_runs_its_projections_in_fp8_and_refuses_apply_policy(capsys):
+    """`--precisions mixed_bf16,mixed_float8` with no --route: bf16 on apply_policy, FP8 on autocast,
+    and the traced FP8 step runs every projection, MLP and logits matmul in FP8, forward and
+    backward (only the attention cores, batched dots, stay bfloat16). Fails if FP8 is sent to apply_policy (which raises), if
+    an explicit ``--route apply_policy`` is not refused naming the fix, or if the loss runs its
+    matmuls outside autocast's FP8 rewrite."""
+    args = lm_cli.build_parser().parse_args([*TINY_RUN, "--precisions", "mixed_bf16,mixed_float8"])
+    routes = {config.precision: config.route for config in lm_cli.configs_from_args(args)}
+    assert routes == {"mixed_bf16": "apply_policy", "mixed_float8": "autocast"}
+    with pytest.raises(SystemExit) as exit_info:
+        lm_cli.main([*TINY_RUN, "--precisions", "mixed_float8", "--route", "apply_policy"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "--route 'apply_policy' cannot run --precision 'mixed_float8'" in error
+    assert "Use --route autocast" in error
+
+    config = config_lib.LMConfig(
+        model="tiny", precision="mixed_float8", route="autocast", context=16, batch_size=2
+    )
+    resolved = resolve_precision(config.precision)
+    model, _ = train.create_model(config, resolved, 256, "cpu")
+    tx = train.create_optimizer(config)
+    state = jax.eval_shape(lambda: train.create_train_state(config, resolved, model, 16, tx))
+    loss_fn = train.make_loss_fn(model.apply, config.route, resolved.policy)
+    windows = jnp.zeros((2, 17), jnp.int32)
+    report = jaxamp.precision_report(jax.value_and_grad(loss_fn), state.params, windows)
+    # Two layers of 4 projections (qkv, out, MLP in, MLP out) and the tied logits: 9 matmuls, each
+    # 3 FP8 GEMMs (forward, input and weight gradients); the 2 attention cores per layer, 3 times
+    # each, bfloat16 (jaxamp keeps batched dots out of FP8).
+    assert sum(op.is_fp8 for op in report.ops) == 27, str(report)
+    assert report.count_by_dtype()["bfloat16"] == 12 and report.fp8_fraction() > 0.9, str(report)
+
+
+def test_fp8_mfu_divides_by_the_fp8_peak_and_the_bound_counts_fp8_gemms_at_the_fp8_rate(monkeypatch):
+    """On an H200, mixed_float8's MFU is against 1979 TFLOP/s, not bfloat16's 989. Fails if the
+    heavy-math dtype passed is the compute dtype (bfloat16) or if FP8 FLOPs fall to the TF32 rate."""
+    from experiments.benchmark import roofline
+    from experiments.lm import figures
+
+    h200 = jaxamp.gpu_targets.gpu_spec("h200")
+    monkeypatch.setattr(figures, "device_spec", lambda: h200)
+    policy = resolve_precision("mixed_float8").policy
+    run = figures.throughput(7e12, 8192, 0.02, "mixed_float8", policy.matmul_dtype or policy.compute_dtype)
+    assert run["peak_used"] == "float8_e4m3fn"
+    assert run["mfu"] == pytest.approx(350e12 / h200.peak_flops["float8_e4m3fn"])
+    by_peak = roofline.flops_by_peak("mixed_float8", {"float8_e4m3fn": 4e12, "float8_e5m2": 2e12}, 7e12)
+    assert by_peak == {"float8_e4m3fn": 4e12, "float8_e5m2": 2e12, "float32": 1e12}

@@ -9,7 +9,8 @@ nor faster than its memory traffic at the peak bandwidth::
 
 ``flops[d]`` splits the compiled step's FLOPs by the rate they run at:
 matmuls and convolutions in float16 or bfloat16 at the tensor cores' half
-rate, those in float32 at the float32 rate under ``fp32`` (matmul
+rate, those with FP8 operands (``float8_e4m3fn``, ``float8_e5m2``) at the
+FP8 rate, those in float32 at the float32 rate under ``fp32`` (matmul
 precision "highest") and at the TF32 tensor-core rate otherwise (JAX's
 default precision on Ampere and later); every other FLOP (element-wise
 work, reductions) at the float32 rate. The peaks are the datasheets'
@@ -25,11 +26,12 @@ from jaxamp.gpu_targets import GpuSpec
 
 CIFAR10_TRAIN_EXAMPLES = 50_000
 _HALF_DTYPES = ("float16", "bfloat16")
+_FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # FP8 tensor cores (GpuSpec.peak_flops, Hopper on)
 
 
 def peak_key(precision: str, dtype: str) -> str:
     """Which peak rate a matmul or convolution in `dtype` runs at under `precision`."""
-    if dtype in _HALF_DTYPES:
+    if dtype in _HALF_DTYPES or dtype in _FP8_DTYPES:
         return dtype
     return "float32" if precision == "fp32" else "tf32"
 

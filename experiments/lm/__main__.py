@@ -4,6 +4,7 @@ python -m experiments.lm --quick
 python -m experiments.lm --model small --precisions fp32,mixed_bf16,mixed --seeds 0,1 --steps 300
 python -m experiments.lm --route autocast --precisions mixed_bf16
 python -m experiments.lm --data tfds:tiny_shakespeare --data-dir ~/tensorflow_datasets   # prepared there
+python -m experiments.lm --precisions mixed_bf16,mixed_float8   # FP8 matmuls (through autocast)
 python -m experiments.lm --data synthetic --model gpt2 --vocab-size 50304 --batch-size 8 --steps 20
 python -m experiments.lm --target h200        # on paper: compiled for an H200, no GPU needed
 
@@ -78,13 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="fp32,mixed_bf16,mixed",
         help="comma-separated: fp32 (float32, matmuls at highest precision), tf32 (float32 at the default "
         "precision), mixed_bf16 (bfloat16 compute, no loss scale), mixed (float16 compute, dynamic loss "
-        "scale), or any jaxamp policy",
+        "scale), mixed_float8 (mixed_bf16 with FP8 matmuls, through autocast), or any jaxamp policy",
     )
     parser.add_argument(
         "--route",
         type=comma_list(list(config_lib.ROUTES)),
-        default="apply_policy",
-        help="how the policy is applied: apply_policy (on the model), autocast (on the loss), or both",
+        default=None,
+        help="how the policy is applied: apply_policy (on the model), autocast (on the loss), or both "
+        "(default: apply_policy; autocast for FP8 precisions such as mixed_float8, which apply_policy "
+        "refuses)",
     )
     parser.add_argument("--seeds", type=seeds_arg, default="0", help="comma-separated seeds; one run each")
     parser.add_argument("--steps", type=positive_int, default=_DEFAULTS.steps, help="training steps per run")
@@ -221,7 +224,7 @@ def configs_from_args(args: argparse.Namespace) -> list[config_lib.LMConfig]:
     return [
         dataclasses.replace(base, precision=precision, route=route, seed=seed)
         for precision in args.precisions
-        for route in args.route
+        for route in (args.route or [config_lib.default_route(precision)])
         for seed in args.seeds
     ]
 
@@ -243,12 +246,12 @@ def new_out_dir() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    configs = configs_from_args(args)
-    for config in configs:
-        try:
+    try:
+        configs = configs_from_args(args)
+        for config in configs:
             config_lib.validate(config)
-        except config_lib.ConfigError as error:
-            parser.error(str(error))
+    except config_lib.ConfigError as error:
+        parser.error(str(error))
     command = "python -m experiments.lm " + shlex.join(sys.argv[1:] if argv is None else argv)
     try:
         distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)

@@ -2,7 +2,8 @@
 
     PYTHONPATH=/path/to/cuda_plugin JAX_PLATFORMS=cpu python -m experiments.lm.on_paper --target h200
 
-For each precision and route, the language model's train step (the recipe's
+For each precision and route (FP8 precisions through ``autocast`` only,
+which is the route that runs them), the language model's train step (the recipe's
 own `experiments.lm.train.make_train_step`) is lowered with its arguments as
 ``ShapeDtypeStruct``s on the target's compile-only device
 (`jaxamp.gpu_target_device`) and compiled, as the CIFAR benchmark's
@@ -12,7 +13,8 @@ the optimized program), FLOPs (the lowered module's cost analysis; where it
 gives none, the optimized program's matmul FLOPs, as the CIFAR benchmark's
 targets section does) and the
 dtype of every matmul in the optimized program (cuBLAS and cuDNN calls
-included), and the roofline bound (`experiments.benchmark.roofline`) with the
+included, with the share of them in FP8 and each FP8 outcome,
+`jaxamp.PrecisionReport.fp8_rows`), and the roofline bound (`experiments.benchmark.roofline`) with the
 tokens/s it allows. Nothing is autotuned; it is a bound on paper, not a
 measurement.
 
@@ -41,11 +43,11 @@ from experiments.benchmark.workload import memory_of
 from experiments.flags import HelpFormatter
 from experiments.lm import model as model_lib
 from experiments.lm import output, train
-from experiments.lm.config import LMConfig
+from experiments.lm.config import FP8_ROUTE, LMConfig, default_route
 from experiments.results import write_text_atomically
 from experiments.train import resolve_precision
 
-PRECISIONS = ("fp32", "tf32", "mixed_bf16", "mixed")
+PRECISIONS = ("fp32", "tf32", "mixed_bf16", "mixed", "mixed_float8")
 ROUTES = ("apply_policy", "autocast")
 GPT2_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64, as nanoGPT does
 
@@ -71,6 +73,7 @@ def compile_for(target: str, config: LMConfig, vocab_size: int) -> dict[str, Any
         compiled_step.bound,
     )
     tokens = config.batch_size * context
+    report = compiled_step.report
     return {
         "target": target,
         "device_kind": device.device_kind,
@@ -85,6 +88,12 @@ def compile_for(target: str, config: LMConfig, vocab_size: int) -> dict[str, Any
         "compile_s": compile_s,
         "memory": memory_of(compiled),
         "matmul_flops_by_dtype": heavy_flops,
+        # Share of matmul FLOPs with FP8 operands in the compiled program (cuBLASLt's
+        # FP8 GEMMs on a GPU target), all of them and per pass, and each FP8 outcome.
+        "fp8_share": report.fp8_fraction(),
+        "fp8_share_forward": report.fp8_fraction("forward"),
+        "fp8_share_backward": report.fp8_fraction("backward"),
+        "fp8_rows": [dataclasses.asdict(row) for row in report.fp8_rows()],
         "cudnn_attention_calls": text.count("__cudnn$fmha"),
         "flops_per_step": total_flops,
         "analytic_flops_per_step": tokens
@@ -101,14 +110,17 @@ def markdown(entries: list[dict[str, Any]], command: str) -> str:
     lines = [
         f"Command: `{command}`",
         "",
-        "| precision | route | attention | temp GiB | GB moved/step | GFLOP/step "
-        "| half share of matmul FLOPs | roofline ms/step (compute, memory) | tokens/s bound |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        (
+            "| precision | route | attention | temp GiB | GB moved/step | GFLOP/step "
+            "| half share of matmul FLOPs | FP8 share (fwd, bwd) | roofline ms/step (compute, memory) "
+            "| tokens/s bound |"
+        ),
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for entry in entries:
         if "error" in entry:
             lines.append(
-                f"| {entry['precision']} | {entry['route']} | | compile failed: {entry['error']} | | | | | |"
+                f"| {entry['precision']} | {entry['route']} | | compile failed: {entry['error']} | | | | | | |"
             )
             continue
         matmul = entry["matmul_flops_by_dtype"]
@@ -118,10 +130,46 @@ def markdown(entries: list[dict[str, Any]], command: str) -> str:
             f"| {entry['precision']} | {entry['route']} | {attention} "
             f"| {entry['memory']['temp_bytes'] / 2**30:.2f} | {entry['bytes_accessed_per_step'] / 1e9:.1f} "
             f"| {entry['flops_per_step'] / 1e9:,.0f} | {half / max(1, sum(matmul.values())):.0%} "
+            f"| {fp8_share(entry)} "
             f"| {entry['roofline_step_s'] * 1e3:.1f} ({entry['roofline_compute_s'] * 1e3:.1f}, "
             f"{entry['roofline_memory_s'] * 1e3:.1f}) | {entry['roofline_tokens_per_s']:,.0f} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + fp8_lines(entries)
+
+
+def fp8_share(entry: dict[str, Any]) -> str:
+    """The table's FP8 cell: share of matmul FLOPs in FP8, then forward's and backward's."""
+    if "fp8_share" not in entry:  # results written before FP8 joined the table
+        return "n/a"
+    if not entry["fp8_share"]:
+        return "0%"
+    return f"{entry['fp8_share']:.0%} ({entry['fp8_share_forward']:.0%}, {entry['fp8_share_backward']:.0%})"
+
+
+def fp8_lines(entries: list[dict[str, Any]]) -> str:
+    """The compiled programs' FP8 outcomes (`jaxamp.PrecisionReport.fp8_rows`), one line per row."""
+    lines = []
+    for entry in entries:
+        for row in entry.get("fp8_rows", []):
+            operands = " x ".join(dtype.removeprefix("float8_") for dtype in row["operand_dtypes"])
+            reason = f" ({row['reason']})" if row["reason"] else ""
+            lines.append(
+                f"| {entry['precision']} | {entry['route']} | {row['status']}{reason} | {row['direction']} "
+                f"| {operands} | `{row['primitive']}` | {row['ops']} | {row['flops'] / 1e9:,.1f} |"
+            )
+    if not lines:
+        return ""
+    header = [
+        "",
+        (
+            "FP8 outcome of each matmul where FP8 was in question (`PrecisionReport.fp8_rows` of the "
+            "compiled program):"
+        ),
+        "",
+        "| precision | route | outcome | pass | operands | as | ops | GFLOP/step |",
+        "|---|---|---|---|---|---|---:|---:|",
+    ]
+    return "\n".join(header + lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     entries = []
     for precision in args.precisions.split(","):
         for route in args.routes.split(","):
+            if default_route(precision) == FP8_ROUTE and route != FP8_ROUTE:
+                print(f"{precision} via {route}: skipped (FP8 runs through {FP8_ROUTE} only)", flush=True)
+                continue
             config = LMConfig(model=args.model, precision=precision, route=route, batch_size=args.batch_size)
             try:
                 try:

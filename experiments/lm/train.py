@@ -343,7 +343,8 @@ def train_and_evaluate(
             tokens_per_step,
             train_s / config.steps,
             config.precision,
-            precision.policy.compute_dtype,
+            # The heavy math's dtype: FP8 policies' matmuls run at the FP8 peak.
+            precision.policy.matmul_dtype or precision.policy.compute_dtype,
         ),
     }
     prefix = f"[process {jax.process_index()}] " if jax.process_count() > 1 else ""
