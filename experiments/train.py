@@ -529,7 +529,10 @@ def train_and_evaluate(
         )
         results: dict[str, Any] = {
             "config": dataclasses.asdict(config),
-            "environment": {**environment(config, precision), "route": resolve_route(config.route, precision)},
+            "environment": {
+                **environment(config, precision),
+                "route": resolve_route(config.route, precision),
+            },
             "steps_per_epoch": steps_per_epoch,
             "num_params": int(sum(leaf.size for leaf in jax.tree.leaves(state.params))),
             "epochs": [],

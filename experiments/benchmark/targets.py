@@ -302,7 +302,9 @@ def _compile_and_record(
         if baseline is not None:
             entry["fp8"]["baseline"] = baseline_key
             entry["fp8"]["temp_ratio"] = entry["memory"]["temp_bytes"] / baseline["memory"]["temp_bytes"]
-            entry["fp8"]["bytes_ratio"] = entry["bytes_accessed_per_step"] / baseline["bytes_accessed_per_step"]
+            entry["fp8"]["bytes_ratio"] = (
+                entry["bytes_accessed_per_step"] / baseline["bytes_accessed_per_step"]
+            )
     results.put(("targets", target, model, key), entry)
     print(
         f"{target} {model:<12} {key:<20} temp {entry['memory']['temp_bytes'] / _MB:8.0f} MB  "
