@@ -13,7 +13,9 @@ import pytest
 
 import jaxamp
 from experiments import cifar, train
-from experiments.benchmark import checks, targets, workload
+from experiments.benchmark import checks, roofline, targets, workload
+from experiments.benchmark.budget import Budget
+from experiments.benchmark.results import Results
 from jaxamp.report import OpRecord, PrecisionReport
 
 
@@ -163,3 +165,21 @@ def test_the_fp8_summary_splits_convolution_and_matmul_shares_by_pass():
     )
     (check,) = checks.target_checks({"h200": {"resnet18": {"mixed_float8 autocast": entry}}})
     assert check["check"] == "h200 resnet18 mixed_float8 autocast: convolutions and matmuls in FP8 or half"
+
+
+def test_fp8_gemms_are_bounded_at_the_fp8_peak_and_gpus_without_fp8_are_skipped_with_the_reason(tmp_path):
+    """The roofline counts FP8 FLOPs at the FP8 peak (not TF32's, the float32 fallback), and
+    an A100 (no FP8 tensor cores, no FP8 peak) is skipped, not compiled. Fails if FP8 FLOPs
+    fell to the TF32 peak or the A100 were compiled (a KeyError on its missing FP8 peak)."""
+    assert roofline.peak_key("mixed_float8", "float8_e4m3fn") == "float8_e4m3fn"
+    assert roofline.peak_key("mixed_float8", "bfloat16") == "bfloat16"
+    budget = Budget()
+    results = Results(str(tmp_path), {"environment": {}})
+    targets.run(["a100"], ["resnet_tiny"], ["mixed_float8"], 4, budget, results)
+    assert budget.skipped == [
+        {
+            "work": "target a100 resnet_tiny mixed_float8 autocast",
+            "reason": "the a100 has no FP8 tensor cores (Hopper and later have them: h100, h200)",
+        }
+    ]
+    assert "targets" not in results.data

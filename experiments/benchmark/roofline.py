@@ -29,7 +29,7 @@ _HALF_DTYPES = ("float16", "bfloat16")
 
 def peak_key(precision: str, dtype: str) -> str:
     """Which peak rate a matmul or convolution in `dtype` runs at under `precision`."""
-    if dtype in _HALF_DTYPES:
+    if dtype in _HALF_DTYPES or dtype.startswith("float8_"):  # FP8 GEMMs run at the FP8 peak
         return dtype
     return "float32" if precision == "fp32" else "tf32"
 

@@ -281,6 +281,12 @@ def _compile_and_record(
     """
     key = variant_key(precision, route)
     work = f"target {target} {model} {key}"
+    if (
+        workload.is_fp8_precision(precision)
+        and "float8_e4m3fn" not in jaxamp.gpu_targets.gpu_spec(target).peak_flops
+    ):
+        budget.skip(work, f"the {target} has no FP8 tensor cores (Hopper and later have them: h100, h200)")
+        return 0.0
     try:
         budget.require(work, compile_estimate)
         entry = compile_for(target, model, precision, batch_size, route)
