@@ -3,6 +3,7 @@
 python -m experiments.cifar --precision mixed
 python -m experiments.cifar --precision fp32 --model mobilenetv2 --out fp32.json
 python -m experiments.cifar --precision mixed --data synthetic --steps-per-epoch 5
+python -m experiments.cifar --precision mixed_float8   # FP8 matmuls and forward convs, via autocast
 python -m experiments.cifar --checkpoint-dir ckpt --checkpoint-every 100 --resume
 python -m experiments.cifar --coordinator-address 10.0.0.1:1234 --num-processes 2 --process-id 0
 
@@ -174,7 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=precision_arg,
         default="mixed",
         help="fp32 (true float32), tf32 (float32 at JAX's default matmul precision), or any jaxamp policy: "
-        "mixed, mixed_bf16, bf16, 'p=f32,c=f16,o=f32', ... (default: %(default)s)",
+        "mixed, mixed_bf16, mixed_float8, bf16, 'p=f32,c=f16,o=f32', ... (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--route",
+        default="auto",
+        choices=train.ROUTES,
+        help="how the policy reaches the model: apply_policy (each Flax layer casts), autocast "
+        "(jaxamp.autocast of the model's apply), or auto: autocast for FP8 policies such as "
+        "mixed_float8 (apply_policy cannot run FP8), apply_policy otherwise (default: %(default)s)",
     )
     parser.add_argument("--model", default="resnet18", choices=sorted(MODELS), help="the network to train")
     add_data_arguments(parser)
@@ -242,10 +251,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--resume needs --checkpoint-dir")
     if args.checkpoint_every and not args.checkpoint_dir:
         parser.error("--checkpoint-every needs --checkpoint-dir")
+    try:
+        train.resolve_route(args.route, train.resolve_precision(args.precision))
+    except ValueError as error:
+        parser.error(str(error))
     config = config_from_args(
         args,
         model=args.model,
         precision=args.precision,
+        route=args.route,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,

@@ -4,8 +4,10 @@ Read top to bottom, this is the whole recipe:
 
 1. `resolve_precision` turns ``--precision`` into a `jaxamp.Policy` and a
    matmul precision (``fp32`` is true float32, ``tf32`` is JAX's default).
-2. `create_train_state` wraps the plain Flax model with `jaxamp.apply_policy`
-   and builds a `jaxamp.TrainState` with SGD (Nesterov momentum, weight
+2. `create_train_state` applies the policy to the plain Flax model by its
+   route (`resolve_route`: `jaxamp.apply_policy` for float32, float16 and
+   bfloat16 policies; `jaxamp.autocast` of the model's ``apply`` for FP8
+   ones, which `apply_policy` refuses) and builds a `jaxamp.TrainState` with SGD (Nesterov momentum, weight
    decay, warm-up and cosine decay) and the policy's loss scale.
 3. `train_step` gathers, augments and normalizes a batch on the device,
    differentiates through the loss scale with
@@ -53,6 +55,11 @@ from experiments.results import (  # also re-exported from here for compare and 
 # Precisions beyond jaxamp.get_policy's: float32 with an explicit matmul precision.
 _FLOAT32_PRECISIONS = {"fp32": "highest", "tf32": "default"}
 
+# How a policy reaches the model: ``auto`` picks ``autocast`` for FP8 policies
+# (``apply_policy`` casts layers, it cannot make a matmul FP8) and
+# ``apply_policy`` for the others.
+ROUTES = ("auto", "apply_policy", "autocast")
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -84,6 +91,7 @@ class TrainConfig:
     max_consecutive_skips: int = 50
     max_overflows_at_min_scale: int = 0
     inject_nonfinite: float = 0.0
+    route: str = "auto"
 
 
 class ConfigError(ValueError):
@@ -125,7 +133,7 @@ def validate_config(config: TrainConfig) -> None:
         fail("--data", config.data, f"one of {', '.join(data_lib.SOURCES)}")
     try:
         validate_rate(config.inject_nonfinite)
-        resolve_precision(config.precision)
+        resolve_route(config.route, resolve_precision(config.precision))
         parse_loss_scale(config.loss_scale)
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None
@@ -157,6 +165,35 @@ def resolve_precision(name: str) -> Precision:
     if key in _FLOAT32_PRECISIONS:
         return Precision(key, jaxamp.get_policy("float32"), _FLOAT32_PRECISIONS[key])
     return Precision(name, jaxamp.get_policy(name), "default")
+
+
+def resolve_route(route: str, precision: Precision) -> str:
+    """Resolves ``--route``: how `precision`'s policy reaches the model.
+
+    ``auto`` is ``autocast`` for an FP8 policy (``mixed_float8``) and
+    ``apply_policy`` otherwise. ``apply_policy`` wraps each Flax layer to
+    cast its params and inputs; ``autocast`` rewrites the plain model's
+    ``apply`` primitive by primitive (`jaxamp.autocast`), the only route
+    that runs matmuls and convolutions in FP8.
+
+    Returns:
+        ``apply_policy`` or ``autocast``.
+
+    Raises:
+        ValueError: `route` is not one of `ROUTES`, or ``apply_policy`` was
+            asked for an FP8 policy.
+    """
+    if route not in ROUTES:
+        raise ValueError(f"Unknown route {route!r}; choose one of {', '.join(ROUTES)}.")
+    fp8 = precision.policy.fp8_matmuls
+    if route == "auto":
+        return "autocast" if fp8 else "apply_policy"
+    if route == "apply_policy" and fp8:
+        raise ValueError(
+            f"--route apply_policy cannot run --precision {precision.name}: its FP8 matmuls need "
+            "jaxamp.autocast. Use --route autocast (or auto, which picks it)."
+        )
+    return route
 
 
 def parse_loss_scale(spec: str) -> tuple[str, float | None]:
@@ -220,12 +257,23 @@ def create_optimizer(config: TrainConfig, steps_per_epoch: int) -> optax.Gradien
 def create_train_state(
     config: TrainConfig, precision: Precision, num_classes: int, steps_per_epoch: int
 ) -> jaxamp.TrainState:
-    """Builds the mixed-precision model and its `jaxamp.TrainState`."""
-    model = jaxamp.apply_policy(create_model(config.model, num_classes), precision.policy)
+    """Builds the mixed-precision model and its `jaxamp.TrainState`.
+
+    The policy reaches the model by ``config.route`` (`resolve_route`). Both
+    routes start from the same float32 params: ``apply_policy`` adds no
+    variables, and ``autocast`` initializes the plain model and rewrites only
+    its ``apply``.
+    """
+    plain_model = create_model(config.model, num_classes)
+    if resolve_route(config.route, precision) == "autocast":
+        model, apply_fn = plain_model, jaxamp.autocast(plain_model.apply, precision.policy)
+    else:
+        model = jaxamp.apply_policy(plain_model, precision.policy)
+        apply_fn = model.apply
     sample = jnp.zeros((1, 32, 32, 3), jnp.float32)
     variables = jax.jit(lambda rng: model.init(rng, sample, train=False))(jax.random.key(config.seed))
     return jaxamp.TrainState.create(
-        apply_fn=model.apply,
+        apply_fn=apply_fn,
         params=variables["params"],
         tx=create_optimizer(config, steps_per_epoch),
         loss_scale=resolve_loss_scale(config.loss_scale, precision.policy),
@@ -481,7 +529,10 @@ def train_and_evaluate(
         )
         results: dict[str, Any] = {
             "config": dataclasses.asdict(config),
-            "environment": environment(config, precision),
+            "environment": {
+                **environment(config, precision),
+                "route": resolve_route(config.route, precision),
+            },
             "steps_per_epoch": steps_per_epoch,
             "num_params": int(sum(leaf.size for leaf in jax.tree.leaves(state.params))),
             "epochs": [],
@@ -506,7 +557,8 @@ def train_and_evaluate(
         results["compile_time_s"] = compile_times
         log(
             f"{config.model} | {precision.name} ({precision.policy}, matmul "
-            f"{precision.matmul_precision}) | {jax.devices()[0].device_kind} x{data_parallel.device_count}"
+            f"{precision.matmul_precision}, route {resolve_route(config.route, precision)}) | "
+            f"{jax.devices()[0].device_kind} x{data_parallel.device_count}"
             f" | compile: train {compile_times['train_step']:.1f}s, test {compile_times['eval_step']:.1f}s"
         )
         run = _Run(

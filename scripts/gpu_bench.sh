@@ -4,7 +4,9 @@
 # and writing everything to $OUT as it goes:
 #   1. the study's table: resnet18, resnet50, resnet101, mobilenetv2 x fp32, mixed, one
 #      CIFAR-10-sized epoch of synthetic data each (python -m experiments.compare);
-#   2. the same for tf32 and mixed_bf16 (leaving BENCH_RESERVE seconds for what follows);
+#   2. the same for tf32, mixed_bf16 and mixed_float8 (FP8 matmuls and forward convolutions,
+#      through jaxamp.autocast), leaving BENCH_RESERVE seconds for what follows; the FP8 epoch
+#      time against mixed_bf16's is printed to $OUT/fp8_cifar.txt;
 #   3. ResNet18's exact peak device memory under fp32 and mixed (one process each: a
 #      process's peak counts everything it ran before);
 #   4. the side-by-side benchmark (python -m experiments.benchmark --budget <what is left>):
@@ -82,8 +84,28 @@ run() {
 run study "$(left)" "$python" -m experiments.compare --models "$models" --precisions fp32,mixed \
   --data synthetic --epochs 1 "${steps_flag[@]}" --no-progress --out-dir "$out/study"
 run study_tf32_bf16 "$(( $(left) - reserve ))" "$python" -m experiments.compare --models "$models" \
-  --precisions tf32,mixed_bf16 --data synthetic --epochs 1 "${steps_flag[@]}" --no-progress \
+  --precisions tf32,mixed_bf16,mixed_float8 --data synthetic --epochs 1 "${steps_flag[@]}" --no-progress \
   --out-dir "$out/study_tf32_bf16"
+"$python" - "$out" <<'PY' | tee "$out/fp8_cifar.txt"
+import json, sys
+
+try:
+    with open(f"{sys.argv[1]}/study_tf32_bf16/results.json") as file:
+        runs = json.load(file)["runs"]
+except (OSError, KeyError, ValueError):
+    runs = {}
+summaries = {key: run.get("summary") for key, run in runs.items() if run.get("summary")}
+models = sorted({key.split("/")[0] for key in summaries})
+for model in models:
+    bf16, fp8 = summaries.get(f"{model}/mixed_bf16"), summaries.get(f"{model}/mixed_float8")
+    if bf16 and fp8:
+        print(f"cifar {model}: train epoch mixed_bf16 {bf16['train_time_s']:.2f}s, mixed_float8 "
+              f"{fp8['train_time_s']:.2f}s, FP8 speed-up {bf16['train_time_s'] / fp8['train_time_s']:.2f}x")
+    else:
+        print(f"cifar {model}: mixed_float8 against mixed_bf16 not measured (a run was skipped or failed)")
+if not models:
+    print("cifar fp8: not measured (the run was skipped or failed; see study_tf32_bf16.log)")
+PY
 # A small resident data set, so that the peak is the step's own and not the data's.
 for precision in fp32 mixed; do
   run "peak_memory_$precision" "$(( $(left) / 3 ))" "$python" -m experiments.benchmark --sections throughput \

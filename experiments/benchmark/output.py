@@ -168,6 +168,9 @@ def table(results: dict) -> str:
             "",
             *targets.table_rows(results["targets"]),
         ]
+        fp8_rows = targets.fp8_table_rows(results["targets"])
+        if fp8_rows:
+            lines += ["", "### FP8 (mixed_float8) against mixed_bf16, compiled", "", *fp8_rows]
     if results.get("checks"):
         lines += ["", "## Targets", "", "| check | measured | target | |", "|---|---|---|---|"]
         for check in results["checks"]:

@@ -26,6 +26,15 @@ for a program compiled without its GPU. It counts every operand a kernel
 reads, so each step includes the whole uint8 training set once (the
 gather's operand, 154 MB for CIFAR-10), alike in every route.
 
+An FP8 precision (``mixed_float8``) is compiled by the ``autocast`` route
+only (``apply_policy`` cannot run FP8), recorded under ``"<precision>
+autocast"``, with what `jaxamp.PrecisionReport.fp8_rows` reads from the
+optimized program: the share of convolution FLOPs in FP8, forward and
+backward (XLA rewrites a forward convolution of scaled FP8 operands into a
+cuDNN FP8 graph; the backward convolutions are bfloat16 by design), the
+share of matmul FLOPs in FP8, every fallback with its reason, and its temp
+memory and bytes moved against ``mixed_bf16`` by the same route.
+
 Caveats: nothing is autotuned (cuDNN and cuBLAS take default algorithms,
 whose workspace is what is counted), and the cuDNN and CUDA versions are
 those the target config states.
@@ -52,6 +61,10 @@ _CIFAR10_SHAPES = {"images": (roofline.CIFAR10_TRAIN_EXAMPLES, 32, 32, 3)}
 
 
 _HALF_DTYPES = ("float16", "bfloat16")
+_FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+# What an FP8 precision's memory is set against: the same policy without FP8, by the same route.
+_FP8_BASELINE = "mixed_bf16"
+
 _MB = 1e6
 
 
@@ -115,7 +128,10 @@ def compile_step(step, arguments, precision: str, context, spec) -> CompiledStep
         compiled = lowered.compile()
         compile_s = time.perf_counter() - start
     text = compiled.as_text()
-    report = jaxamp.hlo_precision_report(text)
+    # The lowered program says which GEMMs asked for FP8, so one that XLA ran
+    # wider shows as "requested, not fp8" rather than as a plain bfloat16 GEMM.
+    fp8 = train.resolve_precision(precision).policy.fp8_matmuls
+    report = jaxamp.hlo_precision_report(text, hlo_report.lowered_hlo_text(lowered) if fp8 else None)
     heavy_flops = report.flops_by_dtype()
     total_flops = roofline.cost_of(lowered).get("flops", float(sum(heavy_flops.values())))
     bytes_accessed = hlo_report.bytes_accessed(text)
@@ -159,7 +175,11 @@ def compile_for(
         step.compile_s,
     )
     compute_dtype = workload.compute_dtype_name(precision)
-    return {
+    fp8 = workload.is_fp8_precision(precision)
+    # An FP8 policy's heavy ops run in FP8 or, where FP8 cannot run, in its
+    # compute dtype: both count as "in the policy's precision" here.
+    in_policy = (compute_dtype, *(_FP8_DTYPES if fp8 else ()))
+    entry = {
         "target": target,
         "device_kind": device.device_kind,
         "model": model,
@@ -171,7 +191,7 @@ def compile_for(
         "heavy_ops_by_dtype": report.count_by_dtype(),
         "heavy_flops_by_dtype": heavy_flops,
         "cudnn_convolutions": sum(op.primitive.startswith("__cudnn$conv") for op in report.ops),
-        "heavy_ops_in_compute_dtype": sum(op.compute_dtype == compute_dtype for op in report.ops)
+        "heavy_ops_in_compute_dtype": sum(op.compute_dtype in in_policy for op in report.ops)
         / len(report.ops),
         "half_flop_share": sum(report.fraction(dtype) for dtype in _HALF_DTYPES),
         "flops_per_step": total_flops,
@@ -181,6 +201,40 @@ def compile_for(
         "roofline_memory_s": bound["memory_s"],
         "roofline_epoch_s": roofline.epoch_bound(bound["bound_s"], batch_size),
     }
+    if fp8:
+        entry["fp8"] = fp8_summary(report)
+    return entry
+
+
+def _is_convolution(op) -> bool:
+    return "conv" in op.primitive.lower()  # convolution, __cudnn$convForward[Graph], __cudnn$convBackward*
+
+
+def fp8_summary(report) -> dict:
+    """FP8 shares and rows of a compiled program's `jaxamp.PrecisionReport`.
+
+    Returns:
+        ``conv_share_forward``, ``conv_share_backward``: the share of the
+        convolution FLOPs of that pass with FP8 operands (None without
+        convolutions); ``matmul_share_forward``, ``matmul_share_backward``:
+        the same for matmuls; ``share``: of all matmul and convolution FLOPs;
+        ``rows``: `PrecisionReport.fp8_rows` as dicts (status, direction,
+        operand dtypes, primitive, reason, ops, FLOPs).
+    """
+
+    def share(ops):
+        total = sum(op.flops for op in ops)
+        return sum(op.flops for op in ops if op.is_fp8) / total if total else None
+
+    summary = {}
+    for kind, keep in (("conv", _is_convolution), ("matmul", lambda op: not _is_convolution(op))):
+        for direction in ("forward", "backward"):
+            summary[f"{kind}_share_{direction}"] = share(
+                [op for op in report.ops if keep(op) and op.direction == direction]
+            )
+    summary["share"] = share(report.ops)
+    summary["rows"] = [dataclasses.asdict(row) for row in report.fp8_rows()]
+    return summary
 
 
 def run(
@@ -196,13 +250,14 @@ def run(
 
     A float32 precision (``fp32``, ``tf32``) is compiled once, by the
     recipe's route (a float32 policy changes nothing, so the routes would
-    compile the same program); a half precision once per route in `routes`.
+    compile the same program); an FP8 one once, by ``autocast``; a half
+    precision once per route in `routes` (`workload.routes_for`).
     """
     compile_estimate = 0.0
     for target in targets:
         for model in models:
             for precision in precisions:
-                for route in routes if workload.is_half_precision(precision) else ("apply_policy",):
+                for route in workload.routes_for(precision, routes):
                     compile_s = _compile_and_record(
                         target, model, precision, route, batch_size, budget, results, compile_estimate
                     )
@@ -226,6 +281,12 @@ def _compile_and_record(
     """
     key = variant_key(precision, route)
     work = f"target {target} {model} {key}"
+    if (
+        workload.is_fp8_precision(precision)
+        and "float8_e4m3fn" not in jaxamp.gpu_targets.gpu_spec(target).peak_flops
+    ):
+        budget.skip(work, f"the {target} has no FP8 tensor cores (Hopper and later have them: h100, h200)")
+        return 0.0
     try:
         budget.require(work, compile_estimate)
         entry = compile_for(target, model, precision, batch_size, route)
@@ -241,11 +302,21 @@ def _compile_and_record(
     if fp32 is not None and key != "fp32":
         entry["temp_ratio_to_fp32"] = entry["memory"]["temp_bytes"] / fp32["memory"]["temp_bytes"]
         entry["bytes_ratio_to_fp32"] = entry["bytes_accessed_per_step"] / fp32["bytes_accessed_per_step"]
+    if "fp8" in entry:
+        baseline_key = variant_key(_FP8_BASELINE, route)
+        baseline = results.get(("targets", target, model, baseline_key))
+        if baseline is not None:
+            entry["fp8"]["baseline"] = baseline_key
+            entry["fp8"]["temp_ratio"] = entry["memory"]["temp_bytes"] / baseline["memory"]["temp_bytes"]
+            entry["fp8"]["bytes_ratio"] = (
+                entry["bytes_accessed_per_step"] / baseline["bytes_accessed_per_step"]
+            )
     results.put(("targets", target, model, key), entry)
     print(
         f"{target} {model:<12} {key:<20} temp {entry['memory']['temp_bytes'] / _MB:8.0f} MB  "
         f"moved {entry['bytes_accessed_per_step'] / 1e9:6.2f} GB  "
-        f"half {entry['half_flop_share']:.1%}  compile {entry['compile_s']:.1f}s",
+        f"half {entry['half_flop_share']:.1%}  compile {entry['compile_s']:.1f}s"
+        + (f"  fp8 {entry['fp8']['share']:.1%}" if "fp8" in entry else ""),
         flush=True,
     )
     return entry["compile_s"]
@@ -293,5 +364,62 @@ def table_rows(targets: dict) -> list[str]:
         "the plain model's apply). Bytes moved: estimated from the optimized program's kernels "
         "(XLA's cost analysis is empty without the GPU); it includes one read of the whole uint8 "
         "training set per step (the gather's operand), alike in every route.",
+    ]
+    return rows
+
+
+def fp8_table_rows(targets: dict) -> list[str]:
+    """The FP8 variants' Markdown table and their fallbacks; empty without FP8 variants."""
+    entries = [
+        (model, entry)
+        for models in targets.values()
+        for model, variants in models.items()
+        for entry in variants.values()
+        if "fp8" in entry
+    ]
+    if not entries:
+        return []
+    rows = [
+        "| target | model | precision | route | FP8 share of conv FLOPs forward | backward "
+        "| FP8 share of matmul FLOPs forward | backward | FP8 share of all | temp MB | temp vs baseline "
+        "| bytes moved GB | bytes vs baseline | baseline |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    fallbacks = []
+    for model, entry in entries:
+        fp8 = entry["fp8"]
+        cells = [
+            entry["device_kind"],
+            model,
+            entry["precision"],
+            entry["route"],
+            _fmt(fp8["conv_share_forward"], ".1%"),
+            _fmt(fp8["conv_share_backward"], ".1%"),
+            _fmt(fp8["matmul_share_forward"], ".1%"),
+            _fmt(fp8["matmul_share_backward"], ".1%"),
+            _fmt(fp8["share"], ".1%"),
+            f"{entry['memory']['temp_bytes'] / _MB:.0f}",
+            _fmt(fp8.get("temp_ratio")),
+            f"{entry['bytes_accessed_per_step'] / 1e9:.2f}",
+            _fmt(fp8.get("bytes_ratio")),
+            fp8.get("baseline", ""),
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+        total = sum(entry["heavy_flops_by_dtype"].values()) or 1
+        for row in fp8["rows"]:
+            fallbacks.append(
+                f"| {entry['device_kind']} | {model} | {row['status']} | {row['direction']} "
+                f"| {' x '.join(row['operand_dtypes'])} | {row['primitive']} | {row['reason']} "
+                f"| {row['ops']} | {row['flops'] / total:.1%} |"
+            )
+    rows += [
+        "",
+        "Where FP8 was in question, by outcome (fp8: ran with FP8 operands; fallback: bfloat16 on "
+        "purpose, with the reason; requested, not fp8: XLA ran a wider GEMM), from "
+        "`jaxamp.PrecisionReport.fp8_rows` of the optimized program:",
+        "",
+        "| target | model | outcome | pass | operands | as | reason | ops | share of conv+matmul FLOPs |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *fallbacks,
     ]
     return rows

@@ -76,9 +76,14 @@ def apply_route(
     optimizer and the policy's loss scale.
 
     Raises:
-        ValueError: `route` is not one of `ROUTES`.
+        ValueError: `route` is not one of `ROUTES`, or is ``apply_policy``
+            for an FP8 policy.
     """
     if route == "apply_policy":
+        if policy.fp8_matmuls:
+            raise ValueError(
+                f"Route 'apply_policy' cannot run the FP8 policy {policy}; use the 'autocast' route."
+            )
         return state
     if route == "autocast":
         plain_model = create_model(model, num_classes)
@@ -86,6 +91,26 @@ def apply_route(
     raise ValueError(
         f"Unknown route {route!r}; choose one of {', '.join(ROUTES)} (how the policy reaches the model)."
     )
+
+
+def routes_for(precision_name: str, routes: tuple[str, ...] = ROUTES) -> tuple[str, ...]:
+    """The routes of `routes` that `precision_name` is compiled by.
+
+    A float32 precision by the recipe's route only (a float32 policy changes
+    nothing, so the routes would compile the same program); an FP8 one by
+    ``autocast`` only (``apply_policy`` refuses FP8); a half precision by
+    every route in `routes`.
+    """
+    if is_fp8_precision(precision_name):
+        return ("autocast",)
+    if is_half_precision(precision_name):
+        return routes
+    return ("apply_policy",)
+
+
+def is_fp8_precision(precision_name: str) -> bool:
+    """Whether `precision_name`'s policy runs its matmuls in FP8 (``mixed_float8``)."""
+    return train.resolve_precision(precision_name).policy.fp8_matmuls
 
 
 def is_half_precision(precision_name: str) -> bool:
