@@ -249,6 +249,14 @@ def _observe(observer: Callable | None, role: str, x: jax.Array, quantized: Quan
     jax.debug.callback(functools.partial(observer, role, tuple(x.shape), dtype.name), counts)
 
 
+def _quantize_operands(lhs, rhs, observer: Callable | None) -> tuple[Quantized, Quantized]:
+    """Both forward operands in ``float8_e4m3fn``, their counts sent to `observer`."""
+    q_lhs, q_rhs = quantize(lhs, FP8_FORWARD_DTYPE), quantize(rhs, FP8_FORWARD_DTYPE)
+    _observe(observer, "lhs", lhs, q_lhs)
+    _observe(observer, "rhs", rhs, q_rhs)
+    return q_lhs, q_rhs
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _fp8_dot(lhs, rhs, dimension_numbers, result_dtype, observer):
     return _fp8_dot_forward(lhs, rhs, dimension_numbers, result_dtype, observer)[0]
@@ -256,10 +264,7 @@ def _fp8_dot(lhs, rhs, dimension_numbers, result_dtype, observer):
 
 def _fp8_dot_forward(lhs, rhs, dimension_numbers, result_dtype, observer):
     with jax.named_scope(FP8_SCOPE_NAME):
-        q_lhs = quantize(lhs, FP8_FORWARD_DTYPE)
-        q_rhs = quantize(rhs, FP8_FORWARD_DTYPE)
-        _observe(observer, "lhs", lhs, q_lhs)
-        _observe(observer, "rhs", rhs, q_rhs)
+        q_lhs, q_rhs = _quantize_operands(lhs, rhs, observer)
         out = _scaled_dot(q_lhs, q_rhs, dimension_numbers, _FORWARD_PRESET, result_dtype)
     # Only the FP8 values, their scales and the operands' dtypes are kept.
     dtypes = (np.zeros((), lhs.dtype), np.zeros((), rhs.dtype))
@@ -292,10 +297,7 @@ def _fp8_convolution(lhs, rhs, convolution, result_dtype, observer):
 
 def _fp8_convolution_forward(lhs, rhs, convolution, result_dtype, observer):
     with jax.named_scope(FP8_SCOPE_NAME):
-        q_lhs = quantize(lhs, FP8_FORWARD_DTYPE)
-        q_rhs = quantize(rhs, FP8_FORWARD_DTYPE)
-        _observe(observer, "lhs", lhs, q_lhs)
-        _observe(observer, "rhs", rhs, q_rhs)
+        q_lhs, q_rhs = _quantize_operands(lhs, rhs, observer)
         # convert(f8) times a scalar scale on both operands: the pattern that XLA
         # rewrites into a cuDNN FP8 convolution graph.
         out = convolution(_dequantize(q_lhs, result_dtype), _dequantize(q_rhs, result_dtype))

@@ -38,6 +38,7 @@ def local_grads(w, x):
 
 
 def psum_operands(fun, *args) -> list[str]:
+    """``primitive:dtype`` of every operand of a psum (any kind) in fun's program."""
     closed = jax.make_jaxpr(fun)(*args)
     found = []
 

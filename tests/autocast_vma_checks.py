@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from tests.autocast_sharded_checks import psum_operands
 
 AXIS = "d"
 W = jax.random.normal(jax.random.key(0), (6, 6)) / 2
@@ -59,24 +60,6 @@ PROGRAMS = {
     "grad inside": (jax.grad(loss), jax.grad(loss)),
     "scan inside": (jax.grad(scanned_loss), jax.grad(scanned_loss)),
 }
-
-
-def psum_operands(fun, *args) -> list[str]:
-    """``primitive:dtype`` of every operand of a psum (any kind) in fun's program."""
-    closed = jax.make_jaxpr(fun)(*args)
-    found = []
-
-    def visit(jaxpr):
-        for equation in jaxpr.eqns:
-            if "psum" in equation.primitive.name:  # psum, or psum_invariant from a transpose
-                found.extend(f"{equation.primitive.name}:{atom.aval.dtype}" for atom in equation.invars)
-            for value in equation.params.values():
-                inner = getattr(value, "jaxpr", value)
-                if hasattr(inner, "eqns"):
-                    visit(inner)
-
-    visit(closed.jaxpr)
-    return found
 
 
 def check_vma_params(fun, *args) -> list:
