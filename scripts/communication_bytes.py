@@ -2,7 +2,7 @@
 
     python scripts/communication_bytes.py > results/cpu/communication_bytes.txt
     python scripts/communication_bytes.py --json out.json     # also the numbers as JSON
-    PYTHONPATH=/work/cuda_plugin JAX_PLATFORMS=cpu python scripts/communication_bytes.py --gpu h200
+    PYTHONPATH=/path/to/cuda_plugin JAX_PLATFORMS=cpu python scripts/communication_bytes.py --gpu h200
 
 One training step (loss, gradients, Adam update through `jaxamp.TrainState`)
 of a small GPT-like model (token embedding, pre-norm causal self-attention,

@@ -1,6 +1,6 @@
 """Proof that FP8 ran, or did not: small programs compiled for an H200.
 
-    PYTHONPATH=/work/cuda_plugin JAX_PLATFORMS=cpu \\
+    PYTHONPATH=/path/to/cuda_plugin JAX_PLATFORMS=cpu \\
         python scripts/fp8_proof.py > results/cpu/fp8_proof.txt
 
 Each is compiled for an H200 target without a GPU

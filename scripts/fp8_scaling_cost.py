@@ -1,6 +1,6 @@
 """What per-tensor current scaling costs an FP8 GEMM, compiled for an H200.
 
-    PYTHONPATH=/work/cuda_plugin JAX_PLATFORMS=cpu \\
+    PYTHONPATH=/path/to/cuda_plugin JAX_PLATFORMS=cpu \\
         python scripts/fp8_scaling_cost.py --out results/cpu/fp8_scaling_cost.txt
 
 An FP8 matmul with current scaling computes each operand's scale from that

@@ -1,6 +1,6 @@
 """What computing reductions' inputs in float32 costs, compiled for an H200.
 
-    PYTHONPATH=/work/cuda_plugin JAX_PLATFORMS=cpu \\
+    PYTHONPATH=/path/to/cuda_plugin JAX_PLATFORMS=cpu \\
         python scripts/reduction_cost.py > results/cpu/reduction_cost.txt
 
 `jaxamp.autocast` runs an elementwise chain that feeds only float32
