@@ -37,39 +37,36 @@ def local_grads(w, x):
     return jax.lax.psum(jax.grad(loss)(w, x), "d")
 
 
-def psum_operands(fun, *args) -> list[str]:
-    """``primitive:dtype`` of every operand of a psum (any kind) in fun's program."""
-    closed = jax.make_jaxpr(fun)(*args)
-    found = []
+def equations(fun, *args):
+    """Every equation of fun's program, those of nested jaxprs after the one holding them."""
 
     def visit(jaxpr):
         for equation in jaxpr.eqns:
-            if "psum" in equation.primitive.name:  # psum, or psum_invariant from a transpose
-                found.extend(f"{equation.primitive.name}:{atom.aval.dtype}" for atom in equation.invars)
+            yield equation
             for value in equation.params.values():
                 inner = getattr(value, "jaxpr", value)
                 if hasattr(inner, "eqns"):
-                    visit(inner)
+                    yield from visit(inner)
 
-    visit(closed.jaxpr)
-    return found
+    yield from visit(jax.make_jaxpr(fun)(*args).jaxpr)
+
+
+def psum_operands(fun, *args) -> list[str]:
+    """``primitive:dtype`` of every operand of a psum (any kind) in fun's program."""
+    return [
+        f"{equation.primitive.name}:{atom.aval.dtype}"
+        for equation in equations(fun, *args)
+        if "psum" in equation.primitive.name  # psum, or psum_invariant from a transpose
+        for atom in equation.invars
+    ]
 
 
 def shard_map_params(fun, *args) -> list[dict]:
-    closed = jax.make_jaxpr(fun)(*args)
-    found = []
-
-    def visit(jaxpr):
-        for equation in jaxpr.eqns:
-            if equation.primitive.name == "shard_map":
-                found.append({key: repr(value) for key, value in equation.params.items() if key != "jaxpr"})
-            for value in equation.params.values():
-                inner = getattr(value, "jaxpr", value)
-                if hasattr(inner, "eqns"):
-                    visit(inner)
-
-    visit(closed.jaxpr)
-    return found
+    return [
+        {key: repr(value) for key, value in equation.params.items() if key != "jaxpr"}
+        for equation in equations(fun, *args)
+        if equation.primitive.name == "shard_map"
+    ]
 
 
 def finding(fun, reference, *args) -> dict:
