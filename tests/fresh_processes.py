@@ -24,6 +24,7 @@ killed, and the temporary folders are removed.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -104,6 +105,16 @@ class FreshProcess:
         if isinstance(self._outcome, BaseException):
             raise self._outcome
         return self._outcome
+
+    def last_json_line(self):
+        """The JSON value the command printed last, once it exited 0.
+
+        Raises:
+            AssertionError: it exited otherwise (the message is its stderr).
+        """
+        completed = self.result()
+        assert completed.returncode == 0, completed.stderr
+        return json.loads(completed.stdout.splitlines()[-1])
 
     def stop(self) -> None:
         """Kills the command if it still runs and removes its temporary folder."""

@@ -17,8 +17,6 @@ without the varying-axes types of its inputs).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from fresh_processes import FreshProcess
 
@@ -51,9 +49,7 @@ CHECKS = FreshProcess(
 
 @pytest.fixture(scope="module")
 def findings():
-    completed = CHECKS.result()
-    assert completed.returncode == 0, completed.stderr
-    return json.loads(completed.stdout.splitlines()[-1])
+    return CHECKS.last_json_line()
 
 
 def test_the_float32_sharded_steps_match_one_device(findings):

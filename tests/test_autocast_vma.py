@@ -25,8 +25,6 @@ variant->invariant collective``).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from fresh_processes import FreshProcess
 
@@ -49,9 +47,7 @@ CHECKS = FreshProcess(
 
 @pytest.fixture(scope="module")
 def findings():
-    completed = CHECKS.result()
-    assert completed.returncode == 0, completed.stderr
-    return json.loads(completed.stdout.splitlines()[-1])
+    return CHECKS.last_json_line()
 
 
 @pytest.mark.parametrize("program", PROGRAMS)

@@ -86,9 +86,7 @@ LOOPBACK = FreshProcess(
 @pytest.fixture
 def loopback():
     """The standard output of process 0 and process 1, and the folder they wrote into."""
-    completed = LOOPBACK.result()
-    assert completed.returncode == 0, completed.stderr
-    processes = json.loads(completed.stdout.splitlines()[-1])
+    processes = LOOPBACK.last_json_line()
     for process in processes:
         assert process["returncode"] == 0, process["stderr"]
     return [process["stdout"] for process in processes], pathlib.Path(LOOPBACK.directory)
