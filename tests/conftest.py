@@ -1,4 +1,4 @@
-"""Shared test settings: a persistent compilation cache, hypothesis limits, fresh processes started early."""
+"""Shared test settings: quick compiles, a compilation cache, hypothesis limits, fresh processes started early."""
 
 import os
 import pathlib
@@ -8,6 +8,9 @@ import fresh_processes
 import hypothesis
 import jax
 import pytest
+
+# Before JAX starts its CPU backend: see fresh_processes.SUITE_XLA_FLAGS.
+os.environ["XLA_FLAGS"] = fresh_processes.xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 # Reruns of the suite load compiled XLA programs from disk instead of
 # recompiling them; the directory is git-ignored.

@@ -5,7 +5,7 @@ new process can have, and such a process spends most of its time compiling
 on one core. A test module declares each such command once, at module level,
 as a `FreshProcess` named after the fixture that reads its result::
 
-    PARITY = FreshProcess("parity", "tests/fsdp_parity_run.py", env={"XLA_FLAGS": ""})
+    PARITY = FreshProcess("parity", "tests/fsdp_parity_run.py", env={"XLA_FLAGS": xla_flags()})
 
     @pytest.fixture(scope="module")
     def parity():
@@ -34,6 +34,21 @@ import threading
 from collections.abc import Iterable
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The suite compiles hundreds of small XLA programs and runs each a few times,
+# so most of its time is compiling, and most of a CPU compile is LLVM
+# optimizing the generated code. At LLVM -O0 the HLO XLA optimizes and its
+# memory and cost analyses are unchanged (the tests read those), results
+# differ in the last float32 bits, and compiling the tiny ResNet's
+# initialization takes about a quarter of the time and its train step about
+# 60%. Every process of the suite compiles this way, so the runs a test
+# compares are built alike.
+SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
+
+
+def xla_flags(*flags: str) -> str:
+    """The value of XLA_FLAGS for a process of the suite: the suite's flags, then `flags`."""
+    return " ".join((*SUITE_XLA_FLAGS, *filter(None, flags)))
 
 
 class FreshProcess:

@@ -11,7 +11,7 @@ import os
 import pathlib
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import flax.linen as nn  # noqa: E402

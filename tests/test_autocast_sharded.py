@@ -18,7 +18,7 @@ without the varying-axes types of its inputs).
 from __future__ import annotations
 
 import pytest
-from fresh_processes import FreshProcess
+from fresh_processes import FreshProcess, xla_flags
 
 RTOL = 2e-2  # float16 rounding, relative to the largest gradient
 
@@ -43,7 +43,7 @@ FLOAT32_RUN_OF = {
 
 CHECKS = FreshProcess(
     "findings", "-m", "tests.autocast_sharded_checks",
-    env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, timeout=600,
+    env={"XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")}, timeout=600,
 )  # fmt: skip
 
 

@@ -26,7 +26,7 @@ variant->invariant collective``).
 from __future__ import annotations
 
 import pytest
-from fresh_processes import FreshProcess
+from fresh_processes import FreshProcess, xla_flags
 
 RTOL = 2e-2  # float16 rounding, relative to the largest result
 PROGRAMS = [
@@ -41,7 +41,7 @@ ORDERS = ["autocast(shard_map(f))", "shard_map(autocast(f))"]
 
 CHECKS = FreshProcess(
     "findings", "-m", "tests.autocast_vma_checks",
-    env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, timeout=600,
+    env={"XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")}, timeout=600,
 )  # fmt: skip
 
 

@@ -12,7 +12,7 @@ import pathlib
 import re
 
 import pytest
-from fresh_processes import FreshProcess
+from fresh_processes import FreshProcess, xla_flags
 
 from experiments import cifar
 
@@ -26,7 +26,7 @@ RTOL = 1e-5
 
 
 def devices_flag(devices):
-    return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    return {"XLA_FLAGS": xla_flags(f"--xla_force_host_platform_device_count={devices}")}
 
 
 # The runs on two devices start in the background as soon as the tests are

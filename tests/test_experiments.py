@@ -23,12 +23,16 @@ def tiny_dataset(num_train=16, num_test=8):
 
 
 def abstract_train_step(model_name, precision, batch_size=2):
-    """Traces (never compiles) the experiments' real train step for a model."""
+    """The experiments' real train step for a model, to be traced (never compiled).
+
+    The step is wrapped in `jax.jit` so that a second trace at the same shapes
+    (`jax.eval_shape`, then `jaxamp.precision_report`) reuses the first.
+    """
     dataset = tiny_dataset()
     config = train.TrainConfig(model=model_name, precision=precision, batch_size=batch_size)
     resolved = train.resolve_precision(precision)
     state = jax.eval_shape(lambda: train.create_train_state(config, resolved, 10, steps_per_epoch=1))
-    step = train.make_train_step(config, dataset)
+    step = jax.jit(train.make_train_step(config, dataset))
     images = jax.ShapeDtypeStruct(dataset.train_images.shape, jnp.uint8)
     labels = jax.ShapeDtypeStruct(dataset.train_labels.shape, jnp.int32)
     indices = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
@@ -36,8 +40,17 @@ def abstract_train_step(model_name, precision, batch_size=2):
     return state, step, (images, labels, indices, rng)
 
 
-@pytest.mark.parametrize("precision", ["mixed_float16", "mixed_bfloat16"])
-@pytest.mark.parametrize("model_name", sorted(MODELS))
+# ResNet101 and ResNet152 are ResNet50 with more blocks per stage (the slowest
+# models to trace): each is traced under one half dtype, every other model under both.
+ZOO_PRECISIONS = [
+    (model, precision)
+    for model in sorted(MODELS)
+    for precision in ("mixed_float16", "mixed_bfloat16")
+    if (model, precision) not in {("resnet101", "mixed_bfloat16"), ("resnet152", "mixed_float16")}
+]
+
+
+@pytest.mark.parametrize("model_name, precision", ZOO_PRECISIONS)
 def test_every_model_trains_in_half_precision_with_float32_params_and_logits(model_name, precision):
     state, step, batch = abstract_train_step(model_name, precision)
     new_state, metrics = jax.eval_shape(step, state, *batch)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fresh_processes import FreshProcess
+from fresh_processes import FreshProcess, xla_flags
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
 import jaxamp
@@ -199,12 +199,12 @@ def test_collectives_are_read_from_combined_async_and_looped_instructions():
 # --- 8 virtual CPU devices -------------------------------------------------------
 
 
-# Each script sets the 8 devices itself, with nothing inherited from XLA_FLAGS.
+# Each script adds the 8 devices itself to the suite's XLA_FLAGS, nothing else inherited.
 COMMUNICATION = FreshProcess(
     "communication_report", "scripts/communication_bytes.py", "--depth", "1", "--json", "{dir}/report.json",
-    env={"XLA_FLAGS": ""},
+    env={"XLA_FLAGS": xla_flags()},
 )  # fmt: skip
-PARITY = FreshProcess("parity", "tests/fsdp_parity_run.py", env={"XLA_FLAGS": ""})
+PARITY = FreshProcess("parity", "tests/fsdp_parity_run.py", env={"XLA_FLAGS": xla_flags()})
 
 
 def finished(fresh_process):

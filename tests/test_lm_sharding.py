@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 import pytest
-from fresh_processes import FreshProcess
+from fresh_processes import FreshProcess, xla_flags
 from jax.sharding import PartitionSpec
 
 import jaxamp
@@ -31,7 +31,7 @@ RTOL = 1e-5  # float32, summed in another order over devices and processes
 # way once its gradient was summed in another order (measured: 1.1e-5 after 3 steps).
 RTOL_BFLOAT16_GATHERS = 1e-4
 CPU = {**os.environ, "JAX_PLATFORMS": "cpu"}
-CPU.pop("XLA_FLAGS", None)
+CPU["XLA_FLAGS"] = xla_flags()
 # The 8-device process shares the suite's compilation cache (tests/conftest.py), so reruns skip
 # compiling. The two processes do not: one loading from the cache while the other compiles
 # outwaits gloo's 30 s rendezvous.
@@ -107,7 +107,7 @@ def assert_same_losses(runs, reference, rtol=RTOL):
 # their default). Started in the background while other tests run (tests/fresh_processes.py).
 EIGHT_DEVICES = FreshProcess(
     "eight_device_runs", "-c", _EIGHT_DEVICES, *(["stated"] if HAS_FSDP_LOSS else []),
-    env={**CACHED, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+    env={**CACHED, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")},
     timeout=900,
 )  # fmt: skip
 
