@@ -101,11 +101,18 @@ def final_checksums(path):
 
 
 def test_a_run_killed_after_its_first_checkpoint_resumes_to_the_uninterrupted_final_state(tmp_path):
+    # The uninterrupted run and the resumption share this process's compiled steps, and the
+    # killed run loads them from the suite's compilation cache (tests/conftest.py).
+    uninterrupted_out = tmp_path / "uninterrupted.json"
+    common = [*KILLED_RUN, "--checkpoint-dir"]
+    assert cifar.main([*common, str(tmp_path / "uninterrupted"), "--out", str(uninterrupted_out)]) == 0
+
     killed_dir, killed_out = tmp_path / "killed", tmp_path / "killed.json"
     process = subprocess.Popen(
         [sys.executable, "-m", "experiments.cifar", *KILLED_RUN,
          "--checkpoint-dir", str(killed_dir), "--out", str(killed_out)],
         cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**os.environ, "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir},
     )  # fmt: skip
     deadline = time.monotonic() + 300
     while not (killed_dir.is_dir() and any(name.isdigit() for name in os.listdir(killed_dir))):
@@ -119,10 +126,6 @@ def test_a_run_killed_after_its_first_checkpoint_resumes_to_the_uninterrupted_fi
     assert process.wait() == -signal.SIGKILL, "the run finished before it could be killed"
     process.stderr.close()
 
-    # The uninterrupted run and the resumption share this process's compiled steps.
-    uninterrupted_out = tmp_path / "uninterrupted.json"
-    common = [*KILLED_RUN, "--checkpoint-dir"]
-    assert cifar.main([*common, str(tmp_path / "uninterrupted"), "--out", str(uninterrupted_out)]) == 0
     assert cifar.main([*common, str(killed_dir), "--out", str(killed_out), "--resume"]) == 0
 
     uninterrupted = final_checksums(uninterrupted_out)
