@@ -22,7 +22,6 @@ import pytest
 from fresh_processes import FreshProcess, xla_flags
 from jax.sharding import PartitionSpec
 
-import jaxamp
 from experiments.lm.sharding import leaf_spec
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +39,6 @@ CACHED = {
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
 }
-HAS_FSDP_LOSS = hasattr(jaxamp, "fsdp_loss")
 
 # Every run: 3 steps of 8 windows of 17 tokens, evaluated after each; `train.train_and_evaluate`
 # with the settings below, on a `Sharding` over the devices named, printed as one JSON line.
@@ -65,9 +63,8 @@ _EIGHT_DEVICES = (
     + """
 one = Sharding.over_devices(jax.devices()[:1])
 runs = {"one": run(one), "fsdp": run()}
-if len(sys.argv) > 1:  # jaxamp.fsdp_loss exists: stated communication too
-    runs["one gather bfloat16"] = run(one, gather_dtype="bfloat16")
-    runs["stated mixed_bf16"] = run(precision="mixed_bf16", gather_dtype="bfloat16")
+runs["one gather bfloat16"] = run(one, gather_dtype="bfloat16")
+runs["stated mixed_bf16"] = run(precision="mixed_bf16", gather_dtype="bfloat16")
 print(json.dumps(runs))
 """
 )
@@ -106,7 +103,7 @@ def assert_same_losses(runs, reference, rtol=RTOL):
 # gathering in bfloat16 and 8 devices under mixed_bf16 gathering in bfloat16 (reductions left at
 # their default). Started in the background while other tests run (tests/fresh_processes.py).
 EIGHT_DEVICES = FreshProcess(
-    "eight_device_runs", "-c", _EIGHT_DEVICES, *(["stated"] if HAS_FSDP_LOSS else []),
+    "eight_device_runs", "-c", _EIGHT_DEVICES,
     env={**CACHED, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")},
     timeout=900,
 )  # fmt: skip
@@ -136,7 +133,6 @@ def test_eight_sharded_devices_train_like_one_device(eight_device_runs):
     assert any(name.startswith(("reduce-scatter", "all-reduce")) for name in fsdp["collectives"])
 
 
-@pytest.mark.skipif(not HAS_FSDP_LOSS, reason="this jaxamp has no jaxamp.fsdp_loss")
 def test_bfloat16_gathers_move_half_the_bytes_and_gradients_are_summed_in_float32(eight_device_runs):
     """On 8 devices under mixed_bf16 with --gather-dtype bfloat16 and no --reduce-dtype, the
     program gathers every sharded param in bfloat16 and reduce-scatters its gradient in float32,
@@ -163,7 +159,7 @@ def test_two_processes_on_loopback_train_like_one_and_end_with_the_same_state(ei
     or (with `jaxamp.fsdp_loss`) in bfloat16. Fails if a process reads the wrong rows (the losses
     differ from one device's), the bfloat16 gathers differ across processes from one device's,
     or the processes' states diverge."""
-    gathers = ["default", "bfloat16"] if HAS_FSDP_LOSS else ["default"]
+    gathers = ["default", "bfloat16"]
     port = str(random.randint(20000, 40000))
     processes = [
         subprocess.Popen(
@@ -182,7 +178,7 @@ def test_two_processes_on_loopback_train_like_one_and_end_with_the_same_state(ei
     )
     references = {
         "default": eight_device_runs["one"],
-        "bfloat16": eight_device_runs.get("one gather bfloat16"),
+        "bfloat16": eight_device_runs["one gather bfloat16"],
     }
     for gather in gathers:
         assert_same_losses(
@@ -190,5 +186,4 @@ def test_two_processes_on_loopback_train_like_one_and_end_with_the_same_state(ei
         )
         assert losses(first[gather]) == losses(second[gather])
         assert first[gather]["checksum"] == second[gather]["checksum"]
-    if HAS_FSDP_LOSS:
-        assert "all-gather bfloat16" in first["bfloat16"]["stated"]
+    assert "all-gather bfloat16" in first["bfloat16"]["stated"]
