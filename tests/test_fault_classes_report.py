@@ -382,3 +382,63 @@ def test_the_compiled_report_passes_keyword_arguments_as_static_values():
     y = jnp.ones((4, 3), jnp.float32)
     with pytest.raises(TypeError):
         jaxamp.precision_report(matmul, y, compiled=True, transpose=True)  # (3, 4) @ (3, 5)
+
+
+# --- FP8 values followed through a program before optimization -----------------------------------------
+
+# A lowered program (before optimization) where FP8 reaches a matmul by each
+# route `hlo_report.fp8_fed_matmuls` follows, beside matmuls it must not mark:
+# a dequantized value passed as the second argument of a called computation
+# (only the matmul reading that parameter is fed), a convolution whose kernel
+# is a dequantized FP8 value, and a conditional branch that receives FP8
+# values and dequantizes them itself.
+FP8_BY_EVERY_ROUTE = """\
+HloModule jit_g
+
+%inner.1 (plain.1: bf16[4,4], fed.1: bf16[4,4]) -> bf16[4,4] {
+  %plain.1 = bf16[4,4]{1,0} parameter(0)
+  %fed.1 = bf16[4,4]{1,0} parameter(1)
+  %dot.1 = bf16[4,4]{1,0} dot(%plain.1, %plain.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(g)/jit(inner)/plain"}
+  ROOT %dot.2 = bf16[4,4]{1,0} dot(%plain.1, %fed.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(g)/jit(inner)/fed"}
+}
+
+%branch.1 (q.2: f8e4m3fn[4,4]) -> bf16[4,4] {
+  %q.2 = f8e4m3fn[4,4]{1,0} parameter(0)
+  %wide.2 = bf16[4,4]{1,0} convert(%q.2)
+  ROOT %dot.3 = bf16[4,4]{1,0} dot(%wide.2, %wide.2), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(g)/cond/branch_1_fun/dot_general"}
+}
+
+%branch.0 (q.3: f8e4m3fn[4,4]) -> bf16[4,4] {
+  %q.3 = f8e4m3fn[4,4]{1,0} parameter(0)
+  ROOT %zero.3 = bf16[4,4]{1,0} constant({...})
+}
+
+ENTRY %main.3 (x.1: bf16[4,4], q.1: f8e4m3fn[4,4], image.1: bf16[1,6,6,2], kernel.1: f8e5m2[3,3,2,4], i.1: s32[]) -> bf16[1,4,4,4] {
+  %x.1 = bf16[4,4]{1,0} parameter(0)
+  %q.1 = f8e4m3fn[4,4]{1,0} parameter(1)
+  %image.1 = bf16[1,6,6,2]{3,2,1,0} parameter(2)
+  %kernel.1 = f8e5m2[3,3,2,4]{3,2,1,0} parameter(3)
+  %i.1 = s32[] parameter(4)
+  %deq.1 = bf16[4,4]{1,0} convert(%q.1)
+  %call.1 = bf16[4,4]{1,0} call(%x.1, %deq.1), to_apply=%inner.1
+  %switch.1 = bf16[4,4]{1,0} conditional(%i.1, %q.1, %q.1), branch_computations={%branch.0, %branch.1}
+  %wide.1 = bf16[3,3,2,4]{3,2,1,0} convert(%kernel.1)
+  ROOT %conv.1 = bf16[1,4,4,4]{3,2,1,0} convolution(%image.1, %wide.1), window={size=3x3}, dim_labels=b01f_01io->b01f, metadata={op_name="jit(g)/conv_general_dilated"}
+}
+"""
+
+
+def test_fp8_values_are_followed_into_a_called_computations_parameter_a_branch_and_a_convolution():
+    """Each FP8-fed matmul and convolution is found, and only those.
+
+    Fails if the parameters of a called computation were not marked from the
+    call's arguments, or marked from the wrong argument (the matmul of
+    ``plain.1`` alone would be found); if convolutions were not looked at; or
+    if computations reached other than by a ``call`` (a branch, a loop body)
+    were never read.
+    """
+    assert jaxamp.hlo_report.fp8_fed_matmuls(FP8_BY_EVERY_ROUTE) == {
+        ("jit(g)/jit(inner)/fed", ""),
+        ("jit(g)/cond/branch_1_fun/dot_general", ""),
+        ("jit(g)/conv_general_dilated", ""),
+    }
