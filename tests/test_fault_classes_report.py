@@ -442,3 +442,46 @@ def test_fp8_values_are_followed_into_a_called_computations_parameter_a_branch_a
         ("jit(g)/cond/branch_1_fun/dot_general", ""),
         ("jit(g)/conv_general_dilated", ""),
     }
+
+
+# Three dots: one without metadata, one with an op_name only, one whose
+# stack_frame_id the module's tables do not resolve (frame 2 is not listed).
+METADATA_MISSING_IN_PARTS = """\
+HloModule m
+
+FileNames
+1 "/home/user/f.py"
+
+FunctionNames
+1 "f"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=5 end_line=5 column=9 end_column=20}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+
+ENTRY %main (a: f16[4,4]) -> f16[4,4] {
+  %a = f16[4,4]{1,0} parameter(0)
+  %bare = f16[4,4]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %named = f16[4,4]{1,0} dot(%bare, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/dot_general"}
+  %lost = f16[4,4]{1,0} dot(%named, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/lost" stack_frame_id=2}
+  ROOT %found = f16[4,4]{1,0} dot(%lost, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/found" stack_frame_id=1}
+}
+"""
+
+
+def test_an_op_without_an_op_name_or_a_resolvable_source_reports_them_empty():
+    """``op_name`` and ``source`` are empty strings where the HLO does not give them, never another value.
+
+    Fails if a missing op_name, a missing stack_frame_id or a frame absent
+    from the tables gave anything but ``""`` (None, a placeholder), which
+    would also make ops without metadata match each other or nothing.
+    """
+    ops = jaxamp.hlo_report.heavy_ops(METADATA_MISSING_IN_PARTS)
+    assert [(op.op_name, op.source) for op in ops] == [
+        ("", ""),
+        ("jit(f)/dot_general", ""),
+        ("jit(f)/lost", ""),
+        ("jit(f)/found", "/home/user/f.py:5:9"),
+    ]
