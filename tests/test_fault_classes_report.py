@@ -485,3 +485,53 @@ def test_an_op_without_an_op_name_or_a_resolvable_source_reports_them_empty():
         ("jit(f)/lost", ""),
         ("jit(f)/found", "/home/user/f.py:5:9"),
     ]
+
+
+# A conditional inside a loop body that runs 3 times: branch 0 one 4x4x4
+# dot (128 FLOPs), branch 1 two of them (256 FLOPs, the heavier).
+A_CONDITIONAL_IN_A_COUNTED_LOOP = """\
+HloModule m
+
+%light (p: f16[4,4]) -> f16[4,4] {
+  %p = f16[4,4]{1,0} parameter(0)
+  ROOT %d = f16[4,4]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%heavy (p: f16[4,4]) -> f16[4,4] {
+  %p = f16[4,4]{1,0} parameter(0)
+  %d1 = f16[4,4]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %d2 = f16[4,4]{1,0} dot(%d1, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (s: (s32[], f16[4,4])) -> (s32[], f16[4,4]) {
+  %s = (s32[], f16[4,4]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %x = f16[4,4]{1,0} get-tuple-element(%s), index=1
+  %y = f16[4,4]{1,0} conditional(%i, %x, %x), branch_computations={%light, %heavy}
+  ROOT %t = (s32[], f16[4,4]{1,0}) tuple(%i, %y)
+}
+
+%cond (s: (s32[], f16[4,4])) -> pred[] {
+  %s = (s32[], f16[4,4]{1,0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+ENTRY %main (x: f16[4,4]) -> (s32[], f16[4,4]) {
+  %x = f16[4,4]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f16[4,4]{1,0}) tuple(%zero, %x)
+  ROOT %loop = (s32[], f16[4,4]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+
+
+def test_a_conditional_inside_a_counted_loop_counts_its_heavier_branch_times_the_trip_count():
+    """The walk below the entry keeps choosing branches by FLOPs and multiplying by the loop's count.
+
+    Fails if the walk into called computations lost the branch weight (a
+    conditional below the entry could not be weighed) or the loop's count
+    for the branches (each branch op would count once, not 3 times).
+    """
+    ops = jaxamp.hlo_report.heavy_ops(A_CONDITIONAL_IN_A_COUNTED_LOOP)
+    assert [op.flops for op in ops] == [3 * 2 * 4 * 4 * 4, 3 * 2 * 4 * 4 * 4]
+    assert jaxamp.hlo_precision_report(A_CONDITIONAL_IN_A_COUNTED_LOOP).fraction("float16") == 1.0
