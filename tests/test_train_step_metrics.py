@@ -299,7 +299,8 @@ def test_a_step_with_one_non_finite_micro_batch_is_skipped_whole():
     step must still be skipped (params, batch statistics and step unchanged,
     `skipped_steps` 1) because the micro-batch's own finite flag is passed on.
     Fails if the step hands ``apply_gradients`` no flag (it would check the
-    finite zero-filled gradients and apply half a batch).
+    finite zero-filled gradients and apply half a batch), with fault
+    injection off or on.
     """
     dataset = the_dataset()
     images = dataset.train_images.copy()
@@ -323,6 +324,17 @@ def test_a_step_with_one_non_finite_micro_batch_is_skipped_whole():
         state, jnp.asarray(dataset.train_images), labels, jnp.asarray(BATCH_INDICES), jax.random.key(7)
     )
     assert int(new_state.skipped_steps) == 0 and int(new_state.step) == 1
+
+    # With fault injection on but missing this step, the micro-batch's flag
+    # still decides: the injected gradients' own check is joined to it, not
+    # put in its place (which would pass the zero-filled, finite gradients).
+    config = train.TrainConfig(batch_size=BATCH, grad_accum=2, inject_nonfinite=0.5)
+    step = jax.jit(train.make_train_step(config, dataset))
+    new_state, metrics = step(
+        state, jnp.asarray(images), labels, jnp.asarray(BATCH_INDICES), rng_with_injection(0.5, injected=False)
+    )
+    assert int(metrics["injected"]) == 0
+    assert int(new_state.skipped_steps) == 1 and int(new_state.step) == 0
 
 
 def sharding_constraints(jaxpr):
