@@ -444,8 +444,10 @@ def test_fp8_values_are_followed_into_a_called_computations_parameter_a_branch_a
     }
 
 
-# Three dots: one without metadata, one with an op_name only, one whose
-# stack_frame_id the module's tables do not resolve (frame 2 is not listed).
+# Dots with metadata missing in parts: none at all, an op_name only, a
+# stack_frame_id the tables do not list (2), a frame whose location names
+# an unknown file and no line or column (3), a frame whose location is not
+# listed (4), a frame without a location (5); and one complete (1).
 METADATA_MISSING_IN_PARTS = """\
 HloModule m
 
@@ -457,16 +459,23 @@ FunctionNames
 
 FileLocations
 1 {file_name_id=1 function_name_id=1 line=5 end_line=5 column=9 end_column=20}
+2 {file_name_id=7 function_name_id=1}
 
 StackFrames
 1 {file_location_id=1 parent_frame_id=1}
+3 {file_location_id=2 parent_frame_id=1}
+4 {file_location_id=9 parent_frame_id=1}
+5 {parent_frame_id=1}
 
 ENTRY %main (a: f16[4,4]) -> f16[4,4] {
   %a = f16[4,4]{1,0} parameter(0)
   %bare = f16[4,4]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
   %named = f16[4,4]{1,0} dot(%bare, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/dot_general"}
   %lost = f16[4,4]{1,0} dot(%named, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/lost" stack_frame_id=2}
-  ROOT %found = f16[4,4]{1,0} dot(%lost, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/found" stack_frame_id=1}
+  %found = f16[4,4]{1,0} dot(%lost, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/found" stack_frame_id=1}
+  %partial = f16[4,4]{1,0} dot(%found, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/partial" stack_frame_id=3}
+  %nowhere = f16[4,4]{1,0} dot(%partial, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/nowhere" stack_frame_id=4}
+  ROOT %unplaced = f16[4,4]{1,0} dot(%nowhere, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/unplaced" stack_frame_id=5}
 }
 """
 
@@ -476,7 +485,8 @@ def test_an_op_without_an_op_name_or_a_resolvable_source_reports_them_empty():
 
     Fails if a missing op_name, a missing stack_frame_id or a frame absent
     from the tables gave anything but ``""`` (None, a placeholder), which
-    would also make ops without metadata match each other or nothing.
+    would also make ops without metadata match each other or nothing; a
+    location with an unknown file and no line or column reads ``?:0:0``.
     """
     ops = jaxamp.hlo_report.heavy_ops(METADATA_MISSING_IN_PARTS)
     assert [(op.op_name, op.source) for op in ops] == [
@@ -484,6 +494,9 @@ def test_an_op_without_an_op_name_or_a_resolvable_source_reports_them_empty():
         ("jit(f)/dot_general", ""),
         ("jit(f)/lost", ""),
         ("jit(f)/found", "/home/user/f.py:5:9"),
+        ("jit(f)/partial", "?:0:0"),
+        ("jit(f)/nowhere", ""),
+        ("jit(f)/unplaced", ""),
     ]
 
 
