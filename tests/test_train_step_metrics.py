@@ -331,7 +331,11 @@ def test_a_step_with_one_non_finite_micro_batch_is_skipped_whole():
     config = train.TrainConfig(batch_size=BATCH, grad_accum=2, inject_nonfinite=0.5)
     step = jax.jit(train.make_train_step(config, dataset))
     new_state, metrics = step(
-        state, jnp.asarray(images), labels, jnp.asarray(BATCH_INDICES), rng_with_injection(0.5, injected=False)
+        state,
+        jnp.asarray(images),
+        labels,
+        jnp.asarray(BATCH_INDICES),
+        rng_with_injection(0.5, injected=False),
     )
     assert int(metrics["injected"]) == 0
     assert int(new_state.skipped_steps) == 1 and int(new_state.step) == 0
