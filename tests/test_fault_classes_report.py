@@ -548,3 +548,25 @@ def test_a_conditional_inside_a_counted_loop_counts_its_heavier_branch_times_the
     ops = jaxamp.hlo_report.heavy_ops(A_CONDITIONAL_IN_A_COUNTED_LOOP)
     assert [op.flops for op in ops] == [3 * 2 * 4 * 4 * 4, 3 * 2 * 4 * 4 * 4]
     assert jaxamp.hlo_precision_report(A_CONDITIONAL_IN_A_COUNTED_LOOP).fraction("float16") == 1.0
+
+
+def test_the_entry_is_the_computation_marked_entry_not_the_last_one_read():
+    """ENTRY first, then a callee it calls twice: two matmuls, not the callee's one.
+
+    XLA prints ENTRY last, so a parser that took the last computation for
+    the entry would pass on XLA's text; here it would count one matmul.
+    """
+    entry_first = """HloModule m
+
+ENTRY %main (p: f32[4,4]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  %c1 = f32[4,4]{1,0} call(f32[4,4]{1,0} %p), to_apply=%callee
+  ROOT %c2 = f32[4,4]{1,0} call(f32[4,4]{1,0} %c1), to_apply=%callee
+}
+
+%callee (p: f32[4,4]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  ROOT %d = f32[4,4]{1,0} dot(f32[4,4]{1,0} %p, f32[4,4]{1,0} %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+    assert [op.flops for op in jaxamp.hlo_report.heavy_ops(entry_first)] == [2 * 4 * 4 * 4] * 2
