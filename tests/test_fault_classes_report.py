@@ -382,3 +382,191 @@ def test_the_compiled_report_passes_keyword_arguments_as_static_values():
     y = jnp.ones((4, 3), jnp.float32)
     with pytest.raises(TypeError):
         jaxamp.precision_report(matmul, y, compiled=True, transpose=True)  # (3, 4) @ (3, 5)
+
+
+# --- FP8 values followed through a program before optimization -----------------------------------------
+
+# A lowered program (before optimization) where FP8 reaches a matmul by each
+# route `hlo_report.fp8_fed_matmuls` follows, beside matmuls it must not mark:
+# a dequantized value passed as the second argument of a called computation
+# (only the matmul reading that parameter is fed), a convolution whose kernel
+# is a dequantized FP8 value, and a conditional branch that receives FP8
+# values and dequantizes them itself.
+FP8_BY_EVERY_ROUTE = """\
+HloModule jit_g
+
+%inner.1 (plain.1: bf16[4,4], fed.1: bf16[4,4]) -> bf16[4,4] {
+  %plain.1 = bf16[4,4]{1,0} parameter(0)
+  %fed.1 = bf16[4,4]{1,0} parameter(1)
+  %dot.1 = bf16[4,4]{1,0} dot(%plain.1, %plain.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(g)/jit(inner)/plain"}
+  ROOT %dot.2 = bf16[4,4]{1,0} dot(%plain.1, %fed.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(g)/jit(inner)/fed"}
+}
+
+%branch.1 (q.2: f8e4m3fn[4,4]) -> bf16[4,4] {
+  %q.2 = f8e4m3fn[4,4]{1,0} parameter(0)
+  %wide.2 = bf16[4,4]{1,0} convert(%q.2)
+  ROOT %dot.3 = bf16[4,4]{1,0} dot(%wide.2, %wide.2), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(g)/cond/branch_1_fun/dot_general"}
+}
+
+%branch.0 (q.3: f8e4m3fn[4,4]) -> bf16[4,4] {
+  %q.3 = f8e4m3fn[4,4]{1,0} parameter(0)
+  ROOT %zero.3 = bf16[4,4]{1,0} constant({...})
+}
+
+ENTRY %main.3 (x.1: bf16[4,4], q.1: f8e4m3fn[4,4], image.1: bf16[1,6,6,2], kernel.1: f8e5m2[3,3,2,4], i.1: s32[]) -> bf16[1,4,4,4] {
+  %x.1 = bf16[4,4]{1,0} parameter(0)
+  %q.1 = f8e4m3fn[4,4]{1,0} parameter(1)
+  %image.1 = bf16[1,6,6,2]{3,2,1,0} parameter(2)
+  %kernel.1 = f8e5m2[3,3,2,4]{3,2,1,0} parameter(3)
+  %i.1 = s32[] parameter(4)
+  %deq.1 = bf16[4,4]{1,0} convert(%q.1)
+  %call.1 = bf16[4,4]{1,0} call(%x.1, %deq.1), to_apply=%inner.1
+  %switch.1 = bf16[4,4]{1,0} conditional(%i.1, %q.1, %q.1), branch_computations={%branch.0, %branch.1}
+  %wide.1 = bf16[3,3,2,4]{3,2,1,0} convert(%kernel.1)
+  ROOT %conv.1 = bf16[1,4,4,4]{3,2,1,0} convolution(%image.1, %wide.1), window={size=3x3}, dim_labels=b01f_01io->b01f, metadata={op_name="jit(g)/conv_general_dilated"}
+}
+"""
+
+
+def test_fp8_values_are_followed_into_a_called_computations_parameter_a_branch_and_a_convolution():
+    """Each FP8-fed matmul and convolution is found, and only those.
+
+    Fails if the parameters of a called computation were not marked from the
+    call's arguments, or marked from the wrong argument (the matmul of
+    ``plain.1`` alone would be found); if convolutions were not looked at; or
+    if computations reached other than by a ``call`` (a branch, a loop body)
+    were never read.
+    """
+    assert jaxamp.hlo_report.fp8_fed_matmuls(FP8_BY_EVERY_ROUTE) == {
+        ("jit(g)/jit(inner)/fed", ""),
+        ("jit(g)/cond/branch_1_fun/dot_general", ""),
+        ("jit(g)/conv_general_dilated", ""),
+    }
+
+
+# Dots with metadata missing in parts: none at all, an op_name only, a
+# stack_frame_id the tables do not list (2), a frame whose location names
+# an unknown file and no line or column (3), a frame whose location is not
+# listed (4), a frame without a location (5); and one complete (1).
+METADATA_MISSING_IN_PARTS = """\
+HloModule m
+
+FileNames
+1 "/home/user/f.py"
+
+FunctionNames
+1 "f"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=5 end_line=5 column=9 end_column=20}
+2 {file_name_id=7 function_name_id=1}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+3 {file_location_id=2 parent_frame_id=1}
+4 {file_location_id=9 parent_frame_id=1}
+5 {parent_frame_id=1}
+
+ENTRY %main (a: f16[4,4]) -> f16[4,4] {
+  %a = f16[4,4]{1,0} parameter(0)
+  %bare = f16[4,4]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %named = f16[4,4]{1,0} dot(%bare, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/dot_general"}
+  %lost = f16[4,4]{1,0} dot(%named, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/lost" stack_frame_id=2}
+  %found = f16[4,4]{1,0} dot(%lost, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/found" stack_frame_id=1}
+  %partial = f16[4,4]{1,0} dot(%found, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/partial" stack_frame_id=3}
+  %nowhere = f16[4,4]{1,0} dot(%partial, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/nowhere" stack_frame_id=4}
+  ROOT %unplaced = f16[4,4]{1,0} dot(%nowhere, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/unplaced" stack_frame_id=5}
+}
+"""
+
+
+def test_an_op_without_an_op_name_or_a_resolvable_source_reports_them_empty():
+    """``op_name`` and ``source`` are empty strings where the HLO does not give them, never another value.
+
+    Fails if a missing op_name, a missing stack_frame_id or a frame absent
+    from the tables gave anything but ``""`` (None, a placeholder), which
+    would also make ops without metadata match each other or nothing; a
+    location with an unknown file and no line or column reads ``?:0:0``.
+    """
+    ops = jaxamp.hlo_report.heavy_ops(METADATA_MISSING_IN_PARTS)
+    assert [(op.op_name, op.source) for op in ops] == [
+        ("", ""),
+        ("jit(f)/dot_general", ""),
+        ("jit(f)/lost", ""),
+        ("jit(f)/found", "/home/user/f.py:5:9"),
+        ("jit(f)/partial", "?:0:0"),
+        ("jit(f)/nowhere", ""),
+        ("jit(f)/unplaced", ""),
+    ]
+
+
+# A conditional inside a loop body that runs 3 times: branch 0 one 4x4x4
+# dot (128 FLOPs), branch 1 two of them (256 FLOPs, the heavier).
+A_CONDITIONAL_IN_A_COUNTED_LOOP = """\
+HloModule m
+
+%light (p: f16[4,4]) -> f16[4,4] {
+  %p = f16[4,4]{1,0} parameter(0)
+  ROOT %d = f16[4,4]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%heavy (p: f16[4,4]) -> f16[4,4] {
+  %p = f16[4,4]{1,0} parameter(0)
+  %d1 = f16[4,4]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %d2 = f16[4,4]{1,0} dot(%d1, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (s: (s32[], f16[4,4])) -> (s32[], f16[4,4]) {
+  %s = (s32[], f16[4,4]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %x = f16[4,4]{1,0} get-tuple-element(%s), index=1
+  %y = f16[4,4]{1,0} conditional(%i, %x, %x), branch_computations={%light, %heavy}
+  ROOT %t = (s32[], f16[4,4]{1,0}) tuple(%i, %y)
+}
+
+%cond (s: (s32[], f16[4,4])) -> pred[] {
+  %s = (s32[], f16[4,4]{1,0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+ENTRY %main (x: f16[4,4]) -> (s32[], f16[4,4]) {
+  %x = f16[4,4]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f16[4,4]{1,0}) tuple(%zero, %x)
+  ROOT %loop = (s32[], f16[4,4]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+
+
+def test_a_conditional_inside_a_counted_loop_counts_its_heavier_branch_times_the_trip_count():
+    """The walk below the entry keeps choosing branches by FLOPs and multiplying by the loop's count.
+
+    Fails if the walk into called computations lost the branch weight (a
+    conditional below the entry could not be weighed) or the loop's count
+    for the branches (each branch op would count once, not 3 times).
+    """
+    ops = jaxamp.hlo_report.heavy_ops(A_CONDITIONAL_IN_A_COUNTED_LOOP)
+    assert [op.flops for op in ops] == [3 * 2 * 4 * 4 * 4, 3 * 2 * 4 * 4 * 4]
+    assert jaxamp.hlo_precision_report(A_CONDITIONAL_IN_A_COUNTED_LOOP).fraction("float16") == 1.0
+
+
+def test_the_entry_is_the_computation_marked_entry_not_the_last_one_read():
+    """ENTRY first, then a callee it calls twice: two matmuls, not the callee's one.
+
+    XLA prints ENTRY last, so a parser that took the last computation for
+    the entry would pass on XLA's text; here it would count one matmul.
+    """
+    entry_first = """HloModule m
+
+ENTRY %main (p: f32[4,4]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  %c1 = f32[4,4]{1,0} call(f32[4,4]{1,0} %p), to_apply=%callee
+  ROOT %c2 = f32[4,4]{1,0} call(f32[4,4]{1,0} %c1), to_apply=%callee
+}
+
+%callee (p: f32[4,4]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  ROOT %d = f32[4,4]{1,0} dot(f32[4,4]{1,0} %p, f32[4,4]{1,0} %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+    assert [op.flops for op in jaxamp.hlo_report.heavy_ops(entry_first)] == [2 * 4 * 4 * 4] * 2

@@ -299,7 +299,8 @@ def test_a_step_with_one_non_finite_micro_batch_is_skipped_whole():
     step must still be skipped (params, batch statistics and step unchanged,
     `skipped_steps` 1) because the micro-batch's own finite flag is passed on.
     Fails if the step hands ``apply_gradients`` no flag (it would check the
-    finite zero-filled gradients and apply half a batch).
+    finite zero-filled gradients and apply half a batch), with fault
+    injection off or on.
     """
     dataset = the_dataset()
     images = dataset.train_images.copy()
@@ -323,6 +324,21 @@ def test_a_step_with_one_non_finite_micro_batch_is_skipped_whole():
         state, jnp.asarray(dataset.train_images), labels, jnp.asarray(BATCH_INDICES), jax.random.key(7)
     )
     assert int(new_state.skipped_steps) == 0 and int(new_state.step) == 1
+
+    # With fault injection on but missing this step, the micro-batch's flag
+    # still decides: the injected gradients' own check is joined to it, not
+    # put in its place (which would pass the zero-filled, finite gradients).
+    config = train.TrainConfig(batch_size=BATCH, grad_accum=2, inject_nonfinite=0.5)
+    step = jax.jit(train.make_train_step(config, dataset))
+    new_state, metrics = step(
+        state,
+        jnp.asarray(images),
+        labels,
+        jnp.asarray(BATCH_INDICES),
+        rng_with_injection(0.5, injected=False),
+    )
+    assert int(metrics["injected"]) == 0
+    assert int(new_state.skipped_steps) == 1 and int(new_state.step) == 0
 
 
 def sharding_constraints(jaxpr):
@@ -403,16 +419,31 @@ def test_the_epoch_plan_is_the_shuffle_of_the_first_half_key_and_the_steps_keys_
     assert not np.array_equal(expected, shuffled_by_other_half)  # the control: the halves differ
 
 
-def test_the_compiled_steps_take_and_give_replicated_arrays_and_the_train_step_donates_its_state():
+def test_the_compiled_steps_take_and_give_replicated_arrays_and_the_train_step_donates_its_state(monkeypatch):
     """`_compile` hands back compiled programs, not jitted functions, with the run's shardings.
 
     Every input and output of the three programs is replicated over the
-    mesh (a mutant leaving a sharding to the compiler gets another kind of
-    sharding even on one device), the train step donates exactly its state,
+    mesh (a program given another sharding fails; one given none is not told
+    apart: XLA propagates the replicated inputs to its outputs, on one device
+    as on eight), the train step donates exactly its state,
     and the two compile times are each measured from their own start: both
     non-negative and together no more than the call took (no speed is asserted).
+
+    The train step is built for the run's data parallelism: on one device a
+    step built without it compiles to the same program, so the call is
+    watched instead (a mutant dropping the argument compiles a step that
+    would not shard its batch over many devices). The test set is one
+    batch, so a step compiled for another batch than the first fails.
     """
-    dataset = data_lib.synthetic_dataset(num_train=8, num_test=6, seed=0)
+    built_with = []
+    make_train_step = train.make_train_step
+
+    def watched_make_train_step(*args, **kwargs):
+        built_with.append((args, kwargs))
+        return make_train_step(*args, **kwargs)
+
+    monkeypatch.setattr(train, "make_train_step", watched_make_train_step)
+    dataset = data_lib.synthetic_dataset(num_train=8, num_test=4, seed=0)
     config = train.TrainConfig(
         batch_size=BATCH, eval_batch_size=4, epochs=1, steps_per_epoch=1, progress=False
     )
@@ -424,6 +455,10 @@ def test_the_compiled_steps_take_and_give_replicated_arrays_and_the_train_step_d
     plan, train_step, eval_step, times = train._compile(config, dataset, state, device_data, 1, data_parallel)
     elapsed = time.perf_counter() - start
 
+    ((args, kwargs),) = built_with
+    assert len(args) == 3 and not kwargs
+    assert args[0] is config and args[1] is dataset and args[2] is data_parallel
+    assert len(device_data.test_batches) == 1
     assert set(times) == {"train_step", "eval_step"}
     assert 0 <= times["train_step"] and 0 <= times["eval_step"]
     assert times["train_step"] + times["eval_step"] <= elapsed
