@@ -200,3 +200,111 @@ def test_a_users_first_order_primitive_without_a_rule_runs_as_traced():
     (equation,) = _equations(closed, "my_first_order_op")
     assert equation.invars[0].aval.dtype == jnp.float32
     assert [equation.outvars[0].aval.dtype for equation in _equations(closed, "dot_general")] == [jnp.float16]
+
+
+# --- autocast's own arguments: the decorator factory, overrides and their errors ------------------------
+
+
+def _dot_and_tanh_dtypes(fun):
+    closed = jax.make_jaxpr(fun)(X, W)
+    return [
+        [equation.outvars[0].aval.dtype for equation in _equations(closed, name)] for name in ("dot_general", "tanh")
+    ]
+
+
+def test_autocast_called_with_only_its_options_is_a_decorator_that_keeps_every_option():
+    """``@jaxamp.autocast(policy=..., overrides=...)`` applies both to the function it decorates.
+
+    Fails if the factory form (no function given) drops the policy or the
+    overrides, or passes them to something other than `autocast`: the
+    matmul would be float16 instead of bfloat16, or ``tanh`` would follow
+    its bfloat16 input instead of running in float32.
+    """
+
+    @jaxamp.autocast(policy="mixed_bfloat16", overrides={"tanh": "float32"})
+    def layer(x, w):
+        return jnp.tanh(x @ w)
+
+    @jaxamp.autocast()
+    def default_layer(x, w):
+        return jnp.tanh(x @ w)
+
+    assert _dot_and_tanh_dtypes(layer) == [[jnp.bfloat16], [jnp.float32]]
+    assert _dot_and_tanh_dtypes(default_layer) == [[jnp.float16], [jnp.float16]]
+
+
+def _scanned_layer(x, w):
+    def step(total, row):
+        return total + jnp.tanh(row @ w), None
+
+    return jax.lax.scan(step, jnp.zeros(w.shape[1]), x)[0]
+
+
+@pytest.mark.parametrize("key", ["scan", jax.lax.scan_p], ids=["by name", "by object"])
+def test_a_primitive_that_carries_a_jaxpr_takes_restore_and_then_runs_as_traced(key):
+    """'restore', the one override a higher-order primitive accepts, is accepted and runs its body in float32.
+
+    Fails if the check that refuses every other rule refuses 'restore' too,
+    or if the override is dropped (the scan's matmul would be float16).
+    """
+    assert _dot_and_tanh_dtypes(jaxamp.autocast(_scanned_layer))[0] == [jnp.float16]
+    assert _dot_and_tanh_dtypes(jaxamp.autocast(_scanned_layer, overrides={key: "restore"})) == [
+        [jnp.float32],
+        [jnp.float32],
+    ]
+
+
+def test_overrides_that_are_not_a_mapping_are_an_error_naming_the_type_given():
+    """Fails if the message names some other type than the value the user passed."""
+    with pytest.raises(TypeError, match="must map primitive names to rule names.*got list"):
+        jaxamp.autocast(jnp.exp, overrides=[("exp", "follow")])
+    with pytest.raises(TypeError, match="must map primitive names to rule names.*got str"):
+        jaxamp.autocast(jnp.exp, overrides="exp")
+
+
+def _override_error(name):
+    with pytest.raises(ValueError, match=f"{name!r}, which JAX does not have") as error:
+        jaxamp.autocast(jnp.exp, overrides={name: "restore"})
+    return str(error.value)
+
+
+def test_an_unknown_primitive_name_suggests_at_most_three_real_names_and_nothing_when_none_is_close():
+    """The hint lists JAX's names closest first, joined by "or"; a name like no primitive gets no hint.
+
+    Fails if the hint is shown with nothing to suggest (``Did you mean ?``)
+    or replaced by other text, lists more than three names, or joins them so
+    that they no longer read as names.
+    """
+    from jaxamp.jaxpr_policy.table import rules_table
+
+    known = {repr(primitive.name) for primitive in rules_table()}
+    message = _override_error("scatter_ad")
+    suggested = message.split("Did you mean ", 1)[1].split("?", 1)[0].split(" or ")
+    assert suggested[0] == "'scatter-add'" and len(suggested) == 3 and set(suggested) <= known, message
+    message = _override_error("qqqq")
+    assert "which JAX does not have. Use JAX's own name" in message, message
+
+
+class _ScaledModel:
+    """A callable object holding a parameter, as a module does."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def __call__(self, x):
+        return x * self.scale
+
+
+def test_autocast_of_a_module_keeps_its_name_but_not_a_copy_of_its_attributes():
+    """The function reads the module when called; it carries no snapshot of the module's attributes.
+
+    Fails if ``functools.wraps`` copies the module's ``__dict__`` onto the
+    function: ``fun.scale`` would then keep the value of the moment autocast
+    wrapped it (2.0) while calls use the module's current one.
+    """
+    model = _ScaledModel(2.0)
+    fun = jaxamp.autocast(model)
+    model.scale = 3.0
+    assert not hasattr(fun, "scale")
+    assert fun.__wrapped__ is model
+    np.testing.assert_array_equal(fun(X), X * 3.0)
