@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import Primitive
+from jax.extend.core import ClosedJaxpr, Primitive
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -308,3 +308,130 @@ def test_autocast_of_a_module_keeps_its_name_but_not_a_copy_of_its_attributes():
     assert not hasattr(fun, "scale")
     assert fun.__wrapped__ is model
     np.testing.assert_array_equal(fun(X), X * 3.0)
+
+
+# --- higher-order primitives: every operand and param of the original reaches the rewrite --------------
+
+
+def _loop_while_large(x, w, limit):
+    """A loop whose condition closes over traced values (the weights and a threshold) and runs a matmul."""
+
+    def cond(carry):
+        steps, h = carry
+        return (steps < 3) & (jnp.abs(h @ w).max() > limit)
+
+    def body(carry):
+        steps, h = carry
+        return steps + 1, jnp.tanh(h @ w)
+
+    return jax.lax.while_loop(cond, body, (0, x))[1]
+
+
+def test_a_while_loops_condition_is_rewritten_with_the_values_it_closes_over():
+    """The condition's matmul runs in float16 like the body's, on the weights and threshold it closes over.
+
+    Fails if the condition's constants are traced as something else than
+    the values given (the rewrite cannot start), if their count is changed,
+    or if the condition is left as traced (its matmul stays float32).
+    """
+    limit = jnp.float32(0.1)
+    fun = jaxamp.autocast(_loop_while_large)
+    got, want = jax.jit(lambda *args: (fun(*args), _loop_while_large(*args)))(X, W, limit)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    closed = jax.make_jaxpr(fun)(X, W, limit)
+    (loop,) = _equations(closed, "while")
+    assert [dot.outvars[0].aval.dtype for dot in _equations(loop.params["cond_jaxpr"], "dot_general")] == [
+        jnp.float16
+    ]
+    assert [dot.outvars[0].aval.dtype for dot in _equations(loop.params["body_jaxpr"], "dot_general")] == [
+        jnp.float16
+    ]
+
+
+@jax.custom_jvp
+def _shifted_tanh(h, shift):
+    """``tanh(h) + shift`` for an integer `shift` per column, and each row's count of entries above it."""
+    y = jnp.tanh(h) + shift
+    return y, (y > shift).sum(axis=-1)
+
+
+@_shifted_tanh.defjvp
+def _shifted_tanh_jvp(primals, tangents):
+    (h, shift), (dh, _) = primals, tangents
+    y, count = _shifted_tanh(h, shift)
+    return (y, count), (3 * dh * (1 - jnp.tanh(h) ** 2), np.zeros(count.shape, jax.dtypes.float0))  # 3x the truth
+
+
+@jax.custom_vjp
+def _shifted_tanh_vjp(h, shift):
+    y = jnp.tanh(h) + shift
+    return y, (y > shift).sum(axis=-1)
+
+
+def _shifted_forward(h, shift):
+    return _shifted_tanh_vjp(h, shift), (h, shift)
+
+
+def _shifted_backward(residuals, cotangents):
+    h, shift = residuals
+    return 3 * cotangents[0] * (1 - jnp.tanh(h) ** 2), np.zeros(np.shape(shift), jax.dtypes.float0)
+
+
+_shifted_tanh_vjp.defvjp(_shifted_forward, _shifted_backward)
+
+
+@pytest.mark.parametrize("custom", [_shifted_tanh, _shifted_tanh_vjp], ids=["custom_jvp", "custom_vjp"])
+def test_a_custom_derivative_with_an_integer_input_and_output_differentiates_by_the_users_rule(custom):
+    """Integer operands and outputs of a custom derivative get float0 tangents; the float ones the user's rule.
+
+    Fails if autocast takes every operand or output of a custom_jvp or
+    custom_vjp for floating (it asks the user's rule for an integer's
+    tangent) or none of them (the float gradient is lost), or if the zero
+    tangent of an integer is not a float0 of its shape. (A custom_vjp that
+    takes every operand for floating still works: JAX gives and takes
+    float0 cotangents for integers.)
+    """
+    shift = jnp.arange(8, dtype=jnp.int32) % 3  # not scalars: a zero tangent of the wrong shape fails
+
+    def loss(x, w):
+        y, count = custom(x @ w, shift)
+        return y.sum() + count.sum()
+
+    def all_three(x, w):  # one compile for the three
+        return (
+            jax.grad(loss, argnums=(0, 1))(x, w),  # 3x the true gradient: the user's rule
+            jax.grad(jaxamp.autocast(loss), argnums=(0, 1))(x, w),
+            jaxamp.autocast(jax.grad(loss, argnums=(0, 1)))(x, w),
+        )
+
+    expected, *autocast_grads = jax.jit(all_three)(X, W)
+    for grads in autocast_grads:
+        for got, want in zip(grads, expected):
+            assert got.dtype == jnp.float32
+            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_partly_manual_shard_map_without_vma_checks_keeps_both_settings():
+    """``axis_names`` (the axes made manual) and ``check_vma=False`` survive the rewrite; so do the others.
+
+    The one-device test above uses the defaults (every axis manual, checks
+    on), which a rewrite that drops either setting reproduces; here both
+    differ from their defaults, on a 1 x 1 mesh with only ``d`` manual.
+    """
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("d", "m"))
+    sharded = jax.shard_map(
+        lambda x, w: jnp.tanh(x @ w),
+        mesh=mesh,
+        in_specs=(P("d"), P()),
+        out_specs=P("d"),
+        axis_names={"d"},
+        check_vma=False,
+    )
+    (rewritten,) = _equations(jax.make_jaxpr(jaxamp.autocast(sharded))(X, W), "shard_map")
+    (traced,) = _equations(jax.make_jaxpr(sharded)(X, W), "shard_map")
+    assert set(rewritten.params) == set(traced.params)
+    for name in sorted(set(traced.params) - {"jaxpr"}):
+        assert str(rewritten.params[name]) == str(traced.params[name]), name
+    assert [dot.outvars[0].aval.dtype for dot in _equations(ClosedJaxpr(rewritten.params["jaxpr"], ()), "dot_general")] == [
+        jnp.float16
+    ]
