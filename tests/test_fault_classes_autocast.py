@@ -435,3 +435,19 @@ def test_a_partly_manual_shard_map_without_vma_checks_keeps_both_settings():
     assert [dot.outvars[0].aval.dtype for dot in _equations(ClosedJaxpr(rewritten.params["jaxpr"], ()), "dot_general")] == [
         jnp.float16
     ]
+
+
+def test_a_reversed_unrolled_scan_keeps_its_length_direction_and_unrolling():
+    """Fails if the rewritten ``scan`` drops ``reverse``, ``unroll`` or ``length`` (each set off its default)."""
+
+    def scanned(x, w):
+        def step(h, row):
+            h = jnp.tanh(h + row @ w)
+            return h, h.sum()
+
+        return jax.lax.scan(step, jnp.zeros(w.shape[1]), x, reverse=True, unroll=2)
+
+    (rewritten,) = _equations(jax.make_jaxpr(jaxamp.autocast(scanned))(X, W), "scan")
+    (traced,) = _equations(jax.make_jaxpr(scanned)(X, W), "scan")
+    kept = {name: rewritten.params[name] for name in ("length", "reverse", "unroll")}
+    assert kept == {name: traced.params[name] for name in kept} == {"length": 4, "reverse": True, "unroll": 2}
