@@ -451,3 +451,31 @@ def test_a_reversed_unrolled_scan_keeps_its_length_direction_and_unrolling():
     (traced,) = _equations(jax.make_jaxpr(scanned)(X, W), "scan")
     kept = {name: rewritten.params[name] for name in ("length", "reverse", "unroll")}
     assert kept == {name: traced.params[name] for name in kept} == {"length": 4, "reverse": True, "unroll": 2}
+
+
+# --- values that feed only a float32 reduction: JAX's own upcast is part of the chain -------------------
+
+
+def test_the_square_of_a_float16_argument_before_jaxs_upcast_to_a_float32_sum_runs_in_float32():
+    """``mean(h * h)`` of a float16 argument: JAX casts ``h * h`` to float32 for the sum; the square runs there too.
+
+    One entry of 300 squares to 90000, beyond float16's 65504, while the
+    mean (2813) fits float16. Fails if the cast to float32 between the
+    square and the sum is not taken as part of the chain (its producer,
+    the square, then follows its float16 inputs and the mean is ``inf``),
+    as when the check of the cast's target dtype is inverted or compares
+    with something other than float32.
+    """
+    h = jnp.ones((4, 8), jnp.float16).at[1, 2].set(300)
+
+    def mean_square(h):
+        return jnp.mean(h * h)
+
+    fun = jaxamp.autocast(mean_square)
+    as_written, autocast, float32 = jax.jit(
+        lambda h: (mean_square(h), fun(h), mean_square(h.astype(jnp.float32)))  # one compile
+    )(h)
+    assert not np.isfinite(as_written)  # float16 arithmetic
+    np.testing.assert_allclose(np.float32(autocast), float32, rtol=1e-3)
+    closed = jax.make_jaxpr(fun)(h)
+    assert [equation.outvars[0].aval.dtype for equation in _equations(closed, "mul")] == [jnp.float32]
