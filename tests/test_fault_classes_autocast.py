@@ -479,3 +479,43 @@ def test_the_square_of_a_float16_argument_before_jaxs_upcast_to_a_float32_sum_ru
     np.testing.assert_allclose(np.float32(autocast), float32, rtol=1e-3)
     closed = jax.make_jaxpr(fun)(h)
     assert [equation.outvars[0].aval.dtype for equation in _equations(closed, "mul")] == [jnp.float32]
+
+
+# --- the cache key and the write-back: what a signature is, and when a module is updated ----------------
+
+
+def test_one_autocast_function_in_two_shard_maps_is_rewritten_for_each_replication_of_its_weights():
+    """Weights sharded in one ``shard_map`` and replicated in the other: the same shapes, two signatures.
+
+    Inside ``shard_map`` a value's type says which mesh axes it varies
+    over. Fails if the cache keys a rewrite by shape and dtype alone: the
+    second call reuses the rewrite traced for varying weights, with no
+    ``pvary`` for the replicated ones, and JAX refuses the matmul (or, on
+    other releases, gets values of the wrong type).
+    """
+    mesh = _one_device_mesh()
+    fun = jaxamp.autocast(lambda x, w: jnp.tanh(x @ w))
+
+    def both(x, w):
+        sharded = jax.shard_map(fun, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P("d"))(x, w)
+        replicated = jax.shard_map(fun, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"))(x, w)
+        return sharded, replicated
+
+    closed = jax.make_jaxpr(both)(X, W)
+    assert fun.rewrites.traces == 2
+    assert [dot.outvars[0].aval.dtype for dot in _equations(closed, "dot_general")] == [jnp.float16] * 2
+
+
+def test_a_module_whose_call_changes_no_state_works_closed_over_by_plain_jit():
+    """Nothing to write back, so nothing is written: NNX would refuse it under plain ``jax.jit``.
+
+    Fails if autocast writes back every module after every call (the state
+    it compares with read from something other than the module), which
+    raises NNX's trace-context error for any module a plain transformation
+    closes over.
+    """
+    from flax import nnx
+
+    model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+    out, reference = jax.jit(lambda x: (jaxamp.autocast(model)(x), model(x)))(X)
+    np.testing.assert_allclose(out, reference, rtol=2e-2, atol=2e-2)
