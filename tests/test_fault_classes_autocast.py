@@ -519,3 +519,22 @@ def test_a_module_whose_call_changes_no_state_works_closed_over_by_plain_jit():
     model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
     out, reference = jax.jit(lambda x: (jaxamp.autocast(model)(x), model(x)))(X)
     np.testing.assert_allclose(out, reference, rtol=2e-2, atol=2e-2)
+
+
+def test_a_jitted_layer_called_twice_is_rewritten_once_and_both_calls_share_it():
+    """Two calls of one ``jit`` on inputs of one signature: one rewritten body, so XLA compiles it once.
+
+    Fails if a rewrite is not kept for the next equation that needs it
+    (kept as nothing, the second call breaks; not kept, each call gets a
+    body of its own).
+    """
+    layer = jax.jit(lambda x, w: jnp.tanh(x @ w))
+
+    def twice(x, w):
+        return layer(x, w) + layer(-x, w)
+
+    fun = jaxamp.autocast(twice)
+    got, want = jax.jit(lambda x, w: (fun(x, w), twice(x, w)))(X, W)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    first, second = _equations(jax.make_jaxpr(fun)(X, W), "jit")
+    assert first.params["jaxpr"] is second.params["jaxpr"]
