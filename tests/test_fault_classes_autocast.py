@@ -538,3 +538,43 @@ def test_a_jitted_layer_called_twice_is_rewritten_once_and_both_calls_share_it()
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
     first, second = _equations(jax.make_jaxpr(fun)(X, W), "jit")
     assert first.params["jaxpr"] is second.params["jaxpr"]
+
+
+class _UnhashableConfig:
+    """A static argument that compares by value and so has no hash (as a non-frozen dataclass)."""
+
+    __hash__ = None
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def __eq__(self, other):
+        return isinstance(other, _UnhashableConfig) and other.scale == self.scale
+
+
+def test_an_unhashable_static_argument_is_traced_at_every_call_instead_of_cached():
+    """Fails if a static argument without a hash breaks the call, or if its rewrite is kept and reused."""
+    fun = jaxamp.autocast(lambda x, config: x * config.scale)
+    np.testing.assert_array_equal(fun(X, _UnhashableConfig(2.0)), X * 2.0)
+    np.testing.assert_array_equal(fun(X, _UnhashableConfig(3.0)), X * 3.0)
+    assert fun.rewrites.traces == 2
+
+
+def test_a_rewrite_that_closed_over_another_traces_values_is_never_reused():
+    """A function reading weights that a ``jit`` traces: each ``jit`` gets a rewrite of its own.
+
+    Fails if the rewrite traced inside the first ``jit`` (its constants are
+    that trace's tracers) is kept and reused by the second, where those
+    tracers are dead.
+    """
+    weights = {}
+    fun = jaxamp.autocast(lambda x: jnp.tanh(x @ weights["w"]))
+
+    def call_with(w):
+        weights["w"] = w
+        return fun(X)
+
+    jax.jit(call_with)(W)
+    second = jax.jit(lambda w: call_with(w))(2 * W)  # a new jit: traced again
+    np.testing.assert_allclose(second, jnp.tanh(X @ (2 * W)), rtol=2e-2, atol=2e-2)
+    assert fun.rewrites.traces == 2
