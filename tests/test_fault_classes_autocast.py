@@ -8,7 +8,12 @@ over, on a one-device mesh, in this process (the 8-device checks of
 test_autocast_sharded.py run in a subprocess that mutation testing cannot
 see into); the user's name scopes and source lines kept; a user's own
 primitive an error when it carries jaxprs anywhere in its params, and run
-as traced when it carries none.
+as traced when it carries none; autocast's own arguments (the decorator
+factory, overrides and their errors); every operand and param of a
+higher-order primitive reaching its rewrite (a loop condition's constants,
+integer operands of custom derivatives, a partly manual ``shard_map``, a
+reversed unrolled ``scan``); JAX's own upcast before a float32 sum; what
+the cache keys a signature by and when a module's state is written back.
 """
 
 from __future__ import annotations
