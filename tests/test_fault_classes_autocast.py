@@ -8,7 +8,12 @@ over, on a one-device mesh, in this process (the 8-device checks of
 test_autocast_sharded.py run in a subprocess that mutation testing cannot
 see into); the user's name scopes and source lines kept; a user's own
 primitive an error when it carries jaxprs anywhere in its params, and run
-as traced when it carries none.
+as traced when it carries none; autocast's own arguments (the decorator
+factory, overrides and their errors); every operand and param of a
+higher-order primitive reaching its rewrite (a loop condition's constants,
+integer operands of custom derivatives, a partly manual ``shard_map``, a
+reversed unrolled ``scan``); JAX's own upcast before a float32 sum; what
+the cache keys a signature by and when a module's state is written back.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import Primitive
+from jax.extend.core import ClosedJaxpr, Primitive
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -200,3 +205,384 @@ def test_a_users_first_order_primitive_without_a_rule_runs_as_traced():
     (equation,) = _equations(closed, "my_first_order_op")
     assert equation.invars[0].aval.dtype == jnp.float32
     assert [equation.outvars[0].aval.dtype for equation in _equations(closed, "dot_general")] == [jnp.float16]
+
+
+# --- autocast's own arguments: the decorator factory, overrides and their errors ------------------------
+
+
+def _dot_and_tanh_dtypes(fun):
+    closed = jax.make_jaxpr(fun)(X, W)
+    return [
+        [equation.outvars[0].aval.dtype for equation in _equations(closed, name)]
+        for name in ("dot_general", "tanh")
+    ]
+
+
+def test_autocast_called_with_only_its_options_is_a_decorator_that_keeps_every_option():
+    """``@jaxamp.autocast(policy=..., overrides=...)`` applies both to the function it decorates.
+
+    Fails if the factory form (no function given) drops the policy or the
+    overrides, or passes them to something other than `autocast`: the
+    matmul would be float16 instead of bfloat16, or ``tanh`` would follow
+    its bfloat16 input instead of running in float32.
+    """
+
+    @jaxamp.autocast(policy="mixed_bfloat16", overrides={"tanh": "float32"})
+    def layer(x, w):
+        return jnp.tanh(x @ w)
+
+    @jaxamp.autocast()
+    def default_layer(x, w):
+        return jnp.tanh(x @ w)
+
+    assert _dot_and_tanh_dtypes(layer) == [[jnp.bfloat16], [jnp.float32]]
+    assert _dot_and_tanh_dtypes(default_layer) == [[jnp.float16], [jnp.float16]]
+
+
+def _scanned_layer(x, w):
+    def step(total, row):
+        return total + jnp.tanh(row @ w), None
+
+    return jax.lax.scan(step, jnp.zeros(w.shape[1]), x)[0]
+
+
+@pytest.mark.parametrize("key", ["scan", jax.lax.scan_p], ids=["by name", "by object"])
+def test_a_primitive_that_carries_a_jaxpr_takes_restore_and_then_runs_as_traced(key):
+    """'restore', the one override a higher-order primitive accepts, is accepted and runs its body in float32.
+
+    Fails if the check that refuses every other rule refuses 'restore' too,
+    or if the override is dropped (the scan's matmul would be float16).
+    """
+    assert _dot_and_tanh_dtypes(jaxamp.autocast(_scanned_layer))[0] == [jnp.float16]
+    assert _dot_and_tanh_dtypes(jaxamp.autocast(_scanned_layer, overrides={key: "restore"})) == [
+        [jnp.float32],
+        [jnp.float32],
+    ]
+
+
+def test_overrides_that_are_not_a_mapping_are_an_error_naming_the_type_given():
+    """Fails if the message names some other type than the value the user passed."""
+    with pytest.raises(TypeError, match="must map primitive names to rule names.*got list"):
+        jaxamp.autocast(jnp.exp, overrides=[("exp", "follow")])
+    with pytest.raises(TypeError, match="must map primitive names to rule names.*got str"):
+        jaxamp.autocast(jnp.exp, overrides="exp")
+
+
+def _override_error(name):
+    with pytest.raises(ValueError, match=f"{name!r}, which JAX does not have") as error:
+        jaxamp.autocast(jnp.exp, overrides={name: "restore"})
+    return str(error.value)
+
+
+def test_an_unknown_primitive_name_suggests_at_most_three_real_names_and_nothing_when_none_is_close():
+    """The hint lists JAX's names closest first, joined by "or"; a name like no primitive gets no hint.
+
+    Fails if the hint is shown with nothing to suggest (``Did you mean ?``)
+    or replaced by other text, lists more than three names, or joins them so
+    that they no longer read as names.
+    """
+    from jaxamp.jaxpr_policy.table import rules_table
+
+    known = {repr(primitive.name) for primitive in rules_table()}
+    message = _override_error("scatter_ad")
+    suggested = message.split("Did you mean ", 1)[1].split("?", 1)[0].split(" or ")
+    assert suggested[0] == "'scatter-add'" and len(suggested) == 3 and set(suggested) <= known, message
+    message = _override_error("qqqq")
+    assert "which JAX does not have. Use JAX's own name" in message, message
+
+
+class _ScaledModel:
+    """A callable object holding a parameter, as a module does."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def __call__(self, x):
+        return x * self.scale
+
+
+def test_autocast_of_a_module_keeps_its_name_but_not_a_copy_of_its_attributes():
+    """The function reads the module when called; it carries no snapshot of the module's attributes.
+
+    Fails if ``functools.wraps`` copies the module's ``__dict__`` onto the
+    function: ``fun.scale`` would then keep the value of the moment autocast
+    wrapped it (2.0) while calls use the module's current one.
+    """
+    model = _ScaledModel(2.0)
+    fun = jaxamp.autocast(model)
+    model.scale = 3.0
+    assert not hasattr(fun, "scale")
+    assert fun.__wrapped__ is model
+    np.testing.assert_array_equal(fun(X), X * 3.0)
+
+
+# --- higher-order primitives: every operand and param of the original reaches the rewrite --------------
+
+
+def _loop_while_large(x, w, limit):
+    """A loop whose condition closes over traced values (the weights and a threshold) and runs a matmul."""
+
+    def cond(carry):
+        steps, h = carry
+        return (steps < 3) & (jnp.abs(h @ w).max() > limit)
+
+    def body(carry):
+        steps, h = carry
+        return steps + 1, jnp.tanh(h @ w)
+
+    return jax.lax.while_loop(cond, body, (0, x))[1]
+
+
+def test_a_while_loops_condition_is_rewritten_with_the_values_it_closes_over():
+    """The condition's matmul runs in float16 like the body's, on the weights and threshold it closes over.
+
+    Fails if the condition's constants are traced as something else than
+    the values given (the rewrite cannot start), if their count is changed,
+    or if the condition is left as traced (its matmul stays float32).
+    """
+    limit = jnp.float32(0.1)
+    fun = jaxamp.autocast(_loop_while_large)
+    got, want = jax.jit(lambda *args: (fun(*args), _loop_while_large(*args)))(X, W, limit)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    closed = jax.make_jaxpr(fun)(X, W, limit)
+    (loop,) = _equations(closed, "while")
+    assert [dot.outvars[0].aval.dtype for dot in _equations(loop.params["cond_jaxpr"], "dot_general")] == [
+        jnp.float16
+    ]
+    assert [dot.outvars[0].aval.dtype for dot in _equations(loop.params["body_jaxpr"], "dot_general")] == [
+        jnp.float16
+    ]
+
+
+@jax.custom_jvp
+def _shifted_tanh(h, shift):
+    """``tanh(h) + shift`` for an integer `shift` per column, and each row's count of entries above it."""
+    y = jnp.tanh(h) + shift
+    return y, (y > shift).sum(axis=-1)
+
+
+@_shifted_tanh.defjvp
+def _shifted_tanh_jvp(primals, tangents):
+    (h, shift), (dh, _) = primals, tangents
+    y, count = _shifted_tanh(h, shift)
+    true_tangent = dh * (1 - jnp.tanh(h) ** 2)
+    return (y, count), (3 * true_tangent, np.zeros(count.shape, jax.dtypes.float0))  # 3x: the user's rule
+
+
+@jax.custom_vjp
+def _shifted_tanh_vjp(h, shift):
+    y = jnp.tanh(h) + shift
+    return y, (y > shift).sum(axis=-1)
+
+
+def _shifted_forward(h, shift):
+    return _shifted_tanh_vjp(h, shift), (h, shift)
+
+
+def _shifted_backward(residuals, cotangents):
+    h, shift = residuals
+    return 3 * cotangents[0] * (1 - jnp.tanh(h) ** 2), np.zeros(np.shape(shift), jax.dtypes.float0)
+
+
+_shifted_tanh_vjp.defvjp(_shifted_forward, _shifted_backward)
+
+
+@pytest.mark.parametrize("custom", [_shifted_tanh, _shifted_tanh_vjp], ids=["custom_jvp", "custom_vjp"])
+def test_a_custom_derivative_with_an_integer_input_and_output_differentiates_by_the_users_rule(custom):
+    """Integer operands and outputs of a custom derivative get float0 tangents; the float ones the user's rule.
+
+    Fails if autocast takes every operand or output of a custom_jvp or
+    custom_vjp for floating (it asks the user's rule for an integer's
+    tangent) or none of them (the float gradient is lost), or if the zero
+    tangent of an integer is not a float0 of its shape. (A custom_vjp that
+    takes every operand for floating still works: JAX gives and takes
+    float0 cotangents for integers.)
+    """
+    shift = jnp.arange(8, dtype=jnp.int32) % 3  # not scalars: a zero tangent of the wrong shape fails
+
+    def loss(x, w):
+        y, count = custom(x @ w, shift)
+        return y.sum() + count.sum()
+
+    def all_three(x, w):  # one compile for the three
+        return (
+            jax.grad(loss, argnums=(0, 1))(x, w),  # 3x the true gradient: the user's rule
+            jax.grad(jaxamp.autocast(loss), argnums=(0, 1))(x, w),
+            jaxamp.autocast(jax.grad(loss, argnums=(0, 1)))(x, w),
+        )
+
+    expected, *autocast_grads = jax.jit(all_three)(X, W)
+    for grads in autocast_grads:
+        for got, want in zip(grads, expected):
+            assert got.dtype == jnp.float32
+            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_partly_manual_shard_map_without_vma_checks_keeps_both_settings():
+    """``axis_names`` (the axes made manual) and ``check_vma=False`` survive the rewrite; so do the others.
+
+    The one-device test above uses the defaults (every axis manual, checks
+    on), which a rewrite that drops either setting reproduces; here both
+    differ from their defaults, on a 1 x 1 mesh with only ``d`` manual.
+    """
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("d", "m"))
+    sharded = jax.shard_map(
+        lambda x, w: jnp.tanh(x @ w),
+        mesh=mesh,
+        in_specs=(P("d"), P()),
+        out_specs=P("d"),
+        axis_names={"d"},
+        check_vma=False,
+    )
+    (rewritten,) = _equations(jax.make_jaxpr(jaxamp.autocast(sharded))(X, W), "shard_map")
+    (traced,) = _equations(jax.make_jaxpr(sharded)(X, W), "shard_map")
+    assert set(rewritten.params) == set(traced.params)
+    for name in sorted(set(traced.params) - {"jaxpr"}):
+        assert str(rewritten.params[name]) == str(traced.params[name]), name
+    assert [
+        dot.outvars[0].aval.dtype
+        for dot in _equations(ClosedJaxpr(rewritten.params["jaxpr"], ()), "dot_general")
+    ] == [jnp.float16]
+
+
+def test_a_reversed_unrolled_scan_keeps_its_length_direction_and_unrolling():
+    """Fails if the rewritten ``scan`` drops ``reverse``, ``unroll`` or ``length`` (each set off its default)."""
+
+    def scanned(x, w):
+        def step(h, row):
+            h = jnp.tanh(h + row @ w)
+            return h, h.sum()
+
+        return jax.lax.scan(step, jnp.zeros(w.shape[1]), x, reverse=True, unroll=2)
+
+    (rewritten,) = _equations(jax.make_jaxpr(jaxamp.autocast(scanned))(X, W), "scan")
+    (traced,) = _equations(jax.make_jaxpr(scanned)(X, W), "scan")
+    kept = {name: rewritten.params[name] for name in ("length", "reverse", "unroll")}
+    assert kept == {name: traced.params[name] for name in kept} == {"length": 4, "reverse": True, "unroll": 2}
+
+
+# --- values that feed only a float32 reduction: JAX's own upcast is part of the chain -------------------
+
+
+def test_the_square_of_a_float16_argument_before_jaxs_upcast_to_a_float32_sum_runs_in_float32():
+    """``mean(h * h)`` of a float16 argument: JAX casts ``h * h`` to float32 for the sum; the square runs there too.
+
+    One entry of 300 squares to 90000, beyond float16's 65504, while the
+    mean (2813) fits float16. Fails if the cast to float32 between the
+    square and the sum is not taken as part of the chain (its producer,
+    the square, then follows its float16 inputs and the mean is ``inf``),
+    as when the check of the cast's target dtype is inverted or compares
+    with something other than float32.
+    """
+    h = jnp.ones((4, 8), jnp.float16).at[1, 2].set(300)
+
+    def mean_square(h):
+        return jnp.mean(h * h)
+
+    fun = jaxamp.autocast(mean_square)
+    as_written, autocast, float32 = jax.jit(
+        lambda h: (mean_square(h), fun(h), mean_square(h.astype(jnp.float32)))  # one compile
+    )(h)
+    assert not np.isfinite(as_written)  # float16 arithmetic
+    np.testing.assert_allclose(np.float32(autocast), float32, rtol=1e-3)
+    closed = jax.make_jaxpr(fun)(h)
+    assert [equation.outvars[0].aval.dtype for equation in _equations(closed, "mul")] == [jnp.float32]
+
+
+# --- the cache key and the write-back: what a signature is, and when a module is updated ----------------
+
+
+def test_one_autocast_function_in_two_shard_maps_is_rewritten_for_each_replication_of_its_weights():
+    """Weights sharded in one ``shard_map`` and replicated in the other: the same shapes, two signatures.
+
+    Inside ``shard_map`` a value's type says which mesh axes it varies
+    over. Fails if the cache keys a rewrite by shape and dtype alone: the
+    second call reuses the rewrite traced for varying weights, with no
+    ``pvary`` for the replicated ones, and JAX refuses the matmul (or, on
+    other releases, gets values of the wrong type).
+    """
+    mesh = _one_device_mesh()
+    fun = jaxamp.autocast(lambda x, w: jnp.tanh(x @ w))
+
+    def both(x, w):
+        sharded = jax.shard_map(fun, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P("d"))(x, w)
+        replicated = jax.shard_map(fun, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"))(x, w)
+        return sharded, replicated
+
+    closed = jax.make_jaxpr(both)(X, W)
+    assert fun.rewrites.traces == 2
+    assert [dot.outvars[0].aval.dtype for dot in _equations(closed, "dot_general")] == [jnp.float16] * 2
+
+
+def test_a_module_whose_call_changes_no_state_works_closed_over_by_plain_jit():
+    """Nothing to write back, so nothing is written: NNX would refuse it under plain ``jax.jit``.
+
+    Fails if autocast writes back every module after every call (the state
+    it compares with read from something other than the module), which
+    raises NNX's trace-context error for any module a plain transformation
+    closes over.
+    """
+    from flax import nnx
+
+    model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+    out, reference = jax.jit(lambda x: (jaxamp.autocast(model)(x), model(x)))(X)
+    np.testing.assert_allclose(out, reference, rtol=2e-2, atol=2e-2)
+
+
+def test_a_jitted_layer_called_twice_is_rewritten_once_and_both_calls_share_it():
+    """Two calls of one ``jit`` on inputs of one signature: one rewritten body, so XLA compiles it once.
+
+    Fails if a rewrite is not kept for the next equation that needs it
+    (kept as nothing, the second call breaks; not kept, each call gets a
+    body of its own).
+    """
+    layer = jax.jit(lambda x, w: jnp.tanh(x @ w))
+
+    def twice(x, w):
+        return layer(x, w) + layer(-x, w)
+
+    fun = jaxamp.autocast(twice)
+    got, want = jax.jit(lambda x, w: (fun(x, w), twice(x, w)))(X, W)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    first, second = _equations(jax.make_jaxpr(fun)(X, W), "jit")
+    assert first.params["jaxpr"] is second.params["jaxpr"]
+
+
+class _UnhashableConfig:
+    """A static argument that compares by value and so has no hash (as a non-frozen dataclass)."""
+
+    __hash__ = None
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def __eq__(self, other):
+        return isinstance(other, _UnhashableConfig) and other.scale == self.scale
+
+
+def test_an_unhashable_static_argument_is_traced_at_every_call_instead_of_cached():
+    """Fails if a static argument without a hash breaks the call, or if its rewrite is kept and reused."""
+    fun = jaxamp.autocast(lambda x, config: x * config.scale)
+    np.testing.assert_array_equal(fun(X, _UnhashableConfig(2.0)), X * 2.0)
+    np.testing.assert_array_equal(fun(X, _UnhashableConfig(3.0)), X * 3.0)
+    assert fun.rewrites.traces == 2
+
+
+def test_a_rewrite_that_closed_over_another_traces_values_is_never_reused():
+    """A function reading weights that a ``jit`` traces: each ``jit`` gets a rewrite of its own.
+
+    Fails if the rewrite traced inside the first ``jit`` (its constants are
+    that trace's tracers) is kept and reused by the second, where those
+    tracers are dead.
+    """
+    weights = {}
+    fun = jaxamp.autocast(lambda x: jnp.tanh(x @ weights["w"]))
+
+    def call_with(w):
+        weights["w"] = w
+        return fun(X)
+
+    jax.jit(call_with)(W)
+    second = jax.jit(lambda w: call_with(w))(2 * W)  # a new jit: traced again
+    np.testing.assert_allclose(second, jnp.tanh(X @ (2 * W)), rtol=2e-2, atol=2e-2)
+    assert fun.rewrites.traces == 2
