@@ -14,9 +14,7 @@ command line does with ``--coordinator-address``, ``--num-processes`` and
 
 import json
 import os
-import random
 import subprocess
-import sys
 
 import pytest
 from fresh_processes import FreshProcess, xla_flags
@@ -29,8 +27,6 @@ RTOL = 1e-5  # float32, summed in another order over devices and processes
 # Params gathered in bfloat16: a float32 param a hair from a rounding boundary rounds the other
 # way once its gradient was summed in another order (measured: 1.1e-5 after 3 steps).
 RTOL_BFLOAT16_GATHERS = 1e-4
-CPU = {**os.environ, "JAX_PLATFORMS": "cpu"}
-CPU["XLA_FLAGS"] = xla_flags()
 # The 8-device process shares the suite's compilation cache (tests/conftest.py), so reruns skip
 # compiling. The two processes do not: one loading from the cache while the other compiles
 # outwaits gloo's 30 s rendezvous.
@@ -154,33 +150,53 @@ def test_bfloat16_gathers_move_half_the_bytes_and_gradients_are_summed_in_float3
     assert abs(loss - fp32_loss) < 1e-2 * fp32_loss
 
 
-def test_two_processes_on_loopback_train_like_one_and_end_with_the_same_state(eight_device_runs):
+# The two processes of one start, side by side in one background command that picks a free
+# port of 127.0.0.1 for them and prints each one's exit status and output as one JSON line.
+_PAIR = """
+import json, socket, subprocess, sys
+with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    port = str(probe.getsockname()[1])
+processes = [subprocess.Popen([sys.executable, "-c", sys.argv[1], port, str(index), *sys.argv[2:]],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for index in range(2)]
+try:
+    outputs = [process.communicate(timeout=850) for process in processes]
+finally:
+    for process in processes:  # one that failed can leave the other waiting for it
+        if process.poll() is None:
+            process.kill()
+print(json.dumps([{"returncode": process.returncode, "stdout": stdout, "stderr": stderr}
+                  for process, (stdout, stderr) in zip(processes, outputs)]))
+"""
+GATHERS = ["default", "bfloat16"]
+TWO_PROCESSES = FreshProcess(
+    "two_process_runs", "-c", _PAIR, _TWO_PROCESSES, *GATHERS,
+    env={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}, timeout=900,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_process_runs():
+    """What process 0 and process 1 printed last, once both exited 0."""
+    return [
+        last_json_line((process["stdout"], process["stderr"]), process["returncode"])
+        for process in TWO_PROCESSES.last_json_line()
+    ]
+
+
+def test_two_processes_on_loopback_train_like_one_and_end_with_the_same_state(
+    eight_device_runs, two_process_runs
+):
     """Each process reads only its 4 rows of every batch of 8, and gathers params as XLA chooses
     or (with `jaxamp.fsdp_loss`) in bfloat16. Fails if a process reads the wrong rows (the losses
     differ from one device's), the bfloat16 gathers differ across processes from one device's,
     or the processes' states diverge."""
-    gathers = ["default", "bfloat16"]
-    port = str(random.randint(20000, 40000))
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", _TWO_PROCESSES, port, str(index), *gathers],
-            cwd=REPO_ROOT,
-            env=CPU,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for index in range(2)
-    ]
-    outputs = [process.communicate(timeout=900) for process in processes]
-    first, second = (
-        last_json_line(output, process.returncode) for output, process in zip(outputs, processes)
-    )
+    first, second = two_process_runs
     references = {
         "default": eight_device_runs["one"],
         "bfloat16": eight_device_runs["one gather bfloat16"],
     }
-    for gather in gathers:
+    for gather in GATHERS:
         assert_same_losses(
             first[gather], references[gather], RTOL if gather == "default" else RTOL_BFLOAT16_GATHERS
         )
