@@ -24,29 +24,39 @@ def free_port():
         return probe.getsockname()[1]
 
 
+def run_side_by_side(commands: list[list[str]], timeout: float) -> list[dict]:
+    """Runs the commands at once from the repository root; their exit statuses and output.
+
+    One that fails can leave the others waiting for it at a rendezvous, so
+    whatever still runs when the first wait ends (or times out) is killed.
+    """
+    processes = [
+        subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for command in commands
+    ]
+    try:
+        outputs = [process.communicate(timeout=timeout) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    return [
+        {"returncode": process.returncode, "stdout": stdout, "stderr": stderr}
+        for process, (stdout, stderr) in zip(processes, outputs)
+    ]
+
+
 def main(argv):
     directory, *run = argv
     address = f"127.0.0.1:{free_port()}"
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "experiments.cifar", *run,
-             "--coordinator-address", address, "--num-processes", "2", "--process-id", str(index),
-             "--out", os.path.join(directory, f"process{index}.json"),
-             "--checkpoint-dir", os.path.join(directory, "checkpoints"), "--checkpoint-every", "2"],
-            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
+    commands = [
+        [sys.executable, "-m", "experiments.cifar", *run,
+         "--coordinator-address", address, "--num-processes", "2", "--process-id", str(index),
+         "--out", os.path.join(directory, f"process{index}.json"),
+         "--checkpoint-dir", os.path.join(directory, "checkpoints"), "--checkpoint-every", "2"]
         for index in range(2)
-    ]
-    try:
-        outputs = [process.communicate(timeout=600) for process in processes]
-    finally:
-        for process in processes:  # one that failed can leave the other waiting for it
-            if process.poll() is None:
-                process.kill()
-    print(json.dumps([
-        {"returncode": process.returncode, "stdout": stdout, "stderr": stderr}
-        for process, (stdout, stderr) in zip(processes, outputs)
-    ]))  # fmt: skip
+    ]  # fmt: skip
+    print(json.dumps(run_side_by_side(commands, timeout=600)))
 
 
 if __name__ == "__main__":

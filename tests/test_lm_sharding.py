@@ -151,22 +151,14 @@ def test_bfloat16_gathers_move_half_the_bytes_and_gradients_are_summed_in_float3
 
 
 # The two processes of one start, side by side in one background command that picks a free
-# port of 127.0.0.1 for them and prints each one's exit status and output as one JSON line.
+# port of 127.0.0.1 for them and prints each one's exit status and output as one JSON line
+# (tests/distributed_loopback_run.py does the same for the CIFAR command line).
 _PAIR = """
-import json, socket, subprocess, sys
-with socket.socket() as probe:
-    probe.bind(("127.0.0.1", 0))
-    port = str(probe.getsockname()[1])
-processes = [subprocess.Popen([sys.executable, "-c", sys.argv[1], port, str(index), *sys.argv[2:]],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for index in range(2)]
-try:
-    outputs = [process.communicate(timeout=850) for process in processes]
-finally:
-    for process in processes:  # one that failed can leave the other waiting for it
-        if process.poll() is None:
-            process.kill()
-print(json.dumps([{"returncode": process.returncode, "stdout": stdout, "stderr": stderr}
-                  for process, (stdout, stderr) in zip(processes, outputs)]))
+import json, sys
+from tests.distributed_loopback_run import free_port, run_side_by_side
+port = str(free_port())
+commands = [[sys.executable, "-c", sys.argv[1], port, str(index), *sys.argv[2:]] for index in range(2)]
+print(json.dumps(run_side_by_side(commands, timeout=850)))
 """
 GATHERS = ["default", "bfloat16"]
 TWO_PROCESSES = FreshProcess(
