@@ -13,10 +13,16 @@ factory, overrides and their errors); every operand and param of a
 higher-order primitive reaching its rewrite (a loop condition's constants,
 integer operands of custom derivatives, a partly manual ``shard_map``, a
 reversed unrolled ``scan``); JAX's own upcast before a float32 sum; what
-the cache keys a signature by and when a module's state is written back.
+the cache keys a signature by and when a module's state is written back;
+JAX's registry of primitives (the releases a primitive is looked up in, a
+primitive registered late, what its errors advise); under ``mixed_float8``,
+each reason a matmul falls back from FP8, the compute dtype of an FP8 dot's
+result, and the quantization statistics of an FP8 convolution.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -681,8 +687,9 @@ def _ragged(lhs, rhs):
         ("grouped_conv", lambda a, b: _conv(a, b, batch_group_count=2), [(4, 8, 8, 16), (3, 3, 16, 32)]),
         ("transposed_conv", _transposed_conv, [(2, 8, 8, 16), (3, 3, 16, 16)]),
         ("ragged_dot", _ragged, [(16, 32), (2, 32, 16)]),
+        ("integer_operands", _conv, [(2, 8, 8, 16), (3, 3, 16, 16)]),
     ],
-    ids=["m-is-10", "eight-output-channels", "batch-grouped", "transposed", "ragged"],
+    ids=["m-is-10", "eight-output-channels", "batch-grouped", "transposed", "ragged", "int32-conv"],
 )
 def test_each_matmul_that_fp8_cannot_take_runs_in_bfloat16_under_its_reason(reason, fun, shapes):
     """The cases the FP8 tests leave out, one per test of the eligibility rules.
@@ -690,10 +697,12 @@ def test_each_matmul_that_fp8_cannot_take_runs_in_bfloat16_under_its_reason(reas
     Fails if the rows of a dot (m = 10) or the output channels of a
     convolution are not checked against 16, a batch-grouped convolution (the
     kernel gradient of a grouped one) or a transposed one (lhs dilation) is
-    sent to FP8, or a ragged dot loses its fallback rule or scope.
+    sent to FP8, a ragged dot loses its fallback rule or scope, or an
+    integer convolution is not named as one (it runs as traced, in int32).
     """
     assert reason in jaxamp.FP8_FALLBACK_REASONS
-    args = [jnp.ones(shape) for shape in shapes]
+    dtype = jnp.dtype(jnp.int32 if reason == "integer_operands" else jnp.bfloat16)
+    args = [jnp.ones(shape, jnp.int32 if reason == "integer_operands" else jnp.float32) for shape in shapes]
     closed = jax.make_jaxpr(jaxamp.autocast(fun, "mixed_float8"))(*args)
     found = [
         (scope, equation)
@@ -703,27 +712,44 @@ def test_each_matmul_that_fp8_cannot_take_runs_in_bfloat16_under_its_reason(reas
     assert len(found) == 1, found
     ((scope, equation),) = found
     assert f"jaxamp_fp8_fallback_{reason}" in scope
-    assert [atom.aval.dtype for atom in equation.invars[:2]] == [jnp.dtype(jnp.bfloat16)] * 2
-    assert equation.outvars[0].aval.dtype == jnp.bfloat16
+    assert [atom.aval.dtype for atom in equation.invars[:2]] == [dtype] * 2
+    assert equation.outvars[0].aval.dtype == dtype
 
 
 @pytest.mark.parametrize(
     "policy, compute", [("mixed_float8", jnp.bfloat16), ("p=f32,c=f16,o=f32,matmul=float8", jnp.float16)]
 )
-def test_an_fp8_dot_gives_its_result_in_the_policys_compute_dtype(policy, compute):
-    """The FP8 GEMM's result reaches the next op in the compute dtype, like the dot it replaces.
+@pytest.mark.parametrize(
+    "matmul, shapes, options",
+    [
+        ("dot_general", [(16, 32), (32, 16)], {}),
+        ("conv_general_dilated", [(2, 8, 8, 16), (3, 3, 16, 16)], {}),
+        ("conv_general_dilated", [(2, 8, 8, 16), (3, 3, 16, 16)], {"preferred_element_type": jnp.float32}),
+    ],
+    ids=["dot", "conv", "conv-asking-float32"],
+)
+def test_an_fp8_matmul_gives_its_result_in_the_policys_compute_dtype(
+    matmul, shapes, options, policy, compute
+):
+    """An FP8 dot's or convolution's result reaches the next op in the compute dtype, like the
+    matmul it replaces.
 
     Fails if the result were left in float32 (twice the bytes written, and
-    the ops after it in float32) or in `fp8_dot_general`'s default bfloat16
-    under a float16 compute dtype.
+    the ops after it in float32), or if `fp8_dot_general` or
+    `fp8_convolution` were left at their default bfloat16 under a float16
+    compute dtype, or a convolution traced with a float32
+    ``preferred_element_type`` kept it.
     """
-    fun = jaxamp.autocast(lambda x, w: jnp.tanh(x @ w), policy)
-    closed = jax.make_jaxpr(fun)(jnp.ones((16, 32)), jnp.ones((32, 16)))
-    found = list(_scoped_equations(closed.jaxpr, "dot_general"))
-    assert len(found) == 2  # the CUDA branch and the default one
-    for scope, dot in found:
+    matmul_fun = (lambda x, w: x @ w) if matmul == "dot_general" else functools.partial(_conv, **options)
+    fun = jaxamp.autocast(lambda x, w: jnp.tanh(matmul_fun(x, w)), policy)
+    closed = jax.make_jaxpr(fun)(*[jnp.ones(shape) for shape in shapes])
+    found = list(_scoped_equations(closed.jaxpr, matmul))
+    assert found
+    for scope, equation in found:
         assert "jaxamp_fp8" in scope and "fallback" not in scope
-        assert [atom.aval.dtype for atom in dot.invars] == [jnp.dtype(jnp.float8_e4m3fn)] * 2
+        # A dot takes the FP8 values; a convolution takes them handed over in `compute`.
+        operand = jnp.float8_e4m3fn if matmul == "dot_general" else compute
+        assert [atom.aval.dtype for atom in equation.invars] == [jnp.dtype(operand)] * 2
     ((_, tanh),) = _scoped_equations(closed.jaxpr, "tanh")
     assert tanh.invars[0].aval.dtype == compute
 
