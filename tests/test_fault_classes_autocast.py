@@ -776,3 +776,37 @@ def test_a_misspelt_fallback_reason_in_the_fp8_rules_fails_when_the_table_is_bui
 
     with pytest.raises(ValueError, match=r"Unknown FP8 fallback reason 'ragged'; valid: .*, ragged_dot"):
         fp8_rules._in_fallback_scope("ragged", rules.compute_rule)
+
+
+# --- the first-order rules: a matmul's operands, a refusal's reason, a table's duplicates ---------------
+
+
+@pytest.mark.parametrize("policy, half", [("mixed_float16", jnp.float16), ("mixed_bfloat16", jnp.bfloat16)])
+def test_a_float32_matmul_and_convolution_take_half_operands_not_only_give_a_half_result(policy, half):
+    """The compute rule casts the operands; asking for a half result is not enough.
+
+    Fails if the operands were left in float32 with only ``preferred_element_type``
+    set to the half dtype: the result's dtype is the same, but the matmul
+    reads float32 operands (twice the bytes, and no half-precision tensor cores).
+    """
+
+    def layer(x, w, images, kernel):
+        return x @ w, _conv(images, kernel)
+
+    args = (X, W, jnp.ones((2, 4, 4, 8)), jnp.ones((3, 3, 8, 8)))
+    closed = jax.make_jaxpr(jaxamp.autocast(layer, policy))(*args)
+    for name in ("dot_general", "conv_general_dilated"):
+        ((_, equation),) = _scoped_equations(closed.jaxpr, name)
+        assert [atom.aval.dtype for atom in equation.invars] == [jnp.dtype(half)] * 2, name
+        assert equation.outvars[0].aval.dtype == half
+
+
+def test_a_refused_primitive_carries_its_reason_and_the_table_refuses_a_primitive_given_two_rules():
+    """Fails if the refusing rule's ``reason`` (what the documentation lists) is lost, or if the
+    table builder lets a primitive take two rules silently, or says so without naming it."""
+    from jaxamp.jaxpr_policy import rules
+
+    rule = rules.unsupported("JAX uses it only while it linearizes")
+    assert rule.reason == "JAX uses it only while it linearizes"
+    with pytest.raises(ValueError, match=r"^'add' has two rules in the autocast table\.$"):
+        rules._table({rules.follow_rule: (jax.lax.add_p,), rules.restore_rule: (None, jax.lax.add_p)})
