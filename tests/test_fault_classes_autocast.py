@@ -13,10 +13,16 @@ factory, overrides and their errors); every operand and param of a
 higher-order primitive reaching its rewrite (a loop condition's constants,
 integer operands of custom derivatives, a partly manual ``shard_map``, a
 reversed unrolled ``scan``); JAX's own upcast before a float32 sum; what
-the cache keys a signature by and when a module's state is written back.
+the cache keys a signature by and when a module's state is written back;
+JAX's registry of primitives (the releases a primitive is looked up in, a
+primitive registered late, what its errors advise); under ``mixed_float8``,
+each reason a matmul falls back from FP8, the compute dtype of an FP8 dot's
+result, and the quantization statistics of an FP8 convolution.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +33,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from jaxamp.jaxpr_policy import registry
 
 X = jax.random.normal(jax.random.key(0), (4, 8))
 W = jax.random.normal(jax.random.key(1), (8, 8)) / 3
@@ -586,3 +593,223 @@ def test_a_rewrite_that_closed_over_another_traces_values_is_never_reused():
     second = jax.jit(lambda w: call_with(w))(2 * W)  # a new jit: traced again
     np.testing.assert_allclose(second, jnp.tanh(X @ (2 * W)), rtol=2e-2, atol=2e-2)
     assert fun.rewrites.traces == 2
+
+
+# --- JAX's registry of primitives: release bounds, growth, and what its errors advise ----------------
+
+
+def test_a_primitive_is_looked_up_from_the_release_that_added_it_and_not_from_the_one_that_removed_it():
+    """`registered` covers the releases [added, removed).
+
+    Fails if the release that adds a primitive is skipped (``<=`` for ``<``)
+    or the release that removes it still looks it up (``>`` for ``>=``): on a
+    supported release at either bound, the rules table would miss a primitive
+    or fail to import.
+    """
+    release = registry._VERSION
+    assert registry.registered("scatter-add", added=release) is jax.lax.scatter_add_p
+    assert registry.registered("scatter-add", removed=release) is None
+    assert registry.registered("scatter-add", added=(0, 0), removed=(99, 0)) is jax.lax.scatter_add_p
+    assert registry.registered("no-such-primitive", added=(99, 0)) is None
+
+
+def test_a_primitive_registered_after_the_first_lookup_is_found_by_name(monkeypatch):
+    """A JAX module imported late (``jax.experimental.sparse``) registers its primitives after the
+    registry was first read. Fails if the lookup by name is cached without regard to the registry's
+    growth (the late primitive would stay unknown, and its rule unresolved)."""
+    from jax._src.interpreters import ad
+
+    assert registry.find("scatter-add") == [jax.lax.scatter_add_p]  # the registry read, and cached
+    late = Primitive("jaxamp_late_primitive")
+    monkeypatch.setitem(ad.primitive_jvps, late, lambda primals, tangents: (primals, tangents))
+    try:
+        assert registry.find("jaxamp_late_primitive") == [late]
+        assert registry.registered("jaxamp_late_primitive") is late
+    finally:  # the lookup is cached by the registry's size: forget the one that held `late`
+        registry._by_name.cache_clear()
+
+
+def test_the_registrys_errors_end_with_the_step_that_fixes_them(monkeypatch):
+    """A misspelt name points to the file to fix; a JAX whose tables moved or changed their keys
+    points to the supported releases. Fails if a message loses or garbles its last sentence."""
+    from jax._src.interpreters import ad, mlir
+
+    with pytest.raises(LookupError) as misspelt:
+        registry.registered("scatter_add")
+    assert str(misspelt.value).endswith(
+        "named 'scatter_add', not one: the rules table of jaxamp.autocast names a primitive this JAX "
+        "does not have. Fix the name (or its added/removed releases) in jaxamp/jaxpr_policy/rules.py."
+    )
+    monkeypatch.setitem(ad.primitive_jvps, "add", None)  # a table keyed by names, not primitives
+    with pytest.raises(
+        RuntimeError, match=r"no longer keyed by primitives; jaxamp supports jax>=0\.10,<0\.13\.$"
+    ):
+        registry.registered_primitives()
+    monkeypatch.delattr(mlir, "_lowerings")
+    with pytest.raises(
+        RuntimeError, match=r"jaxamp supports jax>=0\.10,<0\.13; install one of those releases\.$"
+    ):
+        registry.registered_primitives()
+
+
+# --- mixed_float8: each fallback reason, the FP8 dot's result dtype, convolution statistics -------------
+
+
+def _scoped_equations(jaxpr, name, scope=""):
+    """(name scope, equation) of every `name` equation of `jaxpr` and of the jaxprs it carries."""
+    for equation in jaxpr.eqns:
+        here = "/".join(part for part in (scope, str(equation.source_info.name_stack)) if part)
+        if equation.primitive.name == name:
+            yield here, equation
+        for value in equation.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from _scoped_equations(inner, name, here)
+
+
+def _conv(images, kernel, **options):
+    return jax.lax.conv_general_dilated(
+        images, kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), **options
+    )
+
+
+def _transposed_conv(images, kernel):
+    return jax.lax.conv_transpose(images, kernel, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _ragged(lhs, rhs):
+    return jax.lax.ragged_dot(lhs, rhs, jnp.array([8, 8], jnp.int32))
+
+
+@pytest.mark.parametrize(
+    "reason, fun, shapes",
+    [
+        ("shape_not_multiple_of_16", lambda x, w: x @ w, [(10, 32), (32, 16)]),
+        ("shape_not_multiple_of_16", _conv, [(2, 8, 8, 16), (3, 3, 16, 8)]),
+        ("grouped_conv", lambda a, b: _conv(a, b, batch_group_count=2), [(4, 8, 8, 16), (3, 3, 16, 32)]),
+        ("transposed_conv", _transposed_conv, [(2, 8, 8, 16), (3, 3, 16, 16)]),
+        ("ragged_dot", _ragged, [(16, 32), (2, 32, 16)]),
+        ("integer_operands", _conv, [(2, 8, 8, 16), (3, 3, 16, 16)]),
+    ],
+    ids=["m-is-10", "eight-output-channels", "batch-grouped", "transposed", "ragged", "int32-conv"],
+)
+def test_each_matmul_that_fp8_cannot_take_runs_in_bfloat16_under_its_reason(reason, fun, shapes):
+    """The cases the FP8 tests leave out, one per test of the eligibility rules.
+
+    Fails if the rows of a dot (m = 10) or the output channels of a
+    convolution are not checked against 16, a batch-grouped convolution (the
+    kernel gradient of a grouped one) or a transposed one (lhs dilation) is
+    sent to FP8, a ragged dot loses its fallback rule or scope, or an
+    integer convolution is not named as one (it runs as traced, in int32).
+    """
+    assert reason in jaxamp.FP8_FALLBACK_REASONS
+    dtype = jnp.dtype(jnp.int32 if reason == "integer_operands" else jnp.bfloat16)
+    args = [jnp.ones(shape, jnp.int32 if reason == "integer_operands" else jnp.float32) for shape in shapes]
+    closed = jax.make_jaxpr(jaxamp.autocast(fun, "mixed_float8"))(*args)
+    found = [
+        (scope, equation)
+        for primitive in ("dot_general", "conv_general_dilated", "ragged_dot_general")
+        for scope, equation in _scoped_equations(closed.jaxpr, primitive)
+    ]
+    assert len(found) == 1, found
+    ((scope, equation),) = found
+    assert f"jaxamp_fp8_fallback_{reason}" in scope
+    assert [atom.aval.dtype for atom in equation.invars[:2]] == [dtype] * 2
+    assert equation.outvars[0].aval.dtype == dtype
+
+
+@pytest.mark.parametrize(
+    "policy, compute", [("mixed_float8", jnp.bfloat16), ("p=f32,c=f16,o=f32,matmul=float8", jnp.float16)]
+)
+@pytest.mark.parametrize(
+    "matmul, shapes, options",
+    [
+        ("dot_general", [(16, 32), (32, 16)], {}),
+        ("conv_general_dilated", [(2, 8, 8, 16), (3, 3, 16, 16)], {}),
+        ("conv_general_dilated", [(2, 8, 8, 16), (3, 3, 16, 16)], {"preferred_element_type": jnp.float32}),
+    ],
+    ids=["dot", "conv", "conv-asking-float32"],
+)
+def test_an_fp8_matmul_gives_its_result_in_the_policys_compute_dtype(
+    matmul, shapes, options, policy, compute
+):
+    """An FP8 dot's or convolution's result reaches the next op in the compute dtype, like the
+    matmul it replaces.
+
+    Fails if the result were left in float32 (twice the bytes written, and
+    the ops after it in float32), or if `fp8_dot_general` or
+    `fp8_convolution` were left at their default bfloat16 under a float16
+    compute dtype, or a convolution traced with a float32
+    ``preferred_element_type`` kept it.
+    """
+    matmul_fun = (lambda x, w: x @ w) if matmul == "dot_general" else functools.partial(_conv, **options)
+    fun = jaxamp.autocast(lambda x, w: jnp.tanh(matmul_fun(x, w)), policy)
+    closed = jax.make_jaxpr(fun)(*[jnp.ones(shape) for shape in shapes])
+    found = list(_scoped_equations(closed.jaxpr, matmul))
+    assert found
+    for scope, equation in found:
+        assert "jaxamp_fp8" in scope and "fallback" not in scope
+        # A dot takes the FP8 values; a convolution takes them handed over in `compute`.
+        operand = jnp.float8_e4m3fn if matmul == "dot_general" else compute
+        assert [atom.aval.dtype for atom in equation.invars] == [jnp.dtype(operand)] * 2
+    ((_, tanh),) = _scoped_equations(closed.jaxpr, "tanh")
+    assert tanh.invars[0].aval.dtype == compute
+
+
+def test_quantization_statistics_count_a_convolutions_fp8_operands():
+    """`fp8_quantization_stats` sees the convolutions autocast sends to FP8, as it sees the dots.
+
+    Fails if the convolution rule drops the observer (no rows: the statistics
+    would call every convolutional network's quantization clean).
+    """
+    images, kernel = jnp.ones((2, 8, 8, 16)), jnp.ones((3, 3, 16, 32)).at[0, 0, 0, 0].set(1e4)
+    stats = jaxamp.fp8_quantization_stats(_conv)(images, kernel)
+    assert [(tensor.role, tensor.shape) for tensor in stats.tensors] == [
+        ("lhs", (2, 8, 8, 16)),
+        ("rhs", (3, 3, 16, 32)),
+    ]
+    assert stats.tensors[1].amax == 1e4
+
+
+def test_a_misspelt_fallback_reason_in_the_fp8_rules_fails_when_the_table_is_built():
+    """A guard on jaxamp's own table: the scope names only documented reasons. Fails if the guard
+    lets an unknown reason through or its message stops naming the valid ones."""
+    from jaxamp.jaxpr_policy import fp8_rules, rules
+
+    with pytest.raises(ValueError, match=r"Unknown FP8 fallback reason 'ragged'; valid: .*, ragged_dot"):
+        fp8_rules._in_fallback_scope("ragged", rules.compute_rule)
+
+
+# --- the first-order rules: a matmul's operands, a refusal's reason, a table's duplicates ---------------
+
+
+@pytest.mark.parametrize("policy, half", [("mixed_float16", jnp.float16), ("mixed_bfloat16", jnp.bfloat16)])
+def test_a_float32_matmul_and_convolution_take_half_operands_not_only_give_a_half_result(policy, half):
+    """The compute rule casts the operands; asking for a half result is not enough.
+
+    Fails if the operands were left in float32 with only ``preferred_element_type``
+    set to the half dtype: the result's dtype is the same, but the matmul
+    reads float32 operands (twice the bytes, and no half-precision tensor cores).
+    """
+
+    def layer(x, w, images, kernel):
+        return x @ w, _conv(images, kernel)
+
+    args = (X, W, jnp.ones((2, 4, 4, 8)), jnp.ones((3, 3, 8, 8)))
+    closed = jax.make_jaxpr(jaxamp.autocast(layer, policy))(*args)
+    for name in ("dot_general", "conv_general_dilated"):
+        ((_, equation),) = _scoped_equations(closed.jaxpr, name)
+        assert [atom.aval.dtype for atom in equation.invars] == [jnp.dtype(half)] * 2, name
+        assert equation.outvars[0].aval.dtype == half
+
+
+def test_a_refused_primitive_carries_its_reason_and_the_table_refuses_a_primitive_given_two_rules():
+    """Fails if the refusing rule's ``reason`` (what the documentation lists) is lost, or if the
+    table builder lets a primitive take two rules silently, or says so without naming it."""
+    from jaxamp.jaxpr_policy import rules
+
+    rule = rules.unsupported("JAX uses it only while it linearizes")
+    assert rule.reason == "JAX uses it only while it linearizes"
+    with pytest.raises(ValueError, match=r"^'add' has two rules in the autocast table\.$"):
+        rules._table({rules.follow_rule: (jax.lax.add_p,), rules.restore_rule: (None, jax.lax.add_p)})
