@@ -468,6 +468,34 @@ def test_a_reversed_unrolled_scan_keeps_its_length_direction_and_unrolling():
     assert kept == {name: traced.params[name] for name in kept} == {"length": 4, "reverse": True, "unroll": 2}
 
 
+def test_a_rewritten_body_with_constants_takes_them_as_its_leading_operands():
+    """``remat``, ``scan`` and ``while`` bodies must be constant-free, so `lift_consts` turns the
+    constants a rewrite gives a body into its first operands, in order.
+
+    No program tried on JAX 0.10.2 or 0.12 gives a rewritten body constants (the rewrite hoists
+    them; see docs/dev/fault-classes.md), so the body here is a traced jaxpr that closes over a
+    weight and a bias. Fails if the constants are dropped, kept as constants, put after the
+    arguments or swapped, or if a constant-free body is not handed back as it is.
+    """
+    from jax.extend.core import jaxpr_as_fun
+
+    from jaxamp.jaxpr_policy.interpreter import lift_consts
+
+    weight, bias = np.arange(16.0, dtype=np.float32).reshape(8, 2), np.array([1.0, -1.0], np.float32)
+    body = jax.make_jaxpr(lambda x: x @ weight - bias)(X)
+    assert len(body.jaxpr.constvars) == 2  # the scenario: a body with constants
+
+    lifted, consts = lift_consts(body)
+    assert lifted.constvars == [] and len(lifted.invars) == 3
+    np.testing.assert_array_equal(consts[0], weight)
+    np.testing.assert_array_equal(consts[1], bias)
+    (result,) = jaxpr_as_fun(ClosedJaxpr(lifted, ()))(*consts, X)
+    np.testing.assert_allclose(result, X @ weight - bias, rtol=1e-6)
+
+    constant_free = jax.make_jaxpr(lambda x: x * 2)(X)
+    assert lift_consts(constant_free) == (constant_free.jaxpr, [])
+
+
 # --- values that feed only a float32 reduction: JAX's own upcast is part of the chain -------------------
 
 
@@ -615,18 +643,23 @@ def test_a_primitive_is_looked_up_from_the_release_that_added_it_and_not_from_th
 
 def test_a_primitive_registered_after_the_first_lookup_is_found_by_name(monkeypatch):
     """A JAX module imported late (``jax.experimental.sparse``) registers its primitives after the
-    registry was first read. Fails if the lookup by name is cached without regard to the registry's
-    growth (the late primitive would stay unknown, and its rule unresolved)."""
+    registry was first read, and a registry can lose a primitive as well as gain one. Fails if the
+    lookup by name is cached without regard to the registry's growth (the late primitive would stay
+    unknown, and its rule unresolved), or only to its size (a registry that lost one primitive and
+    gained another would still name the lost one)."""
     from jax._src.interpreters import ad
 
     assert registry.find("scatter-add") == [jax.lax.scatter_add_p]  # the registry read, and cached
     late = Primitive("jaxamp_late_primitive")
     monkeypatch.setitem(ad.primitive_jvps, late, lambda primals, tangents: (primals, tangents))
-    try:
-        assert registry.find("jaxamp_late_primitive") == [late]
-        assert registry.registered("jaxamp_late_primitive") is late
-    finally:  # the lookup is cached by the registry's size: forget the one that held `late`
-        registry._by_name.cache_clear()
+    assert registry.find("jaxamp_late_primitive") == [late]
+    assert registry.registered("jaxamp_late_primitive") is late
+
+    replacement = Primitive("jaxamp_replacement_primitive")
+    monkeypatch.delitem(ad.primitive_jvps, late)
+    monkeypatch.setitem(ad.primitive_jvps, replacement, lambda primals, tangents: (primals, tangents))
+    assert registry.find("jaxamp_replacement_primitive") == [replacement]
+    assert registry.find("jaxamp_late_primitive") == []
 
 
 def test_the_registrys_errors_end_with_the_step_that_fixes_them(monkeypatch):

@@ -57,18 +57,20 @@ def registered_primitives() -> frozenset[Primitive]:
     return primitives
 
 
-@functools.cache
-def _by_name(size: int) -> dict[str, list[Primitive]]:
-    del size  # the cache key: the registry only grows, as modules are imported
+@functools.lru_cache(maxsize=4)
+def _by_name(primitives: frozenset[Primitive]) -> dict[str, list[Primitive]]:
+    # Keyed by the registry's contents, not its size: a module imported late
+    # adds primitives, and a registry that lost one and gained another has the
+    # same size but other names.
     named: dict[str, list[Primitive]] = {}
-    for primitive in registered_primitives():
+    for primitive in primitives:
         named.setdefault(primitive.name, []).append(primitive)
     return named
 
 
 def find(name: str) -> list[Primitive]:
     """The registered primitives called `name` (one, or none; JAX reuses no name)."""
-    return _by_name(len(registered_primitives())).get(name, [])
+    return _by_name(registered_primitives()).get(name, [])
 
 
 def registered(
