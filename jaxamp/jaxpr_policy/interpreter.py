@@ -131,7 +131,8 @@ def lift_consts(closed: ClosedJaxpr) -> tuple[Jaxpr, list]:
     jaxpr = closed.jaxpr
     if not jaxpr.constvars:
         return jaxpr, []
-    updates = {"constvars": [], "invars": [*jaxpr.constvars, *jaxpr.invars], "debug_info": None}
+    # The debug info stays: JAX drops its argument names, which no longer fit.
+    updates = {"constvars": [], "invars": [*jaxpr.constvars, *jaxpr.invars]}
     if _JAXPR_HOLDS_CONSTS:
         updates["consts"] = []
     return jaxpr.replace(**updates), list(closed.consts)
