@@ -22,7 +22,7 @@ import jax
 import jaxamp
 from experiments import checkpointing, distributed, fault_injection, train
 from experiments import data as data_lib
-from experiments.flags import (  # noqa: F401 (positive_float is part of this module's flag types)
+from experiments.flags import (
     HelpFormatter,
     fraction_below_one,
     non_negative_int,

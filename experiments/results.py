@@ -14,11 +14,11 @@ host, so they run at an epoch's end, never inside a step.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
 import platform
-import datetime
 import tempfile
 from typing import Any
 

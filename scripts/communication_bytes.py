@@ -42,16 +42,16 @@ if "jax" not in sys.modules:
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import jaxamp  # noqa: E402
-from jaxamp.collectives import collective_totals, compile_with_partitioned_hlo  # noqa: E402
-from jaxamp.fsdp import shard_dimension  # noqa: E402
+import jaxamp
+from jaxamp.collectives import collective_totals, compile_with_partitioned_hlo
+from jaxamp.fsdp import shard_dimension
 
 # Programs served by a persistent compilation cache are not compiled, so XLA
 # would write no partitioned module to read.

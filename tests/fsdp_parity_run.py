@@ -14,15 +14,15 @@ import sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
 
-import jaxamp  # noqa: E402
-from jaxamp.collectives import collectives, compile_with_partitioned_hlo  # noqa: E402
+import jaxamp
+from jaxamp.collectives import collectives, compile_with_partitioned_hlo
 
 # Every matmul in float32 on both sides: the runs then differ only in the
 # order of the cross-device sums.

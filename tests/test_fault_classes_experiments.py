@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from experiments import train
 from experiments import data as data_lib
+from experiments import train
 from experiments.grad_accumulation import accumulate_gradients
 
 # --- gradient accumulation ---------------------------------------------------------------------------

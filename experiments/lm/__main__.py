@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from experiments import distributed
+from experiments import distributed, results
 from experiments.cifar import loss_scale_arg, precision_arg
 from experiments.compare import comma_list
 from experiments.flags import HelpFormatter, integer_at_least, positive_float, positive_int
@@ -32,8 +32,6 @@ from experiments.lm import config as config_lib
 from experiments.lm import data as data_lib
 from experiments.lm import model as model_lib
 from experiments.lm import output, train
-from experiments import results
-
 
 QUICK = {"model": "tiny", "precisions": ["fp32", "mixed_bf16"], "steps": 100, "eval_every": 25}
 _DEFAULTS = config_lib.LMConfig()

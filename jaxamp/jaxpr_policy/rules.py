@@ -56,6 +56,7 @@ from jax.lax import linalg
 from jaxamp.jaxpr_policy.context import Rewrite, Rule
 from jaxamp.jaxpr_policy.registry import registered
 
+
 def is_floating(dtype: Any) -> bool:
     """Whether `dtype` is a real floating dtype (float0 and complex are not)."""
     return jnp.issubdtype(dtype, jnp.floating)
