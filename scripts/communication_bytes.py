@@ -190,8 +190,8 @@ def format_table(report, title):
         "| all-reduce (bytes sent) |"
     )
     lines = [
-        f"{title}: {report['param_count']:,} parameters (float32), {report['devices']} devices, "
-        f"batch {report['batch_size']}, policy {POLICY}; bytes per device per step",
+        (f"{title}: {report['param_count']:,} parameters (float32), {report['devices']} devices, "
+        f"batch {report['batch_size']}, policy {POLICY}; bytes per device per step"),
         "",
         header,
         "|---|---|---|---|---|",

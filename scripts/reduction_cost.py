@@ -180,12 +180,12 @@ def _row(name, results) -> str:
         [
             name,
             f"  {'':<22} {'rule off':>14} {'rule on':>14} {'on/off':>8}",
-            f"  {'temp':<22} {megabytes(before['temp']):>14} {megabytes(after['temp']):>14} "
-            f"{ratio('temp'):>8}",
-            f"  {'bytes moved':<22} {megabytes(before['bytes']):>14} {megabytes(after['bytes']):>14} "
-            f"{ratio('bytes'):>8}",
-            f"  {'XLA bytes accessed':<22} {megabytes(before['xla_bytes']):>14} "
-            f"{megabytes(after['xla_bytes']):>14} {ratio('xla_bytes'):>8}",
+            (f"  {'temp':<22} {megabytes(before['temp']):>14} {megabytes(after['temp']):>14} "
+            f"{ratio('temp'):>8}"),
+            (f"  {'bytes moved':<22} {megabytes(before['bytes']):>14} {megabytes(after['bytes']):>14} "
+            f"{ratio('bytes'):>8}"),
+            (f"  {'XLA bytes accessed':<22} {megabytes(before['xla_bytes']):>14} "
+            f"{megabytes(after['xla_bytes']):>14} {ratio('xla_bytes'):>8}"),
             f"  {'kernels':<22} {before['kernels']:>14} {after['kernels']:>14}",
             f"  {'matmul FLOPs float16':<22} {before['half_share']:>14.1%} {after['half_share']:>14.1%}",
             f"  {'compile s':<22} {seconds(before['compile_s']):>14} {seconds(after['compile_s']):>14}",

@@ -374,20 +374,20 @@ _UNKNOWN_NAME = (
         (
             lambda: jaxamp.Policy(jnp.float32, None, jnp.float32),
             TypeError,
-            "Policy compute_dtype must be a floating dtype such as jnp.float32, jnp.float16 or "
-            "jnp.bfloat16; got None.",
+            ("Policy compute_dtype must be a floating dtype such as jnp.float32, jnp.float16 or "
+            "jnp.bfloat16; got None."),
         ),
         (
             lambda: jaxamp.Policy("f17", jnp.float32, jnp.float32),
             TypeError,
-            f"Policy param_dtype must be a floating dtype; 'f17' is not one of {_ALIASES} "
-            "(or pass a dtype such as jnp.float16).",
+            (f"Policy param_dtype must be a floating dtype; 'f17' is not one of {_ALIASES} "
+            "(or pass a dtype such as jnp.float16)."),
         ),
         (
             lambda: jaxamp.get_policy(3),
             TypeError,
-            "A precision policy must be a jaxamp.Policy, a jmp.Policy or a string such as "
-            "'mixed_float16'; got int: 3.",
+            ("A precision policy must be a jaxamp.Policy, a jmp.Policy or a string such as "
+            "'mixed_float16'; got int: 3."),
         ),
         (lambda: jaxamp.get_policy("mixd"), ValueError, _UNKNOWN_NAME.format(spec="mixd")),
         (

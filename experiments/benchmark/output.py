@@ -17,9 +17,11 @@ def _fmt(value: Any, spec: str = ".2f", missing: str = "") -> str:
 
 def _throughput_rows(throughput: dict) -> list[str]:
     rows = [
-        "| model | precision | train img/s | vs fp32 | vs tf32 | eval img/s | compile s (train+eval) "
-        "| temp MB | temp vs fp32 | temp+arg+out MB | peak bytes in use MB | GFLOP/img | TFLOP/s | share of peak "
-        "| epoch s from measured step | epoch s bound on paper |",
+        (
+            "| model | precision | train img/s | vs fp32 | vs tf32 | eval img/s | compile s (train+eval) "
+            "| temp MB | temp vs fp32 | temp+arg+out MB | peak bytes in use MB | GFLOP/img | TFLOP/s | share of peak "
+            "| epoch s from measured step | epoch s bound on paper |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model, precisions in throughput.items():
@@ -67,8 +69,10 @@ def _loss_scale_rows(loss_scale: dict) -> list[str]:
 
 def _torch_rows(torch: dict, throughput: dict) -> list[str]:
     rows = [
-        "| model | precision | PyTorch recipe | PyTorch train img/s | jaxamp train img/s | jaxamp / PyTorch "
-        "| PyTorch eval img/s | jaxamp eval img/s |",
+        (
+            "| model | precision | PyTorch recipe | PyTorch train img/s | jaxamp train img/s | jaxamp / PyTorch "
+            "| PyTorch eval img/s | jaxamp eval img/s |"
+        ),
         "|---|---|---|---|---|---|---|---|",
     ]
     for model, precisions in torch.items():
@@ -128,8 +132,10 @@ def table(results: dict) -> str:
     if environment["platform"] == "cpu" and results.get("throughput"):
         lines += [
             "",
-            "On CPU, XLA computes float16 and bfloat16 in float32: a mixed step's speed and memory "
-            "there say nothing about a GPU (no saving is claimed).",
+            (
+                "On CPU, XLA computes float16 and bfloat16 in float32: a mixed step's speed and memory "
+                "there say nothing about a GPU (no saving is claimed)."
+            ),
         ]
     sections = [
         ("Throughput, memory and distance to the hardware", "throughput", _throughput_rows),
@@ -141,8 +147,10 @@ def table(results: dict) -> str:
     if results.get("throughput"):
         lines += [
             "",
-            "The bound on paper is a roofline lower bound (peak FLOP/s and bandwidth from the "
-            "datasheet), not a measurement; n/a where the device is not a known GPU.",
+            (
+                "The bound on paper is a roofline lower bound (peak FLOP/s and bandwidth from the "
+                "datasheet), not a measurement; n/a where the device is not a known GPU."
+            ),
         ]
     if results.get("pipeline"):
         pipeline = results["pipeline"]
@@ -150,9 +158,11 @@ def table(results: dict) -> str:
             "",
             "## Input pipeline",
             "",
-            f"{pipeline['model']} {pipeline['precision']}: gather+crop+flip+normalize "
-            f"{pipeline['pipeline_ms']:.2f} ms of a {pipeline['train_step_ms']:.2f} ms train step "
-            f"({pipeline['share']:.1%}, timed alone: an upper estimate).",
+            (
+                f"{pipeline['model']} {pipeline['precision']}: gather+crop+flip+normalize "
+                f"{pipeline['pipeline_ms']:.2f} ms of a {pipeline['train_step_ms']:.2f} ms train step "
+                f"({pipeline['share']:.1%}, timed alone: an upper estimate)."
+            ),
         ]
     if results.get("torch"):
         lines += [

@@ -329,9 +329,11 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
 def table_rows(targets: dict) -> list[str]:
     """The section's Markdown table: one row per target x model x precision x route, then a note."""
     rows = [
-        "| target | model | precision | route | temp MB | temp vs fp32 | bytes moved GB | bytes vs fp32 "
-        "| half share of conv+matmul FLOPs | temp+arg+out MB | convolutions and matmuls by dtype "
-        "| cuDNN convolutions | compile s | epoch s bound on paper |",
+        (
+            "| target | model | precision | route | temp MB | temp vs fp32 | bytes moved GB | bytes vs fp32 "
+            "| half share of conv+matmul FLOPs | temp+arg+out MB | convolutions and matmuls by dtype "
+            "| cuDNN convolutions | compile s | epoch s bound on paper |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for models in targets.values():
@@ -360,10 +362,12 @@ def table_rows(targets: dict) -> list[str]:
                 rows.append("| " + " | ".join(cells) + " |")
     rows += [
         "",
-        "Route: how the policy reaches the model (`apply_policy`, the recipe's, or `jaxamp.autocast` of "
-        "the plain model's apply). Bytes moved: estimated from the optimized program's kernels "
-        "(XLA's cost analysis is empty without the GPU); it includes one read of the whole uint8 "
-        "training set per step (the gather's operand), alike in every route.",
+        (
+            "Route: how the policy reaches the model (`apply_policy`, the recipe's, or `jaxamp.autocast` of "
+            "the plain model's apply). Bytes moved: estimated from the optimized program's kernels "
+            "(XLA's cost analysis is empty without the GPU); it includes one read of the whole uint8 "
+            "training set per step (the gather's operand), alike in every route."
+        ),
     ]
     return rows
 
@@ -380,9 +384,11 @@ def fp8_table_rows(targets: dict) -> list[str]:
     if not entries:
         return []
     rows = [
-        "| target | model | precision | route | FP8 share of conv FLOPs forward | backward "
-        "| FP8 share of matmul FLOPs forward | backward | FP8 share of all | temp MB | temp vs baseline "
-        "| bytes moved GB | bytes vs baseline | baseline |",
+        (
+            "| target | model | precision | route | FP8 share of conv FLOPs forward | backward "
+            "| FP8 share of matmul FLOPs forward | backward | FP8 share of all | temp MB | temp vs baseline "
+            "| bytes moved GB | bytes vs baseline | baseline |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     fallbacks = []
@@ -414,9 +420,11 @@ def fp8_table_rows(targets: dict) -> list[str]:
             )
     rows += [
         "",
-        "Where FP8 was in question, by outcome (fp8: ran with FP8 operands; fallback: bfloat16 on "
-        "purpose, with the reason; requested, not fp8: XLA ran a wider GEMM), from "
-        "`jaxamp.PrecisionReport.fp8_rows` of the optimized program:",
+        (
+            "Where FP8 was in question, by outcome (fp8: ran with FP8 operands; fallback: bfloat16 on "
+            "purpose, with the reason; requested, not fp8: XLA ran a wider GEMM), from "
+            "`jaxamp.PrecisionReport.fp8_rows` of the optimized program:"
+        ),
         "",
         "| target | model | outcome | pass | operands | as | reason | ops | share of conv+matmul FLOPs |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -53,14 +53,14 @@ def markdown_table(
         lines += [f"Command: `{command}`", ""]
     if environment:
         lines += [
-            f"{environment['device_kind']} x{environment['device_count']}, JAX {environment['jax']}, Python "
+            (f"{environment['device_kind']} x{environment['device_count']}, JAX {environment['jax']}, Python "
             f"{environment['python']}; load average {environment['load_average_at_start']:.1f} on "
-            f"{environment['cpu_count']} CPUs at the start (timings on a shared machine are noisy).",
+            f"{environment['cpu_count']} CPUs at the start (timings on a shared machine are noisy)."),
             "",
         ]
     lines += [
-        "| model | precision | route | seed | steps | held-out bits/byte | vs fp32 | tokens/s | MFU "
-        "| GFLOP/step | temp MiB | peak MiB | skipped | loss scale |",
+        ("| model | precision | route | seed | steps | held-out bits/byte | vs fp32 | tokens/s | MFU "
+        "| GFLOP/step | temp MiB | peak MiB | skipped | loss scale |"),
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in finished:
@@ -87,8 +87,8 @@ def markdown_table(
         verdict = "met" if max(halves) <= PARITY_TOLERANCE else "MISSED"
         lines += [
             "",
-            f"Largest held-out bits/byte difference from fp32 at the same seed: {max(halves):.2%} "
-            f"(target at most {PARITY_TOLERANCE:.0%}: {verdict}).",
+            (f"Largest held-out bits/byte difference from fp32 at the same seed: {max(halves):.2%} "
+            f"(target at most {PARITY_TOLERANCE:.0%}: {verdict})."),
         ]
     notes = {run["summary"].get("mfu_note") for run in finished} - {None}
     if notes:
