@@ -262,7 +262,7 @@ def _register_cuda_plugin_again() -> None:
     os.environ[_SKIP_CHECK] = "1"
     try:
         importlib.import_module(_CUDA_PLUGIN_MODULE).initialize()
-    except Exception:  # pylint: disable=broad-except
+    except Exception:  # noqa: BLE001, S110  # pylint: disable=broad-except
         pass  # the caller's error says what to set
     finally:
         if previous is None:

@@ -190,7 +190,9 @@ class PolicyModule(nn.Module):
         kwargs = dict(kwargs)
         method = kwargs.pop("method", None)
         if isinstance(method, str) and not callable(getattr(self.module, method, None)):
-            raise AttributeError(f"{type(self.module).__name__} has no method {method!r} to apply.")
+            raise AttributeError(  # noqa: TRY004 (a missing attribute, as getattr would raise)
+                f"{type(self.module).__name__} has no method {method!r} to apply."
+            )
         if method is not None and not (isinstance(method, str) or callable(method)):
             raise TypeError(f"method must be a method name or a function; got {method!r}.")
         if method is not None:

@@ -141,7 +141,7 @@ def _measure(build) -> dict:
         text = compiled.as_text()
         try:
             xla_costs = compiled.cost_analysis()
-        except Exception:  # a compile-only device may raise instead of returning nothing
+        except Exception:  # noqa: BLE001 (a compile-only device may raise instead of returning nothing)
             xla_costs = None
         if isinstance(xla_costs, list):
             xla_costs = xla_costs[0] if xla_costs else None
@@ -208,7 +208,7 @@ def transformer_rows(device, batch=8, length=1024, width=1024, heads=16):
         loss = _transformer_loss(norm, heads)
         for order, input_dtype in variants:
             arguments = _transformer_arguments(batch, length, width, input_dtype, device)
-            results = _measure(lambda: (orders[order](loss), arguments))
+            results = _measure(lambda: (orders[order](loss), arguments))  # noqa: B023 (called at once)
             name = (
                 f"transformer block, {norm_name}, jit({order}), {np.dtype(input_dtype).name} input, "
                 f"batch {batch} x {length} tokens, width {width}, {heads} heads"

@@ -138,6 +138,7 @@ def _mkdocs_build(config: pathlib.Path, site: pathlib.Path) -> subprocess.Comple
     """`mkdocs build --strict`, offline."""
     return subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config), "--site-dir", str(site)],
+        check=False,
         cwd=config.parent,
         env={**os.environ, **OFFLINE},
         capture_output=True,

@@ -60,7 +60,7 @@ def test_files_written_atomically_are_readable_by_others_as_open_would_write_the
 
 def test_runs_are_ignored_by_git():
     ignored = subprocess.run(
-        ["git", "check-ignore", "-q", "runs/compare-20261201-083000/results.json"], cwd=REPO_ROOT
+        ["git", "check-ignore", "-q", "runs/compare-20261201-083000/results.json"], check=False, cwd=REPO_ROOT
     )
     if ignored.returncode == 128:
         pytest.skip("not a git checkout")
@@ -76,6 +76,7 @@ def run_from_the_repository_root(monkeypatch, main, argv) -> str:
     def git_status_of_results():
         status = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=all", "results/"],
+            check=False,
             cwd=REPO_ROOT,
             capture_output=True,
             text=True,
