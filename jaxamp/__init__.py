@@ -16,6 +16,10 @@ Example:
     >>> state = state.apply_gradients(grads=grads, grads_finite=grads_finite)
 """
 
+from jaxamp import supported_jax
+
+supported_jax.check()  # before any module that reads JAX's primitives
+
 from jaxamp.finite import all_finite, select_tree
 from jaxamp.fp8 import (
     FP8_FALLBACK_REASONS,
@@ -46,14 +50,14 @@ from jaxamp.train_state import TrainState
 __version__ = "0.1.0"
 
 __all__ = [
-    "CommunicationPolicy",
     "FP8_FALLBACK_REASONS",
-    "Fp8QuantizationStats",
-    "Fp8TensorStats",
     "GPU_TARGETS",
     "NORMALIZATION_LAYERS",
+    "CommunicationPolicy",
     "DynamicLossScale",
     "Fp8NotUsedWarning",
+    "Fp8QuantizationStats",
+    "Fp8TensorStats",
     "GpuSpec",
     "LossScale",
     "LossScaleStuckError",

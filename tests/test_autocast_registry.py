@@ -122,8 +122,37 @@ def test_a_jax_that_moved_its_rule_tables_fails_loudly(monkeypatch):
     from jax._src.interpreters import mlir
 
     monkeypatch.delattr(mlir, "_lowerings")
-    with pytest.raises(RuntimeError, match="cannot read JAX .*'s primitive registry.*jax>=0.10,<0.13"):
+    with pytest.raises(RuntimeError, match=r"cannot read JAX .*'s primitive registry.*jax>=0\.10\.2,<0\.13"):
         registry.registered_primitives()
+
+
+@pytest.mark.parametrize("version", ["0.10.0", "0.10.1", "0.9.2", "0.10.1.dev20260101"])
+def test_a_jax_older_than_supported_is_refused_at_import_with_the_upgrade_command(version):
+    """jax 0.10.0 exports no ``lax.mulhi_p``, ``stack_p``, ``unstack_p`` or ``stage_p``, and 0.10.1 no
+    ``mulhi_p``, which the rules table names: without the check, ``import jaxamp`` fails there with an
+    ``AttributeError``. Fails if an older release passes the check or the message loses the installed
+    release or the command."""
+    from jaxamp import supported_jax
+
+    with pytest.raises(ImportError) as refused:
+        supported_jax.check(version)
+    message = str(refused.value)
+    assert f"jax {version}:" in message
+    assert message.endswith("pip install -U 'jax>=0.10.2,<0.13'")
+
+
+@pytest.mark.parametrize(
+    "version, release",
+    [("0.10.2", (0, 10, 2)), ("0.12.0.1", (0, 12, 0, 1)), ("0.10.2.dev20260101", (0, 10, 2)),
+     ("0.11.0rc1", (0, 11, 0)), ("0.10.2+cuda12", (0, 10, 2)), ("1.0", (1, 0))],
+)  # fmt: skip
+def test_supported_and_newer_jax_releases_pass_the_import_check(version, release):
+    """A newer JAX than the range is left to the registry to judge. Fails if a development or local
+    suffix is read as part of the release, or a supported release is refused."""
+    from jaxamp import supported_jax
+
+    assert supported_jax.release(version) == release
+    supported_jax.check(version)  # no error
 
 
 def test_no_module_of_the_jaxpr_policy_imports_one_that_imports_it_back():

@@ -23,6 +23,8 @@ import functools
 import jax
 from jax.extend.core import Primitive
 
+from jaxamp.supported_jax import SUPPORTED
+
 _VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
 
 
@@ -45,14 +47,14 @@ def registered_primitives() -> frozenset[Primitive]:
     except (ImportError, AttributeError) as error:
         raise RuntimeError(
             f"jaxamp cannot read JAX {jax.__version__}'s primitive registry (the lowering, JVP and "
-            f"transpose tables in jax._src.interpreters): {error}. jaxamp supports jax>=0.10,<0.13; "
-            "install one of those releases."
+            f"transpose tables in jax._src.interpreters): {error}. jaxamp supports "
+            f"jax{SUPPORTED}; install one of those releases."
         ) from error
     primitives = frozenset(primitive for table in tables for primitive in table)
     if not primitives or not all(isinstance(primitive, Primitive) for primitive in primitives):
         raise RuntimeError(
             f"JAX {jax.__version__}'s rule tables are no longer keyed by primitives; jaxamp supports "
-            "jax>=0.10,<0.13."
+            f"jax{SUPPORTED}."
         )
     return primitives
 
