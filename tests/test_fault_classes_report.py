@@ -570,3 +570,39 @@ ENTRY %main (p: f32[4,4]) -> f32[4,4] {
 }
 """
     assert [op.flops for op in jaxamp.hlo_report.heavy_ops(entry_first)] == [2 * 4 * 4 * 4] * 2
+
+
+# --- Text that is not a whole HLO module -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "read", [jaxamp.hlo_precision_report, jaxamp.hlo_report.heavy_ops, jaxamp.hlo_report.bytes_accessed]
+)
+def test_the_lowered_programs_stablehlo_text_is_refused_saying_what_is_missing_and_which_text_to_pass(read):
+    """``Lowered.as_text()`` (StableHLO, no ENTRY computation) instead of the compiled module's text.
+
+    The message must open with what is wrong and end with the call that
+    gives the right text. Fails if either sentence is garbled, prefixed or
+    suffixed (``"XX..."``, ``"...as_text().XX"``) or changes case; a match on
+    a key word alone would pass all of these.
+    """
+    x = jnp.ones((4, 4), jnp.float16)
+    stablehlo_text = jax.jit(jnp.matmul).lower(x, x).as_text()
+    assert "ENTRY" not in stablehlo_text
+    with pytest.raises(ValueError) as refused:
+        read(stablehlo_text)
+    message = str(refused.value)
+    assert message.startswith("No ENTRY computation found in the HLO text; pass the text of a whole module")
+    assert message.endswith("e.g. jax.jit(f).lower(*args).compile().as_text().")
+
+
+def test_text_cut_off_inside_an_operand_list_is_refused_showing_the_unclosed_text():
+    """A module cut off mid-instruction (a truncated dump): the error shows what was left open.
+
+    Fails if the message drops the text (``ValueError(None)``) or shows an
+    empty slice of it instead of the operands from the open parenthesis on.
+    """
+    whole = dot_hlo("f16", "f16")
+    cut = whole[: whole.index("dot(%a, %b") + len("dot(%a, %b")]
+    with pytest.raises(ValueError, match=r"^Unbalanced parentheses in HLO text: '\(%a, %b'$"):
+        jaxamp.hlo_precision_report(cut)
