@@ -675,12 +675,12 @@ def test_the_registrys_errors_end_with_the_step_that_fixes_them(monkeypatch):
     )
     monkeypatch.setitem(ad.primitive_jvps, "add", None)  # a table keyed by names, not primitives
     with pytest.raises(
-        RuntimeError, match=r"no longer keyed by primitives; jaxamp supports jax>=0\.10,<0\.13\.$"
+        RuntimeError, match=r"no longer keyed by primitives; jaxamp supports jax>=0\.10\.2,<0\.13\.$"
     ):
         registry.registered_primitives()
     monkeypatch.delattr(mlir, "_lowerings")
     with pytest.raises(
-        RuntimeError, match=r"jaxamp supports jax>=0\.10,<0\.13; install one of those releases\.$"
+        RuntimeError, match=r"jaxamp supports jax>=0\.10\.2,<0\.13; install one of those releases\.$"
     ):
         registry.registered_primitives()
 
