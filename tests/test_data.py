@@ -290,8 +290,10 @@ def test_fashion_mnist_missing_files_name_directory_files_and_package(tmp_path):
     assert "--data-dir" in message
     # The advice, verbatim: what is expected, what is missing, and every way forward.
     assert message.splitlines() == [
-        f"Fashion-MNIST not found in {tmp_path}: expected the IDX files {', '.join(FASHION_MNIST_FILES)};"
-        " none is there.",
+        (
+            f"Fashion-MNIST not found in {tmp_path}: expected the IDX files {', '.join(FASHION_MNIST_FILES)};"
+            " none is there."
+        ),
         "Ways forward:",
         "  1. `apt-get install dataset-fashion-mnist`, which puts them in /usr/share/datasets/fashion-mnist.",
         "  2. Pass `--data-dir DIR` naming a directory that holds the four original IDX .gz files.",

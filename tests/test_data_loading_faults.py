@@ -218,9 +218,8 @@ def test_missing_idx_files_are_listed_and_a_folder_by_a_files_name_counts_as_mis
 def test_a_file_that_is_not_gzip_is_named_as_damaged(tmp_path):
     path = tmp_path / "train-images-idx3-ubyte.gz"
     path.write_bytes(b"plain bytes, not gzip")
-    with pytest.raises(gzip.BadGzipFile) as gzips_own:
-        with gzip.open(path, "rb") as f:
-            f.read()
+    with pytest.raises(gzip.BadGzipFile) as gzips_own, gzip.open(path, "rb") as f:
+        f.read()
     with pytest.raises(data.DataUnavailableError) as raised:
         data._read_idx(str(path), 0x803, 3)
     # gzip's own words stand in the message as the cause.
@@ -339,17 +338,23 @@ def test_with_nothing_to_prepare_from_the_cifar10_host_is_probed_and_why_it_fail
 ):
     """Fails if another URL is probed, or the probe's reason is lost from the advice."""
     probed = []
-    monkeypatch.setattr(data, "_unreachable_reason", lambda url: probed.append(url) or "cannot reach HOST: WHY")
+    monkeypatch.setattr(
+        data, "_unreachable_reason", lambda url: probed.append(url) or "cannot reach HOST: WHY"
+    )
     builder = _PreparingBuilder(tmp_path, prepared=False)
     manual_dir = str(tmp_path / "downloads" / "manual")
     with pytest.raises(data.DataUnavailableError) as raised:
         data._prepare_cifar10(builder, manual_dir)
     assert probed == [CIFAR10_URL]
-    assert str(raised.value) == data._cifar10_unavailable_message(builder, manual_dir, "cannot reach HOST: WHY")
+    assert str(raised.value) == data._cifar10_unavailable_message(
+        builder, manual_dir, "cannot reach HOST: WHY"
+    )
     assert builder.configs == []  # TFDS's own download, which retries for minutes offline, never starts
 
 
-def test_a_download_that_fails_is_reported_by_its_error_type_and_first_line(tmp_path, needs_tensorflow_datasets):
+def test_a_download_that_fails_is_reported_by_its_error_type_and_first_line(
+    tmp_path, needs_tensorflow_datasets
+):
     """TFDS fails downloads with many exception types; the advice names the one raised and its first line.
 
     Fails if the reason, the builder or the manual folder given to the advice changes, or the
@@ -388,8 +393,10 @@ def test_an_archive_with_another_checksum_is_named_where_it_is_with_the_ways_for
     with pytest.raises(data.DataUnavailableError) as raised:
         data._prepare_cifar10(builder, str(manual_dir))
     assert str(raised.value).splitlines() == [
-        f"{checked} is not the CIFAR-10 archive TFDS expects: its size or checksum differs from the ones"
-        f" TFDS registered for {CIFAR10_URL} (an interrupted download, or another file).",
+        (
+            f"{checked} is not the CIFAR-10 archive TFDS expects: its size or checksum differs from the ones"
+            f" TFDS registered for {CIFAR10_URL} (an interrupted download, or another file)."
+        ),
         "Ways forward:",
         f"  1. Download {CIFAR10_URL} again, replace the file, and rerun.",
         "  2. Delete the file and run with network access; TFDS downloads it.",
@@ -399,7 +406,9 @@ def test_an_archive_with_another_checksum_is_named_where_it_is_with_the_ways_for
 
 
 @pytest.mark.parametrize("dataset", ["cifar10", "fashion_mnist"])
-def test_a_folder_that_may_be_read_but_not_written_is_refused_for_cifar10_only(tmp_path, monkeypatch, dataset):
+def test_a_folder_that_may_be_read_but_not_written_is_refused_for_cifar10_only(
+    tmp_path, monkeypatch, dataset
+):
     """TFDS prepares CIFAR-10 in its folder, so that one must be writable; Fashion-MNIST's is only read.
 
     Fails if CIFAR-10's loader stops asking for write access (TFDS would then fail on its own,
@@ -415,4 +424,6 @@ def test_a_folder_that_may_be_read_but_not_written_is_refused_for_cifar10_only(t
         return
     with pytest.raises(data.DataUnavailableError) as raised:
         data.load_dataset(dataset, data_dir=str(tmp_path))
-    assert str(raised.value).startswith(f"No permission to read and write the CIFAR-10 data folder {tmp_path};")
+    assert str(raised.value).startswith(
+        f"No permission to read and write the CIFAR-10 data folder {tmp_path};"
+    )
