@@ -288,6 +288,17 @@ def test_fashion_mnist_missing_files_name_directory_files_and_package(tmp_path):
         assert name in message
     assert "apt-get install dataset-fashion-mnist" in message
     assert "--data-dir" in message
+    # The advice, verbatim: what is expected, what is missing, and every way forward.
+    assert message.splitlines() == [
+        (
+            f"Fashion-MNIST not found in {tmp_path}: expected the IDX files {', '.join(FASHION_MNIST_FILES)};"
+            " none is there."
+        ),
+        "Ways forward:",
+        "  1. `apt-get install dataset-fashion-mnist`, which puts them in /usr/share/datasets/fashion-mnist.",
+        "  2. Pass `--data-dir DIR` naming a directory that holds the four original IDX .gz files.",
+        "  3. Pass `--data synthetic` for timing or offline runs.",
+    ]
 
 
 def test_fashion_mnist_file_with_wrong_magic_number_is_named(tmp_path):
@@ -297,7 +308,11 @@ def test_fashion_mnist_file_with_wrong_magic_number_is_named(tmp_path):
 
     with pytest.raises(data.DataUnavailableError, match="magic number") as raised:
         data.load_dataset("fashion_mnist", data_dir=str(tmp_path))
-    assert str(bad_file) in str(raised.value)
+    message = str(raised.value)
+    assert str(bad_file) in message
+    # The number the file starts with (an images file's) and the one a labels file must.
+    assert "starts with magic number 0x00000803, expected 0x00000801" in message
+    assert message.endswith("Reinstall it.")
 
 
 def test_fashion_mnist_truncated_file_is_named(tmp_path):
@@ -311,6 +326,7 @@ def test_fashion_mnist_truncated_file_is_named(tmp_path):
     with pytest.raises(data.DataUnavailableError, match="truncated") as raised:
         data.load_dataset("fashion_mnist", data_dir=str(tmp_path))
     assert str(bad_file) in str(raised.value)
+    assert str(raised.value).endswith("the file is truncated or damaged. Reinstall it.")
 
 
 @pytest.mark.skipif(
@@ -470,3 +486,8 @@ def test_cifar10_without_tensorflow_datasets_says_how_to_get_it(monkeypatch):
     with pytest.raises(data.DataUnavailableError, match="pip install -e . --group experiments") as error:
         data.load_dataset("cifar10", "tfds")
     assert "--data synthetic" in str(error.value)
+    assert str(error.value).splitlines()[1:] == [
+        "Ways forward:",
+        "  1. Install the experiments' dependencies (pip >= 25.1): pip install -e . --group experiments",
+        "  2. Pass `--data synthetic` for timing or offline runs.",
+    ]

@@ -87,6 +87,25 @@ class _Builder:
         self.data_dir_root = root
 
 
+class _PreparingBuilder(_Builder):
+    """What `_prepare_cifar10` uses of a TFDS builder: whether it is prepared, and its download.
+
+    The download records the configuration it is given and raises `failure`, if any.
+    """
+
+    def __init__(self, root, prepared, failure=None):
+        super().__init__(root)
+        self.prepared, self.failure, self.configs = prepared, failure, []
+
+    def is_prepared(self):
+        return self.prepared
+
+    def download_and_prepare(self, download_config):
+        self.configs.append(download_config)
+        if self.failure is not None:
+            raise self.failure
+
+
 def test_an_archive_in_the_download_cache_is_found_by_its_name_and_nothing_else_is(tmp_path):
     builder = _Builder(tmp_path)
     assert not data._has_cached_download(builder)  # no downloads folder at all
@@ -199,9 +218,15 @@ def test_missing_idx_files_are_listed_and_a_folder_by_a_files_name_counts_as_mis
 def test_a_file_that_is_not_gzip_is_named_as_damaged(tmp_path):
     path = tmp_path / "train-images-idx3-ubyte.gz"
     path.write_bytes(b"plain bytes, not gzip")
+    with pytest.raises(gzip.BadGzipFile) as gzips_own, gzip.open(path, "rb") as f:
+        f.read()
     with pytest.raises(data.DataUnavailableError) as raised:
         data._read_idx(str(path), 0x803, 3)
-    assert str(raised.value).startswith(f"{path} is not a readable gzip file (BadGzipFile: ")
+    # gzip's own words stand in the message as the cause.
+    assert str(raised.value) == (
+        f"{path} is not a readable gzip file (BadGzipFile: {gzips_own.value}); it is truncated or damaged."
+        " Reinstall it."
+    )
 
 
 def test_an_unreadable_idx_file_is_named(tmp_path, monkeypatch):
@@ -290,3 +315,115 @@ def test_mean_and_std_of_images_that_never_reach_white_are_those_of_their_pixels
     mean, std = data._pixel_mean_std(pixels)
     assert mean == pytest.approx((pixels / 255).mean(), rel=1e-12)
     assert std == pytest.approx((pixels / 255).std(), rel=1e-12)
+
+
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
+
+
+def test_tfds_is_told_the_manual_folder_the_advice_names_and_not_to_try_prepared_copies_on_gcs(
+    tmp_path, needs_tensorflow_datasets
+):
+    """Fails if the download configuration is dropped, loses its manual folder, or lets TFDS try GCS
+    (offline, some TFDS versions block for minutes there)."""
+    builder = _PreparingBuilder(tmp_path, prepared=True)
+    manual_dir = str(tmp_path / "elsewhere" / "manual")
+    data._prepare_cifar10(builder, manual_dir)
+    [config] = builder.configs
+    assert os.fspath(config.manual_dir) == manual_dir
+    assert config.try_download_gcs is False
+
+
+def test_with_nothing_to_prepare_from_the_cifar10_host_is_probed_and_why_it_failed_is_said(
+    tmp_path, monkeypatch, needs_tensorflow_datasets
+):
+    """Fails if another URL is probed, or the probe's reason is lost from the advice."""
+    probed = []
+    monkeypatch.setattr(
+        data, "_unreachable_reason", lambda url: probed.append(url) or "cannot reach HOST: WHY"
+    )
+    builder = _PreparingBuilder(tmp_path, prepared=False)
+    manual_dir = str(tmp_path / "downloads" / "manual")
+    with pytest.raises(data.DataUnavailableError) as raised:
+        data._prepare_cifar10(builder, manual_dir)
+    assert probed == [CIFAR10_URL]
+    assert str(raised.value) == data._cifar10_unavailable_message(
+        builder, manual_dir, "cannot reach HOST: WHY"
+    )
+    assert builder.configs == []  # TFDS's own download, which retries for minutes offline, never starts
+
+
+def test_a_download_that_fails_is_reported_by_its_error_type_and_first_line(
+    tmp_path, needs_tensorflow_datasets
+):
+    """TFDS fails downloads with many exception types; the advice names the one raised and its first line.
+
+    Fails if the reason, the builder or the manual folder given to the advice changes, or the
+    error is not chained.
+    """
+    failure = ConnectionResetError("Connection reset by peer\nwhile reading the archive")
+    builder = _PreparingBuilder(tmp_path, prepared=True, failure=failure)
+    manual_dir = str(tmp_path / "downloads" / "manual")
+    with pytest.raises(data.DataUnavailableError) as raised:
+        data._prepare_cifar10(builder, manual_dir)
+    assert str(raised.value) == data._cifar10_unavailable_message(
+        builder, manual_dir, "ConnectionResetError: Connection reset by peer"
+    )
+    assert raised.value.__cause__ is failure
+
+
+@pytest.mark.parametrize("where", ["placed by hand", "left in the download cache"])
+def test_an_archive_with_another_checksum_is_named_where_it_is_with_the_ways_forward(
+    tmp_path, offline, needs_tensorflow_datasets, where
+):
+    """A placed archive is named by its path; a downloaded one (TFDS keeps it under another name)
+    as "The downloaded archive". Fails if either is named as the other or the advice changes."""
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+    manual_dir = tmp_path / "downloads" / "manual"
+    manual_dir.mkdir(parents=True)
+    archive = manual_dir / "cifar-10-binary.tar.gz"
+    if where == "placed by hand":
+        archive.write_bytes(b"")
+        checked = str(archive)
+    else:
+        (tmp_path / "downloads" / "cs.toronto.edu_kriz_cifar-10-binaryXYZ.tar.gz").write_bytes(b"")
+        checked = "The downloaded archive"
+    failure = tfds.download.download_manager.NonMatchingChecksumError(CIFAR10_URL)
+    builder = _PreparingBuilder(tmp_path, prepared=False, failure=failure)
+    with pytest.raises(data.DataUnavailableError) as raised:
+        data._prepare_cifar10(builder, str(manual_dir))
+    assert str(raised.value).splitlines() == [
+        (
+            f"{checked} is not the CIFAR-10 archive TFDS expects: its size or checksum differs from the ones"
+            f" TFDS registered for {CIFAR10_URL} (an interrupted download, or another file)."
+        ),
+        "Ways forward:",
+        f"  1. Download {CIFAR10_URL} again, replace the file, and rerun.",
+        "  2. Delete the file and run with network access; TFDS downloads it.",
+        "  3. Pass `--data synthetic` for timing or offline runs.",
+    ]
+    assert raised.value.__cause__ is failure
+
+
+@pytest.mark.parametrize("dataset", ["cifar10", "fashion_mnist"])
+def test_a_folder_that_may_be_read_but_not_written_is_refused_for_cifar10_only(
+    tmp_path, monkeypatch, dataset
+):
+    """TFDS prepares CIFAR-10 in its folder, so that one must be writable; Fashion-MNIST's is only read.
+
+    Fails if CIFAR-10's loader stops asking for write access (TFDS would then fail on its own,
+    later, in its own words) or Fashion-MNIST's starts to.
+    """
+    if dataset == "cifar10":
+        pytest.importorskip("tensorflow_datasets", reason="preparing CIFAR-10 needs the experiments group")
+    else:
+        write_fashion_mnist(tmp_path)
+    monkeypatch.setattr(os, "access", lambda path, mode, effective_ids: not mode & os.W_OK)
+    if dataset == "fashion_mnist":
+        assert data.load_dataset(dataset, data_dir=str(tmp_path)).train_images.shape == (4, 32, 32, 3)
+        return
+    with pytest.raises(data.DataUnavailableError) as raised:
+        data.load_dataset(dataset, data_dir=str(tmp_path))
+    assert str(raised.value).startswith(
+        f"No permission to read and write the CIFAR-10 data folder {tmp_path};"
+    )
