@@ -5,9 +5,9 @@ hold an older JAX (``pip install --no-deps``, a conda or system package).
 Such a JAX lacks primitives that autocast's rules table names (jax 0.10.0
 exports no ``lax.mulhi_p``, ``stack_p``, ``unstack_p`` or ``stage_p``;
 0.10.1 no ``lax.mulhi_p``), and the import would otherwise fail deep inside
-that table with an ``AttributeError``. A newer JAX than the range is not refused here: the
-registry of primitives (`jaxamp.jaxpr_policy.registry`) says what it cannot
-read, if anything.
+that table with an ``AttributeError``. A JAX newer than the range is not
+refused here: the registry of primitives (`jaxamp.jaxpr_policy.registry`)
+says what it cannot read, if anything.
 """
 
 from __future__ import annotations
