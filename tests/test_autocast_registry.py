@@ -32,6 +32,7 @@ JAX_MODULES = (
     "jax.experimental.compute_on", "jax.experimental.multihost_utils",
     "jax.experimental.custom_partitioning", "jax.experimental.sparse", "jax.experimental.xla_metadata",
     "jax.experimental.fused", "jax.experimental.scheduling_groups", "jax.experimental.buffer_callback",
+    "jax.experimental.overlap",
 )  # fmt: skip
 
 _WALK = """
@@ -82,9 +83,13 @@ def test_every_primitive_jax_registers_has_an_explicit_rule(walk):
 
 def test_every_optional_primitive_named_in_the_table_is_registered_once_its_module_is(walk):
     """A misspelt name among the primitives of optional modules (listed by name) fails here."""
+    # Checked on jax 0.10.2, 0.11.2 and 0.12.0.1 (the NNX variable primitives: flax 0.12.8 and 0.12.12
+    # register none).
     if jax.__version__.startswith("0.10"):
-        release_specific = {"get_global"}
-    else:  # and the Flax beside it has no NNX variable primitives
+        release_specific = {"get_global", "program_order"}
+    elif jax.__version__.startswith("0.11"):
+        release_specific = {"get_global", "core_map", "fusible", "new_variable", "get_variable", "set_variable"}
+    else:
         release_specific = {"core_map", "fusible", "new_variable", "get_variable", "set_variable"}
     assert set(walk["unresolved"]) <= release_specific, walk["unresolved"]
 

@@ -329,9 +329,9 @@ HIGHER_ORDER_RULES: dict[Primitive, Rule] = {
         registered("cudnn_fusion"): restore_rule,  # a kernel for its dtypes
         registered("run_state"): restore_rule,  # stateful code over references
         registered("call_hi_primitive"): restore_rule,
-        # JAX 0.10's call of an open jaxpr, staged by no public API (an alias
-        # of eval_jaxpr from 0.12).
-        registered("call", removed=(0, 12)): restore_rule,
+        # JAX 0.10's call of an open jaxpr, staged by no public API (gone
+        # from 0.11; an alias of eval_jaxpr in 0.12).
+        registered("call", removed=(0, 11)): restore_rule,
         # Never in a traced program.
         core_primitives.custom_lin_p: unsupported(_NO_PROGRAM),
     }.items()
@@ -346,6 +346,8 @@ OPTIONAL_HIGHER_ORDER_RULES: dict[str, Rule] = {
     # jax.experimental.compute_on, fused, scheduling groups: placement and
     # scheduling annotations around a body, which runs as traced
     "compute_on": restore_rule, "fused_call": restore_rule, "xla_metadata_call": restore_rule,
+    # jax.experimental.overlap.program_order (from JAX 0.11): its body's order kept
+    "program_order": restore_rule,
 }  # fmt: skip
 """Primitive name -> rule, for higher-order primitives that a module registers
 on import (see `jaxamp.jaxpr_policy.rules.OPTIONAL_RULES`)."""
