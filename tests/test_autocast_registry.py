@@ -83,14 +83,19 @@ def test_every_primitive_jax_registers_has_an_explicit_rule(walk):
 
 def test_every_optional_primitive_named_in_the_table_is_registered_once_its_module_is(walk):
     """A misspelt name among the primitives of optional modules (listed by name) fails here."""
-    # Checked on jax 0.10.2, 0.11.2 and 0.12.0.1 (the NNX variable primitives: flax 0.12.8 and 0.12.12
-    # register none).
-    if jax.__version__.startswith("0.10"):
+    # Checked on jax 0.10.2, 0.11.0, 0.11.1, 0.11.2 and 0.12.0.1 (the NNX variable primitives: the
+    # flax 0.12.8 and 0.12.12 beside them register none).
+    from jaxamp.supported_jax import release
+
+    nnx_and_pallas = {"core_map", "fusible", "new_variable", "get_variable", "set_variable"}
+    if release(jax.__version__) < (0, 11, 1):
         release_specific = {"get_global", "program_order"}
-    elif jax.__version__.startswith("0.11"):
-        release_specific = {"get_global", "core_map", "fusible", "new_variable", "get_variable", "set_variable"}
+    elif release(jax.__version__) < (0, 11, 2):
+        release_specific = {"get_global", "program_order", *nnx_and_pallas}
+    elif release(jax.__version__) < (0, 12):
+        release_specific = {"get_global", *nnx_and_pallas}
     else:
-        release_specific = {"core_map", "fusible", "new_variable", "get_variable", "set_variable"}
+        release_specific = nnx_and_pallas
     assert set(walk["unresolved"]) <= release_specific, walk["unresolved"]
 
 

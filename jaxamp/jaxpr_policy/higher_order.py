@@ -330,8 +330,8 @@ HIGHER_ORDER_RULES: dict[Primitive, Rule] = {
         registered("run_state"): restore_rule,  # stateful code over references
         registered("call_hi_primitive"): restore_rule,
         # JAX 0.10's call of an open jaxpr, staged by no public API (gone
-        # from 0.11; an alias of eval_jaxpr in 0.12).
-        registered("call", removed=(0, 11)): restore_rule,
+        # from 0.11.1; an alias of eval_jaxpr in 0.12).
+        registered("call", removed=(0, 11, 1)): restore_rule,
         # Never in a traced program.
         core_primitives.custom_lin_p: unsupported(_NO_PROGRAM),
     }.items()

@@ -23,9 +23,9 @@ import functools
 import jax
 from jax.extend.core import Primitive
 
-from jaxamp.supported_jax import SUPPORTED
+from jaxamp.supported_jax import SUPPORTED, release
 
-_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
+_VERSION = release(jax.__version__)  # (0, 11, 2): patch releases add and remove primitives too
 
 
 def registered_primitives() -> frozenset[Primitive]:
@@ -82,8 +82,9 @@ def registered(
 
     Args:
         name: the primitive's ``name``.
-        added: the JAX release (major, minor) that introduced it, if after 0.10.
-        removed: the first JAX release without it.
+        added: the JAX release that introduced it, if after 0.10.2, as
+            (major, minor) or (major, minor, patch).
+        removed: the first JAX release without it, in the same form.
 
     Returns:
         The primitive; None when the installed JAX is outside [added, removed).

@@ -196,9 +196,10 @@ def _table(groups: dict[Rule, Sequence[Primitive | None]]) -> dict[Primitive, Ru
     return table
 
 
-# The releases that added or removed primitives. Bounds are (major, minor):
-# checked on jax 0.10.2, 0.11.2 and 0.12.0.1.
-_V011 = (0, 11)
+# The releases that added or removed primitives, down to the patch release:
+# checked on jax 0.10.2, 0.11.0, 0.11.1, 0.11.2 and 0.12.0.1.
+_V0111 = (0, 11, 1)
+_V0112 = (0, 11, 2)
 _V012 = (0, 12)
 
 _COMPUTE = (lax.dot_general_p, lax.conv_general_dilated_p, registered("ragged_dot_general"))
@@ -207,7 +208,7 @@ _FLOAT32 = (
     # exp / log family, roots, powers
     lax.exp_p, lax.exp2_p, lax.expm1_p, lax.log_p, lax.log1p_p, lax.logistic_p, lax.sqrt_p,
     lax.rsqrt_p, lax.cbrt_p, lax.pow_p, lax.integer_pow_p, lax.square_p,
-    registered("log2", added=_V011), registered("polynomial", added=_V012),
+    registered("log2", added=_V0112), registered("polynomial", added=_V012),
     # special functions
     lax.erf_p, lax.erfc_p, lax.erf_inv_p, lax.lgamma_p, lax.digamma_p, lax.polygamma_p, lax.igamma_p,
     lax.igammac_p, lax.igamma_grad_a_p, lax.zeta_p, lax.bessel_i0e_p, lax.bessel_i1e_p,
@@ -237,7 +238,7 @@ _FOLLOW = (
     lax.nextafter_p, lax.is_finite_p, lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p, lax.gt_p, lax.ge_p,
     lax.select_n_p, lax.clamp_p, lax.tanh_p, lax.sin_p, lax.cos_p, lax.atan_p, lax.atan2_p,
     lax.reduce_precision_p, lax.copy_p, lax.real_p, lax.imag_p, lax.conj_p,
-    registered("one_minus_square", added=_V011),
+    registered("one_minus_square", added=_V0112),
     # integer and boolean arithmetic (nothing to cast; listed to be complete)
     lax.and_p, lax.or_p, lax.not_p, lax.xor_p, lax.shift_left_p, lax.shift_right_arithmetic_p,
     lax.shift_right_logical_p, lax.clz_p, lax.population_count_p, lax.mulhi_p, lax.eq_to_p,
@@ -252,7 +253,7 @@ _FOLLOW = (
 # Operand-wise primitives: each output is its own operand, so no promotion.
 _PASS_THROUGH = (
     lax.optimization_barrier_p, lax.device_put_p, lax.sharding_constraint_p,
-    registered("layout_constraint"), registered("reshard"), registered("relayout", added=_V011),
+    registered("layout_constraint"), registered("reshard"), registered("relayout", added=_V0111),
     core_primitives.name_p, registered("tie"), registered("pvary"), registered("pbroadcast"),
     registered("preduced"), registered("reduced_vary_cast_p", removed=_V012),
     registered("reduced_vary_cast", added=_V012), registered("vary_unreduced_cast_p", removed=_V012),
@@ -274,18 +275,18 @@ _RESTORE = (
     lax.ragged_all_to_all_p, lax.axis_index_p, registered("reduce_scatter"),
     registered("psum_invariant"), registered("all_gather_invariant"),
     registered("all_gather_reduced"), registered("unreduced_psum"),
-    registered("unreduced_reduce_scatter"), registered("unreduced_pmax", added=_V011),
-    registered("unreduced_pmin", added=_V011), registered("psend"), registered("precv"),
+    registered("unreduced_reduce_scatter"), registered("unreduced_pmax", added=_V0111),
+    registered("unreduced_pmin", added=_V0111), registered("psend"), registered("precv"),
     # their asynchronous halves
-    registered("psum_start", removed=_V011), registered("psum_done"),
+    registered("psum_start", removed=_V0111), registered("psum_done"),
     registered("psum_invariant_start"), registered("all_gather_start"),
     registered("all_gather_done"), registered("all_gather_reduced_start"),
     registered("all_to_all_start"), registered("all_to_all_done"), registered("ppermute_start"),
     registered("ppermute_done"), registered("reduce_scatter_start"),
-    registered("reduce_scatter_done"), registered("pbroadcast_start", removed=_V011),
-    registered("pbroadcast_done", removed=_V011), registered("pbroadcast_dynamic", added=_V012),
-    registered("unreduced_psum_start", removed=_V011),
-    registered("unreduced_reduce_scatter_start", removed=_V011),
+    registered("reduce_scatter_done"), registered("pbroadcast_start", removed=_V0111),
+    registered("pbroadcast_done", removed=_V0111), registered("pbroadcast_dynamic", added=_V012),
+    registered("unreduced_psum_start", removed=_V0111),
+    registered("unreduced_reduce_scatter_start", removed=_V0111),
     # random numbers
     core_primitives.random_bits_p, core_primitives.random_seed_p, core_primitives.random_split_p,
     core_primitives.random_fold_in_p, core_primitives.random_gamma_p, registered("random_wrap"),
@@ -306,9 +307,9 @@ _RESTORE = (
     registered("empty_ref"), registered("free_ref"), registered("freeze"),
     registered("accum_grad_in_ref"), registered("create_linear"), registered("pin"),
     registered("broadcast_to"),
-    registered("unpin"), registered("box_get", removed=_V011), registered("box_set", removed=_V011),
-    registered("new_box", removed=_V011), registered("log_extend", removed=_V011),
-    registered("log_read", removed=_V011), registered("new_log", removed=_V011),
+    registered("unpin"), registered("box_get", removed=_V0111), registered("box_set", removed=_V0111),
+    registered("new_box", removed=_V0111), registered("log_extend", removed=_V0111),
+    registered("log_read", removed=_V0111), registered("new_log", removed=_V0111),
     # extended dtypes, shape polymorphism, tokens, platform dispatch
     registered("to_edtype"), registered("from_edtype"), registered("dim_as_value"),
     registered("dimension_size"), registered("shape_assertion"), lax.create_token_p,
