@@ -346,7 +346,7 @@ OPTIONAL_HIGHER_ORDER_RULES: dict[str, Rule] = {
     # jax.experimental.compute_on, fused, scheduling groups: placement and
     # scheduling annotations around a body, which runs as traced
     "compute_on": restore_rule, "fused_call": restore_rule, "xla_metadata_call": restore_rule,
-    # jax.experimental.overlap.program_order (from JAX 0.11): its body's order kept
+    # jax.experimental.overlap.program_order (from JAX 0.11.2): its body's order kept
     "program_order": restore_rule,
 }  # fmt: skip
 """Primitive name -> rule, for higher-order primitives that a module registers
