@@ -16,8 +16,8 @@ import re
 
 import jax
 
-SUPPORTED = ">=0.10.2,<0.13"
 OLDEST = (0, 10, 2)
+SUPPORTED = f">={'.'.join(map(str, OLDEST))},<0.13"  # as pyproject.toml writes it
 
 
 def release(version: str) -> tuple[int, ...]:

@@ -88,11 +88,12 @@ def test_every_optional_primitive_named_in_the_table_is_registered_once_its_modu
     from jaxamp.supported_jax import release
 
     nnx_and_pallas = {"core_map", "fusible", "new_variable", "get_variable", "set_variable"}
-    if release(jax.__version__) < (0, 11, 1):
+    installed = release(jax.__version__)
+    if installed < (0, 11, 1):
         release_specific = {"get_global", "program_order"}
-    elif release(jax.__version__) < (0, 11, 2):
+    elif installed < (0, 11, 2):
         release_specific = {"get_global", "program_order", *nnx_and_pallas}
-    elif release(jax.__version__) < (0, 12):
+    elif installed < (0, 12):
         release_specific = {"get_global", *nnx_and_pallas}
     else:
         release_specific = nnx_and_pallas
