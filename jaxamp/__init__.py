@@ -18,7 +18,7 @@ Example:
 
 from jaxamp import supported_jax
 
-supported_jax.check()  # before any module that reads JAX's primitives
+supported_jax.check()  # before the modules that use JAX's APIs
 
 from jaxamp.finite import all_finite, select_tree
 from jaxamp.fp8 import (
@@ -33,6 +33,7 @@ from jaxamp.fsdp import CommunicationPolicy, fsdp_loss, fsdp_shardings, get_comm
 from jaxamp.gpu_targets import GPU_TARGETS, GpuSpec, gpu_target_device, on_device
 from jaxamp.grads import scaled_value_and_grad
 from jaxamp.jaxpr_policy import autocast, float32_scope
+from jaxamp.jaxpr_policy.unruled import NoAutocastRuleWarning
 from jaxamp.layer_policies import NORMALIZATION_LAYERS
 from jaxamp.loss_scale import (
     DynamicLossScale,
@@ -61,6 +62,7 @@ __all__ = [
     "GpuSpec",
     "LossScale",
     "LossScaleStuckError",
+    "NoAutocastRuleWarning",
     "NoOpLossScale",
     "OverflowGuard",
     "Policy",

@@ -20,20 +20,26 @@ versions are those the config states, and the executable's
 `jaxamp.hlo_report.bytes_accessed`).
 
 On a machine without an NVIDIA GPU the plugin's start-up check of the CUDA
-libraries can only fail (there is nothing to run on), printing a traceback
-and leaving the plugin unregistered; importing jaxamp there sets the
-plugin's own switch ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (unless set), so
-the plugin registers for compiling and JAX still runs on the CPU, with
-``JAX_PLATFORMS`` set or not (`allow_compiling_without_gpu`).
+libraries can only fail (there is nothing to run on), leaving the plugin
+unregistered. Importing jaxamp changes nothing about that: only
+`gpu_target_device`, when called on such a machine, sets the plugin's own
+switch ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` for the duration of the call
+(restoring the environment after it), so the plugin registers for
+compiling. What stays changed after the call is what the call is for: the
+plugin is registered with JAX (and JAX's backends are started, if they were
+not); JAX still runs computations on the CPU, since it uses the CUDA backend
+only where a GPU is visible.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
 import importlib.util
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -224,49 +230,39 @@ def nvidia_gpu_visible() -> bool:
     return any(os.path.exists(path) for path in _NVIDIA_DEVICE_FILES)
 
 
-def allow_compiling_without_gpu() -> bool:
-    """Lets the CUDA plugin register for compiling on a machine without an NVIDIA GPU.
+@contextlib.contextmanager
+def _cuda_check_skipped() -> Iterator[None]:
+    """Sets the plugin's ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` inside the block, where no GPU is visible.
 
-    When JAX starts with ``JAX_PLATFORMS`` unset, it initializes every
-    installed plugin; the CUDA plugin first checks the CUDA libraries, which
-    on a machine without a GPU fails: JAX logs the traceback and the plugin
-    never registers, so GPU targets cannot be compiled. Where the plugin is
-    installed and no NVIDIA GPU is visible, this sets the plugin's documented
-    switch ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` (unless it is set already):
-    the plugin registers, and JAX still runs on the CPU because it uses the
-    CUDA backend only where a GPU is visible. With a GPU visible, nothing
-    changes. jaxamp calls this on import, before JAX starts its backends.
-
-    Returns:
-        Whether the switch was set by this call.
+    The plugin reads the switch when it initializes: when JAX starts its
+    backends (if they start inside the block) or when it is registered again
+    (`_register_cuda_plugin_again`). With a GPU visible, the switch already
+    set, or no plugin installed, nothing changes. The environment is
+    restored when the block ends, whatever happened in it.
     """
     if _SKIP_CHECK in os.environ or nvidia_gpu_visible() or not cuda_plugin_available():
-        return False
+        yield
+        return
     os.environ[_SKIP_CHECK] = "1"
-    return True
-
-
-allow_compiling_without_gpu()
+    try:
+        yield
+    finally:
+        os.environ.pop(_SKIP_CHECK, None)
 
 
 def _register_cuda_plugin_again() -> None:
-    """Runs the CUDA plugin's registration again, its library check skipped.
+    """Runs the CUDA plugin's registration again (inside `_cuda_check_skipped`).
 
-    For a process where JAX started its backends before jaxamp was imported
-    (so the plugin's check ran, failed and left it unregistered); only on a
-    machine without a visible NVIDIA GPU.
+    For a process where JAX started its backends before a GPU target was
+    asked for (so the plugin's check ran, failed and left it unregistered);
+    only on a machine without a visible NVIDIA GPU.
     """
     if nvidia_gpu_visible() or not cuda_plugin_available():
         return
-    previous = os.environ.get(_SKIP_CHECK)
-    os.environ[_SKIP_CHECK] = "1"
     try:
         importlib.import_module(_CUDA_PLUGIN_MODULE).initialize()
     except Exception:  # noqa: BLE001, S110  # pylint: disable=broad-except
         pass  # the caller's error says what to set
-    finally:
-        if previous is None:
-            os.environ.pop(_SKIP_CHECK)
 
 
 @functools.cache
@@ -298,18 +294,20 @@ def gpu_target_device(target: str | GpuSpec) -> Any:
             f"{jax.__version__} jax-cuda12-pjrt=={jax.__version__}). No GPU or CUDA libraries are needed; "
             "on a machine with a GPU but without its CUDA libraries, run with JAX_PLATFORMS=cpu."
         )
-    try:
-        return _topology_device(spec.target_config())
-    except NotImplementedError:  # "topology not implemented for cuda": the plugin did not register
-        _register_cuda_plugin_again()
-    try:
-        return _topology_device(spec.target_config())
-    except NotImplementedError:
-        raise RuntimeError(
-            "The CUDA PJRT plugin is installed but did not register with JAX (its start-up check of the "
-            "CUDA libraries failed; JAX's log above says why). To compile for a GPU target here, set "
-            "JAX_PLATFORMS=cpu before starting Python."
-        ) from None
+    with _cuda_check_skipped():
+        try:
+            return _topology_device(spec.target_config())
+        except NotImplementedError:  # "topology not implemented for cuda": the plugin did not register
+            _register_cuda_plugin_again()
+        try:
+            return _topology_device(spec.target_config())
+        except NotImplementedError:
+            pass
+    raise RuntimeError(
+        "The CUDA PJRT plugin is installed but did not register with JAX (its start-up check of the "
+        "CUDA libraries failed; JAX's log above says why). To compile for a GPU target here, set "
+        "JAX_PLATFORMS=cpu before starting Python."
+    )
 
 
 def on_device(tree: Any, device: Any) -> Any:

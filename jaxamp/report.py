@@ -33,6 +33,8 @@ import jax
 import numpy as np
 
 from jaxamp import hlo_report
+from jaxamp.jaxpr_policy.table import rules_table
+from jaxamp.jaxpr_policy.unruled import primitives_without_rule
 
 _HEAVY_PRIMITIVES = ("dot_general", "conv_general_dilated")
 
@@ -138,10 +140,15 @@ class PrecisionReport:
         ops: every matmul and convolution, in trace order.
         compiled: whether the ops are those of an optimized, compiled
             program (`hlo_precision_report`) rather than a traced one.
+        without_rule: the names of the program's primitives that
+            `jaxamp.autocast` has no rule for, and so runs in the dtypes
+            they were traced with (empty for a report made from HLO text
+            alone).
     """
 
     ops: tuple[OpRecord, ...]
     compiled: bool = False
+    without_rule: tuple[str, ...] = ()
 
     def flops_by_dtype(self) -> dict[str, int]:
         """FLOPs of matmuls and convolutions per compute dtype."""
@@ -213,6 +220,8 @@ class PrecisionReport:
                     f"{row.status:<18} {row.direction:<8} {operands:<19} {row.primitive:<24} {row.ops:>4} "
                     f"{row.flops / 1e9:>9.4f} {row.flops / total:>7.1%}  {row.reason}".rstrip()
                 )
+        if self.without_rule:
+            lines += ["", f"no autocast rule (run as traced): {', '.join(self.without_rule)}"]
         return "\n".join(lines)
 
 
@@ -316,15 +325,17 @@ def precision_report(
     Returns:
         A `PrecisionReport`.
     """
-    if compiled:
-        lowered = jax.jit(functools.partial(fun, **kwargs)).lower(*args)
-        return hlo_precision_report(lowered.compile().as_text(), hlo_report.lowered_hlo_text(lowered))
     # Keyword arguments are bound statically: flags such as ``train=False``
     # must stay Python values, not tracers.
-    closed_jaxpr = jax.make_jaxpr(functools.partial(fun, **kwargs))(*args)
+    traced = jax.jit(functools.partial(fun, **kwargs)).trace(*args)
+    without_rule = primitives_without_rule(traced.jaxpr.jaxpr, rules_table())
+    if compiled:
+        lowered = traced.lower()
+        report = hlo_precision_report(lowered.compile().as_text(), hlo_report.lowered_hlo_text(lowered))
+        return dataclasses.replace(report, without_rule=without_rule)
     records: list[OpRecord] = []
-    _walk(closed_jaxpr.jaxpr, records)
-    return PrecisionReport(tuple(records))
+    _walk(traced.jaxpr.jaxpr, records)
+    return PrecisionReport(tuple(records), without_rule=without_rule)
 
 
 def hlo_precision_report(hlo_text: str, lowered_hlo_text: str | None = None) -> PrecisionReport:

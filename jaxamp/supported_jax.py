@@ -1,13 +1,13 @@
-"""The JAX releases jaxamp supports, checked once when jaxamp is imported.
+"""The oldest JAX release jaxamp supports, checked once when jaxamp is imported.
 
-`pyproject.toml` asks pip for the same range, but an environment can still
-hold an older JAX (``pip install --no-deps``, a conda or system package).
-Such a JAX lacks primitives that autocast's rules table names (jax 0.10.0
-exports no ``lax.mulhi_p``, ``stack_p``, ``unstack_p`` or ``stage_p``;
-0.10.1 no ``lax.mulhi_p``), and the import would otherwise fail deep inside
-that table with an ``AttributeError``. A JAX newer than the range is not
-refused here: the registry of primitives (`jaxamp.jaxpr_policy.registry`)
-says what it cannot read, if anything.
+`pyproject.toml` asks pip for the same lower bound, but an environment can
+still hold an older JAX (``pip install --no-deps``, a conda or system
+package), on which jaxamp is not tested; the check refuses it with the
+command that upgrades it rather than letting it fail later in an untested
+way. A JAX newer than the newest tested release is not refused: autocast's
+rules are resolved by name when it is applied, so a release that adds or
+removes primitives changes which rules apply, never whether jaxamp imports
+(`jaxamp.jaxpr_policy.registry`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import re
 import jax
 
 OLDEST = (0, 10, 2)
-SUPPORTED = f">={'.'.join(map(str, OLDEST))},<0.13"  # as pyproject.toml writes it
+SUPPORTED = f">={'.'.join(map(str, OLDEST))}"  # as pyproject.toml writes it
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -46,7 +46,6 @@ def check(version: str = jax.__version__) -> None:
     """
     if release(version) < OLDEST:
         raise ImportError(
-            f"jaxamp needs jax{SUPPORTED}, and this environment has jax {version}: autocast's rules "
-            "name primitives that older releases lack (jax.lax.mulhi_p first appears in 0.10.2). "
-            f"Upgrade JAX: pip install -U 'jax{SUPPORTED}'"
+            f"jaxamp needs jax{SUPPORTED}, and this environment has jax {version}, an older release "
+            f"jaxamp is not tested on. Upgrade JAX: pip install -U 'jax{SUPPORTED}'"
         )

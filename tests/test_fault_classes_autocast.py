@@ -208,7 +208,8 @@ def test_a_users_first_order_primitive_without_a_rule_runs_as_traced():
     """
     primitive = Primitive("my_first_order_op")
     primitive.def_abstract_eval(lambda x, *, scale: x)
-    closed = jax.make_jaxpr(jaxamp.autocast(lambda x, w: primitive.bind(x @ w, scale=2.0)))(X, W)
+    with pytest.warns(jaxamp.NoAutocastRuleWarning, match="no rule for the primitive 'my_first_order_op'"):
+        closed = jax.make_jaxpr(jaxamp.autocast(lambda x, w: primitive.bind(x @ w, scale=2.0)))(X, W)
     (equation,) = _equations(closed, "my_first_order_op")
     assert equation.invars[0].aval.dtype == jnp.float32
     assert [equation.outvars[0].aval.dtype for equation in _equations(closed, "dot_general")] == [jnp.float16]
@@ -623,22 +624,7 @@ def test_a_rewrite_that_closed_over_another_traces_values_is_never_reused():
     assert fun.rewrites.traces == 2
 
 
-# --- JAX's registry of primitives: release bounds, growth, and what its errors advise ----------------
-
-
-def test_a_primitive_is_looked_up_from_the_release_that_added_it_and_not_from_the_one_that_removed_it():
-    """`registered` covers the releases [added, removed).
-
-    Fails if the release that adds a primitive is skipped (``<=`` for ``<``)
-    or the release that removes it still looks it up (``>`` for ``>=``): on a
-    supported release at either bound, the rules table would miss a primitive
-    or fail to import.
-    """
-    release = registry._VERSION
-    assert registry.registered("scatter-add", added=release) is jax.lax.scatter_add_p
-    assert registry.registered("scatter-add", removed=release) is None
-    assert registry.registered("scatter-add", added=(0, 0), removed=(99, 0)) is jax.lax.scatter_add_p
-    assert registry.registered("no-such-primitive", added=(99, 0)) is None
+# --- JAX's registry of primitives: growth, and what it does when it cannot be read ----------------
 
 
 def test_a_primitive_registered_after_the_first_lookup_is_found_by_name(monkeypatch):
@@ -653,7 +639,6 @@ def test_a_primitive_registered_after_the_first_lookup_is_found_by_name(monkeypa
     late = Primitive("jaxamp_late_primitive")
     monkeypatch.setitem(ad.primitive_jvps, late, lambda primals, tangents: (primals, tangents))
     assert registry.find("jaxamp_late_primitive") == [late]
-    assert registry.registered("jaxamp_late_primitive") is late
 
     replacement = Primitive("jaxamp_replacement_primitive")
     monkeypatch.delitem(ad.primitive_jvps, late)
@@ -662,27 +647,24 @@ def test_a_primitive_registered_after_the_first_lookup_is_found_by_name(monkeypa
     assert registry.find("jaxamp_late_primitive") == []
 
 
-def test_the_registrys_errors_end_with_the_step_that_fixes_them(monkeypatch):
-    """A misspelt name points to the file to fix; a JAX whose tables moved or changed their keys
-    points to the supported releases. Fails if a message loses or garbles its last sentence."""
+def test_a_registry_keyed_by_names_or_moved_degrades_with_a_warning_that_says_what_still_works(monkeypatch):
+    """A JAX whose tables changed their keys, or moved, is not refused: autocast keeps the rules of
+    the primitives JAX exports. Fails if the registry raises, returns nothing, or the warning loses
+    what it falls back to."""
     from jax._src.interpreters import ad, mlir
 
-    with pytest.raises(LookupError) as misspelt:
-        registry.registered("scatter_add")
-    assert str(misspelt.value).endswith(
-        "named 'scatter_add', not one: the rules table of jaxamp.autocast names a primitive this JAX "
-        "does not have. Fix the name (or its added/removed releases) in jaxamp/jaxpr_policy/rules.py."
-    )
+    registry._warn_unreadable.cache_clear()
     monkeypatch.setitem(ad.primitive_jvps, "add", None)  # a table keyed by names, not primitives
-    with pytest.raises(
-        RuntimeError, match=r"no longer keyed by primitives; jaxamp supports jax>=0\.10\.2,<0\.13\.$"
-    ):
-        registry.registered_primitives()
+    with pytest.warns(RuntimeWarning) as warned:
+        primitives = registry.registered_primitives()
+    assert jax.lax.exp_p in primitives
+    message = str(warned[0].message)
+    assert "(its rule tables are no longer keyed by primitives)" in message
+    assert "apply to the primitives JAX exports (jax.lax, jax.lax.linalg, jax.extend.core.primitives)" in message
     monkeypatch.delattr(mlir, "_lowerings")
-    with pytest.raises(
-        RuntimeError, match=r"jaxamp supports jax>=0\.10\.2,<0\.13; install one of those releases\.$"
-    ):
-        registry.registered_primitives()
+    with pytest.warns(RuntimeWarning, match="AttributeError"):
+        assert jax.lax.exp_p in registry.registered_primitives()
+    registry._warn_unreadable.cache_clear()
 
 
 # --- mixed_float8: each fallback reason, the FP8 dot's result dtype, convolution statistics -------------
@@ -845,4 +827,4 @@ def test_a_refused_primitive_carries_its_reason_and_the_table_refuses_a_primitiv
     rule = rules.unsupported("JAX uses it only while it linearizes")
     assert rule.reason == "JAX uses it only while it linearizes"
     with pytest.raises(ValueError, match=r"^'add' has two rules in the autocast table\.$"):
-        rules._table({rules.follow_rule: (jax.lax.add_p,), rules.restore_rule: (None, jax.lax.add_p)})
+        rules._table({rules.follow_rule: ("add",), rules.restore_rule: ("mul", "add")})

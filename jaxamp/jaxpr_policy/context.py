@@ -15,6 +15,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive
 
 from jaxamp.jaxpr_policy.scope import in_float32_scope
+from jaxamp.jaxpr_policy.unruled import warn_once
 
 Rule = Callable[["Rewrite", Any, Sequence[Any]], list]
 """A dtype rule: ``rule(rewrite, equation, invals) -> outvals``."""
@@ -37,7 +38,9 @@ class Rewrite:
         rules: primitive -> rule.
         as_traced: the rule that runs an equation exactly as traced, for code
             under `jaxamp.float32_scope` and for first-order primitives the
-            table does not know (a user's own primitive).
+            table does not know (a user's own primitive, or one a newer JAX
+            added), which are named once per process
+            (`jaxamp.jaxpr_policy.unruled.warn_once`).
         memo: rewritten bodies of higher-order primitives, per (body, input
             avals, output dtypes), so that a body used many times (the same
             jitted layer called in a loop) is rewritten once.
@@ -67,4 +70,5 @@ class Rewrite:
                 f"it carries. Run it as traced with autocast(..., overrides={{{name!r}: 'restore'}}) "
                 "(or the primitive object itself as the key), or wrap that code in jaxamp.float32_scope()."
             )
+        warn_once(equation.primitive)
         return self.as_traced

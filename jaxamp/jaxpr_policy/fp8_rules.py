@@ -22,8 +22,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax import lax
-from jax.extend.core import Primitive
 
 from jaxamp.fp8 import (
     FP8_FALLBACK_REASONS,
@@ -32,7 +30,6 @@ from jaxamp.fp8 import (
     fp8_dot_general,
 )
 from jaxamp.jaxpr_policy.context import Rewrite, Rule
-from jaxamp.jaxpr_policy.registry import registered
 from jaxamp.jaxpr_policy.rules import bind, compute_rule, is_floating, traced_dtypes
 
 _MULTIPLE = 16
@@ -133,13 +130,10 @@ def fp8_dot_rule(observer: Callable | None = None) -> Rule:
     return rule
 
 
-def fp8_rules(observer: Callable | None = None) -> dict[Primitive, Rule]:
-    """primitive -> rule, the entries that a policy with FP8 matmuls changes."""
-    rules: dict[Primitive, Rule] = {
-        lax.dot_general_p: fp8_dot_rule(observer),
-        lax.conv_general_dilated_p: fp8_conv_rule(observer),
+def fp8_rules(observer: Callable | None = None) -> dict[str, Rule]:
+    """primitive name -> rule, the entries that a policy with FP8 matmuls changes."""
+    return {
+        "dot_general": fp8_dot_rule(observer),
+        "conv_general_dilated": fp8_conv_rule(observer),
+        "ragged_dot_general": _in_fallback_scope("ragged_dot", compute_rule),
     }
-    ragged = registered("ragged_dot_general")
-    if ragged is not None:
-        rules[ragged] = _in_fallback_scope("ragged_dot", compute_rule)
-    return rules

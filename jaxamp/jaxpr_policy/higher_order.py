@@ -41,11 +41,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.extend.core.primitives as core_primitives
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
 from jaxamp.jaxpr_policy.context import Rewrite, Rule
 from jaxamp.jaxpr_policy.interpreter import (
@@ -55,7 +54,6 @@ from jaxamp.jaxpr_policy.interpreter import (
     lift_consts,
     rewrite_jaxpr,
 )
-from jaxamp.jaxpr_policy.registry import registered
 from jaxamp.jaxpr_policy.rules import bind, cast, is_floating, restore_rule, traced_dtypes, unsupported
 
 
@@ -305,41 +303,33 @@ def linear_solve_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list
 
 _NO_PROGRAM = "JAX uses it only while it linearizes a function, and removes it before a program is staged"
 
-HIGHER_ORDER_RULES: dict[Primitive, Rule] = {
-    primitive: rule
-    for primitive, rule in {
-        # Rewritten: the body runs under the rules.
-        core_primitives.jit_p: jit_rule,
-        core_primitives.closed_call_p: jit_rule,  # eval_jaxpr from JAX 0.12
-        registered("eval_jaxpr"): jit_rule,
-        core_primitives.remat_p: remat_rule,
-        lax.scan_p: scan_rule,
-        lax.while_p: while_rule,
-        lax.cond_p: cond_rule,
-        core_primitives.custom_jvp_call_p: custom_jvp_rule,
-        core_primitives.custom_vjp_call_p: custom_vjp_rule,
-        registered("shard_map"): shard_map_rule,
-        # Run as traced, in the dtypes the program gave them.
-        lax.linear_solve_p: linear_solve_rule,
-        registered("remat_opt"): restore_rule,  # a checkpoint after partial evaluation
-        registered("custom_vmap_call"): restore_rule,  # jax.custom_batching: the user's own rule
-        registered("linear_call"): restore_rule,  # a user-given transpose
-        registered("custom_partitioning"): restore_rule,  # user sharding rules, per dtype
-        registered("composite"): restore_rule,  # lax.composite: a named op, decomposed as traced
-        registered("cudnn_fusion"): restore_rule,  # a kernel for its dtypes
-        registered("run_state"): restore_rule,  # stateful code over references
-        registered("call_hi_primitive"): restore_rule,
-        # JAX 0.10's call of an open jaxpr, staged by no public API (gone
-        # from 0.11.1; an alias of eval_jaxpr in 0.12).
-        registered("call", removed=(0, 11, 1)): restore_rule,
-        # Never in a traced program.
-        core_primitives.custom_lin_p: unsupported(_NO_PROGRAM),
-    }.items()
-    if primitive is not None
-}
-"""Primitive -> rule, for the primitives that carry jaxprs."""
-
-OPTIONAL_HIGHER_ORDER_RULES: dict[str, Rule] = {
+HIGHER_ORDER_RULES: dict[str, Rule] = {
+    # Rewritten: the body runs under the rules.
+    "jit": jit_rule,
+    "closed_call": jit_rule,  # eval_jaxpr from JAX 0.12
+    "eval_jaxpr": jit_rule,
+    "remat2": remat_rule,
+    "scan": scan_rule,
+    "while": while_rule,
+    "cond": cond_rule,
+    "custom_jvp_call": custom_jvp_rule,
+    "custom_vjp_call": custom_vjp_rule,
+    "shard_map": shard_map_rule,
+    # Run as traced, in the dtypes the program gave them.
+    "custom_linear_solve": linear_solve_rule,
+    "remat_opt": restore_rule,  # a checkpoint after partial evaluation
+    "custom_vmap_call": restore_rule,  # jax.custom_batching: the user's own rule
+    "linear_call": restore_rule,  # a user-given transpose
+    "custom_partitioning": restore_rule,  # user sharding rules, per dtype
+    "composite": restore_rule,  # lax.composite: a named op, decomposed as traced
+    "cudnn_fusion": restore_rule,  # a kernel for its dtypes
+    "run_state": restore_rule,  # stateful code over references
+    "call_hi_primitive": restore_rule,
+    # JAX 0.10's call of an open jaxpr, staged by no public API (gone
+    # from 0.11.1; an alias of eval_jaxpr in 0.12).
+    "call": restore_rule,
+    # Never in a traced program.
+    "custom_lin": unsupported(_NO_PROGRAM),
     # Pallas kernels and their scopes, written for their dtypes
     "pallas_call": restore_rule, "core_map": restore_rule, "run_scoped": restore_rule,
     "mpmd_map": restore_rule, "custom_fusion": restore_rule, "fusible": restore_rule,
@@ -349,5 +339,5 @@ OPTIONAL_HIGHER_ORDER_RULES: dict[str, Rule] = {
     # jax.experimental.overlap.program_order (from JAX 0.11.2): its body's order kept
     "program_order": restore_rule,
 }  # fmt: skip
-"""Primitive name -> rule, for higher-order primitives that a module registers
-on import (see `jaxamp.jaxpr_policy.rules.OPTIONAL_RULES`)."""
+"""Primitive name -> rule, for the primitives that carry jaxprs (keyed by name,
+as `jaxamp.jaxpr_policy.rules.FIRST_ORDER_RULES` is)."""

@@ -81,7 +81,6 @@ from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 from jax.extend.core import Literal
-from jax.extend.core import primitives as lax_primitives
 
 from jaxamp.jaxpr_policy.rules import convert_rule, float32_rule, follow_rule, is_floating
 
@@ -92,36 +91,36 @@ if TYPE_CHECKING:
 
 _REDUCTIONS = frozenset(
     (
-        lax_primitives.reduce_sum_p,
-        lax_primitives.reduce_prod_p,
-        lax_primitives.reduce_max_p,
-        lax_primitives.reduce_min_p,
-        lax_primitives.argmax_p,
-        lax_primitives.argmin_p,
+        "reduce_sum",
+        "reduce_prod",
+        "reduce_max",
+        "reduce_min",
+        "argmax",
+        "argmin",
     )
 )
 
 _CHAIN = frozenset(
     (
         # arithmetic
-        lax_primitives.add_p,
-        lax_primitives.sub_p,
-        lax_primitives.mul_p,
-        lax_primitives.div_p,
-        lax_primitives.neg_p,
-        lax_primitives.abs_p,
-        lax_primitives.max_p,
-        lax_primitives.min_p,
-        lax_primitives.sign_p,
-        lax_primitives.select_n_p,
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "abs",
+        "max",
+        "min",
+        "sign",
+        "select_n",
         # shape ops a reduction fusion absorbs
-        lax_primitives.broadcast_in_dim_p,
-        lax_primitives.reshape_p,
-        lax_primitives.squeeze_p,
-        lax_primitives.transpose_p,
-        lax_primitives.copy_p,
+        "broadcast_in_dim",
+        "reshape",
+        "squeeze",
+        "transpose",
+        "copy",
         # an upcast (checked below to be to float32 or wider)
-        lax_primitives.convert_element_type_p,
+        "convert_element_type",
     )
 )
 
@@ -144,16 +143,16 @@ def _disabled() -> Iterator[None]:
 
 
 def _is_float32_reduction(context: Rewrite, equation) -> bool:
-    return equation.primitive in _REDUCTIONS and context.rule_for(equation) is float32_rule
+    return equation.primitive.name in _REDUCTIONS and context.rule_for(equation) is float32_rule
 
 
 def _may_widen(context: Rewrite, equation) -> bool:
     """Whether `equation` is a chain op that runs by its follow (or cast) rule."""
-    if equation.primitive not in _CHAIN:
+    if equation.primitive.name not in _CHAIN:
         return False
     if not all(is_floating(variable.aval.dtype) for variable in equation.outvars):
         return False
-    if equation.primitive is lax_primitives.convert_element_type_p:
+    if equation.primitive.name == "convert_element_type":
         new_dtype = equation.params["new_dtype"]
         if jnp.promote_types(jnp.float32, new_dtype) != new_dtype:
             return False

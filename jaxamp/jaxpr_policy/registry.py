@@ -10,52 +10,74 @@ reach a compiler). The union of those four tables, keyed by the primitive
 objects themselves, is the registry. It holds the primitives of the modules
 imported so far: ``jax.experimental.sparse`` registers its own on import.
 
-`registered_primitives` reads the tables (jax 0.10 and 0.12 keep them in
-the same place); `registered` finds one primitive by name, for the
-primitives JAX does not export as an object, and fails loudly when JAX has
-no such primitive, so a misspelt name cannot slip into the rules table.
+Nothing here runs when jaxamp is imported: the rules tables are keyed by
+name and resolved through `find` when `jaxamp.autocast` is applied, so a
+JAX release that adds, renames or removes primitives changes which rules
+apply, never whether jaxamp imports. A JAX that keeps these tables
+elsewhere degrades to the primitives it exports publicly (``jax.lax``,
+``jax.lax.linalg``, ``jax.extend.core.primitives``), with one warning.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 from jax.extend.core import Primitive
 
-from jaxamp.supported_jax import SUPPORTED, release
+_PUBLIC_MODULES = ("jax.lax", "jax.lax.linalg", "jax.extend.core.primitives")
 
-_VERSION = release(jax.__version__)  # (0, 11, 2): patch releases add and remove primitives too
+
+def _rule_tables() -> list:
+    from jax._src.interpreters import ad, mlir
+
+    return [
+        mlir._lowerings,
+        *mlir._platform_specific_lowerings.values(),
+        ad.primitive_jvps,
+        ad.primitive_transposes,
+    ]
+
+
+@functools.cache
+def _exported_primitives() -> frozenset[Primitive]:
+    import importlib
+
+    return frozenset(
+        value
+        for module in _PUBLIC_MODULES
+        for value in vars(importlib.import_module(module)).values()
+        if isinstance(value, Primitive)
+    )
+
+
+@functools.cache
+def _warn_unreadable(reason: str) -> None:
+    warnings.warn(
+        f"jaxamp cannot read JAX {jax.__version__}'s primitive registry ({reason}); autocast's rules "
+        "apply to the primitives JAX exports (jax.lax, jax.lax.linalg, jax.extend.core.primitives), "
+        "and the others run in the dtypes they were traced with. Please report this JAX release "
+        "to jaxamp.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def registered_primitives() -> frozenset[Primitive]:
     """Every primitive the running JAX can lower or differentiate.
 
-    Raises:
-        RuntimeError: this JAX keeps its rule tables elsewhere (a release
-            jaxamp does not support yet); the message names what is missing.
+    Where JAX keeps its rule tables elsewhere than jaxamp knows, the
+    primitives it exports publicly, after one `RuntimeWarning`.
     """
     try:
-        from jax._src.interpreters import ad, mlir
-
-        tables = [
-            mlir._lowerings,
-            *mlir._platform_specific_lowerings.values(),
-            ad.primitive_jvps,
-            ad.primitive_transposes,
-        ]
+        primitives = frozenset(primitive for table in _rule_tables() for primitive in table)
     except (ImportError, AttributeError) as error:
-        raise RuntimeError(
-            f"jaxamp cannot read JAX {jax.__version__}'s primitive registry (the lowering, JVP and "
-            f"transpose tables in jax._src.interpreters): {error}. jaxamp supports "
-            f"jax{SUPPORTED}; install one of those releases."
-        ) from error
-    primitives = frozenset(primitive for table in tables for primitive in table)
+        _warn_unreadable(f"{type(error).__name__}: {error}")
+        return _exported_primitives()
     if not primitives or not all(isinstance(primitive, Primitive) for primitive in primitives):
-        raise RuntimeError(
-            f"JAX {jax.__version__}'s rule tables are no longer keyed by primitives; jaxamp supports "
-            f"jax{SUPPORTED}."
-        )
+        _warn_unreadable("its rule tables are no longer keyed by primitives")
+        return _exported_primitives()
     return primitives
 
 
@@ -73,32 +95,3 @@ def _by_name(primitives: frozenset[Primitive]) -> dict[str, list[Primitive]]:
 def find(name: str) -> list[Primitive]:
     """The registered primitives called `name` (one, or none; JAX reuses no name)."""
     return _by_name(registered_primitives()).get(name, [])
-
-
-def registered(
-    name: str, *, added: tuple[int, int] | None = None, removed: tuple[int, int] | None = None
-) -> Primitive | None:
-    """The primitive JAX registers as `name`, for one that JAX does not export.
-
-    Args:
-        name: the primitive's ``name``.
-        added: the JAX release that introduced it, if after 0.10.2, as
-            (major, minor) or (major, minor, patch).
-        removed: the first JAX release without it, in the same form.
-
-    Returns:
-        The primitive; None when the installed JAX is outside [added, removed).
-
-    Raises:
-        LookupError: the installed JAX should have it and has none (or two).
-    """
-    if (added is not None and _VERSION < added) or (removed is not None and _VERSION >= removed):
-        return None
-    matches = find(name)
-    if len(matches) != 1:
-        raise LookupError(
-            f"JAX {jax.__version__} registers {len(matches)} primitives named {name!r}, not one: "
-            "the rules table of jaxamp.autocast names a primitive this JAX does not have. Fix the "
-            "name (or its added/removed releases) in jaxamp/jaxpr_policy/rules.py."
-        )
-    return matches[0]

@@ -1,12 +1,12 @@
 """The dtype each first-order primitive runs in under `jaxamp.autocast`.
 
-Like JAX's own ``ad.primitive_transposes``, the rules live in a table keyed
-by the primitive objects themselves (`FIRST_ORDER_RULES`), taken from where
-JAX exports them (``jax.lax.exp_p``, ``jax.extend.core.primitives``) or, for
-the few it does not export, found by name in JAX's registry
-(`jaxamp.jaxpr_policy.registry.registered`, which fails loudly on a name JAX
-does not have). Adding a primitive is adding one entry, and a test checks
-that every primitive JAX registers has one. Each rule takes the rewrite,
+Like JAX's own ``ad.primitive_transposes``, the rules live in a table, keyed
+by JAX's names for the primitives (`FIRST_ORDER_RULES`) and resolved to the
+running JAX's primitive objects when `autocast` is applied
+(`jaxamp.jaxpr_policy.table`), never on import. Adding a primitive is adding
+one entry; the tests check every name against the primitives of each
+supported JAX release (``tests/jax_primitives/``) and that every primitive
+the installed JAX registers has an entry. Each rule takes the rewrite,
 the traced equation and the current input values (whose dtypes may differ
 from the traced ones) and returns the output values. The rules, after
 ``torch.autocast``:
@@ -46,15 +46,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax.extend.core.primitives as core_primitives
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import Literal, Primitive
-from jax.lax import linalg
+from jax.extend.core import Literal
 
 from jaxamp.jaxpr_policy.context import Rewrite, Rule
-from jaxamp.jaxpr_policy.registry import registered
 
 
 def is_floating(dtype: Any) -> bool:
@@ -183,154 +180,100 @@ def unsupported(reason: str) -> Rule:
     return unsupported_rule
 
 
-def _table(groups: dict[Rule, Sequence[Primitive | None]]) -> dict[Primitive, Rule]:
-    """primitive -> rule, skipping the primitives of other JAX releases (None)."""
-    table: dict[Primitive, Rule] = {}
-    for rule, primitives in groups.items():
-        for primitive in primitives:
-            if primitive is None:
-                continue
-            if primitive in table:
-                raise ValueError(f"{primitive.name!r} has two rules in the autocast table.")
-            table[primitive] = rule
+def _table(groups: dict[Rule, Sequence[str]]) -> dict[str, Rule]:
+    """primitive name -> rule, refusing a name listed under two rules."""
+    table: dict[str, Rule] = {}
+    for rule, names in groups.items():
+        for name in names:
+            if name in table:
+                raise ValueError(f"{name!r} has two rules in the autocast table.")
+            table[name] = rule
     return table
 
 
-# The releases that added or removed primitives, down to the patch release:
-# checked on jax 0.10.2, 0.11.0, 0.11.1, 0.11.2 and 0.12.0.1.
-_V0111 = (0, 11, 1)
-_V0112 = (0, 11, 2)
-_V012 = (0, 12)
-
-_COMPUTE = (lax.dot_general_p, lax.conv_general_dilated_p, registered("ragged_dot_general"))
+_COMPUTE = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
 _FLOAT32 = (
     # exp / log family, roots, powers
-    lax.exp_p, lax.exp2_p, lax.expm1_p, lax.log_p, lax.log1p_p, lax.logistic_p, lax.sqrt_p,
-    lax.rsqrt_p, lax.cbrt_p, lax.pow_p, lax.integer_pow_p, lax.square_p,
-    registered("log2", added=_V0112), registered("polynomial", added=_V012),
+    "exp", "exp2", "expm1", "log", "log1p", "logistic", "sqrt", "rsqrt", "cbrt", "pow", "integer_pow",
+    "square", "log2", "polynomial",
     # special functions
-    lax.erf_p, lax.erfc_p, lax.erf_inv_p, lax.lgamma_p, lax.digamma_p, lax.polygamma_p, lax.igamma_p,
-    lax.igammac_p, lax.igamma_grad_a_p, lax.zeta_p, lax.bessel_i0e_p, lax.bessel_i1e_p,
-    lax.regularized_incomplete_beta_p,
+    "erf", "erfc", "erf_inv", "lgamma", "digamma", "polygamma", "igamma", "igammac", "igamma_grad_a", "zeta",
+    "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta",
     # trigonometric and hyperbolic functions that torch keeps in float32
-    lax.tan_p, lax.acos_p, lax.asin_p, lax.acosh_p, lax.asinh_p, lax.atanh_p, lax.cosh_p, lax.sinh_p,
+    "tan", "acos", "asin", "acosh", "asinh", "atanh", "cosh", "sinh",
     # lax.complex takes float32 or float64 parts, never half precision
-    lax.complex_p,
+    "complex",
     # reductions, windowed reductions, cumulative reductions
-    lax.reduce_sum_p, lax.reduce_prod_p, lax.reduce_max_p, lax.reduce_min_p, lax.argmax_p,
-    lax.argmin_p, lax.reduce_and_p, lax.reduce_or_p, lax.reduce_xor_p, lax.reduce_window_sum_p,
-    lax.reduce_window_max_p, lax.reduce_window_min_p, lax.cumsum_p, lax.cumprod_p, lax.cummax_p,
-    lax.cummin_p, lax.cumlogsumexp_p,
+    "reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "argmax", "argmin", "reduce_and", "reduce_or",
+    "reduce_xor", "reduce_window_sum", "reduce_window_max", "reduce_window_min", "cumsum", "cumprod",
+    "cummax", "cummin", "cumlogsumexp",
     # linear algebra and the FFT
-    core_primitives.cholesky_p, core_primitives.eigh_p, core_primitives.eig_p, core_primitives.lu_p,
-    core_primitives.qr_p, core_primitives.svd_p, core_primitives.triangular_solve_p,
-    core_primitives.tridiagonal_p, core_primitives.tridiagonal_solve_p,
-    core_primitives.householder_product_p, core_primitives.schur_p, core_primitives.hessenberg_p,
-    linalg.cholesky_update_p, linalg.symmetric_product_p, linalg.ormqr_p, registered("geqrf"),
-    registered("geqp3"), lax.fft_p,
+    "cholesky", "eigh", "eig", "lu", "qr", "svd", "triangular_solve", "tridiagonal", "tridiagonal_solve",
+    "householder_product", "schur", "hessenberg", "cholesky_update", "symmetric_product", "ormqr", "geqrf",
+    "geqp3", "fft",
 )  # fmt: skip
 
 _FOLLOW = (
     # arithmetic and comparisons
-    lax.add_p, core_primitives.add_jaxvals_p, lax.sub_p, lax.mul_p, lax.div_p, lax.rem_p, lax.max_p,
-    lax.min_p, lax.neg_p, lax.sign_p, lax.abs_p, lax.floor_p, lax.ceil_p, lax.round_p,
-    lax.nextafter_p, lax.is_finite_p, lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p, lax.gt_p, lax.ge_p,
-    lax.select_n_p, lax.clamp_p, lax.tanh_p, lax.sin_p, lax.cos_p, lax.atan_p, lax.atan2_p,
-    lax.reduce_precision_p, lax.copy_p, lax.real_p, lax.imag_p, lax.conj_p,
-    registered("one_minus_square", added=_V0112),
+    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "sign", "abs", "floor", "ceil",
+    "round", "nextafter", "is_finite", "eq", "ne", "lt", "le", "gt", "ge", "select_n", "clamp", "tanh",
+    "sin", "cos", "atan", "atan2", "reduce_precision", "copy", "real", "imag", "conj", "one_minus_square",
     # integer and boolean arithmetic (nothing to cast; listed to be complete)
-    lax.and_p, lax.or_p, lax.not_p, lax.xor_p, lax.shift_left_p, lax.shift_right_arithmetic_p,
-    lax.shift_right_logical_p, lax.clz_p, lax.population_count_p, lax.mulhi_p, lax.eq_to_p,
-    lax.le_to_p, lax.lt_to_p,
+    "and", "or", "not", "xor", "shift_left", "shift_right_arithmetic", "shift_right_logical", "clz",
+    "population_count", "mulhi", "eq_to", "le_to", "lt_to",
     # structure
-    lax.broadcast_in_dim_p, lax.reshape_p, lax.squeeze_p, lax.transpose_p, lax.rev_p, lax.slice_p,
-    lax.dynamic_slice_p, lax.dynamic_update_slice_p, lax.gather_p, lax.concatenate_p, lax.pad_p,
-    lax.sort_p, lax.top_k_p, lax.approx_top_k_p, lax.split_p, lax.tile_p, lax.stack_p, lax.unstack_p,
-    lax.select_and_gather_add_p, lax.select_and_scatter_add_p, lax.stop_gradient_p,
+    "broadcast_in_dim", "reshape", "squeeze", "transpose", "rev", "slice", "dynamic_slice",
+    "dynamic_update_slice", "gather", "concatenate", "pad", "sort", "top_k", "approx_top_k", "split", "tile",
+    "stack", "unstack", "select_and_gather_add", "select_and_scatter_add", "stop_gradient",
 )  # fmt: skip
 
 # Operand-wise primitives: each output is its own operand, so no promotion.
 _PASS_THROUGH = (
-    lax.optimization_barrier_p, lax.device_put_p, lax.sharding_constraint_p,
-    registered("layout_constraint"), registered("reshard"), registered("relayout", added=_V0111),
-    core_primitives.name_p, registered("tie"), registered("pvary"), registered("pbroadcast"),
-    registered("preduced"), registered("reduced_vary_cast_p", removed=_V012),
-    registered("reduced_vary_cast", added=_V012), registered("vary_unreduced_cast_p", removed=_V012),
-    registered("vary_unreduced_cast", added=_V012), lax.stage_p, registered("dce_sink"),
+    "optimization_barrier", "device_put", "sharding_constraint", "layout_constraint", "reshard", "relayout",
+    "name", "tie", "pvary", "pbroadcast", "preduced", "reduced_vary_cast_p", "reduced_vary_cast",
+    "vary_unreduced_cast_p", "vary_unreduced_cast", "stage", "dce_sink",
 )  # fmt: skip
 
 # Run as traced: the operation's meaning is tied to its traced dtypes.
 _RESTORE = (
     # scatters: the update jaxpr combines values of the traced dtype
-    lax.scatter_p, lax.scatter_add_p, lax.scatter_sub_p, lax.scatter_mul_p, lax.scatter_min_p,
-    lax.scatter_max_p,
+    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
     # reductions with a jaxpr of their own (lax.reduce, lax.reduce_window)
-    lax.reduce_p, lax.reduce_window_p, lax.select_and_scatter_p,
+    "reduce", "reduce_window", "select_and_scatter",
     # bits and integers: reinterpreting bits depends on the dtype
-    lax.bitcast_convert_type_p, lax.iota_p, registered("empty"), core_primitives.empty2_p,
-    linalg.lu_pivots_to_permutation_p,
+    "bitcast_convert_type", "iota", "empty", "empty2", "lu_pivots_to_permutation",
     # collectives keep the dtype the program gave them
-    lax.psum_p, lax.pmax_p, lax.pmin_p, lax.all_gather_p, lax.all_to_all_p, lax.ppermute_p,
-    lax.ragged_all_to_all_p, lax.axis_index_p, registered("reduce_scatter"),
-    registered("psum_invariant"), registered("all_gather_invariant"),
-    registered("all_gather_reduced"), registered("unreduced_psum"),
-    registered("unreduced_reduce_scatter"), registered("unreduced_pmax", added=_V0111),
-    registered("unreduced_pmin", added=_V0111), registered("psend"), registered("precv"),
+    "psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "ragged_all_to_all", "axis_index",
+    "reduce_scatter", "psum_invariant", "all_gather_invariant", "all_gather_reduced", "unreduced_psum",
+    "unreduced_reduce_scatter", "unreduced_pmax", "unreduced_pmin", "psend", "precv",
     # their asynchronous halves
-    registered("psum_start", removed=_V0111), registered("psum_done"),
-    registered("psum_invariant_start"), registered("all_gather_start"),
-    registered("all_gather_done"), registered("all_gather_reduced_start"),
-    registered("all_to_all_start"), registered("all_to_all_done"), registered("ppermute_start"),
-    registered("ppermute_done"), registered("reduce_scatter_start"),
-    registered("reduce_scatter_done"), registered("pbroadcast_start", removed=_V0111),
-    registered("pbroadcast_done", removed=_V0111), registered("pbroadcast_dynamic", added=_V012),
-    registered("unreduced_psum_start", removed=_V0111),
-    registered("unreduced_reduce_scatter_start", removed=_V0111),
+    "psum_start", "psum_done", "psum_invariant_start", "all_gather_start", "all_gather_done",
+    "all_gather_reduced_start", "all_to_all_start", "all_to_all_done", "ppermute_start", "ppermute_done",
+    "reduce_scatter_start", "reduce_scatter_done", "pbroadcast_start", "pbroadcast_done",
+    "pbroadcast_dynamic", "unreduced_psum_start", "unreduced_reduce_scatter_start",
     # random numbers
-    core_primitives.random_bits_p, core_primitives.random_seed_p, core_primitives.random_split_p,
-    core_primitives.random_fold_in_p, core_primitives.random_gamma_p, registered("random_wrap"),
-    registered("random_unwrap"), registered("random_clone"), core_primitives.threefry2x32_p,
-    registered("threefry4x32"), registered("philox2x32"), registered("philox4x32"),
-    registered("iota_2x32_shape"), lax.rng_bit_generator_p, lax.rng_uniform_p,
+    "random_bits", "random_seed", "random_split", "random_fold_in", "random_gamma", "random_wrap",
+    "random_unwrap", "random_clone", "threefry2x32", "threefry4x32", "philox2x32", "philox4x32",
+    "iota_2x32_shape", "rng_bit_generator", "rng_uniform",
     # callbacks, custom calls and kernels, written for their dtypes
-    registered("pure_callback"), registered("io_callback"), registered("debug_callback"),
-    registered("debug_print"), registered("ffi_call"), registered("inspect_sharding"),
-    registered("call_exported"), registered("scaled_matmul"), registered("scaled_matmul_wrapper"),
-    registered("scaled_dot"), registered("dot_product_attention_fwd"),
-    registered("dot_product_attention_bwd"), registered("dot_product_attention_fwd_wrapper"),
-    registered("dot_product_attention_bwd_wrapper"), registered("dot_product_attention_fp8_fwd"),
-    registered("dot_product_attention_fp8_bwd"), registered("dot_product_attention_fp8_fwd_wrapper"),
-    registered("dot_product_attention_fp8_bwd_wrapper"),
+    "pure_callback", "io_callback", "debug_callback", "debug_print", "ffi_call", "inspect_sharding",
+    "call_exported", "scaled_matmul", "scaled_matmul_wrapper", "scaled_dot", "dot_product_attention_fwd",
+    "dot_product_attention_bwd", "dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper",
+    "dot_product_attention_fp8_fwd", "dot_product_attention_fp8_bwd",
+    "dot_product_attention_fp8_fwd_wrapper", "dot_product_attention_fp8_bwd_wrapper",
     # mutable references and boxes: a reference keeps the dtype it was created with
-    core_primitives.get_p, core_primitives.swap_p, registered("addupdate"), registered("new_ref"),
-    registered("empty_ref"), registered("free_ref"), registered("freeze"),
-    registered("accum_grad_in_ref"), registered("create_linear"), registered("pin"),
-    registered("broadcast_to"),
-    registered("unpin"), registered("box_get", removed=_V0111), registered("box_set", removed=_V0111),
-    registered("new_box", removed=_V0111), registered("log_extend", removed=_V0111),
-    registered("log_read", removed=_V0111), registered("new_log", removed=_V0111),
+    "get", "swap", "addupdate", "new_ref", "empty_ref", "free_ref", "freeze", "accum_grad_in_ref",
+    "create_linear", "pin", "broadcast_to", "unpin", "box_get", "box_set", "new_box", "log_extend",
+    "log_read", "new_log",
     # extended dtypes, shape polymorphism, tokens, platform dispatch
-    registered("to_edtype"), registered("from_edtype"), registered("dim_as_value"),
-    registered("dimension_size"), registered("shape_assertion"), lax.create_token_p,
-    lax.after_all_p, registered("platform_index"), registered("unreachable"),
+    "to_edtype", "from_edtype", "dim_as_value", "dimension_size", "shape_assertion", "create_token",
+    "after_all", "platform_index", "unreachable",
 )  # fmt: skip
 
-FIRST_ORDER_RULES: dict[Primitive, Rule] = {
-    **_table(
-        {
-            compute_rule: _COMPUTE,
-            float32_rule: _FLOAT32,
-            follow_rule: _FOLLOW,
-            pass_through_rule: _PASS_THROUGH,
-            restore_rule: _RESTORE,
-        }
-    ),
-    lax.convert_element_type_p: convert_rule,
-}
-"""Primitive -> rule, for the primitives without a jaxpr to rewrite."""
-
-OPTIONAL_RULES: dict[str, Rule] = {
+# The primitives that a JAX module registers only when imported (jax.experimental.sparse
+# takes half a second to import, so jaxamp imports none of them to get the objects).
+_OPTIONAL_MODULES = {
     # jax.experimental.checkify
     "check": restore_rule,
     # Pallas (jax.experimental.pallas and its backends): kernel-body primitives,
@@ -357,16 +300,32 @@ OPTIONAL_RULES: dict[str, Rule] = {
             "bcoo_sort_indices", "bcoo_spdot_general", "bcoo_sum_duplicates", "bcoo_todense",
             "bcoo_transpose", "bcsr_dot_general", "bcsr_extract", "bcsr_fromdense", "bcsr_todense",
             "coo_fromdense", "coo_matmat", "coo_matvec", "coo_spmm", "coo_spmv", "coo_todense",
-            "csr_fromdense", "csr_matmat", "csr_matvec", "csr_spmm", "csr_spmv", "csr_todense",
-            "spsolve", "todense",
+            "csr_fromdense", "csr_matmat", "csr_matvec", "csr_spmm", "csr_spmv", "csr_todense", "spsolve",
+            "todense",
         )
     },
 }  # fmt: skip
-"""Primitive name -> rule, for the first-order primitives that a JAX module
-registers only when imported (``jax.experimental.sparse`` takes half a second
-to import, so jaxamp does not import it to get the objects). Resolved through
-the registry when a table is built (`jaxamp.jaxpr_policy.table`); the registry
-test imports every such module and checks that each name resolves."""
+
+FIRST_ORDER_RULES: dict[str, Rule] = {
+    **_table(
+        {
+            compute_rule: _COMPUTE,
+            float32_rule: _FLOAT32,
+            follow_rule: _FOLLOW,
+            pass_through_rule: _PASS_THROUGH,
+            restore_rule: _RESTORE,
+        }
+    ),
+    "convert_element_type": convert_rule,
+    **_OPTIONAL_MODULES,
+}
+"""Primitive name -> rule, for the primitives without a jaxpr to rewrite.
+
+Keyed by JAX's names, not by the primitive objects: nothing here reads
+JAX's primitive set when jaxamp is imported, and a name the running JAX
+does not register (one a release added or removed) is simply absent from
+the table `jaxamp.jaxpr_policy.table.rules_table` resolves. The tests check
+every name against the primitives of each supported JAX release."""
 
 RULES_BY_NAME: dict[str, Rule] = {
     "compute": compute_rule,

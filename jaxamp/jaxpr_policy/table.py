@@ -1,12 +1,12 @@
-"""The whole rules table: every primitive JAX has registered so far -> its rule.
+"""The whole rules table, resolved from names to the running JAX's primitives.
 
-`jaxamp.jaxpr_policy.rules` and `jaxamp.jaxpr_policy.higher_order` key their
-tables by the primitive objects of the modules JAX always loads. A few JAX
-modules register primitives only when imported (``jax.experimental.sparse``,
-Pallas and its backends, ``jax.experimental.rnn``); their rules are listed
-by name and resolved here, through the registry, for the modules imported
-by the time `autocast` is applied (a primitive can only appear in a program
-once its module is imported).
+`jaxamp.jaxpr_policy.rules` and `jaxamp.jaxpr_policy.higher_order` key
+their tables by JAX's primitive names. `rules_table` resolves them through
+the registry (`jaxamp.jaxpr_policy.registry.find`) when `autocast` is
+applied, for the modules imported by then (a primitive can only appear in a
+program once its module is imported): a name the running JAX does not
+register is absent from the result, so a JAX release that adds or removes
+primitives never stops jaxamp from importing or autocast from running.
 """
 
 from __future__ import annotations
@@ -16,20 +16,21 @@ from collections.abc import Mapping
 from jax.extend.core import Primitive
 
 from jaxamp.jaxpr_policy.context import Rule
-from jaxamp.jaxpr_policy.higher_order import HIGHER_ORDER_RULES, OPTIONAL_HIGHER_ORDER_RULES
+from jaxamp.jaxpr_policy.higher_order import HIGHER_ORDER_RULES
 from jaxamp.jaxpr_policy.registry import find
-from jaxamp.jaxpr_policy.rules import FIRST_ORDER_RULES, OPTIONAL_RULES
+from jaxamp.jaxpr_policy.rules import FIRST_ORDER_RULES
 
 
-def _resolve(rules_by_name: Mapping[str, Rule]) -> dict[Primitive, Rule]:
+def resolve(rules_by_name: Mapping[str, Rule]) -> dict[Primitive, Rule]:
+    """primitive -> rule, for each name the running JAX registers."""
     return {primitive: rule for name, rule in rules_by_name.items() for primitive in find(name)}
 
 
 def rules_table() -> dict[Primitive, Rule]:
     """primitive -> rule, for every primitive with a rule in the JAX modules imported now."""
-    return {**FIRST_ORDER_RULES, **_resolve(OPTIONAL_RULES), **higher_order_rules()}
+    return resolve({**FIRST_ORDER_RULES, **HIGHER_ORDER_RULES})
 
 
 def higher_order_rules() -> dict[Primitive, Rule]:
     """primitive -> rule, for the primitives that carry jaxprs (imported now)."""
-    return {**HIGHER_ORDER_RULES, **_resolve(OPTIONAL_HIGHER_ORDER_RULES)}
+    return resolve(HIGHER_ORDER_RULES)

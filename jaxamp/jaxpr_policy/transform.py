@@ -15,7 +15,7 @@ from jaxamp.jaxpr_policy.fp8_rules import fp8_rules
 from jaxamp.jaxpr_policy.interpreter import RewriteCache
 from jaxamp.jaxpr_policy.registry import find
 from jaxamp.jaxpr_policy.rules import RULES_BY_NAME
-from jaxamp.jaxpr_policy.table import higher_order_rules, rules_table
+from jaxamp.jaxpr_policy.table import higher_order_rules, resolve, rules_table
 from jaxamp.policy import Policy, PolicySpec, get_policy
 
 
@@ -42,7 +42,7 @@ def _resolve_rules(
 ) -> dict[Primitive, Rule]:
     rules = rules_table()
     if policy.fp8_matmuls:
-        rules.update(fp8_rules(fp8_observer))
+        rules.update(resolve(fp8_rules(fp8_observer)))
     if overrides is None:
         return rules
     if not isinstance(overrides, Mapping):
