@@ -36,16 +36,17 @@ the presets are refused, so a plain ``dot_general`` of the FP8 operands runs:
 the same FP8 products with float32 accumulation, and no speed-up.
 `lax.platform_dependent` picks the branch when the program is lowered.
 
-`fp8_quantization_stats` reads how many values underflowed (nonzero values
-that quantize to zero), saturated and were not finite, without changing
-what `jaxamp.autocast` computes.
+`jaxamp.diagnostics.fp8_quantization_stats` reads how many values
+underflowed (nonzero values that quantize to zero), saturated and were not
+finite, through the kernel's `observer` hook, without changing what
+`jaxamp.autocast` computes.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -65,7 +66,7 @@ FP8_SCOPE_NAME = "jaxamp_fp8"
 FP8_FALLBACK_SCOPE_PREFIX = "jaxamp_fp8_fallback_"
 """A fallback runs under ``jax.named_scope(FP8_FALLBACK_SCOPE_PREFIX + reason)``."""
 
-FP8_FALLBACK_REASONS: dict[str, str] = {
+FP8_FALLBACK_REASONS: Mapping[str, str] = types.MappingProxyType({
     "shape_not_multiple_of_16": (
         "a dot's M, N or K (the product of the lhs free dims, of the rhs free dims, of the "
         "contracting dims), or a convolution's input or output features, is not a multiple of 16, the FP8 GEMM granularity of cuBLASLt and TransformerEngine. "
@@ -87,7 +88,7 @@ FP8_FALLBACK_REASONS: dict[str, str] = {
         "in bfloat16 on the saved FP8 operands."
     ),
     "ragged_dot": "a ragged (grouped) dot, which has no FP8 form here.",
-}
+})
 """Why an eligible-looking matmul or convolution did not run in FP8, by slug.
 
 The slug is what the compiled program's op names carry
@@ -435,124 +436,3 @@ def fp8_dot_general(
     dimension_numbers = _canonical_dimension_numbers(dimension_numbers, lhs.ndim, rhs.ndim)
     result_dtype = jnp.dtype(preferred_element_type)
     return _fp8_dot(lhs, rhs, dimension_numbers, result_dtype, _observer)
-
-
-@dataclasses.dataclass(frozen=True)
-class Fp8TensorStats:
-    """How one tensor quantized (one FP8 operand or cotangent).
-
-    Attributes:
-        role: ``"lhs"`` or ``"rhs"`` (forward operands) or ``"cotangent"``
-            (the backward's incoming gradient).
-        shape: the tensor's shape.
-        fp8_dtype: ``"float8_e4m3fn"`` or ``"float8_e5m2"``.
-        elements: its number of values.
-        nonzero: how many were not zero.
-        underflowed: nonzero finite values that quantized to zero.
-        saturated: finite values beyond the FP8 range after scaling (clipped);
-            zero by construction under current scaling.
-        non_finite: infs and NaNs (which make the GEMM's result NaN).
-        amax: the largest magnitude.
-    """
-
-    role: str
-    shape: tuple[int, ...]
-    fp8_dtype: str
-    elements: int
-    nonzero: int
-    underflowed: int
-    saturated: int
-    non_finite: int
-    amax: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Fp8QuantizationStats:
-    """Every FP8 quantization of one call, in the order they ran.
-
-    Attributes:
-        tensors: one `Fp8TensorStats` per quantized tensor.
-    """
-
-    tensors: tuple[Fp8TensorStats, ...]
-
-    @property
-    def underflowed(self) -> int:
-        """Nonzero values that quantized to zero, over all tensors."""
-        return sum(tensor.underflowed for tensor in self.tensors)
-
-    @property
-    def saturated(self) -> int:
-        """Values clipped to the FP8 range, over all tensors."""
-        return sum(tensor.saturated for tensor in self.tensors)
-
-    @property
-    def non_finite(self) -> int:
-        """Infs and NaNs met, over all tensors."""
-        return sum(tensor.non_finite for tensor in self.tensors)
-
-    @property
-    def underflow_fraction(self) -> float:
-        """Underflowed values as a fraction of the nonzero values (0 when none)."""
-        nonzero = sum(tensor.nonzero for tensor in self.tensors)
-        return self.underflowed / nonzero if nonzero else 0.0
-
-
-def fp8_quantization_stats(
-    fun: Callable[..., Any],
-    policy: Any = "mixed_float8",
-    *,
-    gradient_argnums: int | Sequence[int] | None = None,
-) -> Callable[..., Fp8QuantizationStats]:
-    """A diagnostic: how the FP8 matmuls of ``autocast(fun, policy)`` quantize their operands.
-
-    ``fp8_quantization_stats(fun)(*args)`` runs ``jaxamp.autocast(fun,
-    policy)(*args)`` once with every FP8 quantization reporting its counts
-    to the host (``jax.debug.callback``), and returns them. `autocast`
-    itself stays a pure transformation with no outputs added; this is a
-    separate run, for a notebook or a logging step, not the train step.
-    With `gradient_argnums` it runs ``jax.grad(autocast(fun, policy),
-    gradient_argnums)`` instead (`fun` returns a scalar loss), so the
-    backward's cotangent quantizations (``float8_e5m2``) are counted too.
-
-    Example:
-        >>> stats = jaxamp.fp8_quantization_stats(loss_fn, gradient_argnums=0)(params, x, y)
-        >>> stats.underflow_fraction, stats.saturated, stats.non_finite
-
-    Args:
-        fun: the function, as given to `jaxamp.autocast`.
-        policy: a policy with FP8 matmuls (``"mixed_float8"`` by default).
-        gradient_argnums: None to run `fun` forward only; an int or ints to
-            run its gradient with respect to those arguments.
-
-    Returns:
-        A function of `fun`'s arguments returning `Fp8QuantizationStats`.
-
-    Raises:
-        ValueError: `policy` has no FP8 matmuls.
-    """
-    from jaxamp.jaxpr_policy.transform import autocast_with_fp8_observer
-    from jaxamp.policy import get_policy
-
-    resolved = get_policy(policy)
-    if not resolved.fp8_matmuls:
-        raise ValueError(
-            f"fp8_quantization_stats needs a policy with FP8 matmuls; {str(resolved)!r} has none. "
-            "Pass 'mixed_float8' (or add ',matmul=float8' to the policy string)."
-        )
-
-    def stats_fun(*args, **kwargs) -> Fp8QuantizationStats:
-        records: list[Fp8TensorStats] = []
-
-        def observer(role, shape, fp8_dtype, counts):
-            values = {name: np.asarray(value).item() for name, value in counts.items()}
-            records.append(Fp8TensorStats(role, shape, fp8_dtype, **values))
-
-        observed = autocast_with_fp8_observer(fun, resolved, observer)
-        if gradient_argnums is not None:
-            observed = jax.grad(observed, gradient_argnums)
-        jax.block_until_ready(observed(*args, **kwargs))
-        jax.effects_barrier()
-        return Fp8QuantizationStats(tuple(records))
-
-    return functools.wraps(fun, updated=())(stats_fun)

@@ -42,13 +42,13 @@ Example:
     >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     >>> policy = jaxamp.get_policy("mixed_bf16")
     >>> model = jaxamp.apply_policy(Transformer(), policy)
-    >>> communication = jaxamp.CommunicationPolicy.from_policy(policy)  # bf16 gathers, f32 sums
+    >>> communication = jaxamp.fsdp.CommunicationPolicy.from_policy(policy)  # bf16 gathers, f32 sums
     >>> def loss_fn(params, tokens, targets):
     ...     logits = model.apply({"params": params}, tokens)
     ...     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-    >>> sharded_loss = jaxamp.fsdp_loss(loss_fn, mesh, communication)
+    >>> sharded_loss = jaxamp.fsdp.fsdp_loss(loss_fn, mesh, communication)
     >>> state = jaxamp.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
-    >>> state = jax.device_put(state, jaxamp.fsdp_shardings(state, mesh))
+    >>> state = jax.device_put(state, jaxamp.fsdp.fsdp_shardings(state, mesh))
     >>> @jax.jit
     ... def train_step(state, tokens, targets):
     ...     loss, grads, grads_finite = jaxamp.scaled_value_and_grad(
@@ -69,40 +69,28 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxamp.policy import _DTYPE_ALIASES, PolicySpec, get_policy
+from jaxamp.policy import PolicySpec, get_policy, parse_dtype, parse_fields
 
-_DTYPE_CHOICES = "a floating dtype such as jnp.bfloat16, one of the names " + ", ".join(
-    sorted(_DTYPE_ALIASES)
-)
+__all__ = [
+    "CommunicationPolicy",
+    "fsdp_loss",
+    "fsdp_shardings",
+    "get_communication_policy",
+    "is_narrower",
+    "shard_dimension",
+]
+
+_OWN_DTYPE = ("param", "params", "none")  # each parameter's own dtype
 
 
 def _communication_dtype(dtype: Any, field_name: str) -> np.dtype | None:
-    """The canonical floating dtype `dtype` names, or None for "the parameter's own"."""
-    if dtype is None:
+    """The floating dtype `dtype` names (`jaxamp.policy.parse_dtype`), or None for "the parameter's own"."""
+    if dtype is None or (isinstance(dtype, str) and dtype.strip().lower() in _OWN_DTYPE):
         return None
-    if isinstance(dtype, str):
-        key = dtype.strip().lower()
-        if key in ("param", "params", "none"):
-            return None
-        if key not in _DTYPE_ALIASES:
-            raise ValueError(
-                f"CommunicationPolicy {field_name} {dtype!r} names no floating dtype; valid: "
-                f"{_DTYPE_CHOICES}, or 'param' (or None) for each parameter's own dtype."
-            )
-        return jnp.dtype(_DTYPE_ALIASES[key])
     try:
-        canonical = jnp.dtype(dtype)
-    except TypeError as error:
-        raise TypeError(
-            f"CommunicationPolicy {field_name} must be {_DTYPE_CHOICES}, or None for each "
-            f"parameter's own dtype; got {dtype!r}."
-        ) from error
-    if not jnp.issubdtype(canonical, jnp.floating):
-        raise TypeError(
-            f"CommunicationPolicy {field_name} must be {_DTYPE_CHOICES}, or None for each "
-            f"parameter's own dtype; got {canonical.name}."
-        )
-    return canonical
+        return parse_dtype(dtype, f"CommunicationPolicy {field_name}")
+    except ValueError as error:
+        raise ValueError(f"{error} Or 'param' (or None) for each parameter's own dtype.") from None
 
 
 def is_narrower(dtype: Any, than: Any) -> bool:
@@ -217,24 +205,16 @@ def get_communication_policy(spec: CommunicationPolicy | str | None) -> Communic
         return CommunicationPolicy()
     if not isinstance(spec, str):
         raise TypeError(
-            "A communication policy must be a jaxamp.CommunicationPolicy, None or a string such as "
+            "A communication policy must be a jaxamp.fsdp.CommunicationPolicy, None or a string such as "
             f"'gather=bf16,reduce=f32'; got {type(spec).__name__}: {spec!r}."
         )
     normalized = "".join(spec.split()).lower()
-    if normalized in ("", "param", "params", "none"):
+    if normalized in ("", *_OWN_DTYPE):
         return CommunicationPolicy()
-    fields: dict[str, Any] = {}
-    for part in normalized.split(","):
-        if part == "allow_narrow_reduce":
-            fields["allow_narrow_reduce"] = True
-            continue
-        key, separator, value = part.partition("=")
-        if not separator or key not in _COMMUNICATION_KEYS or not value:
-            raise ValueError(
-                f"Malformed part {part!r} in communication policy {spec!r}: expected gather=DTYPE, "
-                "reduce=DTYPE or allow_narrow_reduce, e.g. 'gather=bf16,reduce=f32'."
-            )
-        fields[_COMMUNICATION_KEYS[key]] = value
+    fields = parse_fields(
+        spec, _COMMUNICATION_KEYS, kind="communication policy", example="gather=bf16,reduce=f32",
+        flags=("allow_narrow_reduce",),
+    )  # fmt: skip
     return CommunicationPolicy(**fields)
 
 

@@ -83,37 +83,45 @@ _GRAMMAR_KEYS = {
 }
 
 
-def _canonical_dtype(dtype: Any, field_name: str) -> np.dtype:
-    if dtype is None:
-        # jnp.dtype(None) is float64: a missing dtype must not pass as one.
-        raise TypeError(
-            f"Policy {field_name} must be a floating dtype such as jnp.float32, "
-            "jnp.float16 or jnp.bfloat16; got None."
-        )
-    if isinstance(dtype, str):
-        # NumPy would read "f16" as a 16-byte float; take jmp's aliases instead.
-        key = dtype.strip().lower()
+DTYPE_NAMES = (*sorted(_DTYPE_ALIASES), "half")
+"""The dtype names every jaxamp setting accepts (``half``: jmp's half dtype,
+bfloat16 on TPU and float16 elsewhere)."""
+
+
+def parse_dtype(value: Any, what: str) -> np.dtype:
+    """The floating dtype `value` names: the one dtype parser of policies and communication dtypes.
+
+    Args:
+        value: a floating dtype (``jnp.float16``, ``np.dtype("float32")``) or
+            one of `DTYPE_NAMES`, case-insensitive. NumPy's own strings are
+            not read: NumPy takes ``"f16"`` for a 16-byte float.
+        what: what the value is for, to start the error message
+            (``"Policy compute_dtype"``).
+
+    Raises:
+        ValueError: `value` names no floating dtype (a non-floating dtype,
+            an unknown name, None, any other object); the message names the
+            value and the choices.
+    """
+    canonical = None
+    if isinstance(value, str):
+        key = value.strip().lower()
         if key == "half":
             return jnp.dtype(jmp.half_dtype())
-        if key not in _DTYPE_ALIASES:
-            raise TypeError(
-                f"Policy {field_name} must be a floating dtype; {dtype!r} is not one of "
-                f"{', '.join(sorted(_DTYPE_ALIASES))}, half (or pass a dtype such as jnp.float16)."
-            )
-        return jnp.dtype(_DTYPE_ALIASES[key])
-    try:
-        canonical = jnp.dtype(dtype)
-    except TypeError as error:
-        raise TypeError(
-            f"Policy {field_name} must be a floating dtype such as jnp.float32, "
-            f"jnp.float16 or jnp.bfloat16; got {dtype!r}."
-        ) from error
-    if not jnp.issubdtype(canonical, jnp.floating):
-        raise TypeError(
-            f"Policy {field_name} must be a floating dtype such as jnp.float32, "
-            f"jnp.float16 or jnp.bfloat16; got {canonical.name}."
-        )
-    return canonical
+        if key in _DTYPE_ALIASES:
+            return jnp.dtype(_DTYPE_ALIASES[key])
+    elif value is not None:  # jnp.dtype(None) is float64: a missing dtype must not pass as one
+        try:
+            canonical = jnp.dtype(value)
+        except TypeError:
+            pass
+    if canonical is not None and jnp.issubdtype(canonical, jnp.floating):
+        return canonical
+    got = canonical.name if canonical is not None else repr(value)
+    raise ValueError(
+        f"{what} must be a floating dtype, such as jnp.float32, jnp.float16 or jnp.bfloat16, or one of "
+        f"the names {', '.join(DTYPE_NAMES)}; got {got}."
+    )
 
 
 def _canonical_matmul_dtype(dtype: Any) -> np.dtype | None:
@@ -130,12 +138,50 @@ def _canonical_matmul_dtype(dtype: Any) -> np.dtype | None:
             canonical = None
         if canonical == jnp.dtype(jnp.float8_e4m3fn):
             return canonical
-    raise TypeError(
+    raise ValueError(
         f"Policy matmul_dtype must be None (matmuls in the compute dtype) or FP8 "
         f"({', '.join(_MATMUL_DTYPE_ALIASES)}, or jnp.float8_e4m3fn); got {dtype!r}. "
         "FP8 matmuls take float8_e4m3fn operands forward and a float8_e5m2 cotangent "
         "backward; the policy names them by the forward dtype."
     )
+
+
+def parse_fields(spec: str, keys: dict[str, str], *, kind: str, example: str, flags: tuple[str, ...] = ()) -> dict:
+    """The one ``key=dtype,...`` grammar, of precision and communication policies alike.
+
+    `spec` is read case-insensitively with spaces ignored and split at
+    commas; each part is ``key=dtype`` with a key of `keys` (mapped to its
+    field name), or a bare flag of `flags` (mapped to True).
+
+    Args:
+        spec: the string as the user wrote it.
+        keys: key spelling -> field name (``"c"`` -> ``"compute_dtype"``).
+        kind: what `spec` is, for messages (``"precision policy"``).
+        example: a valid string, for messages.
+        flags: the bare tokens accepted.
+
+    Returns:
+        field name -> the value's string (or True for a flag).
+
+    Raises:
+        ValueError: a part is not ``key=dtype`` or a flag, or its key is
+            unknown; the message names the part and the valid keys.
+    """
+    fields: dict[str, Any] = {}
+    for part in "".join(spec.split()).lower().split(","):
+        if part in flags:
+            fields[part] = True
+            continue
+        key, separator, value = part.partition("=")
+        if not separator or not key or not value:
+            forms = ", ".join(["key=dtype", *flags])
+            raise ValueError(f"Malformed part {part!r} in {kind} {spec!r}: expected {forms}, e.g. {example!r}.")
+        if key not in keys:
+            raise ValueError(
+                f"Unknown key {key!r} in {kind} {spec!r}. Valid keys: {', '.join(keys)}; e.g. {example!r}."
+            )
+        fields[keys[key]] = value
+    return fields
 
 
 def is_floating_array(leaf: Any) -> bool:
@@ -197,7 +243,7 @@ class Policy:
 
     def __post_init__(self):
         for name in ("param_dtype", "compute_dtype", "output_dtype"):
-            object.__setattr__(self, name, _canonical_dtype(getattr(self, name), name))
+            object.__setattr__(self, name, parse_dtype(getattr(self, name), f"Policy {name}"))
         object.__setattr__(self, "matmul_dtype", _canonical_matmul_dtype(self.matmul_dtype))
 
     @property
@@ -241,50 +287,30 @@ class Policy:
 PolicySpec = Policy | jmp.Policy | str
 
 
-def _parse_dtype(token: str, spec: str) -> Any:
-    if token == "half":
-        return jmp.half_dtype()
-    try:
-        return _DTYPE_ALIASES[token]
-    except KeyError:
-        raise ValueError(
-            f"Unknown dtype {token!r} in precision policy {spec!r}. Valid dtypes: "
-            f"{', '.join(sorted(_DTYPE_ALIASES))}, half."
-        ) from None
-
-
-def _parse_grammar(normalized: str, spec: str) -> Policy:
+def _parse_grammar(spec: str) -> Policy:
     """Parses jmp's ``key=dtype,...`` grammar with jmp's defaults.
 
     Params default to float32, compute follows params and output follows
     compute (so ``"c=f16"`` is params float32, compute and output float16).
     """
-    dtypes: dict[str, Any] = {}
-    for part in normalized.split(","):
-        key, separator, value = part.partition("=")
-        if not separator or not key or not value:
-            raise ValueError(
-                f"Malformed part {part!r} in precision policy {spec!r}: expected "
-                "key=dtype, e.g. 'params=float32,compute=float16,output=float32'."
-            )
-        if key not in _GRAMMAR_KEYS:
-            raise ValueError(
-                f"Unknown key {key!r} in precision policy {spec!r}. Valid keys: {', '.join(_GRAMMAR_KEYS)}."
-            )
-        if _GRAMMAR_KEYS[key] == "matmul_dtype":
-            if value not in _MATMUL_DTYPE_ALIASES:
-                raise ValueError(
-                    f"Unknown matmul dtype {value!r} in precision policy {spec!r}. Valid: "
-                    f"{', '.join(_MATMUL_DTYPE_ALIASES)} (FP8 matmuls under jaxamp.autocast); leave "
-                    "the key out for matmuls in the compute dtype."
-                )
-            dtypes["matmul_dtype"] = _MATMUL_DTYPE_ALIASES[value]
-            continue
-        dtypes[_GRAMMAR_KEYS[key]] = _parse_dtype(value, spec)
+    example = "params=float32,compute=float16,output=float32"
+    fields = parse_fields(spec, _GRAMMAR_KEYS, kind="precision policy", example=example)
+    dtypes = {
+        name: parse_dtype(value, f"The {name.removesuffix('_dtype')} dtype {value!r} of precision policy {spec!r}")
+        for name, value in fields.items()
+        if name != "matmul_dtype"
+    }
+    matmul = fields.get("matmul_dtype")
+    if matmul is not None and matmul not in _MATMUL_DTYPE_ALIASES:
+        raise ValueError(
+            f"Unknown matmul dtype {matmul!r} in precision policy {spec!r}. Valid: "
+            f"{', '.join(_MATMUL_DTYPE_ALIASES)} (FP8 matmuls under jaxamp.autocast); leave "
+            "the key out for matmuls in the compute dtype."
+        )
     param_dtype = dtypes.get("param_dtype", jnp.float32)
     compute_dtype = dtypes.get("compute_dtype", param_dtype)
     output_dtype = dtypes.get("output_dtype", compute_dtype)
-    return Policy(param_dtype, compute_dtype, output_dtype, dtypes.get("matmul_dtype"))
+    return Policy(param_dtype, compute_dtype, output_dtype, matmul)
 
 
 def get_policy(spec: PolicySpec) -> Policy:
@@ -330,17 +356,17 @@ def get_policy(spec: PolicySpec) -> Policy:
         )
     normalized = "".join(spec.split()).lower()
     if "=" in normalized:
-        return _parse_grammar(normalized, spec)
+        return _parse_grammar(spec)
     if normalized in _NAMED_POLICIES:
         return Policy(*_NAMED_POLICIES[normalized])
     if normalized in _NAMED_FP8_POLICIES:
         return Policy(*_NAMED_FP8_POLICIES[normalized], matmul_dtype=jnp.float8_e4m3fn)
-    if normalized in _DTYPE_ALIASES or normalized == "half":
-        dtype = _parse_dtype(normalized, spec)
+    if normalized in DTYPE_NAMES:
+        dtype = parse_dtype(normalized, "A policy's dtype")
         return Policy(dtype, dtype, dtype)
     raise ValueError(
         f"Unknown precision policy {spec!r}. Valid names: "
         f"{', '.join([*_NAMED_POLICIES, *_NAMED_FP8_POLICIES])}; a dtype alias "
-        f"({', '.join(sorted(_DTYPE_ALIASES))}, half); or jmp's grammar such as "
+        f"({', '.join(DTYPE_NAMES)}); or jmp's grammar such as "
         "'params=float32,compute=float16,output=float32' (add ',matmul=float8' for FP8 matmuls)."
     )

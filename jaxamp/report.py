@@ -2,41 +2,55 @@
 
 Mixed precision that silently falls back to float32 (a promoting layer, a
 forgotten cast) looks exactly like mixed precision until the profiler says
-otherwise. `precision_report` traces a function to a jaxpr and counts every
-matrix multiplication (``dot_general``) and convolution
-(``conv_general_dilated``) by the dtype of its operands, weighted by its
-floating-point operations, including those inside nested jaxprs
-(``jit``, ``remat``, ``scan``, ``cond``, custom derivatives). A ``scan``
-body's FLOPs count once per iteration; a ``while_loop`` body's once, since
-its trip count is not known at trace time. A ``cond`` (or ``switch``) runs
-one branch per call, so it counts the branch with the most FLOPs only: the
-report is an upper bound on what one call computes, never the sum of
-branches that cannot all run.
+otherwise. A `PrecisionReport` lists every matrix multiplication and
+convolution of one program with the dtype of its operands and its
+floating-point operations; `jaxamp.precision_report`
+(`jaxamp.traced_report`) makes one from a traced function, and
+`jaxamp.diagnostics.hlo_precision_report` from a compiled program.
 
 Compiled for a GPU, the report also proves FP8: which matmuls and
 convolutions ran in cuBLASLt's and cuDNN's FP8 calls, forward and backward,
 which ones asked for FP8 and got a wider GEMM from XLA, and which ones fell
 back to bfloat16 on purpose, with the reason (`PrecisionReport.fp8_rows`,
-`jaxamp.check_fp8`).
+`jaxamp.diagnostics.check_fp8`).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
-import math
-from collections.abc import Callable, Iterator
+import re
 from typing import Any
 
-import jax
 import numpy as np
 
-from jaxamp import hlo_report
-from jaxamp.jaxpr_policy.table import rules_table
-from jaxamp.jaxpr_policy.unruled import primitives_without_rule
+_FP8_SCOPES = re.compile(r"(?<![\w])jaxamp_fp8(?:_fallback_(\w+))?(?![\w])")
 
-_HEAVY_PRIMITIVES = ("dot_general", "conv_general_dilated")
+
+def fp8_scope(op_name: str) -> tuple[bool, str | None]:
+    """What jaxamp's named scopes in `op_name` say about FP8.
+
+    Returns:
+        ``(requested, fallback_reason)``: ``(True, None)`` under the
+        ``jaxamp_fp8`` scope, ``(False, reason)`` under
+        ``jaxamp_fp8_fallback_<reason>``, ``(False, None)`` under neither.
+        The innermost of several such scopes decides.
+    """
+    scopes = list(_FP8_SCOPES.finditer(op_name))
+    if not scopes:
+        return False, None
+    reason = scopes[-1].group(1)
+    return reason is None, reason
+
+
+def is_backward(op_name: str) -> bool:
+    """Whether JAX traced the operation in a backward pass.
+
+    JAX's name stack wraps what the transpose of a linearized function
+    computes in ``transpose(jvp(...))``: the cotangent matmuls of
+    ``jax.grad``, and a ``custom_vjp``'s backward function.
+    """
+    return "transpose(" in op_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +93,12 @@ class OpRecord:
     @property
     def direction(self) -> str:
         """``backward`` for an op of a transposed (gradient) computation, else ``forward``."""
-        return "backward" if hlo_report.is_backward(self.op_name) else "forward"
+        return "backward" if is_backward(self.op_name) else "forward"
 
     @property
     def fallback_reason(self) -> str | None:
         """The reason slug of a ``jaxamp_fp8_fallback_<reason>`` scope around the op."""
-        return hlo_report.fp8_scope(self.op_name)[1]
+        return fp8_scope(self.op_name)[1]
 
     @property
     def fp8_status(self) -> str | None:
@@ -223,155 +237,3 @@ class PrecisionReport:
         if self.without_rule:
             lines += ["", f"no autocast rule (run as traced): {', '.join(self.without_rule)}"]
         return "\n".join(lines)
-
-
-def _subjaxprs(params: dict[str, Any]) -> Iterator[jax.extend.core.Jaxpr]:
-    for value in params.values():
-        candidates = value if isinstance(value, (tuple, list)) else (value,)
-        for candidate in candidates:
-            if isinstance(candidate, jax.extend.core.ClosedJaxpr):
-                yield candidate.jaxpr
-            elif isinstance(candidate, jax.extend.core.Jaxpr):
-                yield candidate
-
-
-def _flops(primitive: str, lhs, rhs, out, params: dict[str, Any]) -> int:
-    if primitive == "dot_general":
-        (lhs_contracting, _), _ = params["dimension_numbers"]
-        contracted = math.prod(lhs.shape[axis] for axis in lhs_contracting)
-        return 2 * math.prod(out.shape) * contracted
-    # Convolution: every output element sums over the kernel's spatial window
-    # and its input features (rhs holds in_features // groups per group).
-    rhs_spec = params["dimension_numbers"].rhs_spec
-    _, in_feature_axis, *spatial_axes = rhs_spec
-    window = math.prod(rhs.shape[axis] for axis in spatial_axes) * rhs.shape[in_feature_axis]
-    return 2 * math.prod(out.shape) * window
-
-
-def _walk(jaxpr, records: list[OpRecord], repeats: int = 1) -> None:
-    """Appends a record for every matmul and convolution of `jaxpr` to `records`.
-
-    Nested jaxprs are walked too::
-
-        scan:   body records, FLOPs times `length` (times enclosing repeats)
-        cond:   the records of the branch with the most FLOPs (ties: the first)
-        other:  every nested jaxpr once (while_loop bodies, jit, remat, ...)
-    """
-    for equation in jaxpr.eqns:
-        name = equation.primitive.name
-        if name in _HEAVY_PRIMITIVES:
-            lhs, rhs = (variable.aval for variable in equation.invars[:2])
-            out = equation.outvars[0].aval
-            records.append(
-                OpRecord(
-                    primitive=name,
-                    operand_dtypes=(lhs.dtype.name, rhs.dtype.name),
-                    output_dtype=out.dtype.name,
-                    flops=repeats * _flops(name, lhs, rhs, out, equation.params),
-                )
-            )
-        if name == "cond":
-            branch_records = []
-            for branch in _subjaxprs(equation.params):
-                branch_records.append([])
-                _walk(branch, branch_records[-1], repeats)
-            records.extend(max(branch_records, key=lambda ops: sum(op.flops for op in ops)))
-            continue
-        # A scan body runs `length` times; a while loop's trip count is unknown
-        # at trace time, so its body counts once.
-        body_repeats = repeats * equation.params.get("length", 1) if name == "scan" else repeats
-        for subjaxpr in _subjaxprs(equation.params):
-            _walk(subjaxpr, records, body_repeats)
-
-
-def precision_report(
-    fun: Callable[..., Any], *args, compiled: bool = False, **kwargs
-) -> PrecisionReport:
-    """Reports the dtypes of the heavy math of ``fun(*args, **kwargs)``.
-
-    Two modes answer two questions:
-
-    * traced (``compiled=False``, the default): what the program asks for.
-      Nothing is compiled or run: the function is traced to a jaxpr and its
-      ``dot_general`` and ``conv_general_dilated`` equations are counted.
-    * compiled (``compiled=True``): what XLA runs. The function is compiled
-      for the device its arguments are placed on (``jax.jit(fun).lower(*args)
-      .compile()``) and the optimized HLO's ``dot`` and ``convolution``
-      instructions and cuDNN/cuBLAS custom calls are counted (see
-      `jaxamp.hlo_report`). On CPU, XLA runs half-precision convolutions in
-      float32 and this mode says so; for a GPU, even one compiled for without
-      a GPU (`jaxamp.gpu_targets`), it shows the half-precision cuDNN calls,
-      and the FP8 ones (`PrecisionReport.fp8_rows`, `jaxamp.check_fp8`).
-
-    Pass a training step (or ``jax.value_and_grad`` of a loss) to see the
-    backward pass too.
-
-    Example:
-        >>> report = jaxamp.precision_report(model.apply, variables, images)
-        >>> print(report)
-        dtype         ops       GFLOPs   share
-        float16        21       0.5571  100.0%
-        >>> report.fraction(jnp.float16)
-        1.0
-
-    Args:
-        fun: any traceable function.
-        *args: its positional arguments (arrays or ShapeDtypeStructs; in
-            compiled mode, their shardings choose the device compiled for).
-        compiled: report the compiled, optimized program rather than the
-            traced one.
-        **kwargs: its keyword arguments, passed as static Python values.
-
-    Returns:
-        A `PrecisionReport`.
-    """
-    # Keyword arguments are bound statically: flags such as ``train=False``
-    # must stay Python values, not tracers.
-    traced = jax.jit(functools.partial(fun, **kwargs)).trace(*args)
-    without_rule = primitives_without_rule(traced.jaxpr.jaxpr, rules_table())
-    if compiled:
-        lowered = traced.lower()
-        report = hlo_precision_report(lowered.compile().as_text(), hlo_report.lowered_hlo_text(lowered))
-        return dataclasses.replace(report, without_rule=without_rule)
-    records: list[OpRecord] = []
-    _walk(traced.jaxpr.jaxpr, records)
-    return PrecisionReport(tuple(records), without_rule=without_rule)
-
-
-def hlo_precision_report(hlo_text: str, lowered_hlo_text: str | None = None) -> PrecisionReport:
-    """A `PrecisionReport` of an optimized HLO module's text.
-
-    Use it on a step that is already compiled, to avoid compiling it twice::
-
-        lowered = jax.jit(step).lower(*args)
-        report = hlo_precision_report(
-            lowered.compile().as_text(), jaxamp.hlo_report.lowered_hlo_text(lowered))
-
-    A record's ``primitive`` is the HLO opcode (``dot``, ``convolution``) or
-    the custom call target (``__cudnn$convForward``, ``__cublas$gemm``,
-    ``__cublas$lt$matmul$f8``, ...).
-
-    An op counts as FP8-requested (`OpRecord.fp8_requested`) when its
-    op_name lies under the ``jaxamp_fp8`` named scope, or, given the
-    program before optimization, when that program fed it FP8 values,
-    directly or through a dequantize (`hlo_report.fp8_fed_matmuls`; ops
-    are matched by name stack and source location, which XLA keeps
-    through its rewrites: the op_name without its last part, the
-    primitive, which XLA may replace with that of a transpose it merged).
-
-    Args:
-        hlo_text: the optimized module's text.
-        lowered_hlo_text: the same program's HLO before optimization, with
-            metadata (`hlo_report.lowered_hlo_text`); without it, only the
-            named scope marks FP8 requests.
-    """
-    fed = hlo_report.fp8_fed_matmuls(lowered_hlo_text) if lowered_hlo_text else set()
-    # Matched without the op_name's last part: XLA gives a dot that it merges with
-    # the transpose after it (as a backward pass's dot often is) the transpose's name.
-    fed_scopes = {(op_name.rpartition("/")[0], source) for op_name, source in fed}
-    records = []
-    for op in hlo_report.heavy_ops(hlo_text):
-        in_scope = hlo_report.fp8_scope(op.op_name)[0]
-        requested = in_scope or (op.op_name.rpartition("/")[0], op.source) in fed_scopes
-        records.append(OpRecord(**dataclasses.asdict(op), fp8_requested=requested))
-    return PrecisionReport(tuple(records), compiled=True)

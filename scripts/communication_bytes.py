@@ -7,7 +7,7 @@
 One training step (loss, gradients, Adam update through `jaxamp.TrainState`)
 of a small GPT-like model (token embedding, pre-norm causal self-attention,
 GELU MLP, tied output embedding) under the ``mixed_bf16`` policy, with
-params and optimizer state sharded over 8 devices (`jaxamp.fsdp_shardings`)
+params and optimizer state sharded over 8 devices (`jaxamp.fsdp.fsdp_shardings`)
 and the batch split over the same axis, compiled for each setting:
 
 * ``jit + shardings``: the step as users write it today, plain ``jax.jit``
@@ -50,7 +50,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxamp
-from jaxamp.collectives import collective_totals, compile_with_partitioned_hlo
+from jaxamp.diagnostics.collectives import collective_totals, compile_with_partitioned_hlo
 from jaxamp.fsdp import shard_dimension
 
 # Programs served by a persistent compilation cache are not compiled, so XLA
@@ -61,9 +61,9 @@ AXIS = "data"
 POLICY = "mixed_bf16"
 SETTINGS = {
     "jit + shardings": None,
-    "fsdp_loss gather=param,reduce=param": jaxamp.CommunicationPolicy(),
-    "fsdp_loss gather=bf16,reduce=f32": jaxamp.CommunicationPolicy.from_policy(POLICY),
-    "fsdp_loss gather=bf16,reduce=bf16": jaxamp.CommunicationPolicy(
+    "fsdp_loss gather=param,reduce=param": jaxamp.fsdp.CommunicationPolicy(),
+    "fsdp_loss gather=bf16,reduce=f32": jaxamp.fsdp.CommunicationPolicy.from_policy(POLICY),
+    "fsdp_loss gather=bf16,reduce=bf16": jaxamp.fsdp.CommunicationPolicy(
         gather_dtype="bf16", reduce_dtype="bf16", allow_narrow_reduce=True
     ),
 }
@@ -110,7 +110,7 @@ def make_step(model, communication, mesh):
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     if communication is not None:
-        loss_fn = jaxamp.fsdp_loss(loss_fn, mesh, communication, axis=AXIS)
+        loss_fn = jaxamp.fsdp.fsdp_loss(loss_fn, mesh, communication, axis=AXIS)
 
     def train_step(state, tokens):
         loss, grads, grads_finite = jaxamp.scaled_value_and_grad(loss_fn, state.loss_scale)(
@@ -129,7 +129,7 @@ def abstract_inputs(model, mesh, batch_size, context):
         lambda params: jaxamp.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3)),
         params,
     )
-    shardings = jaxamp.fsdp_shardings(state, mesh, axis=AXIS)
+    shardings = jaxamp.fsdp.fsdp_shardings(state, mesh, axis=AXIS)
     state = jax.tree.map(
         lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
         state,
@@ -208,7 +208,7 @@ def format_table(report, title):
 def gpu_mesh(name):
     from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
 
-    from jaxamp.gpu_targets import gpu_spec  # pylint: disable=g-import-not-at-top
+    from jaxamp.diagnostics.gpu_targets import gpu_spec  # pylint: disable=g-import-not-at-top
 
     topology = topologies.get_topology_desc(
         platform="cuda", target_config=gpu_spec(name).target_config(), topology=f"1x1x{DEVICES}"

@@ -4,8 +4,8 @@
         python scripts/fp8_proof.py > results/cpu/fp8_proof.txt
 
 Each is compiled for an H200 target without a GPU
-(`jaxamp.gpu_target_device`); the script prints its compiled
-`jaxamp.precision_report` and what `jaxamp.check_fp8` says:
+(`jaxamp.diagnostics.gpu_target_device`); the script prints its compiled
+`jaxamp.precision_report` and what `jaxamp.diagnostics.check_fp8` says:
 
 1. a dense layer in FP8 with per-tensor current scaling (the reference
    pattern of ``scripts/fp8_scaling_cost.py``: ``lax.dot_general`` on FP8
@@ -85,20 +85,20 @@ def flax_dense_step(dot_general_cls):
 
 def show(title: str, fun, shapes=None, args=None) -> None:
     """Prints the compiled report of fun on bfloat16 arrays of `shapes` (or on `args`), and the check."""
-    device = jaxamp.gpu_target_device("h200")
+    device = jaxamp.diagnostics.gpu_target_device("h200")
     if args is None:
         args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes]
         title = f"{title}: {', '.join(f'bfloat16{list(shape)}' for shape in shapes)}"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # Flax's deprecated FP8 op says so
-        report = jaxamp.precision_report(fun, *jaxamp.on_device(args, device), compiled=True)
+        report = jaxamp.precision_report(fun, *jaxamp.diagnostics.on_device(args, device), compiled=True)
     print(f"== {title}\n{report}")
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", jaxamp.Fp8NotUsedWarning)
-        missed = jaxamp.check_fp8(report)
+        warnings.simplefilter("always", jaxamp.diagnostics.Fp8NotUsedWarning)
+        missed = jaxamp.diagnostics.check_fp8(report)
     print(f"check_fp8: {len(missed)} op(s) missed FP8")
     for warning in caught:
-        if issubclass(warning.category, jaxamp.Fp8NotUsedWarning):
+        if issubclass(warning.category, jaxamp.diagnostics.Fp8NotUsedWarning):
             # Paths relative to the repository, so the output reads the same on every machine.
             message = re.sub(r"\S*site-packages/", "", str(warning.message).replace(os.getcwd() + os.sep, ""))
             print(f"Fp8NotUsedWarning: {message}")
@@ -106,7 +106,7 @@ def show(title: str, fun, shapes=None, args=None) -> None:
 
 
 def main() -> None:
-    print(f"jax {jax.__version__}, compiled for {jaxamp.GPU_TARGETS['h200'].description} (no GPU)\n")
+    print(f"jax {jax.__version__}, compiled for {jaxamp.diagnostics.GPU_TARGETS['h200'].description} (no GPU)\n")
     show("FP8 dense layer, forward and backward", fp8_dense_step, [(256, 768), (768, 3072), (256, 3072)])
     show(
         'the same layer as x @ w under jaxamp.autocast(..., "mixed_float8")',

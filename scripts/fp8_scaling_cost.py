@@ -20,10 +20,10 @@ side output: it saves exactly those amax passes, no more. This script
 measures them.
 
 It compiles the function for an H200 target without a GPU
-(`jaxamp.gpu_target_device`) at a transformer's GEMM shapes and sorts the
+(`jaxamp.diagnostics.gpu_target_device`) at a transformer's GEMM shapes and sorts the
 optimized program's kernels (the entry computation's instructions that move
 data, each reading its operands and writing its result once, as
-`jaxamp.hlo_report.bytes_accessed` counts them) into:
+`jaxamp.diagnostics.hlo_report.bytes_accessed` counts them) into:
 
 * ``gemm``: the cuBLAS/cuBLASLt calls (bytes: FP8 operands in, result out);
 * ``amax``: kernels that hold a ``reduce`` by ``maximum`` and write only
@@ -36,7 +36,7 @@ data, each reading its operands and writing its result once, as
   the activation, as one multi-output fusion).
 
 Each class gets a time on paper at the GPU's peak rates from
-`jaxamp.GPU_TARGETS`: the GEMM ``max(FLOPs / peak FP8 FLOP/s, bytes /
+`jaxamp.diagnostics.GPU_TARGETS`: the GEMM ``max(FLOPs / peak FP8 FLOP/s, bytes /
 bandwidth)``, the others ``bytes / bandwidth``. Beside them, the same pass in bfloat16 on paper (each GEMM ``max(FLOPs /
 peak bfloat16 FLOP/s, bfloat16 operands and result / bandwidth)``, no
 casts), and the FP8 pass's kernels over it: with current scaling (all
@@ -79,7 +79,7 @@ from jax import lax
 
 import jaxamp
 from experiments.results import run_directory
-from jaxamp import hlo_report
+from jaxamp.diagnostics import hlo_report
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 MATMUL = (((1,), (0,)), ((), ()))
@@ -211,7 +211,7 @@ def cost(compiled_text: str) -> Cost:
             totals["quantize"] += moved
         else:
             totals["other"] += moved
-    report = jaxamp.hlo_precision_report(compiled_text)
+    report = jaxamp.diagnostics.hlo_precision_report(compiled_text)
     return Cost(
         totals["gemm"],
         totals["amax"],
@@ -245,26 +245,26 @@ def measure(
     Args:
         dot_general: a function with ``lax.dot_general``'s signature that
             computes in FP8 (`current_scaling_dot_general` by default).
-        target: a name of `jaxamp.GPU_TARGETS` with FP8 peaks.
+        target: a name of `jaxamp.diagnostics.GPU_TARGETS` with FP8 peaks.
         shapes: ``(name, tokens, in_features, out_features)`` tuples.
 
     Returns:
         One dict per shape and pass: the `Cost` fields and times on paper (s).
     """
-    spec = jaxamp.GPU_TARGETS[target]
+    spec = jaxamp.diagnostics.GPU_TARGETS[target]
     if "float8_e4m3fn" not in spec.peak_flops:
         raise ValueError(
-            f"target {target!r} has no FP8 tensor cores in jaxamp.GPU_TARGETS; choose one of "
-            f"{', '.join(name for name, s in jaxamp.GPU_TARGETS.items() if 'float8_e4m3fn' in s.peak_flops)}."
+            f"target {target!r} has no FP8 tensor cores in jaxamp.diagnostics.GPU_TARGETS; choose one of "
+            f"{', '.join(name for name, s in jaxamp.diagnostics.GPU_TARGETS.items() if 'float8_e4m3fn' in s.peak_flops)}."
         )
-    device = jaxamp.gpu_target_device(target)
+    device = jaxamp.diagnostics.gpu_target_device(target)
     rows = []
     for name, tokens, features_in, features_out in shapes:
         x = jax.ShapeDtypeStruct((tokens, features_in), jnp.bfloat16)
         w = jax.ShapeDtypeStruct((features_in, features_out), jnp.bfloat16)
         g = jax.ShapeDtypeStruct((tokens, features_out), jnp.bfloat16)
         for mode, program in _programs(dot_general).items():
-            args = jaxamp.on_device((x, w, g) if mode == "train" else (x, w), device)
+            args = jaxamp.diagnostics.on_device((x, w, g) if mode == "train" else (x, w), device)
             measured = cost(jax.jit(program).lower(*args).compile().as_text())
             gemm_s = max(
                 measured.gemm_flops / spec.peak_flops["float8_e4m3fn"],
@@ -299,7 +299,7 @@ def measure(
 
 def table(rows: list[dict], target: str, function_name: str) -> str:
     """The rows as a text table, with totals and the figures the decision needs."""
-    spec = jaxamp.GPU_TARGETS[target]
+    spec = jaxamp.diagnostics.GPU_TARGETS[target]
     peaks = f"{spec.peak_flops['float8_e4m3fn'] / 1e12:.0f} TFLOP/s FP8 and {spec.memory_bandwidth / 1e12:.1f} TB/s"
     header = (
         f"{'shape':<24} {'M x K x N':<17} {'pass':<8} {'fp8':>5} {'GEMM MB':>8} {'amax MB':>8} {'quant MB':>9} "
@@ -365,7 +365,7 @@ def main() -> None:
         "current-scaling pattern, e.g. jaxamp:fp8_dot_general",
     )
     args = parser.parse_args()
-    fp8_targets = [name for name, spec in jaxamp.GPU_TARGETS.items() if "float8_e4m3fn" in spec.peak_flops]
+    fp8_targets = [name for name, spec in jaxamp.diagnostics.GPU_TARGETS.items() if "float8_e4m3fn" in spec.peak_flops]
     if args.target not in fp8_targets:
         parser.error(
             f"--target {args.target!r}: choose a GPU with FP8 tensor cores: {', '.join(fp8_targets)}"

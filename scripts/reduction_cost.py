@@ -7,12 +7,12 @@
 reductions (the ``h * h`` of an RMS norm, the ``mul`` inside
 ``jnp.linalg.norm``) in float32 (`jaxamp.jaxpr_policy.reduction_inputs`).
 This script compiles the same programs twice for an H200 target without a
-GPU (`jaxamp.gpu_target_device`), with that rule switched off (the rewrite
+GPU (`jaxamp.diagnostics.gpu_target_device`), with that rule switched off (the rewrite
 autocast made before the rule existed: every other rule is the same code)
 and on, and prints side by side:
 
 * ``temp``: ``compiled.memory_analysis().temp_size_in_bytes``;
-* ``bytes moved``: `jaxamp.hlo_report.bytes_accessed` of the optimized
+* ``bytes moved``: `jaxamp.diagnostics.hlo_report.bytes_accessed` of the optimized
   program (each kernel reads its operands and writes its result once);
 * ``XLA bytes accessed``: ``compiled.cost_analysis()["bytes accessed"]``,
   printed as ``n/a`` where XLA gives no cost analysis (a deviceless compile
@@ -20,7 +20,7 @@ and on, and prints side by side:
 * ``kernels``: the entry computation's instructions that move data (fusions,
   library calls, copies) in the optimized program;
 * the share of matmul and convolution FLOPs in float16
-  (`jaxamp.hlo_precision_report`).
+  (`jaxamp.diagnostics.hlo_precision_report`).
 
 Programs (the H200 is one compile target; nothing runs):
 
@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxamp
-from jaxamp import hlo_report
+from jaxamp.diagnostics import hlo_report
 from jaxamp.jaxpr_policy.reduction_inputs import _disabled
 
 TARGET = "h200"
@@ -115,7 +115,7 @@ def _transformer_arguments(batch, length, width, input_dtype, device):
     params = {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in shapes.items()}
     x = jax.ShapeDtypeStruct((batch, length, width), input_dtype)
     target = jax.ShapeDtypeStruct((batch, length, width), jnp.float32)
-    return jaxamp.on_device((params, x, target), device)
+    return jaxamp.diagnostics.on_device((params, x, target), device)
 
 
 def _measure(build) -> dict:
@@ -154,7 +154,7 @@ def _measure(build) -> dict:
                 instruction.opcode not in hlo_report._NO_TRAFFIC_OPCODES
                 for instruction in module.computations[module.entry]
             ),
-            "half_share": jaxamp.hlo_precision_report(text).fraction(jnp.float16),
+            "half_share": jaxamp.diagnostics.hlo_precision_report(text).fraction(jnp.float16),
             "compile_s": seconds,
         }
     results["same_program"] = programs["rule on"] == programs["rule off"]
@@ -250,7 +250,7 @@ def resnet_rows(device, batch_size=128):
         return state
 
     def arguments(apply_under_autocast):
-        return (jaxamp.on_device(jax.eval_shape(lambda: state_with(apply_under_autocast)), device), *data)
+        return (jaxamp.diagnostics.on_device(jax.eval_shape(lambda: state_with(apply_under_autocast)), device), *data)
 
     variants = {
         "apply under autocast: grad(autocast(apply))": lambda: (step, arguments(True)),
@@ -270,11 +270,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-resnet", action="store_true", help="leave out the ResNet18 train step")
     arguments = parser.parse_args()
-    if not jaxamp.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics.gpu_targets.cuda_plugin_available():
         sys.exit(
             "Needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]'); run with JAX_PLATFORMS=cpu."
         )
-    device = jaxamp.gpu_target_device(TARGET)
+    device = jaxamp.diagnostics.gpu_target_device(TARGET)
     print(f"# jax {jax.__version__}, target {TARGET} ({device.device_kind}), compiled without a GPU")
     print(f"# load average at start: {os.getloadavg()[0]:.1f}")
     print("# rule off: autocast with the float32-reduction-inputs rule switched off; rule on: as shipped")

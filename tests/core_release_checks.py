@@ -103,7 +103,7 @@ result["environment_unchanged_after_autocast"] = dict(os.environ) == ENVIRONMENT
 try:
     from jaxamp.diagnostics import gpu_target_device
 except ImportError:  # before the diagnostics layer
-    gpu_target_device = jaxamp.gpu_target_device
+    gpu_target_device = jaxamp.diagnostics.gpu_target_device
 try:
     gpu_target_device("h200")
     result["gpu_target"] = "compiled-for"

@@ -2,7 +2,7 @@
 
 Run by tests/test_fsdp.py in a fresh process (the device count is fixed
 when JAX starts): ``python tests/fsdp_parity_run.py``. Each check computes
-the same thing sharded with `jaxamp.fsdp_loss` and unsharded, in float32,
+the same thing sharded with `jaxamp.fsdp.fsdp_loss` and unsharded, in float32,
 and reports the largest relative difference.
 """
 
@@ -22,7 +22,7 @@ import optax
 from jax.sharding import Mesh
 
 import jaxamp
-from jaxamp.collectives import collectives, compile_with_partitioned_hlo
+from jaxamp.diagnostics.collectives import collectives, compile_with_partitioned_hlo
 
 # Every matmul in float32 on both sides: the runs then differ only in the
 # order of the cross-device sums.
@@ -62,7 +62,7 @@ def main():
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
         return loss, {"accuracy": jnp.mean(logits.argmax(-1) == labels).astype(jnp.float32)}
 
-    sharded_params = jax.device_put(params, jaxamp.fsdp_shardings(params, mesh))
+    sharded_params = jax.device_put(params, jaxamp.fsdp.fsdp_shardings(params, mesh))
     results["param_specs"] = {
         jax.tree_util.keystr(path): str(leaf.sharding.spec)
         for path, leaf in jax.tree_util.tree_leaves_with_path(sharded_params)
@@ -70,7 +70,7 @@ def main():
 
     # 1. Loss, aux and gradients of one batch.
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, images, labels)
-    sharded = jaxamp.fsdp_loss(loss_fn, mesh, has_aux=True)
+    sharded = jaxamp.fsdp.fsdp_loss(loss_fn, mesh, has_aux=True)
     (sharded_loss, sharded_aux), sharded_grads = jax.jit(jax.value_and_grad(sharded, has_aux=True))(
         sharded_params, images, labels
     )
@@ -104,7 +104,7 @@ def main():
 
     state, losses = train(fresh_state(), loss_fn)
     sharded_state = fresh_state()
-    sharded_state = jax.device_put(sharded_state, jaxamp.fsdp_shardings(sharded_state, mesh))
+    sharded_state = jax.device_put(sharded_state, jaxamp.fsdp.fsdp_shardings(sharded_state, mesh))
     sharded_state, sharded_losses = train(sharded_state, sharded)
     results["train_losses"] = relative_difference(sharded_losses, losses)
     results["train_params"] = relative_difference(sharded_state.params, state.params)
@@ -117,7 +117,7 @@ def main():
     mixed_loss = jaxamp.autocast(loss_fn, "mixed_bf16")
     (mixed, _), mixed_grads = jax.jit(
         jax.value_and_grad(
-            jaxamp.fsdp_loss(mixed_loss, mesh, "gather=bf16,reduce=f32", has_aux=True), has_aux=True
+            jaxamp.fsdp.fsdp_loss(mixed_loss, mesh, "gather=bf16,reduce=f32", has_aux=True), has_aux=True
         )
     )(sharded_params, images, labels)
     results["autocast_bf16_loss"] = relative_difference(mixed, loss)
@@ -126,7 +126,7 @@ def main():
     # 4. The sum of a replicated parameter's gradient (Dense_1's bias, 3
     # floats) runs in the reduce dtype too.
     for name, communication in [("default", None), ("narrow", "gather=bf16,reduce=bf16,allow_narrow_reduce")]:
-        step = jax.jit(jax.grad(jaxamp.fsdp_loss(loss_fn, mesh, communication, has_aux=True), has_aux=True))
+        step = jax.jit(jax.grad(jaxamp.fsdp.fsdp_loss(loss_fn, mesh, communication, has_aux=True), has_aux=True))
         _, partitioned = compile_with_partitioned_hlo(step.lower(sharded_params, images, labels))
         results[f"replicated_sums_{name}"] = [
             [op.dtype, op.operand_bytes] for op in collectives(partitioned) if op.kind == "all-reduce"

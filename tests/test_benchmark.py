@@ -139,7 +139,7 @@ def test_the_tables_sentence_on_machine_load_follows_the_measured_load_and_core_
 
 
 def test_the_roofline_bound_is_the_slower_of_compute_at_peak_and_traffic_at_bandwidth():
-    spec = jaxamp.GPU_TARGETS["h100"]
+    spec = jaxamp.diagnostics.GPU_TARGETS["h100"]
     # 1e12 float16 FLOPs at 989.4 TFLOP/s, 1e11 other FLOPs at 67 TFLOP/s, 1e9 bytes at 3.35 TB/s.
     flops = roofline.flops_by_peak("mixed", {"float16": 1e12}, total_flops=1.1e12)
     assert flops == pytest.approx({"float16": 1e12, "float32": 1e11})
@@ -323,7 +323,7 @@ def test_a_half_precision_is_compiled_for_a_target_by_both_routes_with_memory_tr
     (half share 0%, temp memory not below fp32's), if a field or ratio is
     dropped, or if the table leaves the route out.
     """
-    if not jaxamp.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics.gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     results = Results(str(tmp_path), {"environment": {}})
     targets.run(["h200"], ["resnet_tiny"], ["fp32", "mixed"], 4, budget_lib.Budget(), results)

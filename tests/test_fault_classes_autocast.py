@@ -718,7 +718,7 @@ def test_each_matmul_that_fp8_cannot_take_runs_in_bfloat16_under_its_reason(reas
     sent to FP8, a ragged dot loses its fallback rule or scope, or an
     integer convolution is not named as one (it runs as traced, in int32).
     """
-    assert reason in jaxamp.FP8_FALLBACK_REASONS
+    assert reason in jaxamp.diagnostics.FP8_FALLBACK_REASONS
     dtype = jnp.dtype(jnp.int32 if reason == "integer_operands" else jnp.bfloat16)
     args = [jnp.ones(shape, jnp.int32 if reason == "integer_operands" else jnp.float32) for shape in shapes]
     closed = jax.make_jaxpr(jaxamp.autocast(fun, "mixed_float8"))(*args)
@@ -779,7 +779,7 @@ def test_quantization_statistics_count_a_convolutions_fp8_operands():
     would call every convolutional network's quantization clean).
     """
     images, kernel = jnp.ones((2, 8, 8, 16)), jnp.ones((3, 3, 16, 32)).at[0, 0, 0, 0].set(1e4)
-    stats = jaxamp.fp8_quantization_stats(_conv)(images, kernel)
+    stats = jaxamp.diagnostics.fp8_quantization_stats(_conv)(images, kernel)
     assert [(tensor.role, tensor.shape) for tensor in stats.tensors] == [
         ("lhs", (2, 8, 8, 16)),
         ("rhs", (3, 3, 16, 32)),

@@ -63,7 +63,7 @@ def cudnn_hlo(lhs: str, rhs: str) -> str:
 @pytest.mark.parametrize("lhs, rhs", ORDERS)
 def test_a_mixed_dtype_heavy_op_of_compiled_hlo_reports_each_operands_own_dtype(make_hlo, lhs, rhs):
     """Fails if `hlo_report._heavy_op` gives both operands the left (or right) one's dtype."""
-    (op,) = jaxamp.hlo_precision_report(make_hlo(lhs, rhs)).ops
+    (op,) = jaxamp.diagnostics.hlo_precision_report(make_hlo(lhs, rhs)).ops
     assert op.operand_dtypes == (NUMPY_NAMES[lhs], NUMPY_NAMES[rhs])
     assert op.output_dtype == "float32"
     # The wider operand decides: a half x float32 op is not half precision.
@@ -73,7 +73,7 @@ def test_a_mixed_dtype_heavy_op_of_compiled_hlo_reports_each_operands_own_dtype(
 @pytest.mark.parametrize("make_hlo", [dot_hlo, convolution_hlo, cublas_hlo, cudnn_hlo])
 @pytest.mark.parametrize("lhs, rhs", ORDERS)
 def test_a_mixed_dtype_op_counts_nothing_as_half_precision(make_hlo, lhs, rhs):
-    report = jaxamp.hlo_precision_report(make_hlo(lhs, rhs))
+    report = jaxamp.diagnostics.hlo_precision_report(make_hlo(lhs, rhs))
     assert report.fraction(NUMPY_NAMES["f16"]) == 0.0
     assert report.fraction(NUMPY_NAMES["bf16"]) == 0.0
     assert report.fraction(jnp.float32) == 1.0
@@ -82,7 +82,7 @@ def test_a_mixed_dtype_op_counts_nothing_as_half_precision(make_hlo, lhs, rhs):
 @pytest.mark.parametrize("make_hlo", [dot_hlo, convolution_hlo, cublas_hlo, cudnn_hlo])
 def test_a_half_op_with_a_float32_result_is_still_half_precision(make_hlo):
     """The operands, not the result, decide: a report reading the output dtype fails here."""
-    (op,) = jaxamp.hlo_precision_report(make_hlo("f16", "f16")).ops
+    (op,) = jaxamp.diagnostics.hlo_precision_report(make_hlo("f16", "f16")).ops
     assert op.operand_dtypes == ("float16", "float16")
     assert op.output_dtype == "float32"
     assert op.compute_dtype == "float16"
@@ -116,7 +116,7 @@ def test_the_traced_report_reads_each_operand_of_a_mixed_dot(lhs_dtype, rhs_dtyp
 )
 def test_each_heavy_op_kind_counts_its_flops_with_more_than_one_input_feature(make_hlo, flops):
     """Two input features, so a count that divides by them (or ignores them) is off."""
-    (op,) = jaxamp.hlo_precision_report(make_hlo("f16", "f16")).ops
+    (op,) = jaxamp.diagnostics.hlo_precision_report(make_hlo("f16", "f16")).ops
     assert op.flops == flops
 
 
@@ -147,7 +147,7 @@ ENTRY %main (x: f32[4]) -> (s32[], f32[4]) {
 
 def test_a_loop_without_a_known_trip_count_counts_its_body_once_and_an_outer_product_has_no_contraction():
     """XLA prints no ``known_trip_count`` for a data-dependent loop, no contracting dims for an outer product."""
-    (op,) = jaxamp.hlo_precision_report(OUTER_PRODUCT_IN_AN_UNCOUNTED_LOOP).ops
+    (op,) = jaxamp.diagnostics.hlo_precision_report(OUTER_PRODUCT_IN_AN_UNCOUNTED_LOOP).ops
     assert (op.primitive, op.flops) == ("dot", 2 * 4 * 4)
 
 
@@ -217,7 +217,7 @@ def test_bytes_accessed_follows_loops_branches_and_calls_but_not_into_fusions():
         "add at the root": 3 * vector,
         "parameters, constants, tuples, get-tuple-element, bitcast": 0,
     }
-    assert jaxamp.hlo_report.bytes_accessed(TRAFFIC_HLO) == sum(expected.values())
+    assert jaxamp.diagnostics.hlo_report.bytes_accessed(TRAFFIC_HLO) == sum(expected.values())
 
 
 def test_bytes_accessed_counts_bytes_by_element_type():
@@ -232,7 +232,7 @@ ENTRY %main (a: f16[8], b: bf16[8], c: s8[8], d: f64[8]) -> pred[8] {
   ROOT %cd = pred[8]{0} compare(%c, %d), direction=LT
 }
 """
-    assert jaxamp.hlo_report.bytes_accessed(hlo) == (8 * 2 + 8 * 2 + 8 * 4) + (8 * 1 + 8 * 8 + 8 * 1)
+    assert jaxamp.diagnostics.hlo_report.bytes_accessed(hlo) == (8 * 2 + 8 * 2 + 8 * 4) + (8 * 1 + 8 * 8 + 8 * 1)
 
 
 BRANCHES_HLO = """HloModule m
@@ -261,7 +261,7 @@ ENTRY %main (x: f32[16,16], a: f16[2,3,4], b: f16[3,4,5]) -> f32[2,5] {
 
 
 def test_a_conditional_counts_its_branch_with_most_flops_not_most_ops_and_the_walk_goes_on_after_it():
-    report = jaxamp.hlo_precision_report(BRANCHES_HLO)
+    report = jaxamp.diagnostics.hlo_precision_report(BRANCHES_HLO)
     assert [(op.operand_dtypes, op.flops) for op in report.ops] == [
         (("float32", "float32"), 2 * 16 * 16 * 16),  # the one big dot, not the two small ones
         (("float16", "float16"), 2 * (2 * 5) * (3 * 4)),  # after the conditional; contracts two axes
@@ -276,13 +276,13 @@ def test_a_cublas_call_contracting_two_axes_counts_both():
   ROOT %c = f16[2,5]{1,0} get-tuple-element(%gemm), index=0""",
         "a: f16[2,3,4], b: f16[3,4,5]",
     )
-    (op,) = jaxamp.hlo_precision_report(hlo).ops
+    (op,) = jaxamp.diagnostics.hlo_precision_report(hlo).ops
     assert op.flops == 2 * (2 * 5) * (3 * 4)
 
 
 @pytest.mark.parametrize("make_hlo", [dot_hlo, convolution_hlo, cublas_hlo, cudnn_hlo])
 def test_flops_are_integers(make_hlo):
-    (op,) = jaxamp.hlo_precision_report(make_hlo("f16", "f16")).ops
+    (op,) = jaxamp.diagnostics.hlo_precision_report(make_hlo("f16", "f16")).ops
     assert isinstance(op.flops, int)
 
 
@@ -298,7 +298,7 @@ def test_a_heavy_op_missing_the_attribute_its_flops_need_is_refused_naming_it(ma
     hlo = make_hlo("f16", "f16")
     assert remove in hlo
     with pytest.raises(ValueError, match=rf"without {named} in HLO: '"):
-        jaxamp.hlo_precision_report(hlo.replace(remove, ""))
+        jaxamp.diagnostics.hlo_precision_report(hlo.replace(remove, ""))
 
 
 # XLA's own text (``Compiled.as_text()``) prints each operand with its shape,
@@ -341,10 +341,10 @@ ENTRY %main (i: s32[], x: f32[4], m: f32[8,4]) -> f32[8,8] {
 
 
 def test_text_as_xla_prints_it_operand_shapes_tuples_bounded_dims_and_a_switch():
-    report = jaxamp.hlo_precision_report(AS_PRINTED_BY_XLA)
+    report = jaxamp.diagnostics.hlo_precision_report(AS_PRINTED_BY_XLA)
     # The switch's heaviest branch (b2) is named first in the branch list.
     assert [op.flops for op in report.ops] == [2 * 8 * 8 * 4, 2 * 8 * 8 * 8]
-    traffic = jaxamp.hlo_report.bytes_accessed(AS_PRINTED_BY_XLA)
+    traffic = jaxamp.diagnostics.hlo_report.bytes_accessed(AS_PRINTED_BY_XLA)
     fusion = (4 * 4 + 8 * 4 * 4) + (4 + 4 * 4)  # both results (bound 8), the tuple operand's two parts
     # The switch: its largest branch only, two dots (each writes 8x8, reads its two operands).
     switch = (8 * 8 * 4 + 2 * 8 * 4 * 4) + (8 * 8 * 4 + 2 * 8 * 8 * 4)
@@ -365,7 +365,7 @@ ENTRY %main (p: f32[4,4]) -> f32[4,4] {
   ROOT %d = f32[4,4]{1,0} dot(f32[4,4]{1,0} %p, f32[4,4]{1,0} %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 """
-    (op,) = jaxamp.hlo_precision_report(entry_first).ops
+    (op,) = jaxamp.diagnostics.hlo_precision_report(entry_first).ops
     assert op.flops == 2 * 4 * 4 * 4
 
 
@@ -437,7 +437,7 @@ def test_fp8_values_are_followed_into_a_called_computations_parameter_a_branch_a
     if computations reached other than by a ``call`` (a branch, a loop body)
     were never read.
     """
-    assert jaxamp.hlo_report.fp8_fed_matmuls(FP8_BY_EVERY_ROUTE) == {
+    assert jaxamp.diagnostics.hlo_report.fp8_fed_matmuls(FP8_BY_EVERY_ROUTE) == {
         ("jit(g)/jit(inner)/fed", ""),
         ("jit(g)/cond/branch_1_fun/dot_general", ""),
         ("jit(g)/conv_general_dilated", ""),
@@ -488,7 +488,7 @@ def test_an_op_without_an_op_name_or_a_resolvable_source_reports_them_empty():
     would also make ops without metadata match each other or nothing; a
     location with an unknown file and no line or column reads ``?:0:0``.
     """
-    ops = jaxamp.hlo_report.heavy_ops(METADATA_MISSING_IN_PARTS)
+    ops = jaxamp.diagnostics.hlo_report.heavy_ops(METADATA_MISSING_IN_PARTS)
     assert [(op.op_name, op.source) for op in ops] == [
         ("", ""),
         ("jit(f)/dot_general", ""),
@@ -545,9 +545,9 @@ def test_a_conditional_inside_a_counted_loop_counts_its_heavier_branch_times_the
     conditional below the entry could not be weighed) or the loop's count
     for the branches (each branch op would count once, not 3 times).
     """
-    ops = jaxamp.hlo_report.heavy_ops(A_CONDITIONAL_IN_A_COUNTED_LOOP)
+    ops = jaxamp.diagnostics.hlo_report.heavy_ops(A_CONDITIONAL_IN_A_COUNTED_LOOP)
     assert [op.flops for op in ops] == [3 * 2 * 4 * 4 * 4, 3 * 2 * 4 * 4 * 4]
-    assert jaxamp.hlo_precision_report(A_CONDITIONAL_IN_A_COUNTED_LOOP).fraction("float16") == 1.0
+    assert jaxamp.diagnostics.hlo_precision_report(A_CONDITIONAL_IN_A_COUNTED_LOOP).fraction("float16") == 1.0
 
 
 def test_the_entry_is_the_computation_marked_entry_not_the_last_one_read():
@@ -569,14 +569,14 @@ ENTRY %main (p: f32[4,4]) -> f32[4,4] {
   ROOT %d = f32[4,4]{1,0} dot(f32[4,4]{1,0} %p, f32[4,4]{1,0} %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 """
-    assert [op.flops for op in jaxamp.hlo_report.heavy_ops(entry_first)] == [2 * 4 * 4 * 4] * 2
+    assert [op.flops for op in jaxamp.diagnostics.hlo_report.heavy_ops(entry_first)] == [2 * 4 * 4 * 4] * 2
 
 
 # --- Text that is not a whole HLO module -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    "read", [jaxamp.hlo_precision_report, jaxamp.hlo_report.heavy_ops, jaxamp.hlo_report.bytes_accessed]
+    "read", [jaxamp.diagnostics.hlo_precision_report, jaxamp.diagnostics.hlo_report.heavy_ops, jaxamp.diagnostics.hlo_report.bytes_accessed]
 )
 def test_the_lowered_programs_stablehlo_text_is_refused_saying_what_is_missing_and_which_text_to_pass(read):
     """``Lowered.as_text()`` (StableHLO, no ENTRY computation) instead of the compiled module's text.
@@ -605,4 +605,4 @@ def test_text_cut_off_inside_an_operand_list_is_refused_showing_the_unclosed_tex
     whole = dot_hlo("f16", "f16")
     cut = whole[: whole.index("dot(%a, %b") + len("dot(%a, %b")]
     with pytest.raises(ValueError, match=r"^Unbalanced parentheses in HLO text: '\(%a, %b'$"):
-        jaxamp.hlo_precision_report(cut)
+        jaxamp.diagnostics.hlo_precision_report(cut)

@@ -143,7 +143,7 @@ def test_quantization_stats_count_the_values_that_underflow_under_one_outlier():
     counted (0) or zeros were counted as underflow (the rhs's zeros would add)."""
     lhs = jnp.full((16, 16), 1e-6).at[0, 0].set(1e4)
     rhs = jnp.eye(16).at[0, 1].set(1.0)
-    stats = jaxamp.fp8_quantization_stats(lambda a, b: a @ b)(lhs, rhs)
+    stats = jaxamp.diagnostics.fp8_quantization_stats(lambda a, b: a @ b)(lhs, rhs)
     by_role = {tensor.role: tensor for tensor in stats.tensors}
     assert set(by_role) == {"lhs", "rhs"}
     assert (by_role["lhs"].underflowed, by_role["lhs"].nonzero, by_role["lhs"].amax) == (255, 256, 1e4)
@@ -155,7 +155,7 @@ def test_quantization_stats_count_the_values_that_underflow_under_one_outlier():
 def test_quantization_stats_with_gradient_argnums_see_the_backward_cotangent_in_e5m2():
     """Fails if the stats missed the backward's quantization (no cotangent row in e5m2)."""
     x, w = gaussian(0, 16, 32), gaussian(1, 32, 16)
-    stats = jaxamp.fp8_quantization_stats(lambda x, w: jnp.sum(x @ w), gradient_argnums=(0, 1))(x, w)
+    stats = jaxamp.diagnostics.fp8_quantization_stats(lambda x, w: jnp.sum(x @ w), gradient_argnums=(0, 1))(x, w)
     assert [(t.role, t.shape, t.fp8_dtype) for t in stats.tensors] == [
         ("lhs", (16, 32), "float8_e4m3fn"),
         ("rhs", (32, 16), "float8_e4m3fn"),
@@ -248,7 +248,7 @@ def test_autocast_runs_an_eligible_matmul_as_an_fp8_dot_under_the_jaxamp_fp8_sco
 )
 def test_an_ineligible_dot_falls_back_under_a_scope_naming_its_reason(reason, fun, args, operand_dtype):
     """Fails if an ineligible dot went to FP8 anyway, ran unnamed, or named another reason."""
-    assert reason in jaxamp.FP8_FALLBACK_REASONS
+    assert reason in jaxamp.diagnostics.FP8_FALLBACK_REASONS
     (found,) = dots(jaxamp.autocast(fun, "mixed_float8"), *args)
     scope, operands, _ = found
     assert f"jaxamp_fp8_fallback_{reason}" in scope
@@ -390,7 +390,7 @@ def test_mixed_float8_is_mixed_bfloat16_plus_fp8_matmuls_in_every_spelling(spec)
             r"lhs dims \(2,\)",
         ),
         (
-            lambda: jaxamp.fp8_quantization_stats(jnp.sum, "mixed_bfloat16"),
+            lambda: jaxamp.diagnostics.fp8_quantization_stats(jnp.sum, "mixed_bfloat16"),
             ValueError,
             r"'params=float32,compute=bfloat16,output=float32' has none\. Pass 'mixed_float8'",
         ),
@@ -426,7 +426,7 @@ def test_compiled_for_an_h200_all_five_gemms_of_an_mlp_gradient_are_cublaslt_fp8
     gradient and both weight gradients, split accumulation) of a 2-layer MLP's gradient are
     ``__cublas$lt$matmul$f8`` custom calls on FP8 operands. Fails if XLA fell back to a bf16
     GEMM (``__cublas$gemm`` / ``__cublas$lt$matmul``) or the backward lost FP8."""
-    if not jaxamp.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics.gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     params = {
         "w1": jax.ShapeDtypeStruct((32, 64), jnp.float32),
@@ -437,9 +437,9 @@ def test_compiled_for_an_h200_all_five_gemms_of_an_mlp_gradient_are_cublaslt_fp8
     def loss(params, x, y):
         return jnp.mean((jax.nn.relu(x @ params["w1"]) @ params["w2"] - y) ** 2)
 
-    device = jaxamp.gpu_target_device("h200")
+    device = jaxamp.diagnostics.gpu_target_device("h200")
     step = jax.jit(jax.grad(jaxamp.autocast(loss, "mixed_float8")))
-    text = step.lower(*jaxamp.on_device((params, x, y), device)).compile().as_text()
+    text = step.lower(*jaxamp.diagnostics.on_device((params, x, y), device)).compile().as_text()
     calls = [line for line in text.splitlines() if "custom-call(" in line and "__cublas" in line]
     assert len(calls) == 5
     assert all('custom_call_target="__cublas$lt$matmul$f8"' in call for call in calls)
@@ -467,7 +467,7 @@ def test_compiled_for_an_h200_a_forward_convolution_is_a_cudnn_fp8_graph_and_its
     """The forward convolution is ``__cudnn$convForwardGraph`` on f8e4m3fn operands; the two
     backward ones are bfloat16 cuDNN convolutions under the conv_backward scope. Fails if XLA
     did not rewrite the forward (a plain ``__cudnn$convForward`` on bf16 operands)."""
-    if not jaxamp.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics.gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     images, kernel = (
         jax.ShapeDtypeStruct((8, 16, 16, 32), jnp.float32),
@@ -476,7 +476,7 @@ def test_compiled_for_an_h200_a_forward_convolution_is_a_cudnn_fp8_graph_and_its
     loss = lambda images, kernel: jnp.sum(jnp.tanh(_conv(images, kernel)))
     step = jax.jit(jax.grad(jaxamp.autocast(loss, "mixed_float8"), (0, 1)))
     text = (
-        step.lower(*jaxamp.on_device((images, kernel), jaxamp.gpu_target_device("h200"))).compile().as_text()
+        step.lower(*jaxamp.diagnostics.on_device((images, kernel), jaxamp.diagnostics.gpu_target_device("h200"))).compile().as_text()
     )
     calls = [line for line in text.splitlines() if "custom-call(" in line and "__cudnn" in line]
     found = []
@@ -522,7 +522,7 @@ def block_arguments():
     """The block's float32 params and input, as shapes placed on an H200 target."""
     params = {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in BLOCK_SHAPES.items()}
     x = jax.ShapeDtypeStruct((BATCH, LENGTH, WIDTH), jnp.float32)
-    return jaxamp.on_device((params, x), jaxamp.gpu_target_device("h200"))
+    return jaxamp.diagnostics.on_device((params, x), jaxamp.diagnostics.gpu_target_device("h200"))
 
 
 def test_compiled_for_an_h200_a_transformer_blocks_projections_are_fp8_and_its_attention_cores_bfloat16():
@@ -532,7 +532,7 @@ def test_compiled_for_an_h200_a_transformer_blocks_projections_are_fp8_and_its_a
     merges FP8 GEMMs that share an operand (q, k and v's projections), so there are fewer
     calls than the block's 18 projection GEMMs. Fails if any projection GEMM ran in bfloat16
     (a ``__cublas$gemm`` or bf16 ``__cublas$lt$matmul`` call) or a core lost its reason."""
-    if not jaxamp.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics.gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     step = jax.jit(jax.grad(jaxamp.autocast(block_loss, "mixed_float8")))
     text = step.lower(*block_arguments()).compile().as_text()
@@ -567,7 +567,7 @@ def test_compiled_for_an_h200_at_least_95_percent_of_a_transformer_blocks_gemm_f
     batch_dims. Fails if a projection or MLP GEMM ran wider than FP8 (the share drops below
     95%, or it shows as "requested, not fp8"), if a backward GEMM went missing from FP8
     (backward FP8 FLOPs below twice the forward's), or if a core lost its reason."""
-    if not jaxamp.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics.gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     gradient = (
         jaxamp.autocast(jax.grad(block_loss, (0, 1)), "mixed_float8")
@@ -610,13 +610,13 @@ def test_compiled_for_an_h200_a_resnet_style_nets_forward_convolutions_are_fp8_a
     reason): 0% in FP8, by design. Fails if XLA stopped rewriting a forward convolution
     into the cuDNN FP8 graph, if the stem were sent to FP8, or if a backward convolution
     lost its reason."""
-    if not jaxamp.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics.gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     shapes = {"stem": (3, 3, 3, 16), "conv1": (3, 3, 16, 32), "conv2": (3, 3, 32, 32), "head": (32, 16)}
     params = {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in shapes.items()}
     images = jax.ShapeDtypeStruct((8, 16, 16, 3), jnp.float32)
     loss = lambda params, images: jnp.mean(_resnet_style(params, images) ** 2)
-    arguments = jaxamp.on_device((params, images), jaxamp.gpu_target_device("h200"))
+    arguments = jaxamp.diagnostics.on_device((params, images), jaxamp.diagnostics.gpu_target_device("h200"))
     report = jaxamp.precision_report(
         jax.grad(jaxamp.autocast(loss, "mixed_float8")), *arguments, compiled=True
     )

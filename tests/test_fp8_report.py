@@ -1,4 +1,4 @@
-"""Proof that FP8 ran: the compiled report's FP8 rows and `jaxamp.check_fp8`.
+"""Proof that FP8 ran: the compiled report's FP8 rows and `jaxamp.diagnostics.check_fp8`.
 
 Two kinds of tests. Parsing tests read HLO text as XLA prints it (cut from
 programs compiled for an H200 with jax 0.10.2's CUDA plugin) and run
@@ -19,7 +19,7 @@ import pytest
 from jax import lax
 
 import jaxamp
-from jaxamp import hlo_report
+from jaxamp.diagnostics import hlo_report
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 FP8_PRESET = lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32
@@ -73,7 +73,7 @@ def test_an_fp8_cublaslt_call_counts_as_fp8_with_its_flops_op_name_and_source():
     """Fails if the f8 element types lose their numpy names (the call would
     count as 'f8e4m3fn', not FP8), if the scale operands were taken for data,
     or if the header tables were not read (empty source)."""
-    report = jaxamp.hlo_precision_report(FP8_GEMM_HLO)
+    report = jaxamp.diagnostics.hlo_precision_report(FP8_GEMM_HLO)
     (op,) = report.ops
     assert op.primitive == "__cublas$lt$matmul$f8"
     assert op.operand_dtypes == ("float8_e4m3fn", "float8_e4m3fn")
@@ -93,7 +93,7 @@ def test_an_fp8_cublaslt_call_counts_as_fp8_with_its_flops_op_name_and_source():
 def test_an_fp8_cudnn_graph_convolution_counts_its_forward_flops_as_fp8():
     """Fails if the graph call were not recognized as a convolution (no op) or
     costed as a backward one (other FLOPs)."""
-    (op,) = jaxamp.hlo_precision_report(FP8_CONV_HLO).ops
+    (op,) = jaxamp.diagnostics.hlo_precision_report(FP8_CONV_HLO).ops
     assert op.primitive == "__cudnn$convForwardGraph"
     assert op.is_fp8
     assert op.flops == 2 * (8 * 16 * 16 * 64) * (3 * 3 * 32)
@@ -123,7 +123,7 @@ def test_an_fp8_cudnn_graph_convolution_counts_its_forward_flops_as_fp8():
 def test_the_named_scopes_say_requested_or_fallback_with_the_innermost_deciding(op_name, requested, reason):
     """Fails if a scope were matched inside another name (not_jaxamp_fp8) or
     the outer scope won over an inner fallback."""
-    assert hlo_report.fp8_scope(op_name) == (requested, reason)
+    assert jaxamp.report.fp8_scope(op_name) == (requested, reason)
 
 
 @pytest.mark.parametrize(
@@ -199,7 +199,7 @@ def test_dots_fed_fp8_through_a_dequantize_are_found_in_the_program_before_optim
 def test_check_fp8_refuses_a_traced_report_and_says_how_to_make_a_compiled_one():
     traced = jaxamp.precision_report(jnp.matmul, jnp.ones((4, 4)), jnp.ones((4, 4)))
     with pytest.raises(ValueError, match=r"compiled=True"):
-        jaxamp.check_fp8(traced)
+        jaxamp.diagnostics.check_fp8(traced)
 
 
 def _scoped_bf16_dot_hlo(scope):
@@ -213,26 +213,26 @@ def _scoped_bf16_dot_hlo(scope):
 
 def test_a_requested_fp8_gemm_that_ran_in_bfloat16_warns_or_raises_and_is_listed():
     """Fails if check_fp8 ignored the jaxamp_fp8 scope on a bfloat16 GEMM."""
-    report = jaxamp.hlo_precision_report(_scoped_bf16_dot_hlo("jaxamp_fp8"))
+    report = jaxamp.diagnostics.hlo_precision_report(_scoped_bf16_dot_hlo("jaxamp_fp8"))
     with pytest.warns(
-        jaxamp.Fp8NotUsedWarning,
+        jaxamp.diagnostics.Fp8NotUsedWarning,
         match=r"jit\(loss\)/jvp\(jaxamp_fp8\)/dot_general at /home/user/model.py:12:15",
     ):
-        missed = jaxamp.check_fp8(report)
+        missed = jaxamp.diagnostics.check_fp8(report)
     assert missed == report.ops
     assert [(row.status, row.operand_dtypes) for row in report.fp8_rows()] == [
         ("requested, not fp8", ("bfloat16", "bfloat16"))
     ]
-    with pytest.raises(jaxamp.Fp8NotUsedWarning):
-        jaxamp.check_fp8(report, raise_error=True)
+    with pytest.raises(jaxamp.diagnostics.Fp8NotUsedWarning):
+        jaxamp.diagnostics.check_fp8(report, raise_error=True)
 
 
 def test_a_fallback_under_its_scope_is_a_row_with_its_reason_and_no_warning():
     """Fails if a fallback scope (which contains 'jaxamp_fp8') counted as an FP8 request."""
-    report = jaxamp.hlo_precision_report(_scoped_bf16_dot_hlo("jaxamp_fp8_fallback_shape_not_multiple_of_16"))
+    report = jaxamp.diagnostics.hlo_precision_report(_scoped_bf16_dot_hlo("jaxamp_fp8_fallback_shape_not_multiple_of_16"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert jaxamp.check_fp8(report) == ()
+        assert jaxamp.diagnostics.check_fp8(report) == ()
     (row,) = report.fp8_rows()
     assert (row.status, row.reason, row.direction) == ("fallback", "shape_not_multiple_of_16", "forward")
     assert str(report).endswith("100.0%  shape_not_multiple_of_16")
@@ -242,9 +242,9 @@ def test_a_fallback_under_its_scope_is_a_row_with_its_reason_and_no_warning():
 
 
 def _h200():
-    if not jaxamp.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics.gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
-    return jaxamp.gpu_target_device("h200")
+    return jaxamp.diagnostics.gpu_target_device("h200")
 
 
 def _quantize(x, dtype):
@@ -291,7 +291,7 @@ def test_compiled_for_an_h200_the_three_gemms_of_an_fp8_dense_layer_run_in_fp8_a
     real FP8 (its negative control: the trap test below)."""
     m, k, n = 32, 64, 48
     step = jax.value_and_grad(lambda x, w: fp8_dense(x, w).astype(jnp.float32).sum(), argnums=(0, 1))
-    args = jaxamp.on_device(
+    args = jaxamp.diagnostics.on_device(
         (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)), _h200()
     )
     report = jaxamp.precision_report(step, *args, compiled=True)
@@ -308,7 +308,7 @@ def test_compiled_for_an_h200_the_three_gemms_of_an_fp8_dense_layer_run_in_fp8_a
     assert report.fp8_fraction("forward") == report.fp8_fraction("backward") == 1.0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert jaxamp.check_fp8(report) == ()
+        assert jaxamp.diagnostics.check_fp8(report) == ()
 
 
 def quantize_dequantize_matmul(x, w):
@@ -320,7 +320,7 @@ def test_compiled_for_an_h200_the_quantize_dequantize_trap_runs_bfloat16_and_is_
     """XLA's default flags fold the FP8 round trip: a bfloat16 GEMM, no FP8 call.
     No named scope marks it; the program before optimization does. Fails if the
     lowered program were not read (nothing requested, no warning)."""
-    args = jaxamp.on_device(
+    args = jaxamp.diagnostics.on_device(
         (jax.ShapeDtypeStruct((32, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 48), jnp.bfloat16)), _h200()
     )
     report = jaxamp.precision_report(quantize_dequantize_matmul, *args, compiled=True)
@@ -328,8 +328,8 @@ def test_compiled_for_an_h200_the_quantize_dequantize_trap_runs_bfloat16_and_is_
     assert [(row.status, row.operand_dtypes) for row in report.fp8_rows()] == [
         ("requested, not fp8", ("bfloat16", "bfloat16"))
     ]
-    with pytest.warns(jaxamp.Fp8NotUsedWarning, match="quantize-dequantize"):
-        (missed,) = jaxamp.check_fp8(report)
+    with pytest.warns(jaxamp.diagnostics.Fp8NotUsedWarning, match="quantize-dequantize"):
+        (missed,) = jaxamp.diagnostics.check_fp8(report)
     assert missed.source.endswith(
         "test_fp8_report.py:" + str(quantize_dequantize_matmul.__code__.co_firstlineno + 2) + ":11"
     )
@@ -348,7 +348,7 @@ def test_compiled_for_an_h200_fallbacks_keep_their_scope_and_reason_through_fusi
         return y.sum() + scores.sum()
 
     shapes = [(24, 40), (40, 24), (2, 16, 32), (2, 16, 32)]
-    args = jaxamp.on_device([jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes], _h200())
+    args = jaxamp.diagnostics.on_device([jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes], _h200())
     report = jaxamp.precision_report(program, *args, compiled=True)
     rows = {(row.status, row.reason): row.flops for row in report.fp8_rows()}
     assert rows == {
@@ -357,7 +357,7 @@ def test_compiled_for_an_h200_fallbacks_keep_their_scope_and_reason_through_fusi
     }
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert jaxamp.check_fp8(report) == ()
+        assert jaxamp.diagnostics.check_fp8(report) == ()
 
 
 def test_compiled_for_an_h200_a_forward_convolution_of_scaled_fp8_operands_runs_in_cudnn_fp8():
@@ -372,7 +372,7 @@ def test_compiled_for_an_h200_a_forward_convolution_of_scaled_fp8_operands_runs_
             return lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
     shapes = [((2, 8, 8, 16), E4M3), ((3, 3, 16, 32), E4M3), ((), jnp.float32), ((), jnp.float32)]
-    args = jaxamp.on_device([jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes], _h200())
+    args = jaxamp.diagnostics.on_device([jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes], _h200())
     report = jaxamp.precision_report(conv, *args, compiled=True)
     (row,) = report.fp8_rows()
     assert (row.status, row.direction, row.primitive) == ("fp8", "forward", "__cudnn$convForwardGraph")
@@ -394,7 +394,7 @@ def test_the_scaling_cost_scripts_amax_passes_read_each_bfloat16_operand_once():
     x, w = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
     forward = fp8_scaling_cost._programs(fp8_scaling_cost.current_scaling_dot_general)["forward"]
     cost = fp8_scaling_cost.cost(
-        jax.jit(forward).lower(*jaxamp.on_device((x, w), device)).compile().as_text()
+        jax.jit(forward).lower(*jaxamp.diagnostics.on_device((x, w), device)).compile().as_text()
     )
     operands = 2 * (m * k + k * n)
     assert operands <= cost.amax_bytes <= 1.05 * operands
@@ -440,7 +440,7 @@ def test_a_dot_that_xla_renamed_after_a_transpose_is_still_matched_to_its_fp8_re
     compiled = _scoped_bf16_dot_hlo("jaxamp_fp8").replace(
         "jit(loss)/jvp(jaxamp_fp8)/dot_general", "jit(loss)/transpose(jvp(dense))/transpose"
     )
-    (op,) = jaxamp.hlo_precision_report(compiled, _lowered_qdq_dot_hlo(line)).ops
+    (op,) = jaxamp.diagnostics.hlo_precision_report(compiled, _lowered_qdq_dot_hlo(line)).ops
     assert (op.fp8_requested, op.direction) == (requested, "backward")
 
 
@@ -459,7 +459,7 @@ def test_compiled_for_an_h200_autocast_mixed_float8_proves_every_gemm_of_an_mlp_
 
     m, k, h, n = 32, 64, 128, 32
     params = {"w1": jax.ShapeDtypeStruct((k, h), jnp.float32), "w2": jax.ShapeDtypeStruct((h, n), jnp.float32)}
-    args = jaxamp.on_device((params, jax.ShapeDtypeStruct((m, k), jnp.float32)), _h200())
+    args = jaxamp.diagnostics.on_device((params, jax.ShapeDtypeStruct((m, k), jnp.float32)), _h200())
     report = jaxamp.precision_report(jax.grad(jaxamp.autocast(loss, "mixed_float8")), *args, compiled=True)
     rows = {(row.status, row.direction, row.operand_dtypes): row.flops for row in report.fp8_rows()}
     assert rows == {
@@ -468,4 +468,4 @@ def test_compiled_for_an_h200_autocast_mixed_float8_proves_every_gemm_of_an_mlp_
         ("fp8", "backward", ("float8_e5m2", "float8_e4m3fn")): 2 * m * n * h,
     }
     assert {row.primitive for row in report.fp8_rows()} == {"__cublas$lt$matmul$f8"}
-    assert jaxamp.check_fp8(report, raise_error=True) == ()
+    assert jaxamp.diagnostics.check_fp8(report, raise_error=True) == ()

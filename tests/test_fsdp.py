@@ -20,7 +20,7 @@ from fresh_processes import FreshProcess, xla_flags
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
 import jaxamp
-from jaxamp.collectives import Collective, collective_totals, collectives
+from jaxamp.diagnostics.collectives import Collective, collective_totals, collectives
 from jaxamp.fsdp import is_narrower, shard_dimension
 
 RTOL = 1e-5
@@ -34,18 +34,18 @@ def one_device_mesh(axis="data"):
 
 
 def test_from_policy_gathers_in_the_compute_dtype_and_sums_in_the_param_dtype():
-    communication = jaxamp.CommunicationPolicy.from_policy("mixed_bf16")
+    communication = jaxamp.fsdp.CommunicationPolicy.from_policy("mixed_bf16")
     assert (communication.gather_dtype, communication.reduce_dtype) == (jnp.bfloat16, jnp.float32)
     assert str(communication) == "gather=bfloat16,reduce=float32"
-    assert jaxamp.get_communication_policy(str(communication)) == communication
-    assert hash(communication) == hash(jaxamp.get_communication_policy("g=bf16,r=f32"))
+    assert jaxamp.fsdp.get_communication_policy(str(communication)) == communication
+    assert hash(communication) == hash(jaxamp.fsdp.get_communication_policy("g=bf16,r=f32"))
 
-    default = jaxamp.CommunicationPolicy()
-    assert default == jaxamp.get_communication_policy(None) == jaxamp.get_communication_policy("param")
+    default = jaxamp.fsdp.CommunicationPolicy()
+    assert default == jaxamp.fsdp.get_communication_policy(None) == jaxamp.fsdp.get_communication_policy("param")
     assert default.gather_dtype_for(jnp.float32) == default.reduce_dtype_for(jnp.float32) == jnp.float32
     assert default.reduce_dtype_for(jnp.bfloat16) == jnp.bfloat16
-    narrow = jaxamp.get_communication_policy("gather=bf16, reduce=bf16, allow_narrow_reduce")
-    assert narrow.allow_narrow_reduce and jaxamp.get_communication_policy(str(narrow)) == narrow
+    narrow = jaxamp.fsdp.get_communication_policy("gather=bf16, reduce=bf16, allow_narrow_reduce")
+    assert narrow.allow_narrow_reduce and jaxamp.fsdp.get_communication_policy(str(narrow)) == narrow
 
 
 def test_a_narrower_reduce_dtype_is_fewer_bits_or_another_format_of_as_many():
@@ -57,14 +57,15 @@ def test_a_narrower_reduce_dtype_is_fewer_bits_or_another_format_of_as_many():
 @pytest.mark.parametrize(
     "make, error, words",
     [
-        (lambda: jaxamp.CommunicationPolicy(reduce_dtype=jnp.int32), TypeError, ["reduce_dtype", "int32", "bf16"]),
-        (lambda: jaxamp.CommunicationPolicy(gather_dtype="int8"), ValueError, ["'int8'", "bfloat16", "param"]),
-        (lambda: jaxamp.CommunicationPolicy(allow_narrow_reduce="yes"), TypeError, ["'yes'", "True or False"]),
-        (lambda: jaxamp.get_communication_policy("gather=bf16,scatter=f32"), ValueError, ["'scatter=f32'", "reduce="]),
-        (lambda: jaxamp.get_communication_policy(3), TypeError, ["int", "gather=bf16,reduce=f32"]),
-        (lambda: jaxamp.fsdp_loss(lambda p: 0.0, one_device_mesh(), axis="model"), ValueError,
+        (lambda: jaxamp.fsdp.CommunicationPolicy(reduce_dtype=jnp.int32), ValueError, ["reduce_dtype", "int32", "bf16"]),
+        (lambda: jaxamp.fsdp.CommunicationPolicy(gather_dtype="int8"), ValueError, ["'int8'", "bfloat16", "param"]),
+        (lambda: jaxamp.fsdp.CommunicationPolicy(allow_narrow_reduce="yes"), TypeError, ["'yes'", "True or False"]),
+        (lambda: jaxamp.fsdp.get_communication_policy("gather=bf16,scatter=f32"), ValueError,
+         ["'scatter'", "gather, g, reduce, r", "'gather=bf16,reduce=f32'"]),
+        (lambda: jaxamp.fsdp.get_communication_policy(3), TypeError, ["int", "gather=bf16,reduce=f32"]),
+        (lambda: jaxamp.fsdp.fsdp_loss(lambda p: 0.0, one_device_mesh(), axis="model"), ValueError,
          ["'model'", "('data',)", "axis="]),
-        (lambda: jaxamp.fsdp_shardings({}, "data"), TypeError, ["jax.sharding.Mesh", "str"]),
+        (lambda: jaxamp.fsdp.fsdp_shardings({}, "data"), TypeError, ["jax.sharding.Mesh", "str"]),
     ],
 )  # fmt: skip
 def test_bad_settings_name_the_value_and_the_choices(make, error, words):
@@ -84,7 +85,7 @@ def test_each_leaf_splits_along_its_largest_divisible_dimension_or_is_replicated
     assert shard_dimension((3,), 8) is None and shard_dimension((), 8) is None
     mesh = one_device_mesh()
     state = {"kernel": jnp.zeros((4, 6)), "step": jnp.zeros([], jnp.int32)}
-    shardings = jaxamp.fsdp_shardings(state, mesh)
+    shardings = jaxamp.fsdp.fsdp_shardings(state, mesh)
     assert shardings["kernel"].spec == PartitionSpec(None, "data")  # every size divides by 1
     assert shardings["step"].spec == PartitionSpec()
 
@@ -104,7 +105,7 @@ QUADRATIC_INPUTS = jnp.arange(12.0).reshape(4, 3) / 12
 def test_on_one_device_the_sharded_loss_and_gradients_are_the_plain_ones(axis_type):
     """Explicit mesh axes type arrays by their sharding: fsdp_loss places its inputs itself."""
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",), axis_types=(axis_type,))
-    sharded = jaxamp.fsdp_loss(quadratic_loss, mesh, "gather=bf16,reduce=f32")
+    sharded = jaxamp.fsdp.fsdp_loss(quadratic_loss, mesh, "gather=bf16,reduce=f32")
     loss, grads = jax.jit(jax.value_and_grad(sharded))(QUADRATIC_PARAMS, QUADRATIC_INPUTS)
     rounded = jax.tree.map(lambda leaf: leaf.astype(jnp.bfloat16), QUADRATIC_PARAMS)
     expected_loss, expected_grads = jax.value_and_grad(quadratic_loss)(rounded, QUADRATIC_INPUTS)
@@ -116,29 +117,29 @@ def test_on_one_device_the_sharded_loss_and_gradients_are_the_plain_ones(axis_ty
 
 def test_a_reduce_dtype_narrower_than_a_param_is_refused_unless_asked():
     """Fails if the default let float32 gradients be summed in bfloat16 silently."""
-    narrow = jaxamp.fsdp_loss(quadratic_loss, one_device_mesh(), "gather=bf16,reduce=bf16")
+    narrow = jaxamp.fsdp.fsdp_loss(quadratic_loss, one_device_mesh(), "gather=bf16,reduce=bf16")
     with pytest.raises(ValueError) as raised:
         jax.jit(jax.grad(narrow))(QUADRATIC_PARAMS, QUADRATIC_INPUTS)
     message = str(raised.value)
     for words in ("['bias']", "float32", "bfloat16", "allow_narrow_reduce=True", "reduce_dtype=None"):
         assert words in message, message
 
-    allowed = jaxamp.fsdp_loss(
+    allowed = jaxamp.fsdp.fsdp_loss(
         quadratic_loss, one_device_mesh(), "gather=bf16,reduce=bf16,allow_narrow_reduce"
     )
     grads = jax.jit(jax.grad(allowed))(QUADRATIC_PARAMS, QUADRATIC_INPUTS)
     assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
 
     bfloat16_params = jax.tree.map(lambda leaf: leaf.astype(jnp.bfloat16), QUADRATIC_PARAMS)
-    same_width = jaxamp.fsdp_loss(quadratic_loss, one_device_mesh(), "reduce=bf16")
+    same_width = jaxamp.fsdp.fsdp_loss(quadratic_loss, one_device_mesh(), "reduce=bf16")
     assert jax.jit(jax.grad(same_width))(bfloat16_params, QUADRATIC_INPUTS)["bias"].dtype == jnp.bfloat16
 
 
 def test_a_loss_that_is_not_a_scalar_or_an_aux_that_is_not_a_float_is_refused():
-    vector = jaxamp.fsdp_loss(lambda params, inputs: inputs @ params["kernel"], one_device_mesh())
+    vector = jaxamp.fsdp.fsdp_loss(lambda params, inputs: inputs @ params["kernel"], one_device_mesh())
     with pytest.raises(TypeError, match=r"scalar loss; got shape \(4, 2\)"):
         jax.jit(vector)(QUADRATIC_PARAMS, QUADRATIC_INPUTS)
-    counting = jaxamp.fsdp_loss(
+    counting = jaxamp.fsdp.fsdp_loss(
         lambda params, inputs: (quadratic_loss(params, inputs), {"count": jnp.sum(inputs > 0)}),
         one_device_mesh(),
         has_aux=True,

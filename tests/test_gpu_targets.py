@@ -1,4 +1,4 @@
-"""Tests for `jaxamp.gpu_targets`: GPU descriptions and deviceless compilation."""
+"""Tests for `jaxamp.diagnostics.gpu_targets`: GPU descriptions and deviceless compilation."""
 
 import importlib.util
 import os
@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import pytest
 
 import jaxamp
-from jaxamp import gpu_targets
+from jaxamp.diagnostics import gpu_targets
 
 
-@pytest.mark.parametrize("name", sorted(jaxamp.GPU_TARGETS))
+@pytest.mark.parametrize("name", sorted(jaxamp.diagnostics.GPU_TARGETS))
 def test_every_target_config_names_its_gpu_and_compute_capability(name):
-    spec = jaxamp.GPU_TARGETS[name]
+    spec = jaxamp.diagnostics.GPU_TARGETS[name]
     config = spec.target_config()
     major, minor = spec.compute_capability
     assert f"cuda_compute_capability {{ major: {major} minor: {minor} }}" in config
@@ -42,14 +42,14 @@ def test_an_unknown_target_is_refused_with_the_valid_choices():
     ],
 )
 def test_a_real_devices_kind_finds_its_spec(device_kind, target):
-    expected = jaxamp.GPU_TARGETS[target] if target else None
+    expected = jaxamp.diagnostics.GPU_TARGETS[target] if target else None
     assert gpu_targets.spec_for_device_kind(device_kind) is expected
 
 
 def test_on_device_turns_arrays_into_placed_shape_dtype_structs_and_keeps_other_leaves():
     device = jax.devices()[0]
     tree = {"array": jnp.zeros((2, 3), jnp.float16), "spec": jax.ShapeDtypeStruct((4,), jnp.int32), "n": 3}
-    placed = jaxamp.on_device(tree, device)
+    placed = jaxamp.diagnostics.on_device(tree, device)
     assert placed["n"] == 3
     for key, shape, dtype in [("array", (2, 3), jnp.float16), ("spec", (4,), jnp.int32)]:
         assert isinstance(placed[key], jax.ShapeDtypeStruct)
@@ -60,20 +60,20 @@ def test_on_device_turns_arrays_into_placed_shape_dtype_structs_and_keeps_other_
 def test_without_the_plugin_a_target_device_explains_how_to_install_it(monkeypatch):
     monkeypatch.setattr(gpu_targets, "cuda_plugin_available", lambda: False)
     with pytest.raises(RuntimeError, match=r"jaxamp\[gpu-aot\].*JAX_PLATFORMS=cpu"):
-        jaxamp.gpu_target_device("h200")
+        jaxamp.diagnostics.gpu_target_device("h200")
 
 
 def test_a_step_compiled_for_an_h200_halves_its_temporary_memory_under_mixed():
     if not gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
-    device = jaxamp.gpu_target_device("h200")
+    device = jaxamp.diagnostics.gpu_target_device("h200")
     assert device.device_kind == "NVIDIA H200"
 
     def temp_bytes(dtype):
         def forward_and_back(weights, x):
             return jax.grad(lambda w: jnp.tanh(x @ w).astype(jnp.float32).sum())(weights)
 
-        args = jaxamp.on_device(
+        args = jaxamp.diagnostics.on_device(
             (jax.ShapeDtypeStruct((512, 512), dtype), jax.ShapeDtypeStruct((256, 512), dtype)), device
         )
         return jax.jit(forward_and_back).lower(*args).compile().memory_analysis().temp_size_in_bytes
@@ -85,8 +85,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _COMPILE_FOR_AN_H200 = """
 import jax, jax.numpy as jnp
 import jaxamp
-device = jaxamp.gpu_target_device("h200")
-x = jaxamp.on_device(jnp.zeros((64, 64), jnp.float16), device)
+device = jaxamp.diagnostics.gpu_target_device("h200")
+x = jaxamp.diagnostics.on_device(jnp.zeros((64, 64), jnp.float16), device)
 compiled = jax.jit(lambda x: x @ x).lower(x).compile()
 print(jax.devices()[0].platform, device.device_kind, compiled.memory_analysis().output_size_in_bytes)
 """

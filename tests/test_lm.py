@@ -194,7 +194,7 @@ def test_the_step_compiled_for_an_h200_runs_its_matmuls_in_bfloat16_with_a_roofl
     """On paper (`python -m experiments.lm.on_paper`), tiny settings. Fails if the compiled GPU
     program keeps a float32 matmul under mixed_bf16, or a figure of the entry is missing."""
     from experiments.lm import on_paper
-    from jaxamp import gpu_targets
+    from jaxamp.diagnostics import gpu_targets
 
     if not gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]'; run with JAX_PLATFORMS=cpu)")
@@ -247,7 +247,7 @@ def test_fp8_mfu_divides_by_the_fp8_peak_and_the_bound_counts_fp8_gemms_at_the_f
     from experiments.benchmark import roofline
     from experiments.lm import figures
 
-    h200 = jaxamp.gpu_targets.gpu_spec("h200")
+    h200 = jaxamp.diagnostics.gpu_targets.gpu_spec("h200")
     monkeypatch.setattr(figures, "device_spec", lambda: h200)
     policy = resolve_precision("mixed_float8").policy
     run = figures.throughput(7e12, 8192, 0.02, "mixed_float8", policy.matmul_dtype or policy.compute_dtype)

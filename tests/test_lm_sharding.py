@@ -180,7 +180,7 @@ def test_two_processes_on_loopback_train_like_one_and_end_with_the_same_state(
     eight_device_runs, two_process_runs
 ):
     """Each process reads only its 4 rows of every batch of 8, and gathers params as XLA chooses
-    or (with `jaxamp.fsdp_loss`) in bfloat16. Fails if a process reads the wrong rows (the losses
+    or (with `jaxamp.fsdp.fsdp_loss`) in bfloat16. Fails if a process reads the wrong rows (the losses
     differ from one device's), the bfloat16 gathers differ across processes from one device's,
     or the processes' states diverge."""
     first, second = two_process_runs

@@ -222,10 +222,49 @@ def test_equal_policies_hash_alike_and_jit_treats_them_as_one_static_argument():
     assert len(traces) == 1
 
 
-@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, "banana", object()])
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, "banana", object(), None])
 def test_a_policy_rejects_non_floating_dtypes(dtype):
-    with pytest.raises(TypeError, match="floating dtype"):
+    with pytest.raises(ValueError, match="Policy compute_dtype must be a floating dtype"):
         jaxamp.Policy(jnp.float32, dtype, jnp.float32)
+
+
+def test_one_parser_reads_every_dtype_a_policy_or_a_communication_policy_names():
+    """The same names, the same error type and the same choices, whichever setting is read (before the one
+    parser, "half" was refused by CommunicationPolicy, and a bad name was a TypeError from Policy but a
+    ValueError from get_policy)."""
+    half = np.dtype(jmp.half_dtype())
+    assert jaxamp.Policy("half", "half", "half").compute_dtype == half
+    assert jaxamp.get_policy("c=half").compute_dtype == half
+    assert jaxamp.fsdp.CommunicationPolicy(gather_dtype="half").gather_dtype == half
+    assert jaxamp.fsdp.get_communication_policy("gather=half").gather_dtype == half
+    refusals = [
+        lambda: jaxamp.Policy("f32", "double", "f32"),
+        lambda: jaxamp.get_policy("c=double"),
+        lambda: jaxamp.fsdp.CommunicationPolicy(reduce_dtype="double"),
+        lambda: jaxamp.fsdp.get_communication_policy("reduce=double"),
+    ]
+    for refuse in refusals:
+        with pytest.raises(ValueError) as refused:
+            refuse()
+        message = str(refused.value)
+        assert "must be a floating dtype" in message and "got 'double'" in message, message
+        assert all(name in message for name in DTYPE_LIST), message
+
+
+def test_precision_and_communication_strings_share_one_grammar_and_its_errors():
+    from jaxamp.policy import parse_fields
+
+    keys = {"a": "alpha", "b": "beta"}
+    assert parse_fields(" A = x , b=Y ", keys, kind="thing", example="a=x") == {"alpha": "x", "beta": "y"}
+    assert parse_fields("a=x,on", keys, kind="thing", example="a=x", flags=("on",)) == {"alpha": "x", "on": True}
+    with pytest.raises(ValueError, match=r"^Unknown key 'q' in thing 'q=1'\. Valid keys: a, b; e\.g\. 'a=x'\.$"):
+        parse_fields("q=1", keys, kind="thing", example="a=x")
+    with pytest.raises(ValueError, match=r"^Malformed part 'a' in thing 'a': expected key=dtype, on, e\.g\. 'a=x'\.$"):
+        parse_fields("a", keys, kind="thing", example="a=x", flags=("on",))
+    for spec, kind in (("q=f32", "precision policy"), ("q=f32", "communication policy")):
+        parse = jaxamp.get_policy if kind == "precision policy" else jaxamp.fsdp.get_communication_policy
+        with pytest.raises(ValueError, match=rf"^Unknown key 'q' in {kind} 'q=f32'"):
+            parse(spec)
 
 
 @pytest.mark.parametrize("spec", sorted({**NAMED_POLICIES, **GRAMMAR_POLICIES}))
@@ -246,7 +285,7 @@ def test_with_output_dtype_returns_a_new_policy_and_leaves_the_old_one_alone():
     assert dtypes(half_output) == (F32, F16, F16)
     assert dtypes(mixed) == (F32, F16, F32)
     assert dtypes(mixed.with_output_dtype("bfloat16")) == (F32, F16, BF16)
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="Policy output_dtype must be a floating dtype"):
         mixed.with_output_dtype(jnp.int8)
 
 
@@ -373,15 +412,15 @@ _UNKNOWN_NAME = (
     [
         (
             lambda: jaxamp.Policy(jnp.float32, None, jnp.float32),
-            TypeError,
-            ("Policy compute_dtype must be a floating dtype such as jnp.float32, jnp.float16 or "
-            "jnp.bfloat16; got None."),
+            ValueError,
+            ("Policy compute_dtype must be a floating dtype, such as jnp.float32, jnp.float16 or "
+             f"jnp.bfloat16, or one of the names {_ALIASES}; got None."),
         ),
         (
             lambda: jaxamp.Policy("f17", jnp.float32, jnp.float32),
-            TypeError,
-            (f"Policy param_dtype must be a floating dtype; 'f17' is not one of {_ALIASES} "
-            "(or pass a dtype such as jnp.float16)."),
+            ValueError,
+            ("Policy param_dtype must be a floating dtype, such as jnp.float32, jnp.float16 or "
+             f"jnp.bfloat16, or one of the names {_ALIASES}; got 'f17'."),
         ),
         (
             lambda: jaxamp.get_policy(3),
@@ -393,7 +432,8 @@ _UNKNOWN_NAME = (
         (
             lambda: jaxamp.get_policy("p=f32,x=f16"),
             ValueError,
-            "Unknown key 'x' in precision policy 'p=f32,x=f16'. Valid keys: p, params, c, compute, o, output, m, matmul.",
+            ("Unknown key 'x' in precision policy 'p=f32,x=f16'. Valid keys: p, params, c, compute, o, output, "
+             f"m, matmul; e.g. {_GRAMMAR_EXAMPLE}."),
         ),
         (
             lambda: jaxamp.get_policy("p=f32,c"),
@@ -403,7 +443,8 @@ _UNKNOWN_NAME = (
         (
             lambda: jaxamp.get_policy("p=f32,c=f99"),
             ValueError,
-            f"Unknown dtype 'f99' in precision policy 'p=f32,c=f99'. Valid dtypes: {_ALIASES}.",
+            ("The compute dtype 'f99' of precision policy 'p=f32,c=f99' must be a floating dtype, such as "
+             f"jnp.float32, jnp.float16 or jnp.bfloat16, or one of the names {_ALIASES}; got 'f99'."),
         ),
     ],
     ids=["none_dtype", "unknown_alias", "not_a_spec", "unknown_name", "unknown_key", "malformed_part",

@@ -252,7 +252,7 @@ def test_a_switch_counts_its_heaviest_branch_and_a_scan_multiplies_it():
     assert report.count_by_dtype() == {"bfloat16": 2}
 
 
-# --- Compiled mode: what XLA runs (jaxamp.hlo_report) -------------------------
+# --- Compiled mode: what XLA runs (jaxamp.diagnostics.hlo_report) -------------------------
 
 
 class _ConvNet(nn.Module):
@@ -335,7 +335,7 @@ ENTRY %main (x: f16[8,16,16,32]) -> f16[8,8] {
 
 
 def test_cudnn_calls_count_the_forward_convolutions_flops_in_each_direction():
-    report = jaxamp.hlo_precision_report(HAND_WRITTEN_GPU_HLO)
+    report = jaxamp.diagnostics.hlo_precision_report(HAND_WRITTEN_GPU_HLO)
     forward_flops = 2 * (8 * 8 * 8) * (64 * 3 * 3 * 32)  # 2 * output pixels * kernel size
     by_primitive = {op.primitive: op for op in report.ops}
     for direction in ("convForward", "convBackwardFilter", "convBackwardInput"):
@@ -344,7 +344,7 @@ def test_cudnn_calls_count_the_forward_convolutions_flops_in_each_direction():
 
 
 def test_a_loop_body_counts_once_per_known_iteration_and_a_conditional_its_largest_branch():
-    report = jaxamp.hlo_precision_report(HAND_WRITTEN_GPU_HLO)
+    report = jaxamp.diagnostics.hlo_precision_report(HAND_WRITTEN_GPU_HLO)
     (gemm,) = [op for op in report.ops if op.primitive == "__cublas$lt$matmul"]
     assert gemm.flops == 5 * 2 * 8 * 8 * 8
     branch_dots = [op for op in report.ops if op.primitive == "dot"]
@@ -352,7 +352,7 @@ def test_a_loop_body_counts_once_per_known_iteration_and_a_conditional_its_large
 
 
 def test_bytes_accessed_counts_each_kernels_reads_and_writes_but_no_workspace():
-    traffic = jaxamp.hlo_report.bytes_accessed(
+    traffic = jaxamp.diagnostics.hlo_report.bytes_accessed(
         """HloModule m
 
 ENTRY %main (a: f32[4,4]) -> f32[4,4] {
@@ -368,16 +368,16 @@ ENTRY %main (a: f32[4,4]) -> f32[4,4] {
 
 def test_hlo_text_without_an_entry_computation_is_refused_with_the_next_step():
     with pytest.raises(ValueError, match=r"compile\(\)\.as_text\(\)"):
-        jaxamp.hlo_precision_report("%not_a_module = f32[] constant(0)")
+        jaxamp.diagnostics.hlo_precision_report("%not_a_module = f32[] constant(0)")
 
 
 @pytest.mark.parametrize("policy, half", [("mixed_float16", "float16"), ("mixed_bfloat16", "bfloat16")])
 def test_compiled_for_an_h200_without_a_gpu_every_convolution_and_matmul_runs_in_half(policy, half):
-    if not jaxamp.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics.gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     gradient, args = _gradient_of_mixed_convnet(policy)
     report = jaxamp.precision_report(
-        gradient, *jaxamp.on_device(args, jaxamp.gpu_target_device("h200")), compiled=True
+        gradient, *jaxamp.diagnostics.on_device(args, jaxamp.diagnostics.gpu_target_device("h200")), compiled=True
     )
     cudnn_calls = [op for op in report.ops if op.primitive.startswith("__cudnn$conv")]
     assert len(cudnn_calls) == 5

@@ -119,9 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--target",
-        type=comma_list([*jaxamp.GPU_TARGETS, "all"]),
+        type=comma_list([*jaxamp.diagnostics.GPU_TARGETS, "all"]),
         default=None,
-        help=f"GPU targets to compile for without a GPU: {', '.join(jaxamp.GPU_TARGETS)} or all "
+        help=f"GPU targets to compile for without a GPU: {', '.join(jaxamp.diagnostics.GPU_TARGETS)} or all "
         "(default: none; h200 when --sections names targets)",
     )
     parser.add_argument(
@@ -170,7 +170,7 @@ def resolve_settings(args: argparse.Namespace) -> dict:
             value = [item.strip() for item in default.split(",")]
         settings[key] = default if value is None else value
     settings["targets"] = (
-        list(jaxamp.GPU_TARGETS) if args.target and "all" in args.target else (args.target or [])
+        list(jaxamp.diagnostics.GPU_TARGETS) if args.target and "all" in args.target else (args.target or [])
     )
     if args.sections:
         settings["sections"] = args.sections
@@ -287,7 +287,7 @@ class SectionRunner:
 
     def targets(self) -> None:
         settings = self.settings
-        if not jaxamp.gpu_targets.cuda_plugin_available():
+        if not jaxamp.diagnostics.cuda_plugin_available():
             self.budget.skip(
                 "targets", "the CUDA PJRT plugin is not installed (pip install 'jaxamp[gpu-aot]')"
             )

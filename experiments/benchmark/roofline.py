@@ -14,7 +14,7 @@ FP8 rate, those in float32 at the float32 rate under ``fp32`` (matmul
 precision "highest") and at the TF32 tensor-core rate otherwise (JAX's
 default precision on Ampere and later); every other FLOP (element-wise
 work, reductions) at the float32 rate. The peaks are the datasheets'
-(`jaxamp.GpuSpec.peak_flops`). This is a bound, not a measurement: real
+(`jaxamp.diagnostics.GpuSpec.peak_flops`). This is a bound, not a measurement: real
 kernels reach a fraction of either peak, so a measured time sits above it.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxamp.gpu_targets import GpuSpec
+from jaxamp.diagnostics import GpuSpec
 
 CIFAR10_TRAIN_EXAMPLES = 50_000
 _HALF_DTYPES = ("float16", "bfloat16")

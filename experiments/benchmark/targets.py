@@ -1,8 +1,8 @@
 """The train step compiled for GPU targets, on a machine without a GPU.
 
-For each target (`jaxamp.GPU_TARGETS`), model and precision, the training
+For each target (`jaxamp.diagnostics.GPU_TARGETS`), model and precision, the training
 recipe's train step is lowered with its arguments as ``ShapeDtypeStruct``s
-on the target's compile-only device (`jaxamp.gpu_target_device`) and
+on the target's compile-only device (`jaxamp.diagnostics.gpu_target_device`) and
 compiled. Recorded: compile time; ``memory_analysis()`` (temp, argument,
 output bytes; the argument bytes include the uint8 CIFAR-10 training set
 the step gathers from); the dtype of every convolution and matmul in the
@@ -10,7 +10,7 @@ optimized HLO (cuDNN and cuBLAS custom calls included); and the roofline
 bound on paper, from the pre-optimization module's FLOPs (the executable's
 own cost analysis is empty for a deviceless compile) split by the dtypes
 of the optimized program's heavy ops, and bytes estimated from the
-optimized program's own kernels (`jaxamp.hlo_report.bytes_accessed`).
+optimized program's own kernels (`jaxamp.diagnostics.bytes_accessed`).
 
 Each half precision (``mixed``, ``mixed_bf16``, any float16 or bfloat16
 policy) is compiled by both routes a policy can take
@@ -21,7 +21,7 @@ the share of convolution and matmul FLOPs in half precision, and the
 ratios of temp memory and bytes moved to ``fp32``'s.
 
 Bytes moved is an estimate from the optimized program
-(`jaxamp.hlo_report.bytes_accessed`): XLA's ``cost_analysis()`` is empty
+(`jaxamp.diagnostics.bytes_accessed`): XLA's ``cost_analysis()`` is empty
 for a program compiled without its GPU. It counts every operand a kernel
 reads, so each step includes the whole uint8 training set once (the
 gather's operand, 154 MB for CIFAR-10), alike in every route.
@@ -55,7 +55,6 @@ from experiments import train
 from experiments.benchmark import roofline, workload
 from experiments.benchmark.budget import Budget, SkipWork
 from experiments.benchmark.results import Results
-from jaxamp import hlo_report
 
 _CIFAR10_SHAPES = {"images": (roofline.CIFAR10_TRAIN_EXAMPLES, 32, 32, 3)}
 
@@ -86,7 +85,7 @@ def abstract_arguments(
         jax.ShapeDtypeStruct((batch_size,), jnp.int32),
         jax.eval_shape(lambda: jax.random.key(0)),
     )
-    return jaxamp.on_device((state, *data), device)
+    return jaxamp.diagnostics.on_device((state, *data), device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +95,9 @@ class CompiledStep:
     Attributes:
         compiled: the executable (``memory_analysis()``, ``as_text()``).
         text: its optimized HLO.
-        report: matmuls and convolutions by dtype (`jaxamp.hlo_precision_report`).
+        report: matmuls and convolutions by dtype (`jaxamp.diagnostics.hlo_precision_report`).
         total_flops: XLA's FLOP count of the step (the heavy FLOPs where XLA gives none).
-        bytes_accessed: the step's memory traffic (`jaxamp.hlo_report.bytes_accessed`).
+        bytes_accessed: the step's memory traffic (`jaxamp.diagnostics.bytes_accessed`).
         bound: the roofline (`roofline.roofline`) at the target's peaks.
         compile_s: seconds the lowering and compilation took.
     """
@@ -117,10 +116,10 @@ def compile_step(step, arguments, precision: str, context, spec) -> CompiledStep
 
     Args:
         step: the train step, a function of (state, *batch).
-        arguments: its abstract arguments, on the target device (`jaxamp.on_device`).
+        arguments: its abstract arguments, on the target device (`jaxamp.diagnostics.on_device`).
         precision: ``fp32``, ``tf32`` or a policy name: which peak each FLOP runs at.
         context: the precision's matmul-precision context manager.
-        spec: the target's `jaxamp.GpuSpec`.
+        spec: the target's `jaxamp.diagnostics.GpuSpec`.
     """
     with context:
         start = time.perf_counter()
@@ -131,10 +130,11 @@ def compile_step(step, arguments, precision: str, context, spec) -> CompiledStep
     # The lowered program says which GEMMs asked for FP8, so one that XLA ran
     # wider shows as "requested, not fp8" rather than as a plain bfloat16 GEMM.
     fp8 = train.resolve_precision(precision).policy.fp8_matmuls
-    report = jaxamp.hlo_precision_report(text, hlo_report.lowered_hlo_text(lowered) if fp8 else None)
+    lowered_text = jaxamp.diagnostics.lowered_hlo_text(lowered) if fp8 else None
+    report = jaxamp.diagnostics.hlo_precision_report(text, lowered_text)
     heavy_flops = report.flops_by_dtype()
     total_flops = roofline.cost_of(lowered).get("flops", float(sum(heavy_flops.values())))
-    bytes_accessed = hlo_report.bytes_accessed(text)
+    bytes_accessed = jaxamp.diagnostics.bytes_accessed(text)
     bound = roofline.roofline(
         roofline.flops_by_peak(precision, heavy_flops, total_flops), bytes_accessed, spec
     )
@@ -147,15 +147,15 @@ def compile_for(
     """Compiles one train step for `target` and describes what it would run.
 
     Args:
-        target: a name of `jaxamp.GPU_TARGETS`.
+        target: a name of `jaxamp.diagnostics.GPU_TARGETS`.
         model: a name of `experiments.models.MODELS`.
         precision: ``fp32``, ``tf32`` or a jaxamp policy name.
         batch_size: images per step.
         route: how the policy reaches the model, one of
             `experiments.benchmark.workload.ROUTES`.
     """
-    spec = jaxamp.gpu_targets.gpu_spec(target)
-    device = jaxamp.gpu_target_device(spec)
+    spec = jaxamp.diagnostics.gpu_spec(target)
+    device = jaxamp.diagnostics.gpu_target_device(spec)
     config = workload.train_config(model, precision, batch_size)
     dataset = data_lib.synthetic_dataset(num_train=1, num_test=1)  # mean/std only
     arguments = abstract_arguments(model, precision, batch_size, device, route)
@@ -283,7 +283,7 @@ def _compile_and_record(
     work = f"target {target} {model} {key}"
     if (
         workload.is_fp8_precision(precision)
-        and "float8_e4m3fn" not in jaxamp.gpu_targets.gpu_spec(target).peak_flops
+        and "float8_e4m3fn" not in jaxamp.diagnostics.gpu_spec(target).peak_flops
     ):
         budget.skip(work, f"the {target} has no FP8 tensor cores (Hopper and later have them: h100, h200)")
         return 0.0

@@ -21,16 +21,16 @@ import jax
 from experiments.benchmark import roofline, timing, workload
 from experiments.benchmark.budget import Budget, SkipWork
 from experiments.benchmark.results import Results
-from jaxamp import gpu_targets
+from jaxamp.diagnostics import GpuSpec, spec_for_device_kind
 
 
-def device_spec() -> gpu_targets.GpuSpec | None:
+def device_spec() -> GpuSpec | None:
     """The published spec of this process's device, if it is a known GPU."""
     device = jax.devices()[0]
-    return gpu_targets.spec_for_device_kind(device.device_kind) if device.platform == "gpu" else None
+    return spec_for_device_kind(device.device_kind) if device.platform == "gpu" else None
 
 
-def distance_to_hardware(entry: dict, cost: dict, spec: gpu_targets.GpuSpec | None) -> dict:
+def distance_to_hardware(entry: dict, cost: dict, spec: GpuSpec | None) -> dict:
     """Achieved TFLOP/s, share of peak and the roofline bound for one measured entry."""
     batch_size, step_s = entry["batch_size"], entry["train_step_s"]
     result = {

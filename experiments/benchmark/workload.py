@@ -29,7 +29,7 @@ from experiments import data as data_lib
 from experiments import train
 from experiments.benchmark import roofline
 from experiments.models import create_model
-from jaxamp.report import hlo_precision_report
+from jaxamp.diagnostics import hlo_precision_report
 
 ROUTES = ("apply_policy", "autocast")
 

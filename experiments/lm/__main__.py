@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--gather-dtype",
         default=None,
         help="with fsdp: gather params in this dtype (e.g. bfloat16: half float32's bytes) through "
-        "jaxamp.fsdp_loss; 'param' for their own dtype. Neither flag: XLA's partitioner chooses "
+        "jaxamp.fsdp.fsdp_loss; 'param' for their own dtype. Neither flag: XLA's partitioner chooses "
         "(gathers in the params' dtype)",
     )
     parser.add_argument(

@@ -51,7 +51,7 @@ class LMConfig:
 
     @property
     def communicates_explicitly(self) -> bool:
-        """Whether the dtypes of the gathers and reductions are stated (`jaxamp.fsdp_loss`)."""
+        """Whether the dtypes of the gathers and reductions are stated (`jaxamp.fsdp.fsdp_loss`)."""
         return self.gather_dtype is not None or self.reduce_dtype is not None
 
     @property
@@ -146,14 +146,14 @@ def default_route(precision: str) -> str:
 
 
 def communication_policy(config: LMConfig, policy: jaxamp.Policy):
-    """The `jaxamp.CommunicationPolicy` of ``--gather-dtype`` and ``--reduce-dtype``.
+    """The `jaxamp.fsdp.CommunicationPolicy` of ``--gather-dtype`` and ``--reduce-dtype``.
 
     A dtype left out is the parameter's own. Reducing gradients in a dtype
     narrower than the params' is refused here, before anything compiles.
 
     Raises:
         ConfigError: the flags need FSDP sharding or a jaxamp with
-            `jaxamp.fsdp_loss`, name no dtype, or narrow the reduction.
+            `jaxamp.fsdp.fsdp_loss`, name no dtype, or narrow the reduction.
     """
     if config.sharding != "fsdp":
         raise ConfigError(
@@ -163,11 +163,11 @@ def communication_policy(config: LMConfig, policy: jaxamp.Policy):
     if not hasattr(jaxamp, "CommunicationPolicy"):
         raise ConfigError(
             "--gather-dtype and --reduce-dtype need jaxamp's mixed-precision communication "
-            "(jaxamp.fsdp_loss), which this jaxamp lacks; leave them out to let XLA communicate "
+            "(jaxamp.fsdp.fsdp_loss), which this jaxamp lacks; leave them out to let XLA communicate "
             "in the params' dtype."
         )
     try:
-        communication = jaxamp.CommunicationPolicy(
+        communication = jaxamp.fsdp.CommunicationPolicy(
             gather_dtype=config.gather_dtype or "param", reduce_dtype=config.reduce_dtype or "param"
         )
     except (ValueError, TypeError) as error:

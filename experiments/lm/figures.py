@@ -5,7 +5,7 @@ FLOPs per step are XLA's own count for the compiled program
 CIFAR benchmark uses; the analytic estimate ``6N + 12 L d T`` per token
 (`experiments.lm.model.model_flops_per_token`) is recorded beside it as a
 check. Model FLOPs utilization divides the achieved rate by the device's
-published peak for the precision's heavy math (`jaxamp.GpuSpec`,
+published peak for the precision's heavy math (`jaxamp.diagnostics.GpuSpec`,
 `experiments.benchmark.roofline.main_peak_key`); a CPU has no such figure
 here, so its MFU is reported as not applicable rather than invented.
 """
@@ -22,7 +22,7 @@ import numpy as np
 from experiments.benchmark import roofline
 from experiments.benchmark.throughput import device_spec
 from experiments.benchmark.workload import memory_of
-from jaxamp.report import hlo_precision_report
+from jaxamp.diagnostics import hlo_precision_report
 
 _COLLECTIVE = re.compile(
     r"= (?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\][^ ]* "
@@ -40,7 +40,7 @@ def step_cost(compiled: Any, device_count: int, lowered_program: str | None = No
     Collectives are read twice. ``collectives_per_device``: what the
     compiled executable runs (on CPU, XLA widens every bfloat16 collective
     to float32, so there they all read float32). ``collectives_stated``:
-    those the program itself writes before partitioning (`jaxamp.fsdp_loss`
+    those the program itself writes before partitioning (`jaxamp.fsdp.fsdp_loss`
     writes its gathers and reduce-scatters with their dtypes; with plain
     ``jit`` and shardings there are none, the partitioner adds them).
     """

@@ -6,9 +6,9 @@ For each precision and route (FP8 precisions through ``autocast`` only,
 which is the route that runs them), the language model's train step (the recipe's
 own `experiments.lm.train.make_train_step`) is lowered with its arguments as
 ``ShapeDtypeStruct``s on the target's compile-only device
-(`jaxamp.gpu_target_device`) and compiled, as the CIFAR benchmark's
+(`jaxamp.diagnostics.gpu_target_device`) and compiled, as the CIFAR benchmark's
 ``targets`` section does. Recorded per step: temp memory
-(``memory_analysis()``), bytes moved (`jaxamp.hlo_report.bytes_accessed` of
+(``memory_analysis()``), bytes moved (`jaxamp.diagnostics.bytes_accessed` of
 the optimized program), FLOPs (the lowered module's cost analysis; where it
 gives none, the optimized program's matmul FLOPs, as the CIFAR benchmark's
 targets section does) and the
@@ -54,15 +54,15 @@ GPT2_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64, as nanoGP
 
 def compile_for(target: str, config: LMConfig, vocab_size: int) -> dict[str, Any]:
     """Compiles one train step for `target` and describes what it would run."""
-    spec = jaxamp.gpu_targets.gpu_spec(target)
-    device = jaxamp.gpu_target_device(spec)
+    spec = jaxamp.diagnostics.gpu_spec(target)
+    device = jaxamp.diagnostics.gpu_target_device(spec)
     precision = resolve_precision(config.precision)
     context = config.sequence_length
     model, attention = train.create_model(config, precision, vocab_size, "gpu")
     tx = train.create_optimizer(config)
     state = jax.eval_shape(lambda: train.create_train_state(config, precision, model, context, tx))
     windows = jax.ShapeDtypeStruct((config.batch_size, context + 1), jnp.int32)
-    arguments = jaxamp.on_device((state, windows), device)
+    arguments = jaxamp.diagnostics.on_device((state, windows), device)
     step = train.make_train_step(train.make_loss_fn(model.apply, config.route, precision.policy))
     compiled_step = targets.compile_step(step, arguments, config.precision, precision.context(), spec)
     compiled, text, compile_s = compiled_step.compiled, compiled_step.text, compiled_step.compile_s
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "bytes moved and the roofline bound per precision and route.",
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--target", default="h200", choices=list(jaxamp.GPU_TARGETS))
+    parser.add_argument("--target", default="h200", choices=list(jaxamp.diagnostics.GPU_TARGETS))
     parser.add_argument("--model", default="gpt2", choices=list(model_lib.SIZES))
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     parser.add_argument("--vocab-size", type=int, default=GPT2_VOCAB)
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routes", default=",".join(ROUTES))
     parser.add_argument("--out-dir", default=None, help="where results.json and table.md go (default: runs/)")
     args = parser.parse_args(argv)
-    if not jaxamp.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics.cuda_plugin_available():
         print(
             "error: compiling for a GPU target needs the CUDA PJRT plugin of the installed JAX: "
             "pip install 'jaxamp[gpu-aot]', then run with JAX_PLATFORMS=cpu.",

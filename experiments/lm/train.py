@@ -15,7 +15,7 @@ Read top to bottom, this is the whole recipe:
    step whose gradients overflowed.
 4. `train_and_evaluate` shards the state over the devices
    (`experiments.lm.sharding`; with ``--gather-dtype``/``--reduce-dtype``
-   the loss runs under `jaxamp.fsdp_loss`, which gathers params and sums
+   the loss runs under `jaxamp.fsdp.fsdp_loss`, which gathers params and sums
    gradients in those dtypes), compiles the steps ahead of time, feeds each
    process only its rows of each batch (`experiments.lm.data`), and
    evaluates the held-out loss every ``--eval-every`` steps.
@@ -167,8 +167,8 @@ def compile_steps(config, precision, model, sharding: Sharding, context: int) ->
     loss_fn = make_loss_fn(model.apply, config.route, precision.policy)
     if config.communicates_explicitly:
         # Gathers and gradient sums in the stated dtypes, written into the
-        # program (`jaxamp.fsdp_loss`), instead of what XLA's partitioner picks.
-        loss_fn = jaxamp.fsdp_loss(loss_fn, sharding.mesh, communication_policy(config, precision.policy))
+        # program (`jaxamp.fsdp.fsdp_loss`), instead of what XLA's partitioner picks.
+        loss_fn = jaxamp.fsdp.fsdp_loss(loss_fn, sharding.mesh, communication_policy(config, precision.policy))
     times = {}
     with precision.context():
         start = time.perf_counter()

@@ -109,7 +109,7 @@ def fp8_dot_rule(observer: Callable | None = None) -> Rule:
 
     Args:
         observer: passed to `jaxamp.fp8_dot_general` (a
-            `jaxamp.fp8_quantization_stats` run only).
+            `jaxamp.diagnostics.fp8_quantization_stats` run only).
     """
 
     def rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:

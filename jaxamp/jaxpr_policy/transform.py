@@ -116,7 +116,7 @@ def autocast(
     with FP8 matmuls (``"mixed_float8"``) also runs every eligible
     ``dot_general`` as `jaxamp.fp8_dot_general`, and the other matmuls and
     convolutions in the compute dtype under a named fallback scope
-    (`jaxamp.FP8_FALLBACK_REASONS`).
+    (`jaxamp.diagnostics.FP8_FALLBACK_REASONS`).
 
     Example:
         >>> @jaxamp.autocast
@@ -156,7 +156,7 @@ def autocast(
 
 def autocast_with_fp8_observer(fun: Callable[..., Any], policy: Policy, observer: Callable) -> Callable[..., Any]:
     """`autocast` whose FP8 quantizations report their counts to `observer` (for
-    `jaxamp.fp8_quantization_stats`; the rewritten program gains host callbacks)."""
+    `jaxamp.diagnostics.fp8_quantization_stats`; the rewritten program gains host callbacks)."""
     return _autocast(fun, policy, _resolve_rules(None, policy, observer))
 
 

@@ -21,8 +21,8 @@ module's ``StackFrames`` tables). XLA keeps both when it rewrites a ``dot``
 into a cuBLAS call or a GEMM fusion, which is how FP8 is proved: a
 ``__cublas$lt$matmul$f8`` or ``__cudnn$convForwardGraph`` call on FP8
 operands ran in FP8, and its op_name says whether it was traced under
-jaxamp's ``jaxamp_fp8`` scope (`fp8_scope`) and in a backward pass
-(`is_backward`). `fp8_fed_matmuls` reads the program before optimization
+jaxamp's ``jaxamp_fp8`` scope and in a backward pass
+(`jaxamp.report.fp8_scope`, `jaxamp.report.is_backward`). `fp8_fed_matmuls` reads the program before optimization
 for matmuls fed FP8 values through a dequantize. The walk starts at the entry computation and
 follows every called computation, so an operation runs as often as it is
 called: a ``while`` body with a known trip count (as ``lax.scan`` compiles
@@ -101,9 +101,6 @@ _TABLE_FIELD = re.compile(r"(\w+)=(\d+)")
 FP8_TARGETS = ("__cublas$lt$matmul$f8", "__cudnn$convForwardGraph")
 # jaxamp traces every FP8 matmul under this named scope, and every matmul that
 # looked eligible but fell back to bfloat16 under FP8_FALLBACK_SCOPE + reason.
-FP8_SCOPE = "jaxamp_fp8"
-FP8_FALLBACK_SCOPE = "jaxamp_fp8_fallback_"
-_FP8_SCOPES = re.compile(r"(?<![\w])jaxamp_fp8(?:_fallback_(\w+))?(?![\w])")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,32 +300,6 @@ def metadata_key(instruction: Instruction, module: HloModule) -> tuple[str, str]
     frame = _STACK_FRAME_ID.search(instruction.attributes)
     source = module.stack_frames.get(int(frame.group(1)), "") if frame else ""
     return (op_name.group(1) if op_name else "", source)
-
-
-def fp8_scope(op_name: str) -> tuple[bool, str | None]:
-    """What jaxamp's named scopes in `op_name` say about FP8.
-
-    Returns:
-        ``(requested, fallback_reason)``: ``(True, None)`` under the
-        ``jaxamp_fp8`` scope, ``(False, reason)`` under
-        ``jaxamp_fp8_fallback_<reason>``, ``(False, None)`` under neither.
-        The innermost of several such scopes decides.
-    """
-    scopes = list(_FP8_SCOPES.finditer(op_name))
-    if not scopes:
-        return False, None
-    reason = scopes[-1].group(1)
-    return reason is None, reason
-
-
-def is_backward(op_name: str) -> bool:
-    """Whether JAX traced the operation in a backward pass.
-
-    JAX's name stack wraps what the transpose of a linearized function
-    computes in ``transpose(jvp(...))``: the cotangent matmuls of
-    ``jax.grad``, and a ``custom_vjp``'s backward function.
-    """
-    return "transpose(" in op_name
 
 
 def _called_computations(instruction: Instruction) -> list[str]:

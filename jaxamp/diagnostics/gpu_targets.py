@@ -5,8 +5,8 @@ PJRT plugin of the installed JAX's version (``pip install
 jaxamp[gpu-aot]``: the ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt``
 wheels, no NVIDIA libraries needed) and a description of the GPU::
 
-    device = jaxamp.gpu_target_device("h200")
-    args = jaxamp.on_device((variables, images), device)   # ShapeDtypeStructs
+    device = jaxamp.diagnostics.gpu_target_device("h200")
+    args = jaxamp.diagnostics.on_device((variables, images), device)   # ShapeDtypeStructs
     compiled = jax.jit(step).lower(*args).compile()
     compiled.memory_analysis()                              # H200 bytes
     jaxamp.precision_report(step, *args, compiled=True)     # cuDNN in float16
@@ -17,7 +17,7 @@ cannot know: no autotuning happens (cuDNN and cuBLAS algorithms are
 defaults, and their workspace is what the default needs), the cuDNN and CUDA
 versions are those the config states, and the executable's
 ``cost_analysis()`` is empty (use the lowered module's, or
-`jaxamp.hlo_report.bytes_accessed`).
+`jaxamp.diagnostics.bytes_accessed`).
 
 On a machine without an NVIDIA GPU the plugin's start-up check of the CUDA
 libraries can only fail (there is nothing to run on), leaving the plugin
@@ -39,7 +39,8 @@ import functools
 import importlib
 import importlib.util
 import os
-from collections.abc import Iterator
+import types
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -86,7 +87,11 @@ class GpuSpec:
     l2_cache_bytes: int
     shared_memory_per_sm: int
     shared_memory_per_block_optin: int
-    peak_flops: dict[str, float]
+    peak_flops: Mapping[str, float]
+
+    def __post_init__(self):
+        # Frozen all the way down: a spec is shared (GPU_TARGETS), so its rates must not change.
+        object.__setattr__(self, "peak_flops", types.MappingProxyType(dict(self.peak_flops)))
 
     def target_config(self) -> str:
         """This GPU as a ``GpuTargetConfigProto`` in protobuf text format."""
@@ -142,7 +147,7 @@ _H100 = GpuSpec(
                 "float8_e4m3fn": 1978.9 * _TERA, "float8_e5m2": 1978.9 * _TERA},
 )  # fmt: skip
 
-GPU_TARGETS: dict[str, GpuSpec] = {
+GPU_TARGETS: Mapping[str, GpuSpec] = types.MappingProxyType({
     "v100": GpuSpec(
         description="Tesla V100-SXM2-32GB",
         compute_capability=(7, 0),
@@ -185,7 +190,8 @@ GPU_TARGETS: dict[str, GpuSpec] = {
     "h200": dataclasses.replace(
         _H100, description="NVIDIA H200", memory_bytes=141 * 10**9, memory_bandwidth=4.8e12
     ),
-}
+})
+"""The GPUs jaxamp describes, by target name (read-only)."""
 
 
 def gpu_spec(name: str) -> GpuSpec:
@@ -194,7 +200,7 @@ def gpu_spec(name: str) -> GpuSpec:
     if key not in GPU_TARGETS:
         raise ValueError(
             f"Unknown GPU target {name!r}; choose one of {', '.join(GPU_TARGETS)} "
-            "(or describe another GPU with jaxamp.GpuSpec)."
+            "(or describe another GPU with jaxamp.diagnostics.GpuSpec)."
         )
     return GPU_TARGETS[key]
 

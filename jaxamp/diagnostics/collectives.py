@@ -16,7 +16,7 @@ afterwards: XLA on CPU widens every bfloat16 collective to float32 (its
 collectives have no bfloat16 arithmetic), so the CPU executable moves
 float32 whatever the program asked for, while XLA for an NVIDIA GPU keeps
 bfloat16 collectives (compile for one without a GPU through
-`jaxamp.gpu_targets`). The parser relies only on the documented text form.
+`jaxamp.diagnostics.gpu_targets`). The parser relies only on the documented text form.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from jaxamp.hlo_report import ArrayShape, HloModule, Instruction, walk
+from jaxamp.diagnostics.hlo_report import ArrayShape, HloModule, Instruction, walk
 
 COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 

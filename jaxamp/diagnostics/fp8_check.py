@@ -10,7 +10,7 @@ asked for FP8 ran in a wider dtype.
 
 Example:
     >>> report = jaxamp.precision_report(step, *args_on_h200, compiled=True)
-    >>> jaxamp.check_fp8(report)   # warns if FP8 was requested and not run
+    >>> jaxamp.diagnostics.check_fp8(report)   # warns if FP8 was requested and not run
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ def check_fp8(report: PrecisionReport, *, raise_error: bool = False) -> tuple[Op
 
     An op counts as requested when it was traced under the ``jaxamp_fp8``
     named scope, or when the program before optimization fed it FP8
-    values through a dequantize (see `jaxamp.hlo_precision_report`). Ops
+    values through a dequantize (see `jaxamp.diagnostics.hlo_precision_report`). Ops
     that jaxamp sent to bfloat16 on purpose (``jaxamp_fp8_fallback_*``
     scopes) are not missed FP8: they show as ``fallback`` rows of
     `PrecisionReport.fp8_rows`, with their reason.
 
     Args:
         report: a compiled report: ``precision_report(fun, *args,
-            compiled=True)`` or `jaxamp.hlo_precision_report`.
+            compiled=True)`` or `jaxamp.diagnostics.hlo_precision_report`.
         raise_error: raise `Fp8NotUsedWarning` as an exception instead of
             warning.
 
@@ -55,7 +55,7 @@ def check_fp8(report: PrecisionReport, *, raise_error: bool = False) -> tuple[Op
         raise ValueError(
             "check_fp8 needs a compiled report (what XLA runs), got a traced one (what the program asks "
             "for); make it with jaxamp.precision_report(fun, *args, compiled=True), the arguments placed on "
-            "the GPU or on jaxamp.gpu_target_device('h200')."
+            "the GPU or on jaxamp.diagnostics.gpu_target_device('h200')."
         )
     missed = tuple(op for op in report.ops if op.fp8_status == FP8_MISSED)
     if missed:

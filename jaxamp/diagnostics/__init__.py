@@ -1,0 +1,71 @@
+"""Diagnostics: proof of what ran, compiled for this machine or for a GPU you do not have.
+
+Not part of a train step; imported on use (``jaxamp.diagnostics`` is
+loaded the first time it is named, and ``import jaxamp`` alone does not
+load it). One module per job:
+
+* `compiled_report`: `hlo_precision_report`, the compiled half of
+  `jaxamp.precision_report` (``compiled=True``);
+* `hlo_report`: the reader of optimized HLO text (heavy ops by dtype,
+  `bytes_accessed`, `lowered_hlo_text`);
+* `fp8_check`: `check_fp8`, a warning where FP8 was asked for and a wider
+  GEMM ran;
+* `fp8_stats`: `fp8_quantization_stats`, how FP8 operands quantized;
+* `gpu_targets`: `GPU_TARGETS`, `GpuSpec`, `gpu_target_device`,
+  `on_device`: deviceless compilation for NVIDIA GPUs;
+* `collectives`: the collectives of a partitioned program and their bytes.
+
+Example::
+
+    device = jaxamp.diagnostics.gpu_target_device("h200")
+    args = jaxamp.diagnostics.on_device((params, x), device)
+    report = jaxamp.precision_report(step, *args, compiled=True)
+    jaxamp.diagnostics.check_fp8(report)
+"""
+
+from jaxamp.diagnostics.collectives import (
+    Collective,
+    CollectiveTotal,
+    collective_totals,
+    collectives,
+    compile_with_partitioned_hlo,
+)
+from jaxamp.diagnostics.compiled_report import hlo_precision_report
+from jaxamp.diagnostics.fp8_check import Fp8NotUsedWarning, check_fp8
+from jaxamp.diagnostics.fp8_stats import Fp8QuantizationStats, Fp8TensorStats, fp8_quantization_stats
+from jaxamp.diagnostics.gpu_targets import (
+    GPU_TARGETS,
+    GpuSpec,
+    cuda_plugin_available,
+    gpu_spec,
+    gpu_target_device,
+    on_device,
+    spec_for_device_kind,
+)
+from jaxamp.diagnostics.hlo_report import bytes_accessed, heavy_ops, lowered_hlo_text
+from jaxamp.fp8 import FP8_FALLBACK_REASONS
+
+__all__ = [
+    "FP8_FALLBACK_REASONS",
+    "GPU_TARGETS",
+    "Collective",
+    "CollectiveTotal",
+    "Fp8NotUsedWarning",
+    "Fp8QuantizationStats",
+    "Fp8TensorStats",
+    "GpuSpec",
+    "bytes_accessed",
+    "check_fp8",
+    "collective_totals",
+    "collectives",
+    "compile_with_partitioned_hlo",
+    "cuda_plugin_available",
+    "fp8_quantization_stats",
+    "gpu_spec",
+    "gpu_target_device",
+    "heavy_ops",
+    "hlo_precision_report",
+    "lowered_hlo_text",
+    "on_device",
+    "spec_for_device_kind",
+]

@@ -1,0 +1,62 @@
+"""The compiled half of the precision report: what XLA runs, read from optimized HLO.
+
+`jaxamp.precision_report(..., compiled=True)` comes here (imported on use):
+the program is compiled for the device its arguments are placed on, and the
+optimized HLO's ``dot`` and ``convolution`` instructions and cuDNN/cuBLAS
+custom calls are counted (`jaxamp.diagnostics.hlo_report`). For a GPU, even
+one compiled for without a GPU (`jaxamp.diagnostics.gpu_target_device`),
+that shows the half-precision cuDNN calls and the FP8 ones
+(`jaxamp.PrecisionReport.fp8_rows`, `jaxamp.diagnostics.check_fp8`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxamp.diagnostics import hlo_report
+from jaxamp.report import OpRecord, PrecisionReport, fp8_scope
+
+
+def compiled_precision_report(lowered: Any) -> PrecisionReport:
+    """The `PrecisionReport` of a lowered program, compiled (``jax.jit(f).lower(*args)``)."""
+    return hlo_precision_report(lowered.compile().as_text(), hlo_report.lowered_hlo_text(lowered))
+
+
+def hlo_precision_report(hlo_text: str, lowered_hlo_text: str | None = None) -> PrecisionReport:
+    """A `PrecisionReport` of an optimized HLO module's text.
+
+    Use it on a step that is already compiled, to avoid compiling it twice::
+
+        lowered = jax.jit(step).lower(*args)
+        report = hlo_precision_report(
+            lowered.compile().as_text(), jaxamp.diagnostics.hlo_report.lowered_hlo_text(lowered))
+
+    A record's ``primitive`` is the HLO opcode (``dot``, ``convolution``) or
+    the custom call target (``__cudnn$convForward``, ``__cublas$gemm``,
+    ``__cublas$lt$matmul$f8``, ...).
+
+    An op counts as FP8-requested (`OpRecord.fp8_requested`) when its
+    op_name lies under the ``jaxamp_fp8`` named scope, or, given the
+    program before optimization, when that program fed it FP8 values,
+    directly or through a dequantize (`hlo_report.fp8_fed_matmuls`; ops
+    are matched by name stack and source location, which XLA keeps
+    through its rewrites: the op_name without its last part, the
+    primitive, which XLA may replace with that of a transpose it merged).
+
+    Args:
+        hlo_text: the optimized module's text.
+        lowered_hlo_text: the same program's HLO before optimization, with
+            metadata (`hlo_report.lowered_hlo_text`); without it, only the
+            named scope marks FP8 requests.
+    """
+    fed = hlo_report.fp8_fed_matmuls(lowered_hlo_text) if lowered_hlo_text else set()
+    # Matched without the op_name's last part: XLA gives a dot that it merges with
+    # the transpose after it (as a backward pass's dot often is) the transpose's name.
+    fed_scopes = {(op_name.rpartition("/")[0], source) for op_name, source in fed}
+    records = []
+    for op in hlo_report.heavy_ops(hlo_text):
+        in_scope = fp8_scope(op.op_name)[0]
+        requested = in_scope or (op.op_name.rpartition("/")[0], op.source) in fed_scopes
+        records.append(OpRecord(**dataclasses.asdict(op), fp8_requested=requested))
+    return PrecisionReport(tuple(records), compiled=True)

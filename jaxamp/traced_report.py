@@ -1,0 +1,138 @@
+"""`precision_report`: the dtypes of a function's matmuls and convolutions, traced or compiled.
+
+Traced (the default), the function is traced to a jaxpr and its
+``dot_general`` and ``conv_general_dilated`` equations are counted, nested
+jaxprs included (`_walk` says how loops and branches count). Compiled, the
+program is compiled and its optimized HLO read by
+`jaxamp.diagnostics.compiled_report`, imported on use. Both give a
+`jaxamp.report.PrecisionReport`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from jaxamp.jaxpr_policy.table import rules_table
+from jaxamp.jaxpr_policy.unruled import primitives_without_rule
+from jaxamp.report import OpRecord, PrecisionReport
+
+_HEAVY_PRIMITIVES = ("dot_general", "conv_general_dilated")
+
+
+def _subjaxprs(params: dict[str, Any]) -> Iterator[jax.extend.core.Jaxpr]:
+    for value in params.values():
+        candidates = value if isinstance(value, (tuple, list)) else (value,)
+        for candidate in candidates:
+            if isinstance(candidate, jax.extend.core.ClosedJaxpr):
+                yield candidate.jaxpr
+            elif isinstance(candidate, jax.extend.core.Jaxpr):
+                yield candidate
+
+
+def _flops(primitive: str, lhs, rhs, out, params: dict[str, Any]) -> int:
+    if primitive == "dot_general":
+        (lhs_contracting, _), _ = params["dimension_numbers"]
+        contracted = math.prod(lhs.shape[axis] for axis in lhs_contracting)
+        return 2 * math.prod(out.shape) * contracted
+    # Convolution: every output element sums over the kernel's spatial window
+    # and its input features (rhs holds in_features // groups per group).
+    rhs_spec = params["dimension_numbers"].rhs_spec
+    _, in_feature_axis, *spatial_axes = rhs_spec
+    window = math.prod(rhs.shape[axis] for axis in spatial_axes) * rhs.shape[in_feature_axis]
+    return 2 * math.prod(out.shape) * window
+
+
+def _walk(jaxpr, records: list[OpRecord], repeats: int = 1) -> None:
+    """Appends a record for every matmul and convolution of `jaxpr` to `records`.
+
+    Nested jaxprs are walked too::
+
+        scan:   body records, FLOPs times `length` (times enclosing repeats)
+        cond:   the records of the branch with the most FLOPs (ties: the first)
+        other:  every nested jaxpr once (while_loop bodies, jit, remat, ...)
+    """
+    for equation in jaxpr.eqns:
+        name = equation.primitive.name
+        if name in _HEAVY_PRIMITIVES:
+            lhs, rhs = (variable.aval for variable in equation.invars[:2])
+            out = equation.outvars[0].aval
+            records.append(
+                OpRecord(
+                    primitive=name,
+                    operand_dtypes=(lhs.dtype.name, rhs.dtype.name),
+                    output_dtype=out.dtype.name,
+                    flops=repeats * _flops(name, lhs, rhs, out, equation.params),
+                )
+            )
+        if name == "cond":
+            branch_records = []
+            for branch in _subjaxprs(equation.params):
+                branch_records.append([])
+                _walk(branch, branch_records[-1], repeats)
+            records.extend(max(branch_records, key=lambda ops: sum(op.flops for op in ops)))
+            continue
+        # A scan body runs `length` times; a while loop's trip count is unknown
+        # at trace time, so its body counts once.
+        body_repeats = repeats * equation.params.get("length", 1) if name == "scan" else repeats
+        for subjaxpr in _subjaxprs(equation.params):
+            _walk(subjaxpr, records, body_repeats)
+
+
+def precision_report(
+    fun: Callable[..., Any], *args, compiled: bool = False, **kwargs
+) -> PrecisionReport:
+    """Reports the dtypes of the heavy math of ``fun(*args, **kwargs)``.
+
+    Two modes answer two questions:
+
+    * traced (``compiled=False``, the default): what the program asks for.
+      Nothing is compiled or run: the function is traced to a jaxpr and its
+      ``dot_general`` and ``conv_general_dilated`` equations are counted.
+    * compiled (``compiled=True``): what XLA runs. The function is compiled
+      for the device its arguments are placed on (``jax.jit(fun).lower(*args)
+      .compile()``) and the optimized HLO's ``dot`` and ``convolution``
+      instructions and cuDNN/cuBLAS custom calls are counted (see
+      `jaxamp.diagnostics.hlo_report`). On CPU, XLA runs half-precision convolutions in
+      float32 and this mode says so; for a GPU, even one compiled for without
+      a GPU (`jaxamp.diagnostics.gpu_targets`), it shows the half-precision cuDNN calls,
+      and the FP8 ones (`PrecisionReport.fp8_rows`, `jaxamp.diagnostics.check_fp8`).
+
+    Pass a training step (or ``jax.value_and_grad`` of a loss) to see the
+    backward pass too.
+
+    Example:
+        >>> report = jaxamp.precision_report(model.apply, variables, images)
+        >>> print(report)
+        dtype         ops       GFLOPs   share
+        float16        21       0.5571  100.0%
+        >>> report.fraction(jnp.float16)
+        1.0
+
+    Args:
+        fun: any traceable function.
+        *args: its positional arguments (arrays or ShapeDtypeStructs; in
+            compiled mode, their shardings choose the device compiled for).
+        compiled: report the compiled, optimized program rather than the
+            traced one.
+        **kwargs: its keyword arguments, passed as static Python values.
+
+    Returns:
+        A `PrecisionReport`.
+    """
+    # Keyword arguments are bound statically: flags such as ``train=False``
+    # must stay Python values, not tracers.
+    traced = jax.jit(functools.partial(fun, **kwargs)).trace(*args)
+    without_rule = primitives_without_rule(traced.jaxpr.jaxpr, rules_table())
+    if compiled:
+        from jaxamp.diagnostics.compiled_report import compiled_precision_report
+
+        return dataclasses.replace(compiled_precision_report(traced.lower()), without_rule=without_rule)
+    records: list[OpRecord] = []
+    _walk(traced.jaxpr.jaxpr, records)
+    return PrecisionReport(tuple(records), without_rule=without_rule)

@@ -1,0 +1,169 @@
+"""The public API: three namespaces, each documented, immutable where it holds constants, used by the experiments.
+
+``jaxamp`` is the core a training script needs; ``jaxamp.diagnostics`` and
+``jaxamp.fsdp`` are loaded on first use. The experiments are the project's
+own users and may only use what a user may.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import jaxamp
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+NAMESPACES = ("jaxamp", "jaxamp.diagnostics", "jaxamp.fsdp")
+
+
+def public_names(namespace: str) -> list[str]:
+    return list(importlib.import_module(namespace).__all__)
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_every_public_name_has_a_docstring_and_an_entry_in_the_api_reference(namespace):
+    api = (REPO_ROOT / "docs" / "api.md").read_text()
+    module = importlib.import_module(namespace)
+    for name in module.__all__:
+        value = getattr(module, name)
+        if not isinstance(value, (dict, tuple)) and not hasattr(value, "items"):
+            assert (value.__doc__ or "").strip(), f"{namespace}.{name} has no docstring"
+        assert f"::: {namespace}.{name}\n" in api, f"docs/api.md does not document {namespace}.{name}"
+
+
+def test_the_core_namespace_is_small_and_holds_no_diagnostics():
+    core = set(public_names("jaxamp"))
+    assert len(core) <= 25, sorted(core)
+    assert not core & set(public_names("jaxamp.diagnostics"))
+    assert not core & set(public_names("jaxamp.fsdp"))
+
+
+def test_a_name_that_moved_out_of_the_core_still_works_and_says_where_it_went():
+    with pytest.warns(DeprecationWarning, match=r"jaxamp\.check_fp8 moved to jaxamp\.diagnostics\.check_fp8"):
+        check_fp8 = jaxamp.check_fp8
+    assert check_fp8 is jaxamp.diagnostics.check_fp8
+    with pytest.warns(DeprecationWarning, match=r"jaxamp\.fsdp\.fsdp_loss"):
+        assert jaxamp.fsdp_loss is jaxamp.fsdp.fsdp_loss
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        jaxamp.no_such_name  # noqa: B018
+
+
+def test_the_public_constants_cannot_be_changed_in_place():
+    with pytest.raises(TypeError):
+        jaxamp.diagnostics.GPU_TARGETS["b300"] = jaxamp.diagnostics.GPU_TARGETS["h200"]
+    with pytest.raises(TypeError):
+        jaxamp.diagnostics.GPU_TARGETS["h200"].peak_flops["float16"] = 0.0
+    with pytest.raises(TypeError):
+        jaxamp.diagnostics.FP8_FALLBACK_REASONS["mine"] = "a reason"
+    assert isinstance(jaxamp.NORMALIZATION_LAYERS, tuple)
+
+
+def test_importing_jaxamp_loads_neither_the_diagnostics_nor_fsdp():
+    completed = subprocess.run(
+        [sys.executable, "-c", "import sys, jaxamp; print(sorted(m for m in sys.modules if m.startswith("
+         "('jaxamp.diagnostics', 'jaxamp.fsdp'))))"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.strip() == "[]"
+
+
+def _jaxamp_uses(path: pathlib.Path):
+    """Every ``jaxamp.a.b`` attribute chain and ``from jaxamp.x import y`` in a file, as dotted names."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "jaxamp":
+            for alias in node.names:
+                yield node.lineno, f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("jaxamp."):
+                    yield node.lineno, alias.name
+        elif isinstance(node, ast.Attribute):
+            parts = []
+            inner = node
+            while isinstance(inner, ast.Attribute):
+                parts.append(inner.attr)
+                inner = inner.value
+            if isinstance(inner, ast.Name) and inner.id == "jaxamp":
+                yield node.lineno, ".".join(["jaxamp", *reversed(parts)])
+
+
+def is_public(dotted: str) -> bool:
+    """Whether `dotted` starts with a public name: ``jaxamp.X`` or ``jaxamp.diagnostics.X``/``jaxamp.fsdp.X``."""
+    parts = dotted.split(".")
+    if len(parts) < 2:
+        return True
+    if parts[1] in jaxamp.__all__ or parts[1] == "__version__":
+        return True
+    namespace = ".".join(parts[:2])
+    if namespace in NAMESPACES:
+        return len(parts) == 2 or parts[2] in public_names(namespace)
+    return False
+
+
+def test_the_public_name_check_refuses_private_and_internal_names():
+    assert is_public("jaxamp.autocast") and is_public("jaxamp.diagnostics.bytes_accessed.__name__")
+    assert not is_public("jaxamp.diagnostics.hlo_report.bytes_accessed")
+    assert not is_public("jaxamp.jaxpr_policy.reduction_inputs._disabled")
+    assert not is_public("jaxamp.fsdp._communication_dtype")
+
+
+def test_the_experiments_use_only_public_jaxamp_names():
+    private = [
+        f"{path.relative_to(REPO_ROOT)}:{line}: {dotted}"
+        for path in sorted((REPO_ROOT / "experiments").rglob("*.py"))
+        for line, dotted in _jaxamp_uses(path)
+        if not is_public(dotted)
+    ]
+    assert private == []
+
+
+def test_no_module_of_jaxamp_imports_one_that_imports_it_back():
+    """Imports inside functions count too: a cycle hidden in a function is still a cycle."""
+    package = REPO_ROOT / "jaxamp"
+    imports: dict[str, set[str]] = {}
+    for path in package.rglob("*.py"):
+        module = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts).removesuffix(".__init__")
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxamp"):
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names if alias.name.startswith("jaxamp"))
+        imports[module] = found
+    modules = set(imports)
+    graph = {module: {name for name in found if name in modules and name != module} for module, found in imports.items()}
+    # A package's __init__ importing its own submodules is how it re-exports them, not a cycle.
+    graph = {m: {n for n in targets if not m.startswith(n + ".")} for m, targets in graph.items()}
+
+    def cycle_from(start):
+        stack, seen = [(start, (start,))], set()
+        while stack:
+            node, path = stack.pop()
+            for target in graph.get(node, ()):
+                if target == start:
+                    return (*path, start)
+                if target not in seen:
+                    seen.add(target)
+                    stack.append((target, (*path, target)))
+        return None
+
+    cycles = [cycle for cycle in map(cycle_from, sorted(graph)) if cycle]
+    assert cycles == []
+
+
+def test_the_traced_report_stays_in_the_core_and_the_compiled_one_loads_the_diagnostics():
+    import jax.numpy as jnp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        report = jaxamp.precision_report(lambda x: x @ x, jnp.ones((4, 4), jnp.float16), compiled=True)
+    assert report.compiled and report.count_by_dtype()
