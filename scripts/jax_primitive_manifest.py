@@ -12,7 +12,10 @@ environment with the release to record, e.g.
 
 The registry is JAX's lowering, JVP and transpose tables, read after every
 public JAX module that registers primitives of its own is imported
-(`JAX_MODULES`; a module a release lacks is skipped).
+(`JAX_MODULES`; a module a release lacks is skipped). Where Flax is
+installed and defines primitives of its own (Flax NNX's variables in flax
+0.12.8; later releases replace them), ``--out`` also writes
+``flax-<version>.txt`` with their names.
 """
 
 from __future__ import annotations
@@ -49,6 +52,27 @@ def registered_names(modules: tuple[str, ...] = JAX_MODULES) -> list[str]:
     return sorted({primitive.name for table in tables for primitive in table})
 
 
+def flax_primitive_names() -> list[str]:
+    """The sorted names of the primitives the installed Flax defines (none without Flax)."""
+    try:
+        from flax.nnx import variablelib
+    except ImportError:
+        return []
+    from jax.extend.core import Primitive
+
+    return sorted({value.name for value in vars(variablelib).values() if isinstance(value, Primitive)})
+
+
+def _write(folder: str, release: str, names: list[str]) -> None:
+    text = f"# Primitives registered by {release} (scripts/jax_primitive_manifest.py)\n"
+    text += "".join(f"{name}\n" for name in names)
+    path = os.path.join(folder, f"{release.removeprefix('jax ').replace(' ', '-')}.txt")
+    with open(path + ".tmp", "w") as file:
+        file.write(text)
+    os.replace(path + ".tmp", path)
+    print(f"{len(names)} primitive names -> {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -59,17 +83,16 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     names = registered_names()
-    text = f"# Primitives registered by jax {jax.__version__} (scripts/jax_primitive_manifest.py)\n"
-    text += "".join(f"{name}\n" for name in names)
     if args.out is None:
-        sys.stdout.write(text)
+        sys.stdout.write("".join(f"{name}\n" for name in names))
         return 0
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{jax.__version__}.txt")
-    with open(path + ".tmp", "w") as file:
-        file.write(text)
-    os.replace(path + ".tmp", path)
-    print(f"{len(names)} primitive names -> {path}")
+    _write(args.out, f"jax {jax.__version__}", names)
+    flax_names = flax_primitive_names()
+    if flax_names:
+        import flax
+
+        _write(args.out, f"flax {flax.__version__}", flax_names)
     return 0
 
 

@@ -4,8 +4,8 @@ The rules tables are keyed by JAX's primitive names and resolved when
 autocast is applied, so a misspelt name would silently give no rule. Two
 guards: every name must be a primitive of a supported JAX release, as
 recorded in ``tests/jax_primitives/<release>.txt`` (written by
-``scripts/jax_primitive_manifest.py``; see its docstring to add a release),
-or of the installed Flax; and the installed JAX's registry, walked in a
+``scripts/jax_primitive_manifest.py``; see its docstring to add a release;
+``flax-<release>.txt`` for the primitives a Flax release defines); and the installed JAX's registry, walked in a
 fresh interpreter that imports JAX and its public modules (which register
 the optional primitives: sparse, Pallas, rnn, ...), must have a rule for
 every primitive.
@@ -28,7 +28,6 @@ from jaxamp.jaxpr_policy import registry
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MANIFESTS = pathlib.Path(REPO_ROOT, "tests", "jax_primitives")
-JAX_MODULES = runpy.run_path(os.path.join(REPO_ROOT, "scripts", "jax_primitive_manifest.py"))["JAX_MODULES"]
 
 _WALK = """
 import importlib, json, sys
@@ -53,7 +52,7 @@ print(json.dumps({
 def walk():
     """JAX's registry and the rules table, in a fresh interpreter with every JAX module imported."""
     completed = subprocess.run(
-        [sys.executable, "-c", _WALK, *JAX_MODULES],
+        [sys.executable, "-c", _WALK, *_MANIFEST_SCRIPT["JAX_MODULES"]],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr
@@ -73,12 +72,12 @@ def read_manifests(folder: pathlib.Path = MANIFESTS) -> dict[str, set[str]]:
     }
 
 
-def flax_primitive_names() -> set[str]:
-    """The primitives Flax NNX defines itself (its variables: ``new_variable``, ...)."""
-    from flax.nnx import variablelib
-    from jax.extend.core import Primitive
+_MANIFEST_SCRIPT = runpy.run_path(os.path.join(REPO_ROOT, "scripts", "jax_primitive_manifest.py"))
 
-    return {value.name for value in vars(variablelib).values() if isinstance(value, Primitive)}
+
+def flax_primitive_names() -> set[str]:
+    """The primitives the installed Flax defines itself (flax 0.12.8: its NNX variables)."""
+    return set(_MANIFEST_SCRIPT["flax_primitive_names"]())
 
 
 def names_no_release_registers(names, manifests: dict[str, set[str]], others: set[str] = frozenset()):
@@ -103,8 +102,8 @@ def test_every_primitive_jax_registers_has_an_explicit_rule(walk):
 
 def test_every_name_in_the_rules_tables_is_a_primitive_of_a_supported_jax_release_or_of_flax():
     manifests = read_manifests()
-    assert {"0.10.2", "0.11.0", "0.11.1", "0.11.2", "0.12.0.1"} <= set(manifests)
-    assert all(len(names) > 250 for names in manifests.values())
+    assert {"0.10.2", "0.11.0", "0.11.1", "0.11.2", "0.12.0.1", "flax-0.12.8"} <= set(manifests)
+    assert all(len(names) > 250 for release, names in manifests.items() if not release.startswith("flax"))
     assert names_no_release_registers(table_names(), manifests, flax_primitive_names()) == []
 
 
