@@ -315,4 +315,5 @@ def stuck_advice(error: jaxamp.LossScaleStuckError, config: train.TrainConfig) -
 
 
 if __name__ == "__main__":
+    jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
     sys.exit(main())

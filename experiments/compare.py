@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 
+import jaxamp
 from experiments import cifar, train
 from experiments import data as data_lib
 from experiments import results as results_lib
@@ -213,4 +214,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
     sys.exit(main())

@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 
+import jaxamp
 from experiments import distributed, results
 from experiments.cifar import loss_scale_arg, precision_arg
 from experiments.compare import comma_list
@@ -295,4 +296,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
     sys.exit(main())

@@ -36,6 +36,7 @@ from jaxamp.diagnostics.fp8_stats import Fp8QuantizationStats, Fp8TensorStats, f
 from jaxamp.diagnostics.gpu_targets import (
     GPU_TARGETS,
     GpuSpec,
+    allow_compiling_without_gpu,
     cuda_plugin_available,
     gpu_spec,
     gpu_target_device,
@@ -54,6 +55,7 @@ __all__ = [
     "Fp8QuantizationStats",
     "Fp8TensorStats",
     "GpuSpec",
+    "allow_compiling_without_gpu",
     "bytes_accessed",
     "check_fp8",
     "collective_totals",

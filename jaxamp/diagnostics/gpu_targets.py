@@ -28,7 +28,10 @@ switch ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` for the duration of the call
 compiling. What stays changed after the call is what the call is for: the
 plugin is registered with JAX (and JAX's backends are started, if they were
 not); JAX still runs computations on the CPU, since it uses the CUDA backend
-only where a GPU is visible.
+only where a GPU is visible. A program whose JAX starts before that call
+sees JAX log the plugin's failed check; a command that wants no such
+traceback calls `allow_compiling_without_gpu` first thing, as the
+experiments' commands do.
 """
 
 from __future__ import annotations
@@ -234,6 +237,29 @@ _SKIP_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
 def nvidia_gpu_visible() -> bool:
     """Whether this machine shows an NVIDIA GPU, as JAX itself decides it."""
     return any(os.path.exists(path) for path in _NVIDIA_DEVICE_FILES)
+
+
+def allow_compiling_without_gpu() -> bool:
+    """For a program's entry point: lets the CUDA plugin register quietly where no GPU is visible.
+
+    A library import must not change the process, so jaxamp never calls
+    this itself; a command that may compile for a GPU target calls it first
+    thing, before JAX starts its backends. With JAX_PLATFORMS unset, JAX
+    initializes every installed plugin when it starts; the CUDA plugin first
+    checks the CUDA libraries, which on a machine without a GPU fails with a
+    logged traceback. Where the plugin is installed and no NVIDIA GPU is
+    visible, this sets the plugin's documented switch
+    ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` for the process and the processes
+    it starts (unless set already): the plugin registers without the
+    traceback, and JAX still runs on the CPU. Elsewhere it does nothing.
+
+    Returns:
+        Whether the switch was set by this call.
+    """
+    if _SKIP_CHECK in os.environ or nvidia_gpu_visible() or not cuda_plugin_available():
+        return False
+    os.environ[_SKIP_CHECK] = "1"
+    return True
 
 
 @contextlib.contextmanager
