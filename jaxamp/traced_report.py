@@ -13,26 +13,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from jaxamp.jaxpr_policy.table import rules_table
-from jaxamp.jaxpr_policy.unruled import primitives_without_rule
+from jaxamp.jaxpr_policy.unruled import primitives_without_rule, subjaxprs
 from jaxamp.report import OpRecord, PrecisionReport
 
 _HEAVY_PRIMITIVES = ("dot_general", "conv_general_dilated")
-
-
-def _subjaxprs(params: dict[str, Any]) -> Iterator[jax.extend.core.Jaxpr]:
-    for value in params.values():
-        candidates = value if isinstance(value, (tuple, list)) else (value,)
-        for candidate in candidates:
-            if isinstance(candidate, jax.extend.core.ClosedJaxpr):
-                yield candidate.jaxpr
-            elif isinstance(candidate, jax.extend.core.Jaxpr):
-                yield candidate
 
 
 def _flops(primitive: str, lhs, rhs, out, params: dict[str, Any]) -> int:
@@ -72,7 +62,7 @@ def _walk(jaxpr, records: list[OpRecord], repeats: int = 1) -> None:
             )
         if name == "cond":
             branch_records = []
-            for branch in _subjaxprs(equation.params):
+            for branch in subjaxprs(equation.params):
                 branch_records.append([])
                 _walk(branch, branch_records[-1], repeats)
             records.extend(max(branch_records, key=lambda ops: sum(op.flops for op in ops)))
@@ -80,7 +70,7 @@ def _walk(jaxpr, records: list[OpRecord], repeats: int = 1) -> None:
         # A scan body runs `length` times; a while loop's trip count is unknown
         # at trace time, so its body counts once.
         body_repeats = repeats * equation.params.get("length", 1) if name == "scan" else repeats
-        for subjaxpr in _subjaxprs(equation.params):
+        for subjaxpr in subjaxprs(equation.params):
             _walk(subjaxpr, records, body_repeats)
 
 

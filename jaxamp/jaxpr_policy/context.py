@@ -12,21 +12,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive
+from jax.extend.core import Primitive
 
 from jaxamp.jaxpr_policy.scope import in_float32_scope
-from jaxamp.jaxpr_policy.unruled import warn_once
+from jaxamp.jaxpr_policy.unruled import subjaxprs, warn_once
 
 Rule = Callable[["Rewrite", Any, Sequence[Any]], list]
 """A dtype rule: ``rule(rewrite, equation, invals) -> outvals``."""
 
 
 def _carries_jaxpr(equation) -> bool:
-    for value in equation.params.values():
-        candidates = value if isinstance(value, (tuple, list)) else (value,)
-        if any(isinstance(candidate, (Jaxpr, ClosedJaxpr)) for candidate in candidates):
-            return True
-    return False
+    return next(subjaxprs(equation.params), None) is not None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

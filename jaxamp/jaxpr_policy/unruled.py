@@ -43,7 +43,8 @@ def warn_once(primitive: Primitive) -> None:
     )
 
 
-def _subjaxprs(params: dict[str, Any]) -> Iterator[Jaxpr]:
+def subjaxprs(params: dict[str, Any]) -> Iterator[Jaxpr]:
+    """The jaxprs an equation's params carry (a closed jaxpr's inner jaxpr), in params order."""
     for value in params.values():
         for candidate in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(candidate, ClosedJaxpr):
@@ -64,7 +65,7 @@ def primitives_without_rule(jaxpr: Jaxpr, rules: Any) -> tuple[str, ...]:
         for equation in inner.eqns:
             if equation.primitive not in rules:
                 missing.add(equation.primitive.name)
-            for body in _subjaxprs(equation.params):
+            for body in subjaxprs(equation.params):
                 walk(body)
 
     walk(jaxpr)
