@@ -41,6 +41,7 @@ from jaxamp.loss_scale import (
     StaticLossScale,
     default_loss_scale,
 )
+from jaxamp.loss_scaling import LossScalingState, loss_scale_of, loss_scaling
 from jaxamp.module_policy import apply_policy
 from jaxamp.overflow_guard import LossScaleStuckError, OverflowGuard
 from jaxamp.policy import Policy, get_policy
@@ -61,6 +62,7 @@ __all__ = [
     "GpuSpec",
     "LossScale",
     "LossScaleStuckError",
+    "LossScalingState",
     "NoOpLossScale",
     "OverflowGuard",
     "Policy",
@@ -81,6 +83,8 @@ __all__ = [
     "get_policy",
     "gpu_target_device",
     "hlo_precision_report",
+    "loss_scale_of",
+    "loss_scaling",
     "on_device",
     "precision_report",
     "scaled_value_and_grad",
