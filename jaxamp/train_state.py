@@ -121,10 +121,12 @@ class TrainState(train_state.TrainState):
         (``skipped_steps``). In both cases the loss scale is adjusted (grown
         or backed off). In steps::
 
-            updates, (loss_scale, opt_state) = loss_scaling(tx).update(
-                grads, (loss_scale, opt_state), params, grads_finite=grads_finite)
+            param_updates, (loss_scale, opt_state) = loss_scaling(tx, loss_scale).update(
+                grads, LossScalingState(loss_scale, opt_state), params,
+                grads_finite=grads_finite)       # skips opt_state, adjusts the scale
             if grads_finite:
-                step, params, **fields = step + 1, params + updates, **updates
+                step, params = step + 1, params + param_updates
+                fields = updates                 # batch_stats=..., a subclass's own
             # else: step, params and fields stay as they were
 
         Both outcomes are computed and one is selected with ``jnp.where``, which
