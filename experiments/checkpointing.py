@@ -5,7 +5,9 @@ a temporary folder renamed into place once complete, so a kill mid-write
 leaves the previous checkpoint the latest):
 
 * ``state``: params, optimizer state, batch statistics, the loss scale with
-  all its counters, ``step`` and ``skipped_steps``;
+  all its counters (the skip counters included: ``state.skipped_steps`` is
+  the loss scale's, so it is restored with it and no second copy can
+  disagree) and ``step``;
 * ``meta`` (JSON): the run's `signature`, the `Position` (epoch, steps of it
   done, the run's RNG key, the sums of the epoch's metrics so far) and the
   results of the finished epochs.
@@ -240,5 +242,4 @@ def saved_parts(state: jaxamp.TrainState) -> dict[str, Any]:
         "opt_state": state.opt_state,
         "batch_stats": state.batch_stats,
         "loss_scale": state.loss_scale,
-        "skipped_steps": state.skipped_steps,
     }

@@ -42,6 +42,7 @@ from jaxamp.loss_scale import (
     StaticLossScale,
     default_loss_scale,
 )
+from jaxamp.loss_scaling import LossScalingState, loss_scale_of, loss_scaling
 from jaxamp.module_policy import apply_policy
 from jaxamp.overflow_guard import LossScaleStuckError, OverflowGuard
 from jaxamp.policy import Policy, get_policy
@@ -56,6 +57,7 @@ __all__ = [
     "DynamicLossScale",
     "LossScale",
     "LossScaleStuckError",
+    "LossScalingState",
     "NoAutocastRuleWarning",
     "NoOpLossScale",
     "OverflowGuard",
@@ -70,6 +72,8 @@ __all__ = [
     "float32_scope",
     "fp8_dot_general",
     "get_policy",
+    "loss_scale_of",
+    "loss_scaling",
     "precision_report",
     "scaled_value_and_grad",
     "select_tree",

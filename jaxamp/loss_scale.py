@@ -12,6 +12,13 @@ Three loss scales share jmp's protocol, so calling code needs no ``if``:
 * ``scale(tree)`` / ``unscale(tree)``: multiply / divide floating leaves;
 * ``adjust(grads_finite)``: the loss scale for the next step.
 
+jaxamp's three loss scales also own the one definition of a skipped step (see
+`CountsSkippedSteps`): ``adjust(False)`` is called once for each step whose
+update is skipped, and counts it in ``skipped_steps`` and
+``consecutive_skipped_steps``. `jaxamp.TrainState`, `jaxamp.loss_scaling`
+and `jaxamp.OverflowGuard` read these two counters and keep none of their
+own.
+
 All of them are immutable pytrees. Every field survives ``tree_flatten`` /
 ``tree_unflatten``, ``jax.jit`` in and out, ``jax.tree.map`` and
 ``jax.jit(f).lower(loss_scale)``: counters and scales are array leaves,
@@ -139,17 +146,92 @@ def _validated_count(value: Any, name: str) -> jax.Array:
     return count
 
 
+def _validated_flag(grads_finite: Any) -> jax.Array:
+    grads_finite = jnp.asarray(grads_finite, jnp.bool_)
+    if grads_finite.shape != ():
+        raise ValueError(
+            f"grads_finite must be a scalar bool; got shape {grads_finite.shape}. "
+            "Reduce it with jaxamp.all_finite(grads)."
+        )
+    return grads_finite
+
+
+@dataclasses.dataclass(frozen=True)
+class CountsSkippedSteps:
+    """The skip counters every jaxamp loss scale holds: the one definition of a skipped step.
+
+    A step is *skipped* when its gradients are not all finite: the caller
+    leaves params, optimizer state and every other field as they were, and
+    calls ``adjust(False)`` on the loss scale, once. So the loss scale, which
+    every step passes through exactly once with its finiteness flag, is where
+    the counts live::
+
+        if grads_finite:
+            consecutive_skipped_steps = 0
+        else:
+            skipped_steps += 1               # saturates at 2**31 - 1
+            consecutive_skipped_steps += 1
+
+    `jaxamp.TrainState.skipped_steps` and `jaxamp.OverflowGuard` read these
+    counters from the loss scale, and `jaxamp.loss_scaling` keeps the loss
+    scale in its optimizer state; none of them counts on its own, so no two
+    views can disagree. A checkpoint that saves the loss scale saves the
+    counts with it, and restoring it restores them together with the scale
+    (there is no second copy to fall out of step).
+
+    Attributes:
+        skipped_steps: keyword-only state: steps skipped in all (int32).
+        consecutive_skipped_steps: keyword-only state: steps skipped in a row
+            up to now (int32; 0 after a finite step).
+    """
+
+    skipped_steps: jax.Array = dataclasses.field(default=0, kw_only=True)
+    consecutive_skipped_steps: jax.Array = dataclasses.field(default=0, kw_only=True)
+
+    def _validate_skip_counts(self) -> None:
+        for name in ("skipped_steps", "consecutive_skipped_steps"):
+            object.__setattr__(self, name, _validated_count(getattr(self, name), name))
+
+    def _skip_counts_after(self, grads_finite: jax.Array) -> dict[str, jax.Array]:
+        """The two counters after a step with flag `grads_finite` (a scalar bool array)."""
+        return {
+            "skipped_steps": jnp.where(
+                grads_finite, self.skipped_steps, optax.safe_increment(self.skipped_steps)
+            ),
+            "consecutive_skipped_steps": jnp.where(
+                grads_finite,
+                jnp.zeros([], jnp.int32),
+                optax.safe_increment(self.consecutive_skipped_steps),
+            ),
+        }
+
+    def _replace_state(self, **leaves: jax.Array):
+        # Bypasses __post_init__: the new leaves are traced inside jit.
+        children = tuple(leaves[name] for name in self._data_fields)
+        treedef = jax.tree.structure(self)
+        return jax.tree.unflatten(treedef, children)
+
+
 @_register_pytree
 @dataclasses.dataclass(frozen=True)
-class NoOpLossScale:
-    """A loss scale that does nothing: for float32 and bfloat16 training.
+class NoOpLossScale(CountsSkippedSteps):
+    """A loss scale that does not scale: for float32 and bfloat16 training.
 
     bfloat16 has float32's exponent range, so its gradients do not underflow
     and need no scaling. Passing a `NoOpLossScale` where a loss scale is
-    expected keeps the training code free of ``if``\\ s.
+    expected keeps the training code free of ``if``\\ s. A NaN still skips a
+    step, so `adjust` counts skipped steps as every loss scale does (see
+    `CountsSkippedSteps`); nothing else changes.
+
+    Args:
+        skipped_steps: keyword-only state: steps skipped in all.
+        consecutive_skipped_steps: keyword-only state: steps skipped in a row.
     """
 
-    _data_fields: ClassVar[tuple[str, ...]] = ()
+    _data_fields: ClassVar[tuple[str, ...]] = ("skipped_steps", "consecutive_skipped_steps")
+
+    def __post_init__(self):
+        self._validate_skip_counts()
 
     @property
     def loss_scale(self) -> jax.Array:
@@ -165,36 +247,52 @@ class NoOpLossScale:
         return tree
 
     def adjust(self, grads_finite: jax.Array) -> NoOpLossScale:
-        """Returns `self`: there is nothing to adjust."""
-        del grads_finite
-        return self
+        """Returns the same (no) scale, with this step counted if it was skipped.
+
+        Args:
+            grads_finite: scalar bool, whether this step's gradients were all
+                finite (see `jaxamp.all_finite`).
+        """
+        return self._replace_state(**self._skip_counts_after(_validated_flag(grads_finite)))
 
 
 @_register_pytree
 @dataclasses.dataclass(frozen=True)
-class StaticLossScale(_ScalesByItsLossScale):
+class StaticLossScale(CountsSkippedSteps, _ScalesByItsLossScale):
     """Scales the loss by a fixed constant.
+
+    The scale never changes; `adjust` counts skipped steps as every loss
+    scale does (see `CountsSkippedSteps`).
 
     Args:
         loss_scale: the constant, a positive finite number (stored as a scalar
             float32 array).
+        skipped_steps: keyword-only state: steps skipped in all.
+        consecutive_skipped_steps: keyword-only state: steps skipped in a row.
     """
 
     loss_scale: jax.Array
-    _data_fields: ClassVar[tuple[str, ...]] = ("loss_scale",)
+    _data_fields: ClassVar[tuple[str, ...]] = ("loss_scale", "skipped_steps", "consecutive_skipped_steps")
 
     def __post_init__(self):
         object.__setattr__(self, "loss_scale", _validated_scale(self.loss_scale, "loss_scale"))
+        self._validate_skip_counts()
 
     def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
-        """Returns `self`: a static scale never changes."""
-        del grads_finite
-        return self
+        """Returns the same scale, with this step counted if it was skipped.
+
+        Args:
+            grads_finite: scalar bool, whether this step's gradients were all
+                finite (see `jaxamp.all_finite`).
+        """
+        return self._replace_state(
+            loss_scale=self.loss_scale, **self._skip_counts_after(_validated_flag(grads_finite))
+        )
 
 
 @_register_pytree
 @dataclasses.dataclass(frozen=True)
-class DynamicLossScale(_ScalesByItsLossScale):
+class DynamicLossScale(CountsSkippedSteps, _ScalesByItsLossScale):
     """A loss scale that backs off on overflow and grows while steps are clean.
 
     This is the algorithm of ``torch.amp.GradScaler`` and of jmp, with
@@ -213,8 +311,8 @@ class DynamicLossScale(_ScalesByItsLossScale):
             overflows_until_backoff -= 1
             if overflows_until_backoff <= 0:
                 loss_scale = max(loss_scale / factor, min_loss_scale)
-            skipped_steps += 1
-            consecutive_skipped_steps += 1
+            skipped_steps += 1          # as every loss scale counts them
+            consecutive_skipped_steps += 1   # (CountsSkippedSteps)
 
     With ``hysteresis=1`` (the default) every overflow halves the scale, as in
     torch and jmp. With ``hysteresis=N`` the first ``N - 1`` overflows since
@@ -242,7 +340,8 @@ class DynamicLossScale(_ScalesByItsLossScale):
             (Megatron-LM's and DeepSpeed's meaning; 1 backs off at once).
         counter: keyword-only state: clean steps since the last change.
         overflows_until_backoff: keyword-only hysteresis state; defaults to `hysteresis`.
-        skipped_steps: keyword-only state: total overflowed (skipped) steps.
+        skipped_steps: keyword-only state: total overflowed (skipped) steps
+            (see `CountsSkippedSteps`).
         consecutive_skipped_steps: keyword-only state: overflowed steps in a
             row up to now.
     """
@@ -256,8 +355,6 @@ class DynamicLossScale(_ScalesByItsLossScale):
     # State: keyword-only, so positional arguments follow the settings above.
     counter: jax.Array = dataclasses.field(default=0, kw_only=True)
     overflows_until_backoff: jax.Array | None = dataclasses.field(default=None, kw_only=True)
-    skipped_steps: jax.Array = dataclasses.field(default=0, kw_only=True)
-    consecutive_skipped_steps: jax.Array = dataclasses.field(default=0, kw_only=True)
 
     _data_fields: ClassVar[tuple[str, ...]] = (
         "loss_scale",
@@ -314,8 +411,8 @@ class DynamicLossScale(_ScalesByItsLossScale):
         object.__setattr__(
             self, "overflows_until_backoff", _validated_count(overflows, "overflows_until_backoff")
         )
-        for name in ("counter", "skipped_steps", "consecutive_skipped_steps"):
-            object.__setattr__(self, name, _validated_count(getattr(self, name), name))
+        object.__setattr__(self, "counter", _validated_count(self.counter, "counter"))
+        self._validate_skip_counts()
 
     def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
         """Returns the loss scale for the next step (see the class docstring).
@@ -324,12 +421,7 @@ class DynamicLossScale(_ScalesByItsLossScale):
             grads_finite: scalar bool, whether this step's gradients were all
                 finite (see `jaxamp.all_finite`).
         """
-        grads_finite = jnp.asarray(grads_finite, jnp.bool_)
-        if grads_finite.shape != ():
-            raise ValueError(
-                f"grads_finite must be a scalar bool; got shape {grads_finite.shape}. "
-                "Reduce it with jaxamp.all_finite(grads)."
-            )
+        grads_finite = _validated_flag(grads_finite)
         overflowed = jnp.logical_not(grads_finite)
         zero = jnp.zeros([], jnp.int32)
 
@@ -350,19 +442,8 @@ class DynamicLossScale(_ScalesByItsLossScale):
                 jnp.int32(self.hysteresis),
                 jnp.where(overflowed, jnp.maximum(overflows_left, zero), self.overflows_until_backoff),
             ),
-            skipped_steps=jnp.where(overflowed, optax.safe_increment(self.skipped_steps), self.skipped_steps),
-            consecutive_skipped_steps=jnp.where(
-                overflowed,
-                optax.safe_increment(self.consecutive_skipped_steps),
-                zero,
-            ),
+            **self._skip_counts_after(grads_finite),
         )
-
-    def _replace_state(self, **leaves: jax.Array) -> DynamicLossScale:
-        # Bypasses __post_init__: the new leaves are traced inside jit.
-        children = tuple(leaves[name] for name in self._data_fields)
-        treedef = jax.tree.structure(self)
-        return jax.tree.unflatten(treedef, children)
 
 
 def default_loss_scale(policy: Any) -> NoOpLossScale | DynamicLossScale:

@@ -4,39 +4,35 @@ A float16 run can fall into an overflow storm: every step overflows, every
 step is skipped, the dynamic loss scale halves down to its floor and stays
 there, and the run goes on for hours without learning anything (DeepSpeed
 stops such a run with "Current loss scale already at minimum"). The counters
-that tell are already in the state: ``TrainState.skipped_steps``, and on a
-`DynamicLossScale` ``consecutive_skipped_steps``, ``loss_scale`` and
-``min_loss_scale``.
+that tell are already in the state, in its loss scale: every jaxamp loss
+scale counts ``skipped_steps`` and ``consecutive_skipped_steps``
+(`jaxamp.loss_scale.CountsSkippedSteps`, the one definition of a skipped
+step that `jaxamp.TrainState` and `jaxamp.loss_scaling` read too), and a
+`DynamicLossScale` has ``loss_scale`` and ``min_loss_scale``.
 
 `OverflowGuard.check` reads them on the host, at the points where a training
 loop logs anyway (every few hundred steps, at a checkpoint, at an epoch's
 end), so the jitted step gains no host sync. It raises `LossScaleStuckError`
 when either limit is reached::
 
-    consecutive = the steps skipped in a row up to now
+    consecutive = loss_scale.consecutive_skipped_steps
     if max_consecutive_skips and consecutive >= max_consecutive_skips:
         raise LossScaleStuckError            # a storm, whatever the scale
     if (max_overflows_at_min_scale and loss_scale <= min_loss_scale
             and consecutive >= max_overflows_at_min_scale):
         raise LossScaleStuckError            # nothing left to back off to
 
-Both limits are off (None) unless asked for.
-
-Loss scales without a ``consecutive_skipped_steps`` counter (`NoOpLossScale`,
-`StaticLossScale`) still skip steps through ``TrainState``; for them the
-guard counts a run of skips from the two state counters it saw at its
-previous check: if ``step`` (which counts applied steps only) has not moved,
-every step since was skipped and the run grows by the change in
-``skipped_steps``; if it has moved, the run restarts at 0. That count is a
-lower bound of the true one, exact when checks are one step apart, so the
-guard never fires early.
+Both limits are off (None) unless asked for. The count is exact for every
+loss scale, however far apart the checks are, and the guard keeps no state
+of its own: a run resumed from a checkpoint (which holds the loss scale)
+carries on with the counts it had.
 
 Example:
     >>> guard = jaxamp.OverflowGuard(max_consecutive_skips=50)
     >>> for step, batch in enumerate(batches):
     ...     state = train_step(state, batch)
     ...     if step % 100 == 0:
-    ...         guard.check(state)   # raises LossScaleStuckError in a storm
+    ...         guard.check(state)   # a TrainState, or a jaxamp.loss_scaling optimizer state
 """
 
 from __future__ import annotations
@@ -47,13 +43,17 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxamp.loss_scaling import loss_scale_of
+
 
 class LossScaleStuckError(RuntimeError):
     """The loss scale is stuck: steps keep overflowing and being skipped.
 
     Attributes:
-        steps: steps taken so far, applied and skipped.
-        applied_steps: steps whose update was applied (``TrainState.step``).
+        steps: steps taken so far, applied and skipped; None when the checked
+            state does not count applied steps (an optimizer state).
+        applied_steps: steps whose update was applied (``TrainState.step``),
+            or None.
         skipped_steps: steps skipped in all.
         consecutive_skipped_steps: steps skipped in a row up to now.
         loss_scale: the current loss scale.
@@ -64,7 +64,7 @@ class LossScaleStuckError(RuntimeError):
     def __init__(
         self,
         *,
-        applied_steps: int,
+        applied_steps: int | None,
         skipped_steps: int,
         consecutive_skipped_steps: int,
         loss_scale: float,
@@ -73,28 +73,32 @@ class LossScaleStuckError(RuntimeError):
     ):
         self.applied_steps = applied_steps
         self.skipped_steps = skipped_steps
-        self.steps = applied_steps + skipped_steps
+        self.steps = None if applied_steps is None else applied_steps + skipped_steps
         self.consecutive_skipped_steps = consecutive_skipped_steps
         self.loss_scale = loss_scale
         self.min_loss_scale = min_loss_scale
         self.reason = reason
         floor = "" if min_loss_scale is None else f" (its minimum is {min_loss_scale:g})"
+        counts = f"{skipped_steps} skipped in all, the last {consecutive_skipped_steps} in a row"
+        where = (
+            f"With {counts},"
+            if applied_steps is None
+            else f"At step {self.steps} ({applied_steps} applied, {counts})"
+        )
         super().__init__(
-            f"Loss scale stuck: {reason}. At step {self.steps} ({applied_steps} applied, "
-            f"{skipped_steps} skipped in all, the last {consecutive_skipped_steps} in a row) "
-            f"the loss scale is {loss_scale:g}{floor}. The gradients overflow whatever the "
-            "scale: try a bfloat16 policy, a lower learning rate, or a static loss scale, "
-            "and look for inf or NaN in the inputs."
+            f"Loss scale stuck: {reason}. {where} the loss scale is {loss_scale:g}{floor}. The "
+            "gradients overflow whatever the scale: try a bfloat16 policy, a lower learning rate, "
+            "or a static loss scale, and look for inf or NaN in the inputs."
         )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class OverflowGuard:
     """Raises `LossScaleStuckError` when a run's loss scale is stuck.
 
     A host-side monitor, called outside ``jit`` (see the module docstring for
-    the algorithm). It keeps the counters of its previous check, so use one
-    guard per run; the train state itself stays an immutable pytree.
+    the algorithm). It reads the loss scale's skip counters and keeps nothing
+    between checks, so one guard may check any number of states.
 
     Args:
         max_consecutive_skips: raise once this many steps in a row were
@@ -107,8 +111,6 @@ class OverflowGuard:
 
     max_consecutive_skips: int | None = None
     max_overflows_at_min_scale: int | None = None
-    _previous: tuple[int, int] | None = dataclasses.field(default=None, init=False, repr=False)
-    _inferred_run: int = dataclasses.field(default=0, init=False, repr=False)
 
     def __post_init__(self):
         for name in ("max_consecutive_skips", "max_overflows_at_min_scale"):
@@ -124,22 +126,17 @@ class OverflowGuard:
         """Reads the state's counters on the host; raises if the scale is stuck.
 
         Args:
-            state: a `jaxamp.TrainState` (or anything with ``step``,
-                ``skipped_steps`` and ``loss_scale``).
+            state: a `jaxamp.TrainState` (or anything with ``step`` and a
+                jaxamp ``loss_scale``), or an optimizer state built by
+                `jaxamp.loss_scaling`.
 
         Raises:
             LossScaleStuckError: a limit was reached.
-            TypeError: `state` lacks the counters.
+            TypeError: `state` holds no loss scale with skip counters.
         """
-        missing = [name for name in ("step", "skipped_steps", "loss_scale") if not hasattr(state, name)]
-        if missing:
-            raise TypeError(
-                f"OverflowGuard.check needs a train state with step, skipped_steps and loss_scale; "
-                f"{type(state).__name__} has no {', '.join(missing)}. Pass a jaxamp.TrainState."
-            )
-        loss_scale = state.loss_scale
-        applied, skipped = int(_host_value(state.step)), int(_host_value(state.skipped_steps))
-        consecutive = self._consecutive_skips(loss_scale, applied, skipped)
+        loss_scale, applied = _loss_scale_and_applied_steps(state)
+        skipped = int(_host_value(loss_scale.skipped_steps))
+        consecutive = int(_host_value(loss_scale.consecutive_skipped_steps))
         scale = float(_host_value(loss_scale.loss_scale))
         floor = getattr(loss_scale, "min_loss_scale", None)
         floor = None if floor is None else float(floor)
@@ -167,21 +164,26 @@ class OverflowGuard:
                 reason=reason,
             )
 
-    def _consecutive_skips(self, loss_scale: Any, applied: int, skipped: int) -> int:
-        counter = getattr(loss_scale, "consecutive_skipped_steps", None)
-        if counter is not None:
-            consecutive = int(_host_value(counter))
-        elif self._previous is None:
-            # No earlier check: a run with no applied step yet is all skips.
-            consecutive = skipped if applied == 0 else 0
-        else:
-            previous_applied, previous_skipped = self._previous
-            if applied == previous_applied:
-                consecutive = self._inferred_run + (skipped - previous_skipped)
-            else:
-                consecutive = 0
-        self._previous, self._inferred_run = (applied, skipped), consecutive
-        return consecutive
+
+def _loss_scale_and_applied_steps(state: Any) -> tuple[Any, int | None]:
+    """The loss scale a state holds, and its applied steps (None if it counts none)."""
+    if hasattr(state, "step") and hasattr(state, "loss_scale"):
+        loss_scale, applied = state.loss_scale, int(_host_value(state.step))
+    else:
+        try:
+            loss_scale, applied = loss_scale_of(state), None
+        except ValueError:
+            raise TypeError(
+                "OverflowGuard.check needs a train state with step, skipped_steps and loss_scale "
+                f"(a jaxamp.TrainState) or a jaxamp.loss_scaling optimizer state; got "
+                f"{type(state).__name__}."
+            ) from None
+    if not hasattr(loss_scale, "consecutive_skipped_steps"):
+        raise TypeError(
+            f"OverflowGuard.check needs a jaxamp loss scale, which counts skipped steps; the state "
+            f"holds {type(loss_scale).__name__}."
+        )
+    return loss_scale, applied
 
 
 def _host_value(value: Any) -> np.ndarray:

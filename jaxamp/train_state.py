@@ -1,4 +1,10 @@
-"""A Flax train state that skips steps whose gradients overflowed."""
+"""A Flax train state that skips steps whose gradients overflowed.
+
+A thin Flax layer over `jaxamp.loss_scaling`: the optimizer state and the loss
+scale go through the wrapper's ``update``; the train state adds the fields
+Flax users expect (``step``, ``batch_stats``, a subclass's own) and skips them
+with the params in one select.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from flax.training import train_state
 
 from jaxamp.finite import all_finite, select_tree
 from jaxamp.loss_scale import LossScale, NoOpLossScale
+from jaxamp.loss_scaling import LossScalingState, loss_scaling, require_skip_counting
 
 # Fields that apply_gradients itself manages; callers cannot pass them as updates.
 _MANAGED_FIELDS = frozenset({"step", "params", "opt_state", "loss_scale", "skipped_steps", "apply_fn", "tx"})
@@ -35,16 +42,30 @@ class TrainState(train_state.TrainState):
         ...     grads=grads, grads_finite=grads_finite, batch_stats=new_stats)
 
     Attributes:
-        loss_scale: the loss scale (a pytree; `NoOpLossScale` by default).
+        step: steps whose update was applied (int32); a skipped step does not
+            count.
+        loss_scale: the loss scale (a pytree; `NoOpLossScale` by default). It
+            holds the skip counters.
         batch_stats: the model's mutable state (e.g. BatchNorm statistics), or
             None.
-        skipped_steps: number of steps skipped because gradients were not
-            finite (int32).
+        skipped_steps: steps skipped because their gradients were not finite
+            (int32): read from ``loss_scale.skipped_steps``, not stored twice.
     """
 
     loss_scale: Any = struct.field(default_factory=NoOpLossScale)
     batch_stats: Any = None
-    skipped_steps: jax.Array = struct.field(default_factory=lambda: jnp.zeros([], jnp.int32))
+
+    @property
+    def skipped_steps(self) -> jax.Array:
+        """Steps skipped because their gradients were not finite (int32).
+
+        The loss scale's own counter (see
+        `jaxamp.loss_scale.CountsSkippedSteps`), so it cannot disagree with
+        ``loss_scale.skipped_steps`` or with what `jaxamp.OverflowGuard`
+        reads, and a checkpoint of the loss scale restores it: ``step +
+        skipped_steps`` is every step taken.
+        """
+        return self.loss_scale.skipped_steps
 
     @classmethod
     def create(
@@ -67,7 +88,7 @@ class TrainState(train_state.TrainState):
             apply_fn: usually ``model.apply``.
             params: the parameters (in the policy's param dtype).
             tx: the optax optimizer (a GradientTransformation, MultiSteps, ...).
-            loss_scale: a loss scale; `NoOpLossScale()` when None.
+            loss_scale: a jaxamp loss scale; `NoOpLossScale()` when None.
             batch_stats: the model's mutable state, if any.
             **kwargs: further fields of subclasses.
         """
@@ -77,15 +98,16 @@ class TrainState(train_state.TrainState):
             raise TypeError(
                 f"TrainState.create needs tx to be an optax optimizer (with init and update); got {tx!r}."
             )
+        loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
+        require_skip_counting(loss_scale, "TrainState.create")
         return cls(
             step=jnp.zeros([], jnp.int32),
             apply_fn=apply_fn,
             params=params,
             tx=tx,
             opt_state=tx.init(params),
-            loss_scale=NoOpLossScale() if loss_scale is None else loss_scale,
+            loss_scale=loss_scale,
             batch_stats=batch_stats,
-            skipped_steps=jnp.zeros([], jnp.int32),
             **kwargs,
         )
 
@@ -95,8 +117,17 @@ class TrainState(train_state.TrainState):
         Where `grads_finite` is true: params and optimizer state take the
         optax update, every field in `updates` (``batch_stats=new_stats``, say)
         takes its new value, and ``step`` increments. Where it is false, all of
-        those stay bit-identical and ``skipped_steps`` increments instead. In
-        both cases the loss scale is adjusted (grown or backed off).
+        those stay bit-identical and the loss scale counts the skipped step
+        (``skipped_steps``). In both cases the loss scale is adjusted (grown
+        or backed off). In steps::
+
+            param_updates, (loss_scale, opt_state) = loss_scaling(tx, loss_scale).update(
+                grads, LossScalingState(loss_scale, opt_state), params,
+                grads_finite=grads_finite)       # skips opt_state, adjusts the scale
+            if grads_finite:
+                step, params = step + 1, params + param_updates
+                fields = updates                 # batch_stats=..., a subclass's own
+            # else: step, params and fields stay as they were
 
         Both outcomes are computed and one is selected with ``jnp.where``, which
         XLA fuses with the optimizer update: no branch, no host sync, no
@@ -136,20 +167,20 @@ class TrainState(train_state.TrainState):
         if grads_finite is None:
             grads_finite = all_finite(grads)
 
-        param_updates, new_opt_state = self.tx.update(grads, self.opt_state, self.params)
-        new_params = optax.apply_updates(self.params, param_updates)
+        param_updates, scaling_state = loss_scaling(self.tx, self.loss_scale).update(
+            grads,
+            LossScalingState(loss_scale=self.loss_scale, inner_state=self.opt_state),
+            self.params,
+            grads_finite=grads_finite,
+        )
         stepped = {
             "step": self.step + 1,
-            "params": new_params,
-            "opt_state": new_opt_state,
+            "params": optax.apply_updates(self.params, param_updates),
             **updates,
         }
         kept = {name: getattr(self, name) for name in stepped}
-        selected = select_tree(grads_finite, stepped, kept)
         return self.replace(
-            **selected,
-            loss_scale=self.loss_scale.adjust(grads_finite),
-            skipped_steps=jnp.where(
-                grads_finite, self.skipped_steps, optax.safe_increment(self.skipped_steps)
-            ),
+            **select_tree(grads_finite, stepped, kept),
+            opt_state=scaling_state.inner_state,
+            loss_scale=scaling_state.loss_scale,
         )

@@ -131,8 +131,24 @@ SCENARIOS = {
             "consecutive_skipped_steps": [1, 2, 3, 4],
         },
     ),
-    "a_static_scale_never_changes": (StaticLossScale(8), [F, T, F, T], {"loss_scale": [8, 8, 8, 8]}),
-    "a_no_op_scale_stays_at_one": (NoOpLossScale(), [F, T, F, T], {"loss_scale": [1, 1, 1, 1]}),
+    "a_static_scale_never_changes_and_counts_its_skipped_steps": (
+        StaticLossScale(8),
+        [F, T, F, F],
+        {
+            "loss_scale": [8, 8, 8, 8],
+            "skipped_steps": [1, 1, 2, 3],
+            "consecutive_skipped_steps": [1, 0, 1, 2],
+        },
+    ),
+    "a_no_op_scale_stays_at_one_and_counts_its_skipped_steps": (
+        NoOpLossScale(),
+        [F, T, F, F],
+        {
+            "loss_scale": [1, 1, 1, 1],
+            "skipped_steps": [1, 1, 2, 3],
+            "consecutive_skipped_steps": [1, 0, 1, 2],
+        },
+    ),
 }
 
 
@@ -427,9 +443,11 @@ def test_unscaling_float16_gradients_divides_in_float32_and_rounds_once(make_los
         assert unscaled.item() == expected
 
 
-def test_skip_counters_saturate_instead_of_wrapping(adjust):
+@pytest.mark.parametrize("loss_scale_class", [NoOpLossScale, StaticLossScale, DynamicLossScale])
+def test_skip_counters_saturate_instead_of_wrapping(adjust, loss_scale_class):
     int32_max = int(np.iinfo(np.int32).max)
-    loss_scale = DynamicLossScale(skipped_steps=int32_max, consecutive_skipped_steps=int32_max)
+    settings = {"loss_scale": 8.0} if loss_scale_class is StaticLossScale else {}
+    loss_scale = loss_scale_class(**settings, skipped_steps=int32_max, consecutive_skipped_steps=int32_max)
     (state,) = run(adjust, loss_scale, [F])
     assert (state.skipped_steps.item(), state.consecutive_skipped_steps.item()) == (int32_max, int32_max)
 
