@@ -5,7 +5,7 @@ JAX function with `autocast`; loss scales whose state is a jit-safe pytree;
 and a train state that skips the update of any step whose gradients
 overflowed.
 
-Example:
+Examples:
     >>> policy = jaxamp.get_policy("mixed_float16")
     >>> model = jaxamp.apply_policy(ResNet18(), policy)
     >>> state = jaxamp.TrainState.create(

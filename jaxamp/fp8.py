@@ -403,7 +403,7 @@ def fp8_dot_general(
     ``jaxamp.autocast(f, "mixed_float8")``, which sends every eligible
     matmul here.
 
-    Example:
+    Examples:
         >>> x = jax.random.normal(jax.random.key(0), (32, 64))
         >>> w = jax.random.normal(jax.random.key(1), (64, 16))
         >>> y = jaxamp.fp8_dot_general(x, w, (((1,), (0,)), ((), ())))
@@ -515,7 +515,7 @@ def fp8_quantization_stats(
     gradient_argnums)`` instead (`fun` returns a scalar loss), so the
     backward's cotangent quantizations (``float8_e5m2``) are counted too.
 
-    Example:
+    Examples:
         >>> stats = jaxamp.fp8_quantization_stats(loss_fn, gradient_argnums=0)(params, x, y)
         >>> stats.underflow_fraction, stats.saturated, stats.non_finite
 

@@ -31,7 +31,7 @@ every step since was skipped and the run grows by the change in
 lower bound of the true one, exact when checks are one step apart, so the
 guard never fires early.
 
-Example:
+Examples:
     >>> guard = jaxamp.OverflowGuard(max_consecutive_skips=50)
     >>> for step, batch in enumerate(batches):
     ...     state = train_step(state, batch)
