@@ -7,6 +7,7 @@ The site builds with ``mkdocs build --strict``, so a broken link, a missing
 page or an unresolved API reference fails the suite.
 """
 
+import html.parser
 import os
 import pathlib
 import re
@@ -168,6 +169,71 @@ def test_the_documentation_site_builds_in_strict_mode_offline(site_build):
     assert (site / "api" / "index.html").is_file()
     # The evidence the pages link to is published beside them.
     assert (site / "_source" / "tests" / "test_grads.py").is_file()
+
+
+class _ProseOfTheApiPage(html.parser.HTMLParser):
+    """Collects a page's blockquotes and the text that stands outside code blocks.
+
+    Attributes:
+        blockquotes: how many ``<blockquote>`` elements the page holds.
+        prose: the text outside every ``<pre>`` and ``<code>`` element.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.blockquotes = 0
+        self.prose: list[str] = []
+        self._code_depth = 0
+
+    def handle_starttag(self, tag, attrs):
+        self.blockquotes += tag == "blockquote"
+        self._code_depth += tag in ("pre", "code")
+
+    def handle_endtag(self, tag):
+        self._code_depth -= tag in ("pre", "code") and self._code_depth > 0
+
+    def handle_data(self, data):
+        if not self._code_depth:
+            self.prose.append(data)
+
+
+def _garbled_examples(page_html: str) -> tuple[int, list[str]]:
+    """The blockquotes of a rendered page, and its prose lines that hold a ``>>>`` example."""
+    parser = _ProseOfTheApiPage()
+    parser.feed(page_html)
+    lines = "".join(parser.prose).splitlines()
+    return parser.blockquotes, [line.strip() for line in lines if ">>>" in line]
+
+
+def test_a_docstring_example_rendered_as_prose_is_caught():
+    """The check's negative case: an ``Example:`` section renders its ``>>>`` lines as blockquotes."""
+    garbled = "<p>Example:</p><blockquote><blockquote><blockquote><p>x = 1</p></blockquote></blockquote></blockquote>"
+    assert _garbled_examples(garbled) == (3, [])
+    assert _garbled_examples("<p>&gt;&gt;&gt; x = 1</p>") == (0, [">>> x = 1"])
+    highlighted = '<div class="highlight"><pre><span></span><code><span class="o">&gt;&gt;&gt;</span> x</code></pre></div>'
+    assert _garbled_examples(highlighted) == (0, [])
+
+
+def test_every_example_of_the_api_reference_renders_as_code(site_build):
+    """Fails when a docstring's section name is one the parser does not know (``Example:``).
+
+    mkdocstrings' Google parser renders an ``Examples:`` section as highlighted
+    code; under any other name the ``>>>`` lines become nested blockquotes
+    run together into one paragraph, which ``--strict`` lets through.
+    """
+    build, site = site_build
+    assert build.returncode == 0, build.stderr
+    pages = sorted((site / "api").rglob("*.html"))
+    assert pages
+    garbled = {}
+    for page in pages:
+        blockquotes, prose_examples = _garbled_examples(page.read_text(encoding="utf-8"))
+        if blockquotes or prose_examples:
+            garbled[str(page.relative_to(site))] = (blockquotes, prose_examples)
+    assert garbled == {}
+    # The examples are there, as code: one per Examples section of the public API.
+    api_page = (site / "api" / "index.html").read_text(encoding="utf-8")
+    assert api_page.count("&gt;&gt;&gt;") >= 10
 
 
 @pytest.mark.parametrize(
