@@ -1,6 +1,7 @@
 """The documentation: every example runs as written, and the site builds strict, offline.
 
-Each page's ``python`` blocks run in order in one namespace per page, their
+Each page's ``python`` blocks run in order, each on its own unless the page
+marks it as going on from the block before it (``<!-- continues -->``), their
 printed output compared with the page where it shows it
 (`markdown_examples`); a deliberately broken example must fail that run.
 The site builds with ``mkdocs build --strict``, so a broken link, a missing
@@ -65,6 +66,21 @@ BROKEN_EXAMPLES = {
         print(defined_on_the_first_page)
         ```
         """,
+    "a name from the block before, without the continues mark": """
+        ```python
+        width = 3
+        ```
+
+        ```python
+        print("x" * width)
+        ```
+        """,
+    "the continues mark on a page's first block": """
+        <!-- continues -->
+        ```python
+        print(1)
+        ```
+        """,
 }
 
 
@@ -76,12 +92,12 @@ def test_a_broken_example_fails_the_run(markdown):
     namespace into the next would let one of these pass.
     """
     run_page("```python\ndefined_on_the_first_page = 1\n```\n", "first.md")
-    with pytest.raises(ExampleFailed, match=r"broken\.md, block at line 2"):
+    with pytest.raises(ExampleFailed, match=r"broken\.md, block at line \d+"):
         run_page(textwrap.dedent(markdown).lstrip("\n"), "broken.md")
 
 
-def test_blocks_of_one_page_share_a_namespace_and_their_output_is_compared():
-    """Fails if the runner misses a block, or runs blocks of a page in separate namespaces."""
+def test_a_block_marked_continues_runs_after_the_block_before_it_and_its_output_is_compared():
+    """Fails if the runner misses a block, ignores the mark, or lets an unmarked block see an earlier one."""
     page = textwrap.dedent(
         """
         ```python
@@ -90,6 +106,7 @@ def test_blocks_of_one_page_share_a_namespace_and_their_output_is_compared():
 
         Between two blocks, prose.
 
+        <!-- continues -->
         ```python
         print("x" * width)
         ```
@@ -98,13 +115,23 @@ def test_blocks_of_one_page_share_a_namespace_and_their_output_is_compared():
         xxx
         ```
 
+        <!-- continues -->
+
         ```python
         >>> width + 1
         4
         ```
+
+        ```python
+        print("width" in dir())
+        ```
+
+        ```text
+        False
+        ```
         """
     )
-    assert run_page(page, "page.md") == 3
+    assert run_page(page, "page.md") == 4
 
 
 def test_every_public_name_has_an_entry_in_the_api_reference():
