@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def title(results: dict[str, Any]) -> str:
+    """The table page's heading, naming the data set."""
+    return f"# Train and test time, and accuracy, by model and precision ({results['dataset']})"
+
+
 def write_table(results: dict[str, Any], models: list[str], precisions: list[str]) -> str:
     """The study's table: one row per precision, one column per model."""
     runs = results["runs"]
@@ -210,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     table = write_table(results, args.models, args.precisions)
     results_lib.write_text_atomically(
         os.path.join(out_dir, "table.md"),
-        f"Device: {results['device']}. Data: {dataset.name}. Command: `{results['command']}`\n\n" + table,
+        f"{title(results)}\n\nDevice: {results['device']}. Data: {dataset.name}. "
+        f"Command: `{results['command']}`\n\n" + table,
     )
     paths = plot(results, args.models, args.precisions, out_dir)
     print("\n" + table)

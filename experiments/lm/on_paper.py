@@ -106,8 +106,16 @@ def compile_for(target: str, config: LMConfig, vocab_size: int) -> dict[str, Any
     }
 
 
+def title(entries: list[dict[str, Any]]) -> str:
+    """The table page's heading, naming the GPUs compiled for."""
+    devices = sorted({entry["device_kind"] for entry in entries if "device_kind" in entry})
+    return f"# Language model compiled for {', '.join(devices) or 'a GPU'}, on paper: memory and roofline bound"
+
+
 def markdown(entries: list[dict[str, Any]], command: str) -> str:
     lines = [
+        title(entries),
+        "",
         f"Command: `{command}`",
         "",
         (
