@@ -280,3 +280,20 @@ def test_a_link_into_the_repository_builds_only_when_its_file_exists(tmp_path, t
     assert (build.returncode == 0) == builds, build.stderr
     if not builds:
         assert "test_that_does_not_exist.py" in build.stderr
+
+
+def _commands(script: str) -> list[str]:
+    """A shell text's command lines: comments and blank lines dropped."""
+    lines = [line.split(" #", 1)[0].strip() for line in script.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_ci_installs_exactly_as_the_readmes_set_up_does():
+    """Fails when the README's set-up lines and `.ci/run`'s install lines drift apart."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    set_up = readme.split("## Set up", 1)[1]
+    set_up_block = re.search(r"```bash\n(.*?)```", set_up, re.DOTALL)[1]
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    installs = [line for line in _commands(ci) if line.startswith(("python3 -m venv", ".venv/bin/pip"))]
+    assert _commands(set_up_block) == installs
+    assert all(" -q " in line for line in installs if "pip install" in line)
