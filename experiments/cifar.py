@@ -115,7 +115,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         "--steps-per-epoch",
         type=positive_int,
         default=None,
-        help="cap on the train steps and on the test batches of each epoch, for quick runs",
+        help="cap on the train steps and on the test batches of each epoch, for quick runs "
+        "(default: no cap, the whole data set)",
     )
     parser.add_argument(
         "--eval-every", type=positive_int, default=1, help="test every N epochs (and after the last)"
@@ -168,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.cifar",
         description="Train a CIFAR-10 model under a jaxamp precision policy, timing every epoch.",
+        epilog="The defaults (ResNet18, 2 epochs, mixed) train about an hour on a CPU: 1,788 s per "
+        "epoch on 2 idle cores, estimated from a measured step "
+        "(results/cpu/benchmark/quick-fresh-clone/table.md). A first run in under a minute: "
+        "--data synthetic --model resnet_tiny --epochs 1 --steps-per-epoch 5.",
         formatter_class=HelpFormatter,
     )
     parser.add_argument(
@@ -189,13 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_arguments(parser)
     add_training_arguments(parser)
     parser.add_argument(
-        "--checkpoint-dir", default=None, help="save the state here after every epoch (orbax, atomic)"
+        "--checkpoint-dir",
+        default=None,
+        help="save the state here after every epoch (orbax, atomic) (default: none, no checkpoints)",
     )
     parser.add_argument(
         "--checkpoint-every",
         type=positive_int,
         default=None,
-        help="also save every N steps (needs --checkpoint-dir)",
+        help="also save every N steps (needs --checkpoint-dir) (default: none, after each epoch only)",
     )
     parser.add_argument(
         "--resume",
@@ -203,19 +210,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue exactly from the latest checkpoint in --checkpoint-dir",
     )
     parser.add_argument(
-        "--coordinator-address", default=None, help="HOST:PORT of process 0, for several processes"
+        "--coordinator-address",
+        default=None,
+        help="HOST:PORT of process 0, for several processes (default: none, one process)",
     )
     parser.add_argument(
-        "--num-processes", type=positive_int, default=None, help="processes in a multi-process run"
+        "--num-processes",
+        type=positive_int,
+        default=None,
+        help="processes in a multi-process run (default: none, one process)",
     )
-    parser.add_argument("--process-id", type=non_negative_int, default=None, help="this process's index")
+    parser.add_argument(
+        "--process-id",
+        type=non_negative_int,
+        default=None,
+        help="this process's index (default: none, one process)",
+    )
     parser.add_argument(
         "--distributed",
         action="store_true",
         help="join a multi-process run described by the cluster environment (SLURM, Open MPI, ...)",
     )
     parser.add_argument(
-        "--out", default=None, help="write per-epoch results and the environment to this JSON file"
+        "--out",
+        default=None,
+        help="write per-epoch results and the environment to this JSON file "
+        "(default: none, nothing is written; the run says so when it ends)",
     )
     return parser
 
@@ -294,8 +314,11 @@ def main(argv: list[str] | None = None) -> int:
             else ""
         )
     )
-    if config.out and jax.process_index() == 0:
-        print(f"results written to {config.out}")
+    if jax.process_index() == 0:
+        if config.out:
+            print(f"results written to {config.out}")
+        else:
+            print("results not written: add --out FILE to keep them (per-epoch results and the environment, JSON)")
     return 0
 
 

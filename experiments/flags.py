@@ -18,13 +18,16 @@ from collections.abc import Callable
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` with every flag's default.
 
-    A flag whose default is None or False (an optional setting, a switch)
-    shows none: its help says what happens without it. Help that already
-    names its default (``default: ...``) is left as written.
+    A switch (``store_true``) shows ``(default: off)``. A flag whose default
+    is None (an optional setting) shows nothing added: its help says what
+    happens without it, as ``default: ...``. Help that already names its
+    default is left as written.
     """
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help_text = action.help or ""
+        if action.default is False and action.nargs == 0 and "default:" not in help_text:
+            return f"{help_text} (default: off)".lstrip()
         if (
             "%(default)" in help_text
             or "default:" in help_text

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -24,7 +25,9 @@ class Progress:
 
     The loss shown is that of a step dispatched at the previous refresh, long
     finished by now, so reading it never waits for the device to drain its
-    queue of steps; images/s counts the steps known to be finished.
+    queue of steps; images/s counts the steps known to be finished. A line
+    logged while the bar is drawn goes through `write`, so that it never joins
+    the bar's line.
     """
 
     def __init__(
@@ -58,9 +61,21 @@ class Progress:
             finished_step, finished_loss = self._pending
             elapsed = time.perf_counter() - self._start
             rate = (finished_step - self._first_step) * self._batch_size / elapsed
-            loss = f"{float(host_value(finished_loss)):.4f}"
-            self._bar.set_postfix({"loss": loss, self._rate_name: f"{rate:,.0f}"})
+            shown_loss = f"{float(host_value(finished_loss)):.4f}"
+            self._bar.set_postfix({"loss": shown_loss, self._rate_name: f"{rate:,.0f}"})
         self._pending = (step, loss)
+
+    def write(self, line: str, log: Callable[[str], None] = print) -> None:
+        """Logs `line` with `log` on a line of its own, the bar drawn again below it.
+
+        The bar is cleared first, as ``tqdm.write`` does; without a bar this is
+        ``log(line)``.
+        """
+        if self._bar is None:
+            log(line)
+            return
+        with self._bar.external_write_mode():
+            log(line)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -404,7 +404,7 @@ def fp8_dot_general(
     ``jaxamp.autocast(f, "mixed_float8")``, which sends every eligible
     matmul here.
 
-    Example:
+    Examples:
         >>> x = jax.random.normal(jax.random.key(0), (32, 64))
         >>> w = jax.random.normal(jax.random.key(1), (64, 16))
         >>> y = jaxamp.fp8_dot_general(x, w, (((1,), (0,)), ((), ())))

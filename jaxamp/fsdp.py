@@ -38,7 +38,7 @@ Defaults: `CommunicationPolicy()` communicates in each parameter's own dtype;
 dtype and reduces in its param dtype. A reduce dtype narrower than a
 parameter's dtype is refused unless ``allow_narrow_reduce=True``.
 
-Example:
+Examples:
     >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     >>> policy = jaxamp.get_policy("mixed_bf16")
     >>> model = jaxamp.apply_policy(Transformer(), policy)
@@ -112,7 +112,7 @@ class CommunicationPolicy:
     Immutable and hashable (a static argument of `jax.jit`); ``str(policy)``
     gives a string that `get_communication_policy` parses back.
 
-    Example:
+    Examples:
         >>> str(CommunicationPolicy(gather_dtype="bf16", reduce_dtype="f32"))
         'gather=bfloat16,reduce=float32'
         >>> str(CommunicationPolicy.from_policy("mixed_bf16"))

@@ -323,7 +323,7 @@ class DynamicLossScale(CountsSkippedSteps, _ScalesByItsLossScale):
     Everything is traced code (``jnp.where``): no Python branching on values
     and no host sync, so it runs inside ``jax.jit`` without retracing.
 
-    Example:
+    Examples:
         >>> loss_scale = DynamicLossScale(2.0**15)
         >>> scaled_loss = loss_scale.scale(loss)
         >>> grads = loss_scale.unscale(jax.grad(...))

@@ -8,7 +8,7 @@ the params nor the inner optimizer's state. It needs no Flax: Equinox, Haiku
 and plain JAX train steps get the same skip as `jaxamp.TrainState`, which is
 a thin layer over it.
 
-Example:
+Examples:
     >>> tx = jaxamp.loss_scaling(optax.adam(1e-3), jaxamp.DynamicLossScale())
     >>> opt_state = tx.init(params)
     >>> loss, grads, grads_finite = jaxamp.scaled_value_and_grad(
@@ -138,7 +138,7 @@ def loss_scale_of(opt_state: Any) -> LossScale:
     The `LossScalingState` may sit anywhere in `opt_state`: at its root, or
     inside ``optax.chain``'s tuple or another wrapper's state.
 
-    Example:
+    Examples:
         >>> loss, grads, grads_finite = jaxamp.scaled_value_and_grad(
         ...     loss_fn, jaxamp.loss_scale_of(opt_state))(params)
         >>> jaxamp.loss_scale_of(opt_state).skipped_steps   # steps skipped so far

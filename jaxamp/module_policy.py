@@ -35,7 +35,7 @@ def apply_policy(module: Any, policy: PolicySpec, *, overrides: Mapping[type, Po
     model's, so checkpoints and pretrained weights move between policies
     unchanged.
 
-    Example:
+    Examples:
         >>> model = jaxamp.apply_policy(ResNet18(), "mixed_float16")
         >>> variables = model.init(rng, images, train=False)   # float32 params
         >>> logits = model.apply(variables, images, train=False)  # float16 math, float32 logits

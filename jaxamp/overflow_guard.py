@@ -27,7 +27,7 @@ loss scale, however far apart the checks are, and the guard keeps no state
 of its own: a run resumed from a checkpoint (which holds the loss scale)
 carries on with the counts it had.
 
-Example:
+Examples:
     >>> guard = jaxamp.OverflowGuard(max_consecutive_skips=50)
     >>> for step, batch in enumerate(batches):
     ...     state = train_step(state, batch)

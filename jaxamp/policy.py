@@ -218,7 +218,7 @@ class Policy:
     see `jaxamp.fp8_dot_general`); every other operation follows the three
     dtypes as usual.
 
-    Example:
+    Examples:
         >>> policy = Policy(jnp.float32, jnp.float16, jnp.float32)
         >>> str(policy)
         'params=float32,compute=float16,output=float32'

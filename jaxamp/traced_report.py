@@ -96,7 +96,7 @@ def precision_report(
     Pass a training step (or ``jax.value_and_grad`` of a loss) to see the
     backward pass too.
 
-    Example:
+    Examples:
         >>> report = jaxamp.precision_report(model.apply, variables, images)
         >>> print(report)
         dtype         ops       GFLOPs   share

@@ -32,7 +32,7 @@ class TrainState(train_state.TrainState):
     overflowed step here changes nothing but the loss scale and the skip
     counter.
 
-    Example:
+    Examples:
         >>> state = jaxamp.TrainState.create(
         ...     apply_fn=model.apply, params=variables["params"], tx=optax.sgd(0.1),
         ...     loss_scale=jaxamp.DynamicLossScale(), batch_stats=variables["batch_stats"])

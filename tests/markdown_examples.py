@@ -1,8 +1,13 @@
 """Runs the Python examples of a Markdown page, as a reader would, in order.
 
-Every fenced ``python`` (or ``py``) block of a page runs in one namespace shared by the
-page's blocks (a later block may use what an earlier one defined) and by no
-other page. A block's printed output is checked where the page shows it:
+Every fenced ``python`` (or ``py``) block of a page runs on its own, in a
+fresh namespace, as a reader who copies that one block would run it: its
+imports are its own. A block that goes on from the one before it says so with
+the line ``<!-- continues -->`` just above its fence (nothing but blank lines
+between them); it runs in the namespace of the block before it, after it.
+The comment is invisible on the rendered page, so the prose around such a
+block should say that it goes on. A block's printed output is checked where
+the page shows it:
 
 - a fenced ``text`` block right after a ``python`` block (nothing but blank
   lines between them) is what that block prints, compared line by line with
@@ -31,6 +36,9 @@ import re
 
 _FENCE_OPEN = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`\s]*)")
 
+# Above a block's fence: the block goes on from the block before it.
+CONTINUES = "<!-- continues -->"
+
 
 class ExampleFailed(AssertionError):
     """An example of a page raised, or printed something other than the page shows."""
@@ -44,11 +52,14 @@ class Block:
         line: the page's line number of the block's first code line (1-based).
         code: the block's code.
         expected_output: the ``text`` block right after it, or None.
+        continues: whether the page marks it as going on from the block
+            before it (`CONTINUES` above its fence).
     """
 
     line: int
     code: str
     expected_output: str | None
+    continues: bool = False
 
     @property
     def is_doctest(self) -> bool:
@@ -91,7 +102,9 @@ def python_blocks(markdown: str) -> list[Block]:
             between = lines[after : next_first - 2]
             if next_info == "text" and not any(line.strip() for line in between):
                 expected = next_code
-        blocks.append(Block(line=first_line, code=code, expected_output=expected))
+        above = [line.strip() for line in lines[: first_line - 2] if line.strip()]
+        continues = bool(above) and above[-1] == CONTINUES
+        blocks.append(Block(line=first_line, code=code, expected_output=expected, continues=continues))
     return blocks
 
 
@@ -135,7 +148,7 @@ def run_block(block: Block, namespace: dict, name: str) -> None:
 
 
 def run_page(markdown: str, name: str) -> int:
-    """Runs every ``python`` block of a page in order in a fresh namespace.
+    """Runs every ``python`` block of a page in order, each in a fresh namespace unless it continues.
 
     Args:
         markdown: the page's text.
@@ -145,11 +158,19 @@ def run_page(markdown: str, name: str) -> int:
         The number of blocks run.
 
     Raises:
-        ExampleFailed: a block raised, or printed other output than the page shows.
+        ExampleFailed: a block raised, or printed other output than the page
+            shows, or the page's first block is marked as continuing.
     """
-    namespace: dict = {"__name__": "__main__"}
     blocks = python_blocks(markdown)
-    for block in blocks:
+    namespace: dict = {}
+    for position, block in enumerate(blocks):
+        if not block.continues:
+            namespace = {"__name__": "__main__"}
+        elif position == 0:
+            raise ExampleFailed(
+                f"{name}, block at line {block.line} is marked {CONTINUES!r} but no block comes before it: "
+                "remove the mark"
+            )
         run_block(block, namespace, name)
     return len(blocks)
 

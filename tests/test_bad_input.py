@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import os
 import pathlib
+import re
 import shutil
 import tempfile
 
@@ -20,6 +21,8 @@ from test_data import write_cifar10_archive, write_fashion_mnist
 import jaxamp
 from experiments import checkpointing, cifar, compare
 from experiments.benchmark import __main__ as benchmark
+from experiments.lm import __main__ as lm
+from experiments.lm import on_paper
 from experiments.flags import HelpFormatter
 
 QUICK = [
@@ -121,6 +124,29 @@ def test_a_bad_number_for_the_benchmark_exits_2_before_any_work(argv, expected, 
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert expected in error and "Traceback" not in error
+
+
+COMMANDS = {"cifar": cifar.main, "compare": compare.main, "benchmark": benchmark.main,
+            "lm": lm.main, "lm.on_paper": on_paper.main}  # fmt: skip
+
+
+def _help_of_each_flag(help_text: str) -> dict[str, str]:
+    """A ``--help`` output's entries, keyed by each entry's first flag."""
+    options = help_text.split("\noptions:\n", 1)[1]
+    entries = re.split(r"\n(?=  -)", "\n" + options)
+    return {entry.split()[0].rstrip(","): " ".join(entry.split()) for entry in entries if entry.strip()}
+
+
+@pytest.mark.parametrize("main", COMMANDS.values(), ids=COMMANDS.keys())
+def test_every_flag_of_every_command_says_its_default_in_help(main, capsys):
+    """Fails for a flag whose help is silent about what happens without it (--out, --steps-per-epoch)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    entries = _help_of_each_flag(capsys.readouterr().out)
+    assert len(entries) > 3
+    silent = [flag for flag, entry in entries.items() if flag != "-h" and not re.search(r"\bdefault\b", entry)]
+    assert silent == []
 
 
 @pytest.mark.parametrize("main", [cifar.main, compare.main, benchmark.main], ids=["cifar", "compare", "benchmark"])

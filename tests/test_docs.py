@@ -1,12 +1,14 @@
 """The documentation: every example runs as written, and the site builds strict, offline.
 
-Each page's ``python`` blocks run in order in one namespace per page, their
+Each page's ``python`` blocks run in order, each on its own unless the page
+marks it as going on from the block before it (``<!-- continues -->``), their
 printed output compared with the page where it shows it
 (`markdown_examples`); a deliberately broken example must fail that run.
 The site builds with ``mkdocs build --strict``, so a broken link, a missing
 page or an unresolved API reference fails the suite.
 """
 
+import html.parser
 import os
 import pathlib
 import re
@@ -64,6 +66,21 @@ BROKEN_EXAMPLES = {
         print(defined_on_the_first_page)
         ```
         """,
+    "a name from the block before, without the continues mark": """
+        ```python
+        width = 3
+        ```
+
+        ```python
+        print("x" * width)
+        ```
+        """,
+    "the continues mark on a page's first block": """
+        <!-- continues -->
+        ```python
+        print(1)
+        ```
+        """,
 }
 
 
@@ -75,12 +92,12 @@ def test_a_broken_example_fails_the_run(markdown):
     namespace into the next would let one of these pass.
     """
     run_page("```python\ndefined_on_the_first_page = 1\n```\n", "first.md")
-    with pytest.raises(ExampleFailed, match=r"broken\.md, block at line 2"):
+    with pytest.raises(ExampleFailed, match=r"broken\.md, block at line \d+"):
         run_page(textwrap.dedent(markdown).lstrip("\n"), "broken.md")
 
 
-def test_blocks_of_one_page_share_a_namespace_and_their_output_is_compared():
-    """Fails if the runner misses a block, or runs blocks of a page in separate namespaces."""
+def test_a_block_marked_continues_runs_after_the_block_before_it_and_its_output_is_compared():
+    """Fails if the runner misses a block, ignores the mark, or lets an unmarked block see an earlier one."""
     page = textwrap.dedent(
         """
         ```python
@@ -89,6 +106,7 @@ def test_blocks_of_one_page_share_a_namespace_and_their_output_is_compared():
 
         Between two blocks, prose.
 
+        <!-- continues -->
         ```python
         print("x" * width)
         ```
@@ -97,13 +115,23 @@ def test_blocks_of_one_page_share_a_namespace_and_their_output_is_compared():
         xxx
         ```
 
+        <!-- continues -->
+
         ```python
         >>> width + 1
         4
         ```
+
+        ```python
+        print("width" in dir())
+        ```
+
+        ```text
+        False
+        ```
         """
     )
-    assert run_page(page, "page.md") == 3
+    assert run_page(page, "page.md") == 4
 
 
 def test_every_public_name_has_an_entry_in_the_api_reference():
@@ -111,7 +139,7 @@ def test_every_public_name_has_an_entry_in_the_api_reference():
     api = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
     documented = set(re.findall(r"^::: jaxamp\.(\w+)$", api, re.MULTILINE))
     assert sorted(set(jaxamp.__all__) - documented) == []
-    assert sorted(documented - set(jaxamp.__all__)) == []
+    assert sorted(documented - set(jaxamp.__all__) - {"diagnostics", "fsdp"}) == []
 
 
 def test_every_relative_link_of_the_readme_leads_to_a_file():
@@ -170,6 +198,71 @@ def test_the_documentation_site_builds_in_strict_mode_offline(site_build):
     assert (site / "_source" / "tests" / "test_grads.py").is_file()
 
 
+class _ProseOfTheApiPage(html.parser.HTMLParser):
+    """Collects a page's blockquotes and the text that stands outside code blocks.
+
+    Attributes:
+        blockquotes: how many ``<blockquote>`` elements the page holds.
+        prose: the text outside every ``<pre>`` and ``<code>`` element.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.blockquotes = 0
+        self.prose: list[str] = []
+        self._code_depth = 0
+
+    def handle_starttag(self, tag, attrs):
+        self.blockquotes += tag == "blockquote"
+        self._code_depth += tag in ("pre", "code")
+
+    def handle_endtag(self, tag):
+        self._code_depth -= tag in ("pre", "code") and self._code_depth > 0
+
+    def handle_data(self, data):
+        if not self._code_depth:
+            self.prose.append(data)
+
+
+def _garbled_examples(page_html: str) -> tuple[int, list[str]]:
+    """The blockquotes of a rendered page, and its prose lines that hold a ``>>>`` example."""
+    parser = _ProseOfTheApiPage()
+    parser.feed(page_html)
+    lines = "".join(parser.prose).splitlines()
+    return parser.blockquotes, [line.strip() for line in lines if ">>>" in line]
+
+
+def test_a_docstring_example_rendered_as_prose_is_caught():
+    """The check's negative case: an ``Example:`` section renders its ``>>>`` lines as blockquotes."""
+    garbled = "<p>Example:</p><blockquote><blockquote><blockquote><p>x = 1</p></blockquote></blockquote></blockquote>"
+    assert _garbled_examples(garbled) == (3, [])
+    assert _garbled_examples("<p>&gt;&gt;&gt; x = 1</p>") == (0, [">>> x = 1"])
+    highlighted = '<div class="highlight"><pre><span></span><code><span class="o">&gt;&gt;&gt;</span> x</code></pre></div>'
+    assert _garbled_examples(highlighted) == (0, [])
+
+
+def test_every_example_of_the_api_reference_renders_as_code(site_build):
+    """Fails when a docstring's section name is one the parser does not know (``Example:``).
+
+    mkdocstrings' Google parser renders an ``Examples:`` section as highlighted
+    code; under any other name the ``>>>`` lines become nested blockquotes
+    run together into one paragraph, which ``--strict`` lets through.
+    """
+    build, site = site_build
+    assert build.returncode == 0, build.stderr
+    pages = sorted((site / "api").rglob("*.html"))
+    assert pages
+    garbled = {}
+    for page in pages:
+        blockquotes, prose_examples = _garbled_examples(page.read_text(encoding="utf-8"))
+        if blockquotes or prose_examples:
+            garbled[str(page.relative_to(site))] = (blockquotes, prose_examples)
+    assert garbled == {}
+    # The examples are there, as code: one per Examples section of the public API.
+    api_page = (site / "api" / "index.html").read_text(encoding="utf-8")
+    assert api_page.count("&gt;&gt;&gt;") >= 10
+
+
 @pytest.mark.parametrize(
     ("target", "builds"), [("../tests/test_grads.py", True), ("../tests/test_that_does_not_exist.py", False)]
 )
@@ -187,3 +280,20 @@ def test_a_link_into_the_repository_builds_only_when_its_file_exists(tmp_path, t
     assert (build.returncode == 0) == builds, build.stderr
     if not builds:
         assert "test_that_does_not_exist.py" in build.stderr
+
+
+def _commands(script: str) -> list[str]:
+    """A shell text's command lines: comments and blank lines dropped."""
+    lines = [line.split(" #", 1)[0].strip() for line in script.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_ci_installs_exactly_as_the_readmes_set_up_does():
+    """Fails when the README's set-up lines and `.ci/run`'s install lines drift apart."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    set_up = readme.split("## Set up", 1)[1]
+    set_up_block = re.search(r"```bash\n(.*?)```", set_up, re.DOTALL)[1]
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    installs = [line for line in _commands(ci) if line.startswith(("python3 -m venv", ".venv/bin/pip"))]
+    assert _commands(set_up_block) == installs
+    assert all(" -q " in line for line in installs if "pip install" in line)

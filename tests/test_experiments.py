@@ -222,3 +222,16 @@ def test_the_progress_bar_draws_only_on_a_terminal(monkeypatch):
     assert not progress.bar_wanted(True)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert progress.bar_wanted(True) and not progress.bar_wanted(False)
+
+
+@pytest.mark.parametrize("out", [None, "run.json"])
+def test_the_cli_says_where_its_results_went_or_that_none_were_written(out, monkeypatch, capsys):
+    """Without --out nothing is written, and the run's last line says so and names the flag."""
+    summary = {"train_time_s": 1.0, "test_time_s": 0.5, "final_test_accuracy": 0.1}
+    monkeypatch.setattr(train, "train_and_evaluate", lambda config: {"summary": summary})
+    assert cifar.main(QUICK_RUN + (["--out", out] if out else [])) == 0
+    last_line = capsys.readouterr().out.splitlines()[-1]
+    if out:
+        assert last_line == "results written to run.json"
+    else:
+        assert last_line.startswith("results not written: add --out FILE")

@@ -109,14 +109,46 @@ def load_sentence(load_at_start: float, load_at_end: float, cpu_count: int | Non
     return f"{figures}, not above the {cores}: no more work than cores was running."
 
 
-def table(results: dict) -> str:
-    """The whole run as Markdown: settings, one table per section, checks, skipped work."""
-    environment = results["environment"]
-    lines = [
+_SECTION_TITLES = {
+    "throughput": "throughput and memory",
+    "loss_scale": "loss scaling's cost",
+    "pipeline": "input pipeline",
+    "torch": "PyTorch AMP",
+}
+
+
+def title(settings: dict) -> str:
+    """The page's heading: what the run measured (its sections, the GPUs it compiled for)."""
+    parts = [_SECTION_TITLES.get(section, section) for section in settings.get("sections", []) if section != "targets"]
+    if settings.get("targets"):
+        parts.append("compiled for " + ", ".join(target.upper() for target in settings["targets"]))
+    return "# Benchmark: " + (", ".join(parts) or "nothing run")
+
+
+def settings_table(settings: dict) -> list[str]:
+    """The run's settings as a two-column Markdown table, lists joined by commas."""
+    lines = ["| setting | value |", "|---|---|"]
+    for name, value in settings.items():
+        shown = (", ".join(map(str, value)) or "none") if isinstance(value, (list, tuple)) else value
+        lines.append(f"| `{name}` | {shown} |")
+    return lines
+
+
+def header(environment: dict) -> list[str]:
+    """The page's first lines: the title, the device and command, the settings."""
+    return [
+        title(environment["settings"]),
+        "",
         f"Device: {environment['device']}. JAX {environment['jax']}. Command: `{environment['command']}`",
         "",
-        f"Settings: {environment['settings']}",
+        *settings_table(environment["settings"]),
     ]
+
+
+def table(results: dict) -> str:
+    """The whole run as Markdown: title, settings, one table per section, checks, skipped work."""
+    environment = results["environment"]
+    lines = header(environment)
     if "wall_s" in environment:
         lines += [
             "",

@@ -101,7 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--lr", type=positive_float, default=_DEFAULTS.lr, help="peak learning rate")
     parser.add_argument(
-        "--warmup-steps", type=integer_at_least(0, "an integer >= 0"), default=_DEFAULTS.warmup_steps
+        "--warmup-steps",
+        type=integer_at_least(0, "an integer >= 0"),
+        default=_DEFAULTS.warmup_steps,
+        help="steps of linear learning-rate warm-up before the cosine decay",
     )
     parser.add_argument(
         "--weight-decay", type=float, default=_DEFAULTS.weight_decay, help="AdamW weight decay"
@@ -165,14 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--gather-dtype",
         default=None,
         help="with fsdp: gather params in this dtype (e.g. bfloat16: half float32's bytes) through "
-        "jaxamp.fsdp.fsdp_loss; 'param' for their own dtype. Neither flag: XLA's partitioner chooses "
+        "jaxamp.fsdp.fsdp_loss; 'param' for their own dtype. Neither flag (the default): XLA's partitioner chooses "
         "(gathers in the params' dtype)",
     )
     parser.add_argument(
         "--reduce-dtype",
         default=None,
         help="with fsdp: sum gradients over devices in this dtype (never narrower than the params'); "
-        "'param' for their own dtype",
+        "'param' for their own dtype (default: none, XLA's partitioner chooses)",
     )
     parser.add_argument(
         "--out-dir",
@@ -183,13 +186,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-progress", action="store_true", help="no progress bar (never drawn off a terminal)"
     )
     parser.add_argument(
-        "--coordinator-address", default=None, help="HOST:PORT of process 0, for several processes"
+        "--coordinator-address",
+        default=None,
+        help="HOST:PORT of process 0, for several processes (default: none, one process)",
     )
     parser.add_argument(
-        "--num-processes", type=positive_int, default=None, help="processes in a multi-process run"
+        "--num-processes",
+        type=positive_int,
+        default=None,
+        help="processes in a multi-process run (default: none, one process)",
     )
     parser.add_argument(
-        "--process-id", type=integer_at_least(0, "an integer >= 0"), default=None, help="this process's index"
+        "--process-id",
+        type=integer_at_least(0, "an integer >= 0"),
+        default=None,
+        help="this process's index (default: none, one process)",
     )
     return parser
 

@@ -106,8 +106,16 @@ def compile_for(target: str, config: LMConfig, vocab_size: int) -> dict[str, Any
     }
 
 
+def title(entries: list[dict[str, Any]]) -> str:
+    """The table page's heading, naming the GPUs compiled for."""
+    devices = sorted({entry["device_kind"] for entry in entries if "device_kind" in entry})
+    return f"# Language model compiled for {', '.join(devices) or 'a GPU'}, on paper: memory and roofline bound"
+
+
 def markdown(entries: list[dict[str, Any]], command: str) -> str:
     lines = [
+        title(entries),
+        "",
         f"Command: `{command}`",
         "",
         (
@@ -179,12 +187,14 @@ def main(argv: list[str] | None = None) -> int:
         "bytes moved and the roofline bound per precision and route.",
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--target", default="h200", choices=list(jaxamp.diagnostics.GPU_TARGETS))
-    parser.add_argument("--model", default="gpt2", choices=list(model_lib.SIZES))
+    parser.add_argument(
+        "--target", default="h200", choices=list(jaxamp.diagnostics.GPU_TARGETS), help="the GPU to compile for"
+    )
+    parser.add_argument("--model", default="gpt2", choices=list(model_lib.SIZES), help="model size")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
-    parser.add_argument("--vocab-size", type=int, default=GPT2_VOCAB)
-    parser.add_argument("--precisions", default=",".join(PRECISIONS))
-    parser.add_argument("--routes", default=",".join(ROUTES))
+    parser.add_argument("--vocab-size", type=int, default=GPT2_VOCAB, help="vocabulary size (GPT-2's)")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated precisions")
+    parser.add_argument("--routes", default=",".join(ROUTES), help="comma-separated routes")
     parser.add_argument("--out-dir", default=None, help="where results.json and table.md go (default: runs/)")
     args = parser.parse_args(argv)
     if not jaxamp.diagnostics.cuda_plugin_available():

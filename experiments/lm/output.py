@@ -43,6 +43,10 @@ def _mib(value: float | None) -> str:
     return "n/a" if value is None else f"{value / 2**20:,.1f}"
 
 
+# The heading of the table page (table.md), not of the table printed at the end of a run.
+TITLE = "# Language model: held-out bits per byte by precision and route"
+
+
 def markdown_table(
     runs: list[dict[str, Any]], command: str | None = None, environment: dict[str, Any] | None = None
 ) -> str:
@@ -50,7 +54,7 @@ def markdown_table(
     finished = [run for run in runs if "summary" in run]
     lines = []
     if command:
-        lines += [f"Command: `{command}`", ""]
+        lines += [TITLE, "", f"Command: `{command}`", ""]
     if environment:
         lines += [
             (f"{environment['device_kind']} x{environment['device_count']}, JAX {environment['jax']}, Python "

@@ -290,6 +290,7 @@ def train_and_evaluate(
 
     state = compiled.init()
     train_s, pending = 0.0, []
+    progress: Progress | None = None  # drawn from the first step on; record(0) comes before it
 
     def record(step: int) -> None:
         nonlocal pending
@@ -307,7 +308,11 @@ def train_and_evaluate(
             "skipped_steps": int(host_value(state.skipped_steps)),
         }
         results["evaluations"].append(entry)
-        log(format_evaluation(entry, config.steps))
+        line = format_evaluation(entry, config.steps)
+        if progress is None:
+            log(line)
+        else:
+            progress.write(line, log)
         if on_record:
             on_record(results)
 

@@ -62,7 +62,7 @@ def create_model(name: str, num_classes: int = 10) -> nn.Module:
     Raises:
       ValueError: If `name` is not a key of `MODELS`.
 
-    Example:
+    Examples:
       >>> model = create_model('resnet_tiny')
       >>> model.num_classes
       10

@@ -15,12 +15,11 @@ load it). One module per job:
   `on_device`: deviceless compilation for NVIDIA GPUs;
 * `collectives`: the collectives of a partitioned program and their bytes.
 
-Example::
-
-    device = jaxamp.diagnostics.gpu_target_device("h200")
-    args = jaxamp.diagnostics.on_device((params, x), device)
-    report = jaxamp.precision_report(step, *args, compiled=True)
-    jaxamp.diagnostics.check_fp8(report)
+Examples:
+    >>> device = jaxamp.diagnostics.gpu_target_device("h200")
+    >>> args = jaxamp.diagnostics.on_device((params, x), device)
+    >>> report = jaxamp.precision_report(step, *args, compiled=True)
+    >>> jaxamp.diagnostics.check_fp8(report)
 """
 
 from jaxamp.diagnostics.collectives import (

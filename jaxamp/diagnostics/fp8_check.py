@@ -8,7 +8,7 @@ only the numerics of FP8 are left. `check_fp8` reads a compiled
 `PrecisionReport` and warns (`Fp8NotUsedWarning`) or raises when an op that
 asked for FP8 ran in a wider dtype.
 
-Example:
+Examples:
     >>> report = jaxamp.precision_report(step, *args_on_h200, compiled=True)
     >>> jaxamp.diagnostics.check_fp8(report)   # warns if FP8 was requested and not run
 """

@@ -98,7 +98,7 @@ def fp8_quantization_stats(
     gradient_argnums)`` instead (`fun` returns a scalar loss), so the
     backward's cotangent quantizations (``float8_e5m2``) are counted too.
 
-    Example:
+    Examples:
         >>> stats = jaxamp.diagnostics.fp8_quantization_stats(loss_fn, gradient_argnums=0)(params, x, y)
         >>> stats.underflow_fraction, stats.saturated, stats.non_finite
 

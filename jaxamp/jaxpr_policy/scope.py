@@ -31,7 +31,7 @@ def float32_scope() -> Iterator[None]:
     ``jax.jit``, ``jax.grad`` and the other transformations; outside
     `autocast` it only names the operations.
 
-    Example:
+    Examples:
         >>> def model(params, x):
         ...     h = x @ params["w1"]                 # float16 under autocast
         ...     with jaxamp.float32_scope():

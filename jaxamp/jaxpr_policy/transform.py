@@ -118,7 +118,7 @@ def autocast(
     convolutions in the compute dtype under a named fallback scope
     (`jaxamp.diagnostics.FP8_FALLBACK_REASONS`).
 
-    Example:
+    Examples:
         >>> @jaxamp.autocast
         ... def loss_fn(params, x, y):
         ...     return optax.softmax_cross_entropy(mlp(params, x), y).mean()
