@@ -378,7 +378,7 @@ def test_mixed_float8_is_mixed_bfloat16_plus_fp8_matmuls_in_every_spelling(spec)
             r"Unknown matmul dtype 'f16'.*Valid: f8, fp8, float8",
         ),
         (lambda: jaxamp.get_policy("mixed_float9"), ValueError, r"'mixed_float9'.*mixed_float8"),
-        (lambda: jaxamp.Policy("f32", "bf16", "f32", "float16"), TypeError, r"matmul_dtype.*'float16'"),
+        (lambda: jaxamp.Policy("f32", "bf16", "f32", "float16"), ValueError, r"matmul_dtype.*'float16'"),
         (
             lambda: jaxamp.fp8_dot_general(jnp.ones((2, 2), int), jnp.ones((2, 2)), MATMUL),
             TypeError,
