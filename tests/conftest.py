@@ -27,14 +27,34 @@ hypothesis.settings.register_profile("jaxamp", deadline=None, max_examples=30)
 hypothesis.settings.load_profile("jaxamp")
 
 
+def _under_xdist(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_collection_finish(session):
     """Starts the commands the selected tests need a fresh process for (tests/fresh_processes.py).
 
     They run in the background, one at a time, while this process runs the
     other tests: on two cores the suite takes the longer of the two, not their sum.
+    Under pytest-xdist each worker collects every test but runs only the files
+    it is handed (``--dist loadfile``), so a worker starts a file's commands
+    when it begins that file (`pytest_runtest_protocol`) instead.
     """
-    if not session.config.option.collectonly:
+    if not session.config.option.collectonly and not _under_xdist(session.config):
         fresh_processes.start_needed(session.items)
+
+
+_FILES_BEGUN: set[str] = set()
+
+
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist: the first test of a file starts the file's fresh processes in the background."""
+    del nextitem
+    if _under_xdist(item.config) and item.fspath.strpath not in _FILES_BEGUN:
+        _FILES_BEGUN.add(item.fspath.strpath)
+        fresh_processes.start_needed(
+            [other for other in item.session.items if other.fspath.strpath == item.fspath.strpath]
+        )
 
 
 def pytest_sessionfinish(session):
