@@ -24,6 +24,7 @@ from experiments import checkpointing, distributed, fault_injection, train
 from experiments import data as data_lib
 from experiments.flags import (
     HelpFormatter,
+    add_process_flags,
     fraction_below_one,
     non_negative_int,
     positive_float,
@@ -209,23 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue exactly from the latest checkpoint in --checkpoint-dir",
     )
-    parser.add_argument(
-        "--coordinator-address",
-        default=None,
-        help="HOST:PORT of process 0, for several processes (default: none, one process)",
-    )
-    parser.add_argument(
-        "--num-processes",
-        type=positive_int,
-        default=None,
-        help="processes in a multi-process run (default: none, one process)",
-    )
-    parser.add_argument(
-        "--process-id",
-        type=non_negative_int,
-        default=None,
-        help="this process's index (default: none, one process)",
-    )
+    add_process_flags(parser)
     parser.add_argument(
         "--distributed",
         action="store_true",

@@ -59,6 +59,27 @@ positive_int = integer_at_least(1, "a positive integer")
 non_negative_int = integer_at_least(0, "an integer >= 0")
 
 
+def add_process_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of one process of a multi-process run, as the cifar and lm commands share them."""
+    parser.add_argument(
+        "--coordinator-address",
+        default=None,
+        help="HOST:PORT of process 0, for several processes (default: none, one process)",
+    )
+    parser.add_argument(
+        "--num-processes",
+        type=positive_int,
+        default=None,
+        help="processes in a multi-process run (default: none, one process)",
+    )
+    parser.add_argument(
+        "--process-id",
+        type=non_negative_int,
+        default=None,
+        help="this process's index (default: none, one process)",
+    )
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number > 0."""
     try:

@@ -11,6 +11,7 @@ import jmp
 import numpy as np
 import optax
 import pytest
+from test_train_state import primitives
 
 import jaxamp
 
@@ -146,20 +147,6 @@ def test_the_state_survives_jit_tree_map_and_lower():
     compiled = update.lower(*abstract).compile()
     _, stepped = compiled(jax.tree.map(jnp.ones_like, PARAMS), opt_state, PARAMS)
     assert int(stepped.inner_state[0].count) == 1
-
-
-def primitives(jaxpr):
-    """Names of every primitive in `jaxpr`, nested jaxprs included."""
-    names = set()
-    for equation in jaxpr.eqns:
-        names.add(equation.primitive.name)
-        for param in equation.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    names |= primitives(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    names |= primitives(sub)
-    return names
 
 
 def test_skipping_is_a_select_with_no_branch_and_no_host_callback():

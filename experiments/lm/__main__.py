@@ -28,7 +28,7 @@ import jaxamp
 from experiments import distributed, results
 from experiments.cifar import loss_scale_arg, precision_arg
 from experiments.compare import comma_list
-from experiments.flags import HelpFormatter, integer_at_least, positive_float, positive_int
+from experiments.flags import HelpFormatter, add_process_flags, integer_at_least, positive_float, positive_int
 from experiments.lm import config as config_lib
 from experiments.lm import data as data_lib
 from experiments.lm import model as model_lib
@@ -185,23 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bar (never drawn off a terminal)"
     )
-    parser.add_argument(
-        "--coordinator-address",
-        default=None,
-        help="HOST:PORT of process 0, for several processes (default: none, one process)",
-    )
-    parser.add_argument(
-        "--num-processes",
-        type=positive_int,
-        default=None,
-        help="processes in a multi-process run (default: none, one process)",
-    )
-    parser.add_argument(
-        "--process-id",
-        type=integer_at_least(0, "an integer >= 0"),
-        default=None,
-        help="this process's index (default: none, one process)",
-    )
+    add_process_flags(parser)
     return parser
 
 
