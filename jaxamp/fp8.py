@@ -233,16 +233,18 @@ def _observe(observer: Callable | None, role: str, x: jax.Array, quantized: Quan
         return
     x32 = x.astype(jnp.float32)
     dtype = quantized.values.dtype
-    fp8_max = float(jnp.finfo(dtype).max)
     finite = jnp.isfinite(x32)
     scaled = x32 / jnp.where(jnp.isnan(quantized.scale_inv), 1.0, quantized.scale_inv)
+    # Saturated: what the cast alone would make non-finite (NaN in e4m3fn, inf in e5m2), so that a
+    # scaled amax rounded a hair above the largest value (the cast rounds it back) is not counted.
+    beyond_range = ~jnp.isfinite(scaled.astype(dtype).astype(jnp.float32))
     counts = {
         "elements": jnp.asarray(x32.size, jnp.int32),
         "nonzero": jnp.sum(x32 != 0, dtype=jnp.int32),
         "underflowed": jnp.sum(
             finite & (x32 != 0) & (quantized.values.astype(jnp.float32) == 0), dtype=jnp.int32
         ),
-        "saturated": jnp.sum(finite & (jnp.abs(scaled) > fp8_max), dtype=jnp.int32),
+        "saturated": jnp.sum(finite & beyond_range, dtype=jnp.int32),
         "non_finite": jnp.sum(~finite, dtype=jnp.int32),
         "amax": jnp.max(jnp.abs(x32)),
     }
@@ -449,8 +451,12 @@ class Fp8TensorStats:
         elements: its number of values.
         nonzero: how many were not zero.
         underflowed: nonzero finite values that quantized to zero.
-        saturated: finite values beyond the FP8 range after scaling (clipped);
-            zero by construction under current scaling.
+        saturated: finite values whose scaled magnitude lies beyond the FP8
+            range even once rounded to it (above 464 for ``float8_e4m3fn``,
+            61440 for ``float8_e5m2``), which the clip brought back to the
+            largest value. Zero by construction under current scaling: the
+            scale maps the amax onto the largest value (at most a rounding
+            above it, which the cast rounds back).
         non_finite: infs and NaNs (which make the GEMM's result NaN).
         amax: the largest magnitude.
     """
@@ -483,7 +489,7 @@ class Fp8QuantizationStats:
 
     @property
     def saturated(self) -> int:
-        """Values clipped to the FP8 range, over all tensors."""
+        """Values beyond the FP8 range once rounded (clipped to it), over all tensors."""
         return sum(tensor.saturated for tensor in self.tensors)
 
     @property

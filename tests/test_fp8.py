@@ -9,6 +9,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -161,6 +162,118 @@ def test_quantization_stats_with_gradient_argnums_see_the_backward_cotangent_in_
         ("rhs", (32, 16), "float8_e4m3fn"),
         ("cotangent", (16, 16), "float8_e5m2"),
     ]
+
+
+@pytest.mark.parametrize(
+    "dtype, values, saturated",
+    [
+        (E4M3, [float(np.nextafter(np.float32(448), np.float32(np.inf))), 463.0, -465.0, 1000.0, 1.0], 2),
+        (E5M2, [float(np.nextafter(np.float32(57344), np.float32(np.inf))), 61000.0, 62000.0, -1e6], 2),
+    ],
+    ids=["e4m3", "e5m2"],
+)
+def test_saturated_counts_the_values_beyond_the_format_once_rounded_not_a_scaled_amax_a_hair_above(
+    dtype, values, saturated
+):
+    """Under current scaling a scaled amax can round a hair above the largest value (448.00003),
+    and the cast rounds it back to 448: not saturated, as nothing is lost. With a scale of 1 (a
+    stale scale, as delayed scaling would give after a jump in amax), the values beyond 464
+    (e4m3fn) or 61440 (e5m2), where the format has no value left, are clipped: saturated. Fails
+    if the count compares the scaled value with the largest value itself (one more each)."""
+    from jaxamp import fp8
+
+    counted = []
+    x = jnp.array(values, jnp.float32)
+    largest = float(jnp.finfo(dtype).max)
+    stale = fp8.Quantized(jnp.clip(x, -largest, largest).astype(dtype), jnp.float32(1))
+    fp8._observe(lambda role, shape, fp8_dtype, counts: counted.append(counts), "lhs", x, stale)
+    jax.effects_barrier()
+    assert int(counted[0]["saturated"]) == saturated
+
+
+def test_current_scaling_saturates_nothing_however_far_outside_the_range_the_values_lie():
+    """The contract of `Fp8TensorStats.saturated`: zero by construction under current scaling."""
+    lhs, rhs = 1e6 * gaussian(6, 64, 16), 1e-9 * gaussian(7, 16, 16)
+    stats = jaxamp.fp8_quantization_stats(lambda a, b: jnp.sum(a @ b), gradient_argnums=(0, 1))(lhs, rhs)
+    assert [tensor.saturated for tensor in stats.tensors] == [0, 0, 0]
+    assert [tensor.underflowed for tensor in stats.tensors] == [0, 0, 0]
+
+
+# --- magnitudes far outside the formats' range -------------------------------------------
+#
+# Current scaling maps each tensor's amax onto the format's largest value, so what matters is
+# the spread of a tensor's values, not their size: far beyond the largest value (e4m3 448,
+# e5m2 57344) or far below the smallest normal (2**-6, 2**-14), a tensor whose values lie
+# within a factor of 4 of its amax quantizes with the format's rounding alone. Round to
+# nearest is off by at most half a unit in the last place: 2**-4 of the value in e4m3fn
+# (3 mantissa bits), 2**-3 in e5m2 (2).
+
+UNIT_ROUNDOFF = {E4M3: 2.0**-4, E5M2: 2.0**-3}
+FAR_BEYOND = {E4M3: 1e6, E5M2: 1e9}  # 2,000 and 17,000 times the largest value
+FAR_BELOW = {E4M3: 1e-7, E5M2: 1e-10}  # 150,000 and 600,000 times below the smallest normal
+SLACK = 1 + 1e-4  # float32 rounding of the scales and the sums
+
+
+def spread(seed, shape, magnitude):
+    """Values of random sign whose magnitudes lie between `magnitude` / 4 and `magnitude`."""
+    sign_key, size_key = jax.random.split(jax.random.key(seed))
+    sizes = jax.random.uniform(size_key, shape, minval=0.25, maxval=1.0)
+    return magnitude * jnp.where(jax.random.bernoulli(sign_key, shape=shape), sizes, -sizes)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("where", ["far_beyond_the_largest_value", "far_below_the_smallest_normal"])
+def test_values_far_outside_the_format_round_trip_within_its_rounding(dtype, where):
+    """Fails if the values are clipped to the format's range before they are scaled (a tensor
+    of 1e6 then comes back near 448 x its tiny scale), or scaled by anything but amax."""
+    from jaxamp import fp8
+
+    magnitude = (FAR_BEYOND if where.startswith("far_beyond") else FAR_BELOW)[dtype]
+    x = spread(0, (8, 16), magnitude).at[0, 0].set(-magnitude)
+    quantized = fp8.quantize(x, dtype)
+    assert quantized.values.dtype == dtype
+    assert float(jnp.max(jnp.abs(quantized.values.astype(jnp.float32)))) == float(jnp.finfo(dtype).max)
+    round_trip = quantized.values.astype(jnp.float32) * quantized.scale_inv
+    error = jnp.abs(round_trip - x) / jnp.abs(x)
+    assert float(jnp.max(error)) <= UNIT_ROUNDOFF[dtype] * SLACK
+
+
+@pytest.mark.parametrize(
+    "lhs_magnitude, rhs_magnitude, cotangent_magnitude",
+    [
+        (FAR_BEYOND[E4M3], 3 * FAR_BEYOND[E4M3], FAR_BEYOND[E5M2]),
+        (FAR_BELOW[E4M3], FAR_BELOW[E4M3] / 3, FAR_BELOW[E5M2]),
+        (FAR_BEYOND[E4M3], FAR_BELOW[E4M3], FAR_BELOW[E5M2]),
+        (FAR_BELOW[E4M3], FAR_BEYOND[E4M3], FAR_BEYOND[E5M2]),
+    ],
+    ids=["all_beyond", "all_below", "beyond_below_below", "below_beyond_beyond"],
+)
+def test_an_fp8_dot_of_operands_and_cotangents_far_outside_the_range_is_off_by_fp8_rounding_alone(
+    lhs_magnitude, rhs_magnitude, cotangent_magnitude
+):
+    """Each product term of the FP8 dot multiplies two rounded values, so each element of the
+    result is within (1 + u_lhs)(1 + u_rhs) - 1 of the exact sum of |terms|: 13% for the forward
+    (two e4m3 operands), 20% for the gradients (an e5m2 cotangent, an e4m3 operand). Fails if
+    operands or cotangents are clipped before they are scaled (results near 448 or 57344 times
+    a scale meant for 1e6 or 1e9), or if a scale is applied twice or not at all."""
+    x = spread(1, (16, 32), lhs_magnitude)
+    w = spread(2, (32, 16), rhs_magnitude)
+    cotangent = spread(3, (16, 16), cotangent_magnitude)
+    product, vjp = jax.vjp(lambda x, w: jaxamp.fp8_dot_general(x, w, MATMUL, jnp.float32), x, w)
+    x_grad, w_grad = vjp(cotangent)
+
+    def within_rounding(value, exact, sum_of_magnitudes, *unit_roundoffs):
+        bound = (1 + unit_roundoffs[0]) * (1 + unit_roundoffs[1]) - 1
+        return float(jnp.max(jnp.abs(value - exact) / sum_of_magnitudes)) <= bound * SLACK
+
+    u_forward, u_backward = UNIT_ROUNDOFF[E4M3], UNIT_ROUNDOFF[E5M2]
+    assert within_rounding(product, x @ w, jnp.abs(x) @ jnp.abs(w), u_forward, u_forward)
+    assert within_rounding(
+        x_grad, cotangent @ w.T, jnp.abs(cotangent) @ jnp.abs(w).T, u_backward, u_forward
+    )
+    assert within_rounding(
+        w_grad, x.T @ cotangent, jnp.abs(x).T @ jnp.abs(cotangent), u_forward, u_backward
+    )
 
 
 # --- non-finite values keep the skip mechanism honest -----------------------------------
