@@ -6,10 +6,12 @@ batches of 4); the sharded runs are in tests/test_lm_sharding.py.
 
 import json
 
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 import jaxamp
 from experiments.lm import __main__ as lm_cli
@@ -106,6 +108,26 @@ def test_each_process_reads_only_its_rows_and_the_rows_make_the_global_batch():
     halves = [data_lib.batch_rows(tokens, offsets, 16, slice(start, start + 4)) for start in (0, 4)]
     np.testing.assert_array_equal(np.concatenate(halves), whole)
     assert whole.shape == (8, 17) and np.all(np.diff(whole, axis=1) == 1)
+
+
+@hypothesis.settings(max_examples=500)
+@hypothesis.example(start=0, size=10, process_count=3)  # a boundary rounded up: (0,4), (3,7), (6,10)
+@hypothesis.example(start=95, size=5, process_count=8)  # more processes than examples
+@hypothesis.given(
+    start=st.integers(0, 10**9), size=st.integers(0, 10**6), process_count=st.integers(1, 300)
+)
+def test_the_processes_shares_of_a_split_are_disjoint_contiguous_and_cover_it(start, size, process_count):
+    """Each process reads `tfds_share` of every split: together the shares are `[start, stop)`
+    cut into consecutive pieces, none overlapping, none left out, their sizes within one of each
+    other. Fails if a boundary is rounded differently at the two ends of neighbouring shares
+    (examples read by two processes, or by none)."""
+    stop = start + size
+    shares = [data_lib.tfds_share(start, stop, index, process_count) for index in range(process_count)]
+    assert shares[0][0] == start and shares[-1][1] == stop
+    assert all(first <= last for first, last in shares)
+    assert all(shares[index][1] == shares[index + 1][0] for index in range(process_count - 1))
+    sizes = [last - first for first, last in shares]
+    assert sum(sizes) == size and max(sizes) - min(sizes) <= 1
 
 
 @pytest.mark.parametrize("precision", ["mixed", "mixed_bf16"])
