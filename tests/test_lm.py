@@ -5,6 +5,7 @@ batches of 4); the sharded runs are in tests/test_lm_sharding.py.
 """
 
 import json
+import math
 
 import hypothesis
 import jax
@@ -176,6 +177,29 @@ def test_a_run_writes_json_table_and_plots_with_every_reported_figure(tmp_path):
     table = (out / "table.md").read_text()
     assert "| tiny | mixed | apply_policy | 0 | 2 |" in table and "vs fp32" in table
     assert (out / "held_out_vs_step.png").stat().st_size > 0 and (out / "held_out_vs_time.png").exists()
+
+
+def test_bits_per_byte_are_held_out_nats_over_ln_2_and_8_for_an_untrained_model_on_random_bytes():
+    """Uniform random bytes hold 8 bits each, and an untrained model (initial weights of
+    standard deviation 0.02) predicts each byte with about 1/256: its held-out loss is about
+    ln 256 nats, 8 bits per byte. Every evaluation reports the mean held-out loss over ln 2, in
+    the results and in its log line. Fails if bits per byte are nats times ln 2 (3.84, not 8)."""
+    settings = dict(model="tiny", context=16, batch_size=4, steps=1, eval_every=1, eval_batches=2)
+    lines = []
+    config = config_lib.LMConfig(**settings, data="synthetic", progress=False)
+    results = train.train_and_evaluate(config, log=lines.append)
+    assert [entry["step"] for entry in results["evaluations"]] == [0, 1]
+    for entry in results["evaluations"]:
+        bits_per_byte = entry["held_out_loss"] / math.log(2)
+        assert entry["held_out_bits_per_byte"] == pytest.approx(bits_per_byte, rel=1e-12)
+    untrained = results["evaluations"][0]
+    assert untrained["held_out_loss"] == pytest.approx(math.log(256), abs=0.05)
+    assert untrained["held_out_bits_per_byte"] == pytest.approx(8, abs=0.08)
+    assert f"held-out {untrained['held_out_bits_per_byte']:.4f} bits/byte" in lines[1]
+    summary = results["summary"]
+    assert summary["held_out_bits_per_byte"] == results["evaluations"][-1]["held_out_bits_per_byte"]
+    bits_per_byte = summary["held_out_loss"] / math.log(2)
+    assert summary["held_out_bits_per_byte"] == pytest.approx(bits_per_byte, rel=1e-12)
 
 
 @pytest.mark.parametrize(
