@@ -164,6 +164,43 @@ def test_quantization_stats_with_gradient_argnums_see_the_backward_cotangent_in_
     ]
 
 
+def test_quantization_stats_take_keyword_arguments_and_differentiate_only_the_argnums_named():
+    """`loss(tokens, w, scale=...)` with integer tokens: the stats differentiate with respect to
+    `w` alone (an integer argument cannot be differentiated) and pass `scale` on. Fails if the
+    keyword arguments were dropped (a TypeError) or `gradient_argnums` ignored (grad of tokens)."""
+
+    def loss(tokens, w, *, scale):
+        return scale * jnp.sum(jax.nn.one_hot(tokens, 16) @ w)
+
+    tokens, w = jnp.arange(16) % 5, gaussian(1, 16, 16)
+    stats = jaxamp.fp8_quantization_stats(loss, gradient_argnums=1)(tokens, w, scale=2.0)
+    assert [tensor.role for tensor in stats.tensors] == ["lhs", "rhs", "cotangent"]
+    assert stats.tensors[2].amax == 2.0  # the cotangent of sum(), times the scale passed
+
+
+def test_quantization_stats_keep_the_functions_name_and_doc_and_not_an_objects_attributes():
+    """Fails if the returned function lost `fun`'s name and docstring, or took on the
+    attributes of a callable object (its `__dict__`: a model's parameters, say)."""
+
+    def loss(x, w):
+        """The loss."""
+        return jnp.sum(x @ w)
+
+    stats_fun = jaxamp.fp8_quantization_stats(loss)
+    assert (stats_fun.__name__, stats_fun.__doc__, stats_fun.__wrapped__) == ("loss", "The loss.", loss)
+
+    class Model:
+        def __init__(self):
+            self.weights = gaussian(1, 16, 16)
+
+        def __call__(self, x):
+            return jnp.sum(x @ self.weights)
+
+    stats_fun = jaxamp.fp8_quantization_stats(Model())
+    assert not hasattr(stats_fun, "weights")
+    assert len(stats_fun(gaussian(0, 16, 16)).tensors) == 2
+
+
 @pytest.mark.parametrize(
     "dtype, values, saturated",
     [
@@ -405,6 +442,22 @@ def test_a_convolution_runs_forward_on_fp8_values_and_backward_in_bfloat16_under
     assert len(forward_scope) == 1 and "jaxamp_fp8" in forward_scope[0]
     assert sum("jaxamp_fp8_fallback_conv_backward" in scope for scope, _ in found) == 2
     assert {operands for _, operands in found} == {(jnp.dtype(jnp.bfloat16),) * 2}
+
+
+def test_a_convolutions_gradients_come_back_in_each_operands_own_dtype():
+    """float16 images and a bfloat16 kernel, convolved in bfloat16: the image gradient is
+    float16, the kernel gradient bfloat16 (the dtypes the forward saved, one per operand).
+    Fails if either gradient takes the other's dtype, the result dtype or the default float."""
+    images = gaussian(0, 2, 8, 8, 16).astype(jnp.float16)
+    kernel = (gaussian(1, 3, 3, 16, 32) * 0.1).astype(jnp.bfloat16)
+    from jaxamp import fp8
+
+    loss = lambda images, kernel: jnp.sum(
+        fp8.fp8_convolution(images, kernel, _conv, jnp.bfloat16).astype(jnp.float32)
+    )
+    image_grad, kernel_grad = jax.grad(loss, (0, 1))(images, kernel)
+    assert (image_grad.dtype, kernel_grad.dtype) == (jnp.float16, jnp.bfloat16)
+    assert (image_grad.shape, kernel_grad.shape) == (images.shape, kernel.shape)
 
 
 @pytest.mark.parametrize(
