@@ -100,6 +100,37 @@ def test_any_dimension_numbers_give_the_shapes_and_gradients_of_lax_dot_general(
         assert relative_error(fp8_grad, exact_grad) < 0.08
 
 
+def test_the_gradients_come_back_in_each_operands_own_dtype():
+    """A float16 lhs and a bfloat16 rhs: their gradients are float16 and bfloat16, whatever the
+    result dtype. Fails if a gradient takes the other operand's dtype, the result's, or the
+    default float (float32)."""
+    x, w = gaussian(0, 16, 32).astype(jnp.float16), gaussian(1, 32, 16).astype(jnp.bfloat16)
+    for result_dtype in (jnp.bfloat16, jnp.float32):
+        loss = lambda x, w: jaxamp.fp8_dot_general(x, w, MATMUL, result_dtype).astype(jnp.float32).sum()
+        x_grad, w_grad = jax.grad(loss, (0, 1))(x, w)
+        assert (x_grad.dtype, w_grad.dtype) == (jnp.float16, jnp.bfloat16), result_dtype
+
+
+@pytest.mark.parametrize(
+    "result_dtype, product_dtype",
+    [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32), (jnp.float16, jnp.float32)],
+)
+def test_the_fp8_product_and_its_scaling_run_in_bfloat16_only_for_a_bfloat16_result(
+    result_dtype, product_dtype
+):
+    """A bfloat16 result is asked of the dot itself and scaled in bfloat16 (what XLA fuses into
+    the cuBLASLt call); a float32 result, and a float16 one (FP8 products up to 448**2 overflow
+    float16), take a float32 product. Fails if the product dtype is chosen otherwise or the
+    scales are multiplied in float32 (the product widened to float32 first)."""
+    x, w = gaussian(0, 16, 32), gaussian(1, 32, 16)
+    closed = jax.make_jaxpr(lambda x, w: jaxamp.fp8_dot_general(x, w, MATMUL, result_dtype))(x, w)
+    found = [equation for _, equation in equations(closed.jaxpr)]
+    products = [eq.outvars[0].aval.dtype for eq in found if eq.primitive is jax.lax.dot_general_p]
+    assert products and set(products) == {jnp.dtype(product_dtype)}
+    scalings = [eq.outvars[0].aval for eq in found if eq.primitive is jax.lax.mul_p]
+    assert {aval.dtype for aval in scalings if aval.shape == (16, 16)} == {jnp.dtype(product_dtype)}
+
+
 def test_all_three_gemms_of_a_training_step_take_fp8_operands_with_the_presets_on_cuda():
     """Forward e4m3 x e4m3 with fast accumulation, both backward GEMMs e5m2 (the cotangent) times e4m3 with split
     accumulation, each as a CUDA branch (the preset) and a default branch (plain dot). Fails if
@@ -556,6 +587,18 @@ def test_mixed_float8_is_mixed_bfloat16_plus_fp8_matmuls_in_every_spelling(spec)
             r"lhs dims \(2,\)",
         ),
         (
+            lambda: jaxamp.fp8_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), ((1,), (0,))),
+            TypeError,
+            r"^fp8_dot_general's dimension_numbers must be \(\(lhs_contracting, rhs_contracting\), "
+            r"\(lhs_batch, rhs_batch\)\) as for jax\.lax\.dot_general; got \(\(1,\), \(0,\)\)\.$",
+        ),
+        (
+            lambda: jaxamp.fp8_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), (((1,), (0, 1)), ((), ()))),
+            ValueError,
+            r"^fp8_dot_general's dimension_numbers .* pair a different number of lhs and rhs dims; each "
+            r"lhs contracting \(batch\) dim needs one rhs contracting \(batch\) dim\.$",
+        ),
+        (
             lambda: jaxamp.fp8_quantization_stats(jnp.sum, "mixed_bfloat16"),
             ValueError,
             r"'params=float32,compute=bfloat16,output=float32' has none\. Pass 'mixed_float8'",
@@ -567,6 +610,8 @@ def test_mixed_float8_is_mixed_bfloat16_plus_fp8_matmuls_in_every_spelling(spec)
         "policy-field",
         "integer-operand",
         "bad-dims",
+        "malformed-dims",
+        "unpaired-dims",
         "stats-without-fp8",
     ],
 )
