@@ -37,6 +37,17 @@ def test_the_model_has_the_parameters_its_formula_counts_and_gpt2_size_is_124m()
     assert model_lib.num_params(model_lib.SIZES["gpt2"], 50304) == 124_475_904
 
 
+def test_the_analytic_flops_per_token_count_every_weight_but_the_position_table_and_attention():
+    """GPT-2 small at a context of 1024: 6 FLOPs per weight (forward and backward) of its
+    124,439,808 parameters less the 1024 x 768 position table (a lookup, not a matmul), plus
+    12 x 12 layers x 768 x 1024 for attention's score and value products. Fails if the position
+    table is counted, attention's share is left out, or either is scaled otherwise."""
+    gpt2 = model_lib.SIZES["gpt2"]
+    weights = 124_439_808 - 1024 * 768
+    assert model_lib.model_flops_per_token(gpt2, 50257, 1024) == 6 * weights + 12 * 12 * 768 * 1024
+    assert model_lib.model_flops_per_token(gpt2, 50257, 512) == 6 * weights + 12 * 12 * 768 * 512
+
+
 def test_attention_is_cudnn_on_a_gpu_in_half_precision_and_einsum_or_xla_elsewhere():
     choose = model_lib.choose_attention
     assert choose("auto", "gpu", jnp.bfloat16, 64) == "cudnn"
