@@ -4,6 +4,7 @@ Tiny settings throughout (two layers of width 64, contexts of 16 tokens,
 batches of 4); the sharded runs are in tests/test_lm_sharding.py.
 """
 
+import dataclasses
 import json
 import math
 
@@ -120,6 +121,29 @@ def test_each_process_reads_only_its_rows_and_the_rows_make_the_global_batch():
     halves = [data_lib.batch_rows(tokens, offsets, 16, slice(start, start + 4)) for start in (0, 4)]
     np.testing.assert_array_equal(np.concatenate(halves), whole)
     assert whole.shape == (8, 17) and np.all(np.diff(whole, axis=1) == 1)
+
+
+def test_the_held_out_windows_are_evenly_spaced_from_the_first_token_to_the_last():
+    """Windows of context + 1 = 17 tokens over 100: the first starts at token 0, the last ends
+    on token 99. Fails if the last window stops short of the split's end or runs past it."""
+    offsets = data_lib.held_out_offsets(100, 5, 16)
+    np.testing.assert_array_equal(offsets, [0, 20, 41, 62, 83])
+    assert offsets.dtype == np.int64 and offsets[-1] + 17 == 100
+
+
+@pytest.mark.parametrize("split, name", [("train", "training"), ("held_out", "held-out")])
+def test_a_split_shorter_than_one_window_is_refused_naming_it_and_one_window_fits(split, name):
+    """A context of 16 needs windows of 17 tokens: 17 fit, 16 do not, in either split. Fails if
+    the comparison is off by one, a split goes unchecked or the message loses its figures."""
+    fits = data_lib.Corpus("synthetic", np.zeros(17, np.uint8), np.zeros(17, np.uint8), 256, "a tiny corpus")
+    data_lib.check_fits(fits, 16)
+    short = dataclasses.replace(fits, **{split: np.zeros(16, np.uint8)})
+    message = (
+        rf"^The {name} split of a tiny corpus has 16 tokens, fewer than one window of 17; use a "
+        r"larger folder or a smaller --context\.$"
+    )
+    with pytest.raises(data_lib.DataUnavailableError, match=message):
+        data_lib.check_fits(short, 16)
 
 
 @hypothesis.settings(max_examples=500)
