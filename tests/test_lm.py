@@ -322,6 +322,38 @@ def test_fp8_takes_the_autocast_route_runs_its_projections_in_fp8_and_refuses_ap
     assert report.count_by_dtype()["bfloat16"] == 12 and report.fp8_fraction() > 0.9, str(report)
 
 
+def test_a_steps_cost_is_its_device_count_times_one_programs_flops_with_that_programs_other_figures(
+    monkeypatch,
+):
+    """XLA's cost analysis counts one device's program: the step's FLOPs are 8 times it on 8
+    devices, and the bytes, matmul FLOPs and collectives are that program's, each under its own
+    name; the collectives the program states are read from the lowered text given. Fails if the
+    FLOPs are not multiplied by the device count (or are divided by it), a figure is missing or
+    renamed, or a program without a FLOP count fails instead of reporting None."""
+    from experiments.lm import figures
+
+    compiled = jax.jit(lambda x, w: jnp.tanh(x @ w)).lower(jnp.ones((8, 16)), jnp.ones((16, 32))).compile()
+    one_program = figures.roofline.cost_of(compiled)
+    stated = "  %gathered = bf16[8,16]{1,0} all-gather(bf16[1,16]{1,0} %param), dimensions={0}"
+    cost = figures.step_cost(compiled, 8, stated)
+    assert set(cost) == {
+        "flops_per_step",
+        "bytes_accessed_per_device",
+        "matmul_flops_by_dtype_per_device",
+        "memory_per_device",
+        "collectives_per_device",
+        "collectives_stated",
+    }
+    assert cost["flops_per_step"] == 8 * one_program["flops"] > 0
+    assert cost["bytes_accessed_per_device"] == one_program["bytes accessed"] > 0
+    assert cost["matmul_flops_by_dtype_per_device"] == {"float32": 2 * 8 * 16 * 32}
+    assert cost["collectives_per_device"] == {}
+    assert cost["collectives_stated"] == {"all-gather bfloat16": {"count": 1, "result_bytes": 8 * 16 * 2}}
+    assert figures.step_cost(compiled, 8)["collectives_stated"] == {}
+    monkeypatch.setattr(figures.roofline, "cost_of", lambda compiled: {})
+    assert figures.step_cost(compiled, 8)["flops_per_step"] is None
+
+
 def test_fp8_mfu_divides_by_the_fp8_peak_and_the_bound_counts_fp8_gemms_at_the_fp8_rate(monkeypatch):
     """On an H200, mixed_float8's MFU is against 1979 TFLOP/s, not bfloat16's 989. Fails if the
     heavy-math dtype passed is the compute dtype (bfloat16) or if FP8 FLOPs fall to the TF32 rate."""
