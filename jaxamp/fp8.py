@@ -234,16 +234,18 @@ def _observe(observer: Callable | None, role: str, x: jax.Array, quantized: Quan
         return
     x32 = x.astype(jnp.float32)
     dtype = quantized.values.dtype
-    fp8_max = float(jnp.finfo(dtype).max)
     finite = jnp.isfinite(x32)
     scaled = x32 / jnp.where(jnp.isnan(quantized.scale_inv), 1.0, quantized.scale_inv)
+    # Saturated: what the cast alone would make non-finite (NaN in e4m3fn, inf in e5m2), so that a
+    # scaled amax rounded a hair above the largest value (the cast rounds it back) is not counted.
+    beyond_range = ~jnp.isfinite(scaled.astype(dtype).astype(jnp.float32))
     counts = {
         "elements": jnp.asarray(x32.size, jnp.int32),
         "nonzero": jnp.sum(x32 != 0, dtype=jnp.int32),
         "underflowed": jnp.sum(
             finite & (x32 != 0) & (quantized.values.astype(jnp.float32) == 0), dtype=jnp.int32
         ),
-        "saturated": jnp.sum(finite & (jnp.abs(scaled) > fp8_max), dtype=jnp.int32),
+        "saturated": jnp.sum(finite & beyond_range, dtype=jnp.int32),
         "non_finite": jnp.sum(~finite, dtype=jnp.int32),
         "amax": jnp.max(jnp.abs(x32)),
     }

@@ -9,6 +9,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -99,6 +100,37 @@ def test_any_dimension_numbers_give_the_shapes_and_gradients_of_lax_dot_general(
         assert relative_error(fp8_grad, exact_grad) < 0.08
 
 
+def test_the_gradients_come_back_in_each_operands_own_dtype():
+    """A float16 lhs and a bfloat16 rhs: their gradients are float16 and bfloat16, whatever the
+    result dtype. Fails if a gradient takes the other operand's dtype, the result's, or the
+    default float (float32)."""
+    x, w = gaussian(0, 16, 32).astype(jnp.float16), gaussian(1, 32, 16).astype(jnp.bfloat16)
+    for result_dtype in (jnp.bfloat16, jnp.float32):
+        loss = lambda x, w: jaxamp.fp8_dot_general(x, w, MATMUL, result_dtype).astype(jnp.float32).sum()
+        x_grad, w_grad = jax.grad(loss, (0, 1))(x, w)
+        assert (x_grad.dtype, w_grad.dtype) == (jnp.float16, jnp.bfloat16), result_dtype
+
+
+@pytest.mark.parametrize(
+    "result_dtype, product_dtype",
+    [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32), (jnp.float16, jnp.float32)],
+)
+def test_the_fp8_product_and_its_scaling_run_in_bfloat16_only_for_a_bfloat16_result(
+    result_dtype, product_dtype
+):
+    """A bfloat16 result is asked of the dot itself and scaled in bfloat16 (what XLA fuses into
+    the cuBLASLt call); a float32 result, and a float16 one (FP8 products up to 448**2 overflow
+    float16), take a float32 product. Fails if the product dtype is chosen otherwise or the
+    scales are multiplied in float32 (the product widened to float32 first)."""
+    x, w = gaussian(0, 16, 32), gaussian(1, 32, 16)
+    closed = jax.make_jaxpr(lambda x, w: jaxamp.fp8_dot_general(x, w, MATMUL, result_dtype))(x, w)
+    found = [equation for _, equation in equations(closed.jaxpr)]
+    products = [eq.outvars[0].aval.dtype for eq in found if eq.primitive is jax.lax.dot_general_p]
+    assert products and set(products) == {jnp.dtype(product_dtype)}
+    scalings = [eq.outvars[0].aval for eq in found if eq.primitive is jax.lax.mul_p]
+    assert {aval.dtype for aval in scalings if aval.shape == (16, 16)} == {jnp.dtype(product_dtype)}
+
+
 def test_all_three_gemms_of_a_training_step_take_fp8_operands_with_the_presets_on_cuda():
     """Forward e4m3 x e4m3 with fast accumulation, both backward GEMMs e5m2 (the cotangent) times e4m3 with split
     accumulation, each as a CUDA branch (the preset) and a default branch (plain dot). Fails if
@@ -161,6 +193,155 @@ def test_quantization_stats_with_gradient_argnums_see_the_backward_cotangent_in_
         ("rhs", (32, 16), "float8_e4m3fn"),
         ("cotangent", (16, 16), "float8_e5m2"),
     ]
+
+
+def test_quantization_stats_take_keyword_arguments_and_differentiate_only_the_argnums_named():
+    """`loss(tokens, w, scale=...)` with integer tokens: the stats differentiate with respect to
+    `w` alone (an integer argument cannot be differentiated) and pass `scale` on. Fails if the
+    keyword arguments were dropped (a TypeError) or `gradient_argnums` ignored (grad of tokens)."""
+
+    def loss(tokens, w, *, scale):
+        return scale * jnp.sum(jax.nn.one_hot(tokens, 16) @ w)
+
+    tokens, w = jnp.arange(16) % 5, gaussian(1, 16, 16)
+    stats = jaxamp.diagnostics.fp8_quantization_stats(loss, gradient_argnums=1)(tokens, w, scale=2.0)
+    assert [tensor.role for tensor in stats.tensors] == ["lhs", "rhs", "cotangent"]
+    assert stats.tensors[2].amax == 2.0  # the cotangent of sum(), times the scale passed
+
+
+def test_quantization_stats_keep_the_functions_name_and_doc_and_not_an_objects_attributes():
+    """Fails if the returned function lost `fun`'s name and docstring, or took on the
+    attributes of a callable object (its `__dict__`: a model's parameters, say)."""
+
+    def loss(x, w):
+        """The loss."""
+        return jnp.sum(x @ w)
+
+    stats_fun = jaxamp.diagnostics.fp8_quantization_stats(loss)
+    assert (stats_fun.__name__, stats_fun.__doc__, stats_fun.__wrapped__) == ("loss", "The loss.", loss)
+
+    class Model:
+        def __init__(self):
+            self.weights = gaussian(1, 16, 16)
+
+        def __call__(self, x):
+            return jnp.sum(x @ self.weights)
+
+    stats_fun = jaxamp.diagnostics.fp8_quantization_stats(Model())
+    assert not hasattr(stats_fun, "weights")
+    assert len(stats_fun(gaussian(0, 16, 16)).tensors) == 2
+
+
+@pytest.mark.parametrize(
+    "dtype, values, saturated",
+    [
+        (E4M3, [float(np.nextafter(np.float32(448), np.float32(np.inf))), 463.0, -465.0, 1000.0, 1.0], 2),
+        (E5M2, [float(np.nextafter(np.float32(57344), np.float32(np.inf))), 61000.0, 62000.0, -1e6], 2),
+    ],
+    ids=["e4m3", "e5m2"],
+)
+def test_saturated_counts_the_values_beyond_the_format_once_rounded_not_a_scaled_amax_a_hair_above(
+    dtype, values, saturated
+):
+    """Under current scaling a scaled amax can round a hair above the largest value (448.00003),
+    and the cast rounds it back to 448: not saturated, as nothing is lost. With a scale of 1 (a
+    stale scale, as delayed scaling would give after a jump in amax), the values beyond 464
+    (e4m3fn) or 61440 (e5m2), where the format has no value left, are clipped: saturated. Fails
+    if the count compares the scaled value with the largest value itself (one more each)."""
+    from jaxamp import fp8
+
+    counted = []
+    x = jnp.array(values, jnp.float32)
+    largest = float(jnp.finfo(dtype).max)
+    stale = fp8.Quantized(jnp.clip(x, -largest, largest).astype(dtype), jnp.float32(1))
+    fp8._observe(lambda role, shape, fp8_dtype, counts: counted.append(counts), "lhs", x, stale)
+    jax.effects_barrier()
+    assert int(counted[0]["saturated"]) == saturated
+
+
+def test_current_scaling_saturates_nothing_however_far_outside_the_range_the_values_lie():
+    """The contract of `Fp8TensorStats.saturated`: zero by construction under current scaling."""
+    lhs, rhs = 1e6 * gaussian(6, 64, 16), 1e-9 * gaussian(7, 16, 16)
+    stats = jaxamp.diagnostics.fp8_quantization_stats(lambda a, b: jnp.sum(a @ b), gradient_argnums=(0, 1))(lhs, rhs)
+    assert [tensor.saturated for tensor in stats.tensors] == [0, 0, 0]
+    assert [tensor.underflowed for tensor in stats.tensors] == [0, 0, 0]
+
+
+# --- magnitudes far outside the formats' range -------------------------------------------
+#
+# Current scaling maps each tensor's amax onto the format's largest value, so what matters is
+# the spread of a tensor's values, not their size: far beyond the largest value (e4m3 448,
+# e5m2 57344) or far below the smallest normal (2**-6, 2**-14), a tensor whose values lie
+# within a factor of 4 of its amax quantizes with the format's rounding alone. Round to
+# nearest is off by at most half a unit in the last place: 2**-4 of the value in e4m3fn
+# (3 mantissa bits), 2**-3 in e5m2 (2).
+
+UNIT_ROUNDOFF = {E4M3: 2.0**-4, E5M2: 2.0**-3}
+FAR_BEYOND = {E4M3: 1e6, E5M2: 1e9}  # 2,000 and 17,000 times the largest value
+FAR_BELOW = {E4M3: 1e-7, E5M2: 1e-10}  # 150,000 and 600,000 times below the smallest normal
+SLACK = 1 + 1e-4  # float32 rounding of the scales and the sums
+
+
+def spread(seed, shape, magnitude):
+    """Values of random sign whose magnitudes lie between `magnitude` / 4 and `magnitude`."""
+    sign_key, size_key = jax.random.split(jax.random.key(seed))
+    sizes = jax.random.uniform(size_key, shape, minval=0.25, maxval=1.0)
+    return magnitude * jnp.where(jax.random.bernoulli(sign_key, shape=shape), sizes, -sizes)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("where", ["far_beyond_the_largest_value", "far_below_the_smallest_normal"])
+def test_values_far_outside_the_format_round_trip_within_its_rounding(dtype, where):
+    """Fails if the values are clipped to the format's range before they are scaled (a tensor
+    of 1e6 then comes back near 448 x its tiny scale), or scaled by anything but amax."""
+    from jaxamp import fp8
+
+    magnitude = (FAR_BEYOND if where.startswith("far_beyond") else FAR_BELOW)[dtype]
+    x = spread(0, (8, 16), magnitude).at[0, 0].set(-magnitude)
+    quantized = fp8.quantize(x, dtype)
+    assert quantized.values.dtype == dtype
+    assert float(jnp.max(jnp.abs(quantized.values.astype(jnp.float32)))) == float(jnp.finfo(dtype).max)
+    round_trip = quantized.values.astype(jnp.float32) * quantized.scale_inv
+    error = jnp.abs(round_trip - x) / jnp.abs(x)
+    assert float(jnp.max(error)) <= UNIT_ROUNDOFF[dtype] * SLACK
+
+
+@pytest.mark.parametrize(
+    "lhs_magnitude, rhs_magnitude, cotangent_magnitude",
+    [
+        (FAR_BEYOND[E4M3], 3 * FAR_BEYOND[E4M3], FAR_BEYOND[E5M2]),
+        (FAR_BELOW[E4M3], FAR_BELOW[E4M3] / 3, FAR_BELOW[E5M2]),
+        (FAR_BEYOND[E4M3], FAR_BELOW[E4M3], FAR_BELOW[E5M2]),
+        (FAR_BELOW[E4M3], FAR_BEYOND[E4M3], FAR_BEYOND[E5M2]),
+    ],
+    ids=["all_beyond", "all_below", "beyond_below_below", "below_beyond_beyond"],
+)
+def test_an_fp8_dot_of_operands_and_cotangents_far_outside_the_range_is_off_by_fp8_rounding_alone(
+    lhs_magnitude, rhs_magnitude, cotangent_magnitude
+):
+    """Each product term of the FP8 dot multiplies two rounded values, so each element of the
+    result is within (1 + u_lhs)(1 + u_rhs) - 1 of the exact sum of |terms|: 13% for the forward
+    (two e4m3 operands), 20% for the gradients (an e5m2 cotangent, an e4m3 operand). Fails if
+    operands or cotangents are clipped before they are scaled (results near 448 or 57344 times
+    a scale meant for 1e6 or 1e9), or if a scale is applied twice or not at all."""
+    x = spread(1, (16, 32), lhs_magnitude)
+    w = spread(2, (32, 16), rhs_magnitude)
+    cotangent = spread(3, (16, 16), cotangent_magnitude)
+    product, vjp = jax.vjp(lambda x, w: jaxamp.fp8_dot_general(x, w, MATMUL, jnp.float32), x, w)
+    x_grad, w_grad = vjp(cotangent)
+
+    def within_rounding(value, exact, sum_of_magnitudes, *unit_roundoffs):
+        bound = (1 + unit_roundoffs[0]) * (1 + unit_roundoffs[1]) - 1
+        return float(jnp.max(jnp.abs(value - exact) / sum_of_magnitudes)) <= bound * SLACK
+
+    u_forward, u_backward = UNIT_ROUNDOFF[E4M3], UNIT_ROUNDOFF[E5M2]
+    assert within_rounding(product, x @ w, jnp.abs(x) @ jnp.abs(w), u_forward, u_forward)
+    assert within_rounding(
+        x_grad, cotangent @ w.T, jnp.abs(cotangent) @ jnp.abs(w).T, u_backward, u_forward
+    )
+    assert within_rounding(
+        w_grad, x.T @ cotangent, jnp.abs(x).T @ jnp.abs(cotangent), u_forward, u_backward
+    )
 
 
 # --- non-finite values keep the skip mechanism honest -----------------------------------
@@ -294,6 +475,22 @@ def test_a_convolution_runs_forward_on_fp8_values_and_backward_in_bfloat16_under
     assert {operands for _, operands in found} == {(jnp.dtype(jnp.bfloat16),) * 2}
 
 
+def test_a_convolutions_gradients_come_back_in_each_operands_own_dtype():
+    """float16 images and a bfloat16 kernel, convolved in bfloat16: the image gradient is
+    float16, the kernel gradient bfloat16 (the dtypes the forward saved, one per operand).
+    Fails if either gradient takes the other's dtype, the result dtype or the default float."""
+    images = gaussian(0, 2, 8, 8, 16).astype(jnp.float16)
+    kernel = (gaussian(1, 3, 3, 16, 32) * 0.1).astype(jnp.bfloat16)
+    from jaxamp import fp8
+
+    loss = lambda images, kernel: jnp.sum(
+        fp8.fp8_convolution(images, kernel, _conv, jnp.bfloat16).astype(jnp.float32)
+    )
+    image_grad, kernel_grad = jax.grad(loss, (0, 1))(images, kernel)
+    assert (image_grad.dtype, kernel_grad.dtype) == (jnp.float16, jnp.bfloat16)
+    assert (image_grad.shape, kernel_grad.shape) == (images.shape, kernel.shape)
+
+
 @pytest.mark.parametrize(
     "reason, images, kernel, groups",
     [
@@ -390,6 +587,18 @@ def test_mixed_float8_is_mixed_bfloat16_plus_fp8_matmuls_in_every_spelling(spec)
             r"lhs dims \(2,\)",
         ),
         (
+            lambda: jaxamp.fp8_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), ((1,), (0,))),
+            TypeError,
+            r"^fp8_dot_general's dimension_numbers must be \(\(lhs_contracting, rhs_contracting\), "
+            r"\(lhs_batch, rhs_batch\)\) as for jax\.lax\.dot_general; got \(\(1,\), \(0,\)\)\.$",
+        ),
+        (
+            lambda: jaxamp.fp8_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), (((1,), (0, 1)), ((), ()))),
+            ValueError,
+            r"^fp8_dot_general's dimension_numbers .* pair a different number of lhs and rhs dims; each "
+            r"lhs contracting \(batch\) dim needs one rhs contracting \(batch\) dim\.$",
+        ),
+        (
             lambda: jaxamp.diagnostics.fp8_quantization_stats(jnp.sum, "mixed_bfloat16"),
             ValueError,
             r"'params=float32,compute=bfloat16,output=float32' has none\. Pass 'mixed_float8'",
@@ -401,6 +610,8 @@ def test_mixed_float8_is_mixed_bfloat16_plus_fp8_matmuls_in_every_spelling(spec)
         "policy-field",
         "integer-operand",
         "bad-dims",
+        "malformed-dims",
+        "unpaired-dims",
         "stats-without-fp8",
     ],
 )

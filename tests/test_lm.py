@@ -4,12 +4,16 @@ Tiny settings throughout (two layers of width 64, contexts of 16 tokens,
 batches of 4); the sharded runs are in tests/test_lm_sharding.py.
 """
 
+import dataclasses
 import json
+import math
 
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 import jaxamp
 from experiments.lm import __main__ as lm_cli
@@ -32,6 +36,17 @@ def test_the_model_has_the_parameters_its_formula_counts_and_gpt2_size_is_124m()
     assert logits.shape == (2, 16, 256)
     # GPT-2 small with its padded vocabulary, as nanoGPT counts it.
     assert model_lib.num_params(model_lib.SIZES["gpt2"], 50304) == 124_475_904
+
+
+def test_the_analytic_flops_per_token_count_every_weight_but_the_position_table_and_attention():
+    """GPT-2 small at a context of 1024: 6 FLOPs per weight (forward and backward) of its
+    124,439,808 parameters less the 1024 x 768 position table (a lookup, not a matmul), plus
+    12 x 12 layers x 768 x 1024 for attention's score and value products. Fails if the position
+    table is counted, attention's share is left out, or either is scaled otherwise."""
+    gpt2 = model_lib.SIZES["gpt2"]
+    weights = 124_439_808 - 1024 * 768
+    assert model_lib.model_flops_per_token(gpt2, 50257, 1024) == 6 * weights + 12 * 12 * 768 * 1024
+    assert model_lib.model_flops_per_token(gpt2, 50257, 512) == 6 * weights + 12 * 12 * 768 * 512
 
 
 def test_attention_is_cudnn_on_a_gpu_in_half_precision_and_einsum_or_xla_elsewhere():
@@ -108,6 +123,49 @@ def test_each_process_reads_only_its_rows_and_the_rows_make_the_global_batch():
     assert whole.shape == (8, 17) and np.all(np.diff(whole, axis=1) == 1)
 
 
+def test_the_held_out_windows_are_evenly_spaced_from_the_first_token_to_the_last():
+    """Windows of context + 1 = 17 tokens over 100: the first starts at token 0, the last ends
+    on token 99. Fails if the last window stops short of the split's end or runs past it."""
+    offsets = data_lib.held_out_offsets(100, 5, 16)
+    np.testing.assert_array_equal(offsets, [0, 20, 41, 62, 83])
+    assert offsets.dtype == np.int64 and offsets[-1] + 17 == 100
+
+
+@pytest.mark.parametrize("split, name", [("train", "training"), ("held_out", "held-out")])
+def test_a_split_shorter_than_one_window_is_refused_naming_it_and_one_window_fits(split, name):
+    """A context of 16 needs windows of 17 tokens: 17 fit, 16 do not, in either split. Fails if
+    the comparison is off by one, a split goes unchecked or the message loses its figures."""
+    fits = data_lib.Corpus("synthetic", np.zeros(17, np.uint8), np.zeros(17, np.uint8), 256, "a tiny corpus")
+    data_lib.check_fits(fits, 16)
+    short = dataclasses.replace(fits, **{split: np.zeros(16, np.uint8)})
+    message = (
+        rf"^The {name} split of a tiny corpus has 16 tokens, fewer than one window of 17; use a "
+        r"larger folder or a smaller --context\.$"
+    )
+    with pytest.raises(data_lib.DataUnavailableError, match=message):
+        data_lib.check_fits(short, 16)
+
+
+@hypothesis.settings(max_examples=500)
+@hypothesis.example(start=0, size=10, process_count=3)  # a boundary rounded up: (0,4), (3,7), (6,10)
+@hypothesis.example(start=95, size=5, process_count=8)  # more processes than examples
+@hypothesis.given(
+    start=st.integers(0, 10**9), size=st.integers(0, 10**6), process_count=st.integers(1, 300)
+)
+def test_the_processes_shares_of_a_split_are_disjoint_contiguous_and_cover_it(start, size, process_count):
+    """Each process reads `tfds_share` of every split: together the shares are `[start, stop)`
+    cut into consecutive pieces, none overlapping, none left out, their sizes within one of each
+    other. Fails if a boundary is rounded differently at the two ends of neighbouring shares
+    (examples read by two processes, or by none)."""
+    stop = start + size
+    shares = [data_lib.tfds_share(start, stop, index, process_count) for index in range(process_count)]
+    assert shares[0][0] == start and shares[-1][1] == stop
+    assert all(first <= last for first, last in shares)
+    assert all(shares[index][1] == shares[index + 1][0] for index in range(process_count - 1))
+    sizes = [last - first for first, last in shares]
+    assert sum(sizes) == size and max(sizes) - min(sizes) <= 1
+
+
 @pytest.mark.parametrize("precision", ["mixed", "mixed_bf16"])
 @pytest.mark.parametrize("route", ["apply_policy", "autocast"])
 def test_both_routes_run_every_matmul_in_half_precision_with_float32_params_and_grads(precision, route):
@@ -154,6 +212,29 @@ def test_a_run_writes_json_table_and_plots_with_every_reported_figure(tmp_path):
     table = (out / "table.md").read_text()
     assert "| tiny | mixed | apply_policy | 0 | 2 |" in table and "vs fp32" in table
     assert (out / "held_out_vs_step.png").stat().st_size > 0 and (out / "held_out_vs_time.png").exists()
+
+
+def test_bits_per_byte_are_held_out_nats_over_ln_2_and_8_for_an_untrained_model_on_random_bytes():
+    """Uniform random bytes hold 8 bits each, and an untrained model (initial weights of
+    standard deviation 0.02) predicts each byte with about 1/256: its held-out loss is about
+    ln 256 nats, 8 bits per byte. Every evaluation reports the mean held-out loss over ln 2, in
+    the results and in its log line. Fails if bits per byte are nats times ln 2 (3.84, not 8)."""
+    settings = dict(model="tiny", context=16, batch_size=4, steps=1, eval_every=1, eval_batches=2)
+    lines = []
+    config = config_lib.LMConfig(**settings, data="synthetic", progress=False)
+    results = train.train_and_evaluate(config, log=lines.append)
+    assert [entry["step"] for entry in results["evaluations"]] == [0, 1]
+    for entry in results["evaluations"]:
+        bits_per_byte = entry["held_out_loss"] / math.log(2)
+        assert entry["held_out_bits_per_byte"] == pytest.approx(bits_per_byte, rel=1e-12)
+    untrained = results["evaluations"][0]
+    assert untrained["held_out_loss"] == pytest.approx(math.log(256), abs=0.05)
+    assert untrained["held_out_bits_per_byte"] == pytest.approx(8, abs=0.08)
+    assert f"held-out {untrained['held_out_bits_per_byte']:.4f} bits/byte" in lines[1]
+    summary = results["summary"]
+    assert summary["held_out_bits_per_byte"] == results["evaluations"][-1]["held_out_bits_per_byte"]
+    bits_per_byte = summary["held_out_loss"] / math.log(2)
+    assert summary["held_out_bits_per_byte"] == pytest.approx(bits_per_byte, rel=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -239,6 +320,38 @@ def test_fp8_takes_the_autocast_route_runs_its_projections_in_fp8_and_refuses_ap
     # each, bfloat16 (jaxamp keeps batched dots out of FP8).
     assert sum(op.is_fp8 for op in report.ops) == 27, str(report)
     assert report.count_by_dtype()["bfloat16"] == 12 and report.fp8_fraction() > 0.9, str(report)
+
+
+def test_a_steps_cost_is_its_device_count_times_one_programs_flops_with_that_programs_other_figures(
+    monkeypatch,
+):
+    """XLA's cost analysis counts one device's program: the step's FLOPs are 8 times it on 8
+    devices, and the bytes, matmul FLOPs and collectives are that program's, each under its own
+    name; the collectives the program states are read from the lowered text given. Fails if the
+    FLOPs are not multiplied by the device count (or are divided by it), a figure is missing or
+    renamed, or a program without a FLOP count fails instead of reporting None."""
+    from experiments.lm import figures
+
+    compiled = jax.jit(lambda x, w: jnp.tanh(x @ w)).lower(jnp.ones((8, 16)), jnp.ones((16, 32))).compile()
+    one_program = figures.roofline.cost_of(compiled)
+    stated = "  %gathered = bf16[8,16]{1,0} all-gather(bf16[1,16]{1,0} %param), dimensions={0}"
+    cost = figures.step_cost(compiled, 8, stated)
+    assert set(cost) == {
+        "flops_per_step",
+        "bytes_accessed_per_device",
+        "matmul_flops_by_dtype_per_device",
+        "memory_per_device",
+        "collectives_per_device",
+        "collectives_stated",
+    }
+    assert cost["flops_per_step"] == 8 * one_program["flops"] > 0
+    assert cost["bytes_accessed_per_device"] == one_program["bytes accessed"] > 0
+    assert cost["matmul_flops_by_dtype_per_device"] == {"float32": 2 * 8 * 16 * 32}
+    assert cost["collectives_per_device"] == {}
+    assert cost["collectives_stated"] == {"all-gather bfloat16": {"count": 1, "result_bytes": 8 * 16 * 2}}
+    assert figures.step_cost(compiled, 8)["collectives_stated"] == {}
+    monkeypatch.setattr(figures.roofline, "cost_of", lambda compiled: {})
+    assert figures.step_cost(compiled, 8)["flops_per_step"] is None
 
 
 def test_fp8_mfu_divides_by_the_fp8_peak_and_the_bound_counts_fp8_gemms_at_the_fp8_rate(monkeypatch):

@@ -20,6 +20,7 @@ import pytest
 from fresh_processes import FreshProcess, xla_flags
 from jax.sharding import PartitionSpec
 
+import jaxamp
 from experiments.lm.sharding import leaf_spec
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,12 +52,19 @@ def run(sharding=None, **settings):
                                       sharding=sharding)
     return {"evaluations": result["evaluations"], "checksum": result["summary"]["state_checksum"],
             "collectives": result["cost"]["collectives_per_device"],
-            "stated": result["cost"]["collectives_stated"]}
+            "stated": result["cost"]["collectives_stated"],
+            "flops_per_step": result["cost"]["flops_per_step"],
+            "analytic_flops_per_step": result["analytic_flops_per_step"],
+            "figures": {name: result["summary"].get(name)
+                        for name in ("train_time_s", "steps", "achieved_tflops", "mfu", "peak_used")}}
 """
 
 _EIGHT_DEVICES = (
     _RUN
     + """
+import jaxamp
+from experiments.lm import figures
+figures.device_spec = lambda: jaxamp.diagnostics.gpu_spec("h200")  # a peak to divide by, as on a GPU
 one = Sharding.over_devices(jax.devices()[:1])
 runs = {"one": run(one), "fsdp": run()}
 runs["one gather bfloat16"] = run(one, gather_dtype="bfloat16")
@@ -97,7 +105,8 @@ def assert_same_losses(runs, reference, rtol=RTOL):
 
 # The runs of one process with 8 virtual CPU devices: one device, all 8 (plain `jit`), one device
 # gathering in bfloat16 and 8 devices under mixed_bf16 gathering in bfloat16 (reductions left at
-# their default). Started in the background while other tests run (tests/fresh_processes.py).
+# their default), their MFU against an H200's peaks. Started in the background while other tests
+# run (tests/fresh_processes.py).
 EIGHT_DEVICES = FreshProcess(
     "eight_device_runs", "-c", _EIGHT_DEVICES,
     env={**CACHED, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")},
@@ -127,6 +136,26 @@ def test_eight_sharded_devices_train_like_one_device(eight_device_runs):
     assert one["collectives"] == {}
     assert any(name.startswith("all-gather") for name in fsdp["collectives"])
     assert any(name.startswith(("reduce-scatter", "all-reduce")) for name in fsdp["collectives"])
+
+
+def test_on_eight_devices_a_steps_flops_are_all_eight_programs_and_mfu_is_against_eight_peaks(
+    eight_device_runs,
+):
+    """XLA counts the FLOPs of one device's program; a step's are the 8 devices' together: as
+    many as one device's whole step, and about the analytic FLOPs per token times the tokens
+    (XLA counts attention's softmax, the loss and the optimizer besides: measured 1.08 times).
+    Achieved FLOP/s are the step's FLOPs over its seconds, MFU those over 8 peaks. Fails if the
+    step's FLOPs are one device's (an eighth: achieved FLOP/s and MFU 8 times too low)."""
+    h200 = jaxamp.diagnostics.gpu_spec("h200")
+    one, fsdp = eight_device_runs["one"], eight_device_runs["fsdp"]
+    assert fsdp["flops_per_step"] == pytest.approx(one["flops_per_step"], rel=0.05)
+    assert 0.9 < fsdp["flops_per_step"] / fsdp["analytic_flops_per_step"] < 1.25
+    figures = fsdp["figures"]
+    step_s = figures["train_time_s"] / figures["steps"]
+    assert figures["achieved_tflops"] == pytest.approx(fsdp["flops_per_step"] / step_s / 1e12)
+    peak = h200.peak_flops[figures["peak_used"]]
+    assert figures["peak_used"] == "float32"
+    assert figures["mfu"] == pytest.approx(fsdp["flops_per_step"] / step_s / (8 * peak))
 
 
 def test_bfloat16_gathers_move_half_the_bytes_and_gradients_are_summed_in_float32(eight_device_runs):

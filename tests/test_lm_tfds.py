@@ -101,6 +101,30 @@ def test_a_prepared_data_set_is_read_as_bytes_and_each_process_reads_only_its_sh
     assert bytes(shares[0].held_out) + b"\n" + bytes(shares[1].held_out) == bytes(corpus.held_out)
 
 
+def test_three_processes_read_every_example_of_splits_of_95_and_5_exactly_once(tfds_dir):
+    """The story's 100 lines are 95 for training and 5 held out, neither a multiple of 3: the
+    three processes' shares (31, 32, 32 and 1, 2, 2 lines, by `tfds_share`) hold every line of
+    each split once. Fails if neighbouring shares overlap at a boundary rounded up (a line read
+    by two processes) or leave a gap (a line read by none)."""
+    shares = [
+        data_lib.load_corpus("tfds:lm_test_story", tfds_dir, process_index=index, process_count=3)
+        for index in range(3)
+    ]
+    lines = {
+        role: [bytes(getattr(share, role)).decode().split("\n") for share in shares]
+        for role in ("train", "held_out")
+    }
+    assert [len(part) for part in lines["train"]] == [31, 32, 32]
+    assert [len(part) for part in lines["held_out"]] == [1, 2, 2]
+    whole = data_lib.load_corpus("tfds:lm_test_story", tfds_dir)
+    read = {role: [line for part in parts for line in part] for role, parts in lines.items()}
+    for role in ("train", "held_out"):
+        assert read[role] == bytes(getattr(whole, role)).decode().split("\n"), role  # in file order
+    every_line = read["train"] + read["held_out"]
+    assert sorted(every_line) == sorted(f"line {index} of the story" for index in range(100))
+    assert "process 2 of 3's share: train[63:95]" in shares[2].description
+
+
 def test_without_a_held_out_split_the_last_five_percent_of_train_is_held_out(tfds_dir):
     corpus = data_lib.load_corpus("tfds:lm_test_story", tfds_dir)  # its only text feature: line
     train, held_out = (bytes(tokens).decode().split("\n") for tokens in (corpus.train, corpus.held_out))

@@ -32,8 +32,12 @@ class Fp8TensorStats:
         elements: its number of values.
         nonzero: how many were not zero.
         underflowed: nonzero finite values that quantized to zero.
-        saturated: finite values beyond the FP8 range after scaling (clipped);
-            zero by construction under current scaling.
+        saturated: finite values whose scaled magnitude lies beyond the FP8
+            range even once rounded to it (above 464 for ``float8_e4m3fn``,
+            61440 for ``float8_e5m2``), which the clip brought back to the
+            largest value. Zero by construction under current scaling: the
+            scale maps the amax onto the largest value (at most a rounding
+            above it, which the cast rounds back).
         non_finite: infs and NaNs (which make the GEMM's result NaN).
         amax: the largest magnitude.
     """
@@ -66,7 +70,7 @@ class Fp8QuantizationStats:
 
     @property
     def saturated(self) -> int:
-        """Values clipped to the FP8 range, over all tensors."""
+        """Values beyond the FP8 range once rounded (clipped to it), over all tensors."""
         return sum(tensor.saturated for tensor in self.tensors)
 
     @property
