@@ -18,7 +18,11 @@ length, direction and unrolling of a ``scan`` kept):
 * ``custom_jvp_call``: a new ``jax.custom_jvp`` whose primal is the
   rewritten body and whose rule is the rewritten JVP of the original (the
   user's rule, traced and rewritten), so the rule's arithmetic runs in half
-  precision as well.
+  precision as well. The rule is traced for the traced dtypes and
+  rewritten for the current ones; an output that the rewritten body gives
+  in a dtype narrower than the traced one (``jax.nn.relu`` of a float16
+  activation) keeps that dtype, and so does its tangent (`custom_jvp_rule`
+  says why).
 * ``custom_vjp_call`` (``custom_vjp_call_jaxpr`` in older JAX releases): a new
   ``jax.custom_vjp`` whose forward is the user's forward, rewritten, with the
   user's residuals (``jax.vjp``'s pullback is a pytree of them), and whose
@@ -31,8 +35,10 @@ length, direction and unrolling of a ``scan`` kept):
   so do the primitives whose bodies belong to a kernel or to a user's own
   rule (``pallas_call``, ``custom_vmap``, ``custom_partitioning``, ...).
 
-Custom derivatives take their inputs and give their outputs in the traced
-dtypes, so the user's rules see the dtypes they were written for.
+A ``custom_vjp`` takes its inputs and gives its outputs in the traced
+dtypes, so the user's rules see the dtypes they were written for; a
+``custom_jvp`` gives its outputs in the traced dtypes too, except an output
+that its rewritten body narrows.
 """
 
 from __future__ import annotations
@@ -183,17 +189,60 @@ def _float0_zeros(value_or_aval) -> np.ndarray:
     return np.zeros(np.shape(value_or_aval), dtype=jax.dtypes.float0)
 
 
+def _with_dtype(aval: Any, dtype: Any) -> Any:
+    """`aval` (a ``ShapeDtypeStruct``, or a value's type inside ``shard_map``) with `dtype`."""
+    if isinstance(aval, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(aval.shape, dtype)
+    return aval.update(dtype=dtype)
+
+
+def _narrowed(rewritten: Any, traced: Any) -> Any:
+    """`rewritten` where it is a floating dtype narrower than `traced`, else `traced`."""
+    if is_floating(rewritten) and is_floating(traced) and rewritten != traced:
+        if jnp.promote_types(rewritten, traced) == traced:
+            return rewritten
+    return traced
+
+
 def custom_jvp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
-    """``jax.custom_jvp``: rewritten primal, rule = the rewritten JVP of the original."""
-    in_dtypes, out_dtypes = traced_dtypes(equation.invars), traced_dtypes(equation.outvars)
+    """``jax.custom_jvp``: rewritten primal, rule = the rewritten JVP of the original.
+
+    The algorithm::
+
+        body = the call's jaxpr rewritten for the current input dtypes
+        for each output:
+            dtype = body's dtype if narrower than the traced one, else the traced one
+        primal(inputs) = body(inputs), outputs cast to their dtypes
+        rule = JAX's JVP of the original call (the user's rule), traced for
+            the traced dtypes of primals and tangents
+        jvp(primals, tangents) = rule rewritten for their current dtypes,
+            primal and tangent outputs cast to the outputs' dtypes
+
+    An activation with a custom derivative (``jax.nn.relu``, ``relu6``) is
+    elementwise: its body and its rule (``select(x > 0, g, 0)``) follow
+    their float16 inputs, so its output and its cotangent stay float16, as
+    they would without the custom derivative; a rule traced for float32 and
+    run on float16 inputs would give XLA a float32 cotangent to keep for the
+    layers below. A body that computes in float32 (``jax.nn.softmax``:
+    ``exp``, a sum) gives its traced dtype, as before.
+    """
+    in_dtypes, traced_out_dtypes = traced_dtypes(equation.invars), traced_dtypes(equation.outvars)
     differentiable_in = [is_floating(dtype) for dtype in in_dtypes]
-    differentiable_out = [is_floating(dtype) for dtype in out_dtypes]
-    jvp_rewrites = RewriteCache(context.compute_dtype, context.rules)
+    differentiable_out = [is_floating(dtype) for dtype in traced_out_dtypes]
+    body = equation.params["call_jaxpr"]
+    rewritten_body = rewrite_jaxpr(context, body, [abstract(value) for value in invals])
+    out_dtypes = [
+        _narrowed(aval.dtype, traced) for aval, traced in zip(rewritten_body.out_avals, traced_out_dtypes)
+    ]
+    tangent_dtypes = [dtype for dtype, keep in zip(out_dtypes, differentiable_out) if keep]
 
     def original(*primals):
         return bind(equation, primals)
 
-    autocast_call = jax.custom_jvp(_body_as_function(context, equation.params["call_jaxpr"], out_dtypes))
+    def evaluate(*args):
+        return [cast(value, dtype) for value, dtype in zip(jaxpr_as_fun(rewritten_body)(*args), out_dtypes)]
+
+    autocast_call = jax.custom_jvp(evaluate)
 
     def autocast_jvp(primals, tangents):
         float_tangents = [tangent for tangent, keep in zip(tangents, differentiable_in) if keep]
@@ -205,10 +254,18 @@ def custom_jvp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
                 for primal, keep in zip(primal_leaves, differentiable_in)
             ]
             outs, out_tangents = jax.jvp(original, tuple(primal_leaves), tuple(all_tangents))
-            return outs, [tangent for tangent, keep in zip(out_tangents, differentiable_out) if keep]
+            return [*outs, *(tangent for tangent, keep in zip(out_tangents, differentiable_out) if keep)]
 
-        outs, float_out_tangents = jvp_rewrites.call(user_jvp, [*primals, *float_tangents], static_key=())
-        float_out_tangents = iter(float_out_tangents)
+        leaves = [*primals, *float_tangents]
+        float_in_dtypes = [dtype for dtype, keep in zip(in_dtypes, differentiable_in) if keep]
+        traced_leaf_dtypes = [*in_dtypes, *float_in_dtypes]
+        traced_avals = [_with_dtype(abstract(leaf), dtype) for leaf, dtype in zip(leaves, traced_leaf_dtypes)]
+        rule = jax.make_jaxpr(user_jvp)(*traced_avals)
+        rewritten_rule = rewrite_jaxpr(
+            context, rule, [abstract(leaf) for leaf in leaves], [*out_dtypes, *tangent_dtypes]
+        )
+        results = jaxpr_as_fun(rewritten_rule)(*leaves)
+        outs, float_out_tangents = results[: len(out_dtypes)], iter(results[len(out_dtypes) :])
         out_tangents = [
             next(float_out_tangents) if keep else _float0_zeros(out)
             for out, keep in zip(outs, differentiable_out)
@@ -216,7 +273,7 @@ def custom_jvp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
         return outs, out_tangents
 
     autocast_call.defjvp(autocast_jvp)
-    return list(autocast_call(*(cast(value, dtype) for value, dtype in zip(invals, in_dtypes))))
+    return list(autocast_call(*invals))
 
 
 def custom_vjp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:

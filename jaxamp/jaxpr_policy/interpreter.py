@@ -17,12 +17,13 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, jaxpr_as_fun
 
 from jaxamp.jaxpr_policy.context import Rewrite, Rule
 from jaxamp.jaxpr_policy.reduction_inputs import reduction_inputs
-from jaxamp.jaxpr_policy.rules import cast, float32_rule, restore_rule
+from jaxamp.jaxpr_policy.rules import cast, float32_rule, follow, follow_rule, restore_rule
 from jaxamp.jaxpr_policy.scope import equation_context
 
 
@@ -32,7 +33,14 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
     Literals are read as NumPy values of their traced dtype, so a rule can
     cast them without creating a traced constant. Equations that feed only
     float32 reductions run in float32
-    (`jaxamp.jaxpr_policy.reduction_inputs`).
+    (`jaxamp.jaxpr_policy.reduction_inputs`). For the follow rule
+    (`jaxamp.jaxpr_policy.rules.follow`) it keeps two tables: the literal
+    each broadcast of a literal holds (weak, as the literal is), and the
+    unrounded result of each broadcasting op that rounded its result to
+    its full-size operands' half dtype, for the next such op to compute
+    from, so a normalization's ``(h - mean) * inv + bias`` is rounded once,
+    and for float32 ops to read (the square of ``h - mean`` in a variance
+    is that of the float32 difference, as before the rounding).
     """
     env: dict[Any, Any] = {}
 
@@ -46,14 +54,45 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
     for variable, value in zip(jaxpr.invars, args, strict=True):
         env[variable] = value
     widened = reduction_inputs(context, jaxpr)
+    unrounded: dict[Any, Any] = {}
+    fills: dict[Any, Literal] = {}
     for equation in jaxpr.eqns:
         invals = [read(atom) for atom in equation.invars]
         with equation_context(equation):
             rule = float32_rule if id(equation) in widened else context.rule_for(equation)
-            outvals = rule(context, equation, invals)
+            if rule is follow_rule:
+                variables = [None if isinstance(atom, Literal) else atom for atom in equation.invars]
+                outvals, wide = follow(
+                    context,
+                    equation,
+                    invals,
+                    [unrounded.get(variable) for variable in variables],
+                    [fills.get(variable) for variable in variables],
+                )
+                if wide is not None:
+                    unrounded.update(zip(equation.outvars, wide))
+                if _is_fill(equation):
+                    fills[equation.outvars[0]] = equation.invars[0]
+            else:
+                if rule is float32_rule:
+                    invals = [
+                        value if isinstance(atom, Literal) else unrounded.get(atom, value)
+                        for atom, value in zip(equation.invars, invals)
+                    ]
+                outvals = rule(context, equation, invals)
         for variable, value in zip(equation.outvars, outvals, strict=True):
             env[variable] = value
     return [read(atom) for atom in jaxpr.outvars]
+
+
+def _is_fill(equation) -> bool:
+    """Whether `equation` broadcasts a floating literal to a shape (``jnp.full``, ``zeros_like``)."""
+    return (
+        equation.primitive.name == "broadcast_in_dim"
+        and len(equation.invars) == 1
+        and isinstance(equation.invars[0], Literal)
+        and jnp.issubdtype(equation.invars[0].aval.dtype, jnp.floating)
+    )
 
 
 def _manual_axes(aval: Any) -> tuple:

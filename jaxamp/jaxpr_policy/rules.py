@@ -25,7 +25,14 @@ from the traced ones) and returns the output values. The rules, after
   JAX stages ``0.5 * h`` with a float32 literal, which would otherwise pull
   every half-precision value back to float32; a literal that the chosen
   dtype cannot hold (an attention mask's ``-1e9`` in float16) counts as
-  float32 and keeps the operation in float32.
+  float32 and keeps the operation in float32. In the arithmetic ops that
+  broadcast (``add``, ``sub``, ``mul``, ``div``, ``max``, ``min``), an
+  operand broadcast along some axis of the result (a per-feature value: a
+  bias, a normalization's scale and offset, its float32 mean and variance)
+  is weak for the result: the op runs in the widest dtype of all its
+  inputs, and its result returns to the dtype of its full-size operands,
+  so ``(h - mean) * inv * scale + bias`` of a float16 ``h`` is float16, as a
+  cuDNN batch norm returns half for half input under ``torch.autocast``.
 * **restore** (`restore_rule`): the operation gets its inputs back in the
   dtypes they were traced with and runs exactly as traced: scatters (whose
   update computation is a jaxpr traced for one dtype), collectives (a
@@ -137,30 +144,124 @@ def _literal_fits(literal: Literal, dtype: Any) -> bool:
     return bool(np.all(np.abs(finite) <= float(jnp.finfo(dtype).max)))
 
 
+BROADCASTING = frozenset(("add", "sub", "mul", "div", "max", "min"))
+"""The follow-rule primitives whose result takes the dtype of their full-size operands."""
+
+
+def _promote(dtypes: Sequence[Any], literals: Sequence[Literal]) -> Any:
+    """The widest of `dtypes`, widened further by each literal it cannot hold."""
+    dtype = jnp.result_type(*dtypes)
+    for literal in literals:
+        if not _literal_fits(literal, dtype):
+            dtype = jnp.promote_types(dtype, literal.aval.dtype)
+    return dtype
+
+
+def _is_broadcast(value: Any, shape: tuple) -> bool:
+    """Whether `value` has the rank of `shape` but size 1 along an axis where `shape` is larger.
+
+    A rank-0 array is not counted: a scalar argument of a nested ``jit``
+    (``jnp.where``'s ``-1e9``) may be a mask constant that the half dtype
+    cannot hold, and, not being a literal, it cannot be checked.
+    """
+    value_shape = np.shape(value)
+    return len(value_shape) == len(shape) and value_shape != tuple(shape)
+
+
 def follow_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
-    """Runs in the widest dtype among the floating inputs; literals are weak.
+    """Runs in the widest dtype among the floating inputs; literals and broadcast operands are weak.
 
     The algorithm::
 
-        strong = current dtypes of the floating non-literal inputs
+        weak = the floating literals, and the inputs that are a literal
+               broadcast to a shape (``jnp.zeros_like``, ``lax.full_like``)
+        strong = current dtypes of the other floating inputs
         dtype = promote(strong)              # no strong input: keep as traced
-        for each floating literal that dtype cannot hold:
+        for each weak input whose literal dtype cannot hold:
             dtype = promote(dtype, its traced dtype)
-        cast every floating input to dtype
+        cast every floating input to dtype, run the primitive in dtype
+        if the primitive broadcasts (add, sub, mul, div, max, min), some
+                strong input is broadcast (size 1 where the result is not)
+                and some has the result's shape:
+            result_dtype = promote(dtypes of the strong inputs of the result's shape),
+                widened by weak inputs as above
+            cast the floating results to result_dtype
+
+    So a per-feature float32 value (a bias or scale, which are params, or
+    a batch norm's mean and variance, which are float32 reductions) meeting
+    a float16 activation computes in float32 and gives float16, as under
+    `jaxamp.apply_policy` (which casts a layer's params to the compute
+    dtype and a normalization layer's output back to it), and as a cuDNN
+    batch norm returns half for half input under ``torch.autocast``. The
+    statistics themselves are reductions (`float32_rule`) and stay float32;
+    an op whose operands all have the result's shape (``x * x``, two
+    activations) is promoted as before. A broadcast literal is as weak as
+    the literal: ``lax.select(x > 0, g, lax.full_like(g, 0))``, the
+    derivative of ``jax.nn.relu``, stays in ``g``'s dtype. The interpreter
+    rounds a chain of broadcasting ops once and tells which inputs are
+    broadcast literals (`follow`).
     """
+    outvals, _ = follow(context, equation, invals)
+    return outvals
+
+
+def follow(
+    context: Rewrite,
+    equation,
+    invals: Sequence[Any],
+    unrounded: Sequence[Any | None] | None = None,
+    fills: Sequence[Literal | None] | None = None,
+) -> tuple[list, list | None]:
+    """`follow_rule`, told which inputs are broadcast literals and which a previous op rounded.
+
+    ``(h - mean) * inv + bias`` is three broadcasting ops; rounding each
+    result to float16 would round the normalized activation three times.
+    Instead each op takes its inputs' unrounded values where it has them
+    (``unrounded[i]``, or None), while the dtype its result returns to is
+    still decided by its inputs' rounded dtypes: the chain computes in
+    float32 and is rounded once, where something other than such an op
+    reads it. The interpreter keeps the unrounded values and the broadcast
+    literals of each jaxpr (`jaxamp.jaxpr_policy.interpreter.interpret`).
+
+    Args:
+        context: the rewrite.
+        equation: the traced equation.
+        invals: its inputs' current values.
+        unrounded: per input, its value before a broadcasting op rounded it, or None.
+        fills: per input, the literal it is a broadcast of, or None.
+
+    Returns:
+        The results, and their unrounded values (None where the results
+        were not rounded).
+    """
+    count = len(invals)
+    unrounded = [None] * count if unrounded is None else unrounded
+    constants = [atom if isinstance(atom, Literal) else None for atom in equation.invars]
+    if fills is not None:
+        constants = [literal if literal is not None else fill for literal, fill in zip(constants, fills)]
     floating = [index for index, atom in enumerate(equation.invars) if is_floating(atom.aval.dtype)]
-    strong = [invals[index].dtype for index in floating if not isinstance(equation.invars[index], Literal)]
+    strong = [index for index in floating if constants[index] is None]
     if not strong:
-        return bind(equation, invals)
-    dtype = jnp.result_type(*strong)
+        return bind(equation, invals), None
+    weak = [constants[index] for index in floating if constants[index] is not None]
+    shape = equation.outvars[0].aval.shape
+    full = [index for index in strong if not _is_broadcast(invals[index], shape)]
+    rounds = equation.primitive.name in BROADCASTING and 0 < len(full) < len(strong)
+    operands = list(invals)
+    if rounds:
+        for index in strong:
+            if unrounded[index] is not None:
+                operands[index] = unrounded[index]
+    dtype = _promote([operands[index].dtype for index in strong], weak)
     for index in floating:
-        atom = equation.invars[index]
-        if isinstance(atom, Literal) and not _literal_fits(atom, dtype):
-            dtype = jnp.promote_types(dtype, atom.aval.dtype)
-    casted = list(invals)
-    for index in floating:
-        casted[index] = cast(invals[index], dtype)
-    return bind(equation, casted)
+        operands[index] = cast(operands[index], dtype)
+    outvals = bind(equation, operands)
+    if not rounds:
+        return outvals, None
+    result_dtype = _promote([invals[index].dtype for index in full], weak)
+    if result_dtype == dtype:
+        return outvals, None
+    return [cast(value, result_dtype) for value in outvals], outvals
 
 
 def convert_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:

@@ -92,7 +92,11 @@ def autocast(
     * numerically sensitive operations (exp/log family, roots and powers,
       special functions, every reduction) run in float32;
     * elementwise and structural operations follow their inputs; scalar
-      literals are weak unless the half dtype cannot hold them; an
+      literals (and literals broadcast to a shape) are weak unless the half
+      dtype cannot hold them; a per-feature value broadcast against a
+      half-precision activation (a bias, a normalization's scale, offset,
+      mean and variance) computes with it in float32 and gives the
+      activation's dtype, rounded once per chain of such ops; an
       elementwise chain whose results go only to a float32 reduction (the
       ``h * h`` of a norm) runs in float32;
     * scatters (``x.at[i].add``, ``segment_sum``, the gradient of a
