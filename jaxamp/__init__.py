@@ -83,17 +83,12 @@ _SUBMODULES = ("diagnostics", "fsdp")
 
 # Names this namespace had before the diagnostics moved out of the core (jaxamp 0.1):
 # name -> the submodule that holds it now.
-_MOVED = {
-    **dict.fromkeys(
-        ("FP8_FALLBACK_REASONS", "GPU_TARGETS", "Fp8NotUsedWarning", "Fp8QuantizationStats", "Fp8TensorStats",
-         "GpuSpec", "check_fp8", "fp8_quantization_stats", "gpu_target_device", "hlo_precision_report",
-         "on_device"),
-        "diagnostics",
-    ),  # fmt: skip
-    **dict.fromkeys(
-        ("CommunicationPolicy", "fsdp_loss", "fsdp_shardings", "get_communication_policy"), "fsdp"
-    ),
-}
+_MOVED_TO_DIAGNOSTICS = (
+    "FP8_FALLBACK_REASONS", "GPU_TARGETS", "Fp8NotUsedWarning", "Fp8QuantizationStats", "Fp8TensorStats",
+    "GpuSpec", "check_fp8", "fp8_quantization_stats", "gpu_target_device", "hlo_precision_report", "on_device",
+)  # fmt: skip
+_MOVED_TO_FSDP = ("CommunicationPolicy", "fsdp_loss", "fsdp_shardings", "get_communication_policy")
+_MOVED = {**dict.fromkeys(_MOVED_TO_DIAGNOSTICS, "diagnostics"), **dict.fromkeys(_MOVED_TO_FSDP, "fsdp")}
 
 
 def __getattr__(name: str):

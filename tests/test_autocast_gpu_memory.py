@@ -13,7 +13,6 @@ both stay float16, as under `apply_policy`.
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax

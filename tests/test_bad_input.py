@@ -21,9 +21,9 @@ from test_data import write_cifar10_archive, write_fashion_mnist
 import jaxamp
 from experiments import checkpointing, cifar, compare
 from experiments.benchmark import __main__ as benchmark
+from experiments.flags import HelpFormatter
 from experiments.lm import __main__ as lm
 from experiments.lm import on_paper
-from experiments.flags import HelpFormatter
 
 QUICK = [
     "--model", "resnet_tiny", "--data", "synthetic", "--no-progress", "--epochs", "1", "--batch-size", "8",

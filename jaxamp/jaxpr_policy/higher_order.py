@@ -198,10 +198,8 @@ def _with_dtype(aval: Any, dtype: Any) -> Any:
 
 def _narrowed(rewritten: Any, traced: Any) -> Any:
     """`rewritten` where it is a floating dtype narrower than `traced`, else `traced`."""
-    if is_floating(rewritten) and is_floating(traced) and rewritten != traced:
-        if jnp.promote_types(rewritten, traced) == traced:
-            return rewritten
-    return traced
+    narrower = is_floating(rewritten) and is_floating(traced) and rewritten != traced
+    return rewritten if narrower and jnp.promote_types(rewritten, traced) == traced else traced
 
 
 def custom_jvp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
