@@ -17,21 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from test_autocast_rule_classes import all_equations
 
 import jaxamp
-
-
-def all_equations(jaxpr):
-    """Every equation of `jaxpr`, those of nested jaxprs (jit, custom rules) included."""
-    for equation in jaxpr.eqns:
-        yield equation
-        for value in equation.params.values():
-            for candidate in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(candidate, ClosedJaxpr):
-                    yield from all_equations(candidate.jaxpr)
-                elif isinstance(candidate, Jaxpr):
-                    yield from all_equations(candidate)
 
 
 def equations(fun, *args, primitive):
