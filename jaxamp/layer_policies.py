@@ -4,8 +4,9 @@
 NNX models; `jaxamp.module_policy.apply_policy` chooses between them. Neither
 route imports the other, and this module imports neither.
 
-A model runs under one policy, except where it must not, the way Haiku's
-``set_policy`` works by class:
+A model runs under one policy, which `jaxamp.autocast` applies op by op,
+except where a layer's class says otherwise, the way Haiku's ``set_policy``
+works by class:
 
 * a layer whose class (or a base class) is in `overrides` runs under that
   policy, and so do the layers it calls, unless they have an override of
@@ -15,14 +16,10 @@ A model runs under one policy, except where it must not, the way Haiku's
   policy it was called under;
 * every other layer runs under the policy of the layer that called it.
 
-Every layer call casts its floating inputs to the layer's compute dtype, as
-Haiku's policies do, so an activation that some stray float32 constant
-promoted goes back to half precision at the next layer. Recurrent cells are
-the exception: their carry must keep the dtype the cell gives it, or the
-``scan`` over time steps rejects it; their inner layers cast for them.
-Where a call crosses from one policy into another (a *policy boundary*: a
-normalization layer, an overridden class), the outputs are cast to the
-callee's output dtype.
+Where a layer's policy differs from its caller's, its calls are traced in a
+policy scope (`scope_of`, `jaxamp.jaxpr_policy.scope.policy_scope`): autocast
+runs the operations inside under the layer's compute dtype and FP8 setting
+and casts what leaves the scope to the layer's output dtype.
 """
 
 from __future__ import annotations
@@ -36,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen, nnx
 
+from jaxamp.jaxpr_policy.scope import ScopePolicy
 from jaxamp.policy import Policy, PolicySpec, get_policy, is_floating_array
 
 NORMALIZATION_LAYERS: tuple[type, ...] = (
@@ -52,9 +50,6 @@ NORMALIZATION_LAYERS: tuple[type, ...] = (
 )
 """Layers that compute in float32 unless `overrides` says otherwise."""
 
-RECURRENT_CELLS: tuple[type, ...] = (linen.RNNCellBase, nnx.RNNCellBase)
-"""Layers whose call arguments (the carry) are never cast."""
-
 
 def normalization_policy(policy: Policy) -> Policy:
     """The policy of a normalization layer called under `policy`.
@@ -66,16 +61,9 @@ def normalization_policy(policy: Policy) -> Policy:
     return Policy(policy.param_dtype, jnp.float32, policy.compute_dtype)
 
 
-def _without_fp8_matmuls(policy: Policy) -> Policy:
-    """`policy`, refused if it asks for FP8 matmuls, which only `jaxamp.autocast` runs."""
-    if policy.fp8_matmuls:
-        raise ValueError(
-            f"apply_policy cannot run the policy {str(policy)!r}: its FP8 matmuls are a "
-            "rewrite of the traced program, which only jaxamp.autocast does. Use "
-            "jaxamp.autocast(model.apply, 'mixed_float8') (or jax.grad of it) instead, or "
-            "apply_policy(model, 'mixed_bfloat16') for the same policy without FP8."
-        )
-    return policy
+def scope_of(policy: Policy) -> ScopePolicy:
+    """The policy scope in which a layer running under `policy` is traced."""
+    return ScopePolicy(policy.compute_dtype, policy.fp8_matmuls, policy.output_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +82,7 @@ class ModulePolicies:
     @classmethod
     def create(cls, policy: PolicySpec, overrides: Mapping[type, PolicySpec] | None = None) -> ModulePolicies:
         """Validates and resolves `policy` and `overrides`."""
-        policy = _without_fp8_matmuls(get_policy(policy))
+        policy = get_policy(policy)
         if overrides is None:
             overrides = {}
         if not isinstance(overrides, Mapping):
@@ -109,7 +97,7 @@ class ModulePolicies:
                     "overrides keys must be Flax module classes (e.g. nn.Dense, "
                     f"nn.BatchNorm); got {module_class!r}."
                 )
-            user_overrides.append((module_class, _without_fp8_matmuls(get_policy(spec))))
+            user_overrides.append((module_class, get_policy(spec)))
         return cls(policy, tuple(user_overrides))
 
     def policy_for(self, module_class: type, caller_policy: Policy) -> Policy:
@@ -130,20 +118,6 @@ def _user_override(module_policies: ModulePolicies, module_class: type) -> Polic
         if issubclass(module_class, overridden_class):
             return policy
     return None
-
-
-def is_floating_dtype_field(value: Any) -> bool:
-    """Whether a module's ``dtype``-like field may be set to a float dtype.
-
-    ``None`` (infer) and floating dtypes may; an integer or any other value
-    means the field is not a compute dtype, and it is left alone.
-    """
-    if value is None:
-        return True
-    try:
-        return jnp.issubdtype(jnp.dtype(value), jnp.floating)
-    except TypeError:
-        return False
 
 
 def cast_by_owner(tree: Any, owner_dtypes: Mapping[tuple, Any], default_dtype: Any) -> Any:

@@ -4,55 +4,62 @@ NNX modules are Python objects holding their state, so the policy is applied
 to a copy of the model, once:
 
 * each module's policy is worked out from the root down (see
-  `jaxamp.layer_policies`), its ``dtype`` / ``param_dtype`` attributes (if it
-  has them) are set to that policy's compute / param dtype, and every
-  ``nnx.Param`` is cast to the param dtype of the module that owns it;
-* each module's class is swapped for a subclass whose ``__call__`` casts the
-  floating inputs to the module's compute dtype (recurrent cells excepted)
-  and, at a policy boundary, the outputs to the module's output dtype;
-* the top-level model's ``__call__`` runs on a view of the model whose params
-  are cast to the compute dtype of the module that owns them (``nnx.split``,
-  cast, ``nnx.merge``: no Param is mutated, so the model also works inside
-  plain ``jax.jit``), writes back any state the call changed (batch
-  statistics, RNG counts), and casts its outputs to the output dtype.
+  `jaxamp.layer_policies`) and every ``nnx.Param`` is cast to the param
+  dtype of the module that owns it;
+* the model's methods (``__call__`` and every public method its classes
+  define) run through `jaxamp.autocast` under the model's policy: the model
+  is an argument of the rewritten call, so the state the call changes
+  (batch statistics, RNG counts, sown values) is written back, and the
+  outputs come back in the output dtype;
+* a submodule whose class asks for another policy than its holder's
+  (``overrides``, the normalization layers) runs its methods in that
+  policy's scope (`jaxamp.jaxpr_policy.scope.policy_scope`), which autocast
+  reads.
 
-Params therefore stay in the param dtype and gradients arrive in it. A
-module's policy is decided by where it is stored (its path from the root),
-not by who calls it: a module shared between two places takes the policy of
-the first path NNX lists.
+Both are done by giving the copy (and those submodules) a subclass of its
+own class that adds only this, so the copy stays the same NNX graph: the
+same state, names and paths, through ``nnx.split``/``nnx.merge``,
+``nnx.jit`` and ``nnx.Optimizer``. Params stay in the param dtype and
+gradients arrive in it. A module's policy is decided by where it is stored
+(its path from the root), not by who calls it: a module shared between two
+places takes the policy of the first path NNX lists.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
-from typing import Any
+import inspect
+from collections.abc import Callable
 
-import jax
 from flax import nnx
 
-from jaxamp.layer_policies import RECURRENT_CELLS, ModulePolicies, cast_by_owner, is_floating_dtype_field
+from jaxamp.jaxpr_policy import autocast
+from jaxamp.jaxpr_policy.scope import ScopePolicy, policy_scope
+from jaxamp.layer_policies import ModulePolicies, cast_by_owner, scope_of
 from jaxamp.policy import Policy
 
-
-def _cast_call_arguments(policy: Policy, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Casts the floating arrays among a call's arguments to the compute dtype.
-
-    NNX objects passed along (``nnx.Rngs``, modules, variables) are handed on
-    as they are: mapping over them would rebuild them as copies whose updates
-    (an RNG count, a module's state) would be lost.
-    """
-
-    def cast(leaf):
-        return leaf if isinstance(leaf, (nnx.Pytree, nnx.Variable)) else policy.cast_to_compute(leaf)
-
-    return jax.tree.map(
-        cast, (args, kwargs), is_leaf=lambda leaf: isinstance(leaf, (nnx.Pytree, nnx.Variable))
-    )
+# Whether a root method is running: the methods it calls on the model run
+# inside its rewrite, not through autocast again.
+_IN_MODEL_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxamp_in_model_call", default=False)
 
 
-def _defines_call(module_class: type) -> bool:
-    # getattr(cls, "__call__") would find the metaclass's __call__ on any class.
-    return any("__call__" in vars(klass) for klass in module_class.__mro__ if klass is not object)
+def _model_methods(module_class: type) -> dict[str, Callable]:
+    """``__call__`` and the public methods that `module_class` and its bases (not NNX's own) define."""
+    nnx_classes = set(nnx.Module.__mro__)
+    names = {
+        name
+        for klass in module_class.__mro__
+        if klass not in nnx_classes
+        for name in vars(klass)
+        if name == "__call__" or not name.startswith("_")
+    }
+    methods = {}
+    for name in sorted(names):
+        method = inspect.getattr_static(module_class, name)
+        if inspect.isfunction(method):
+            methods[name] = method
+    return methods
 
 
 def _policies_by_path(
@@ -73,55 +80,66 @@ def _policies_by_path(
     return policies
 
 
+def _subclass(module_class: type, methods: dict[str, Callable], **attributes) -> type:
+    namespace = {**methods, **attributes}
+    namespace.update(__module__=module_class.__module__, __qualname__=module_class.__qualname__)
+    return type(module_class)(module_class.__name__, (module_class,), namespace)
+
+
 @functools.lru_cache(maxsize=1024)
-def _layer_class(module_class: type, policy: Policy, output_policy: Policy | None) -> type:
-    """A subclass of `module_class` whose calls run under `policy`."""
-    casts_inputs = not issubclass(module_class, RECURRENT_CELLS)
+def _scoped_class(module_class: type, scope: ScopePolicy) -> type:
+    """A subclass of `module_class` whose methods are traced in the policy scope `scope`."""
 
-    def __call__(self, *args, **kwargs):
-        if casts_inputs:
-            args, kwargs = _cast_call_arguments(policy, args, kwargs)
-        outputs = module_class.__call__(self, *args, **kwargs)
-        return outputs if output_policy is None else output_policy.cast_to_output(outputs)
+    def in_scope(method):
+        @functools.wraps(method)
+        def scoped_method(self, *args, **kwargs):
+            with policy_scope(scope):
+                return method(self, *args, **kwargs)
 
-    layer_class = _subclass(module_class, __call__)
-    layer_class.jaxamp_layer = True
-    return layer_class
+        return scoped_method
+
+    methods = {name: in_scope(method) for name, method in _model_methods(module_class).items()}
+    return _subclass(module_class, methods, jaxamp_scope=scope)
 
 
-def _root_class(
-    module_class: type, module_policies: ModulePolicies, compute_dtypes: dict[tuple, Any]
-) -> type:
-    """A subclass of the top-level model's class that casts params per call."""
+def _run_method(method: Callable, policy: Policy, model: nnx.Module, *args, **kwargs):
+    """``method(model, ...)`` with its outputs in the policy's output dtype."""
+    token = _IN_MODEL_CALL.set(True)
+    try:
+        outputs = method(model, *args, **kwargs)
+    finally:
+        _IN_MODEL_CALL.reset(token)
+    return policy.cast_to_output(outputs)
+
+
+@functools.lru_cache(maxsize=256)
+def _root_class(module_class: type, module_policies: ModulePolicies) -> type:
+    """A subclass of the top-level model's class whose methods run through `jaxamp.autocast`.
+
+    One autocast (and so one cache of rewritten programs) per method, shared
+    by the models of this class under these policies.
+    """
     policy = module_policies.policy
 
-    def __call__(self, *args, **kwargs):
-        graphdef, params, state = nnx.split(self, nnx.Param, ...)
-        compute_view = nnx.merge(graphdef, cast_by_owner(params, compute_dtypes, policy.compute_dtype), state)
-        args, kwargs = _cast_call_arguments(policy, args, kwargs)
-        outputs = module_class.__call__(compute_view, *args, **kwargs)
-        new_state = nnx.state(compute_view, nnx.Not(nnx.Param))
-        # Write back only when the call changed something (batch statistics, RNG
-        # counts, sown values), so that a call that changes nothing (inference)
-        # mutates no Variable and works inside plain jax.jit.
-        old_leaves, new_leaves = jax.tree.leaves(state), jax.tree.leaves(new_state)
-        changed = jax.tree.structure(new_state) != jax.tree.structure(state) or any(
-            new is not old for new, old in zip(new_leaves, old_leaves, strict=True)
-        )
-        if changed:
-            nnx.update(self, new_state)
-        return policy.cast_to_output(outputs)
+    def through_autocast(method):
+        rewritten = autocast(functools.partial(_run_method, method, policy), policy)
 
-    root_class = _subclass(module_class, __call__)
-    root_class.jaxamp_policies = module_policies
-    return root_class
+        @functools.wraps(method)
+        def model_method(self, *args, **kwargs):
+            if _IN_MODEL_CALL.get():
+                return method(self, *args, **kwargs)
+            return rewritten(self, *args, **kwargs)
+
+        return model_method
+
+    methods = {name: through_autocast(method) for name, method in _model_methods(module_class).items()}
+    return _subclass(module_class, methods, jaxamp_policies=module_policies)
 
 
-def _subclass(module_class: type, call) -> type:
-    return type(module_class)(
-        module_class.__name__,
-        (module_class,),
-        {"__call__": call, "__module__": module_class.__module__, "__qualname__": module_class.__qualname__},
+def _already_under_a_policy(module: nnx.Module) -> bool:
+    module_class = type(module)
+    return isinstance(getattr(module_class, "jaxamp_policies", None), ModulePolicies) or isinstance(
+        getattr(module_class, "jaxamp_scope", None), ScopePolicy
     )
 
 
@@ -133,38 +151,25 @@ def apply_nnx_policy(module: nnx.Module, module_policies: ModulePolicies) -> nnx
     model = nnx.clone(module)
     modules = dict(nnx.iter_modules(model))
     for path, submodule in modules.items():
-        if getattr(type(submodule), "jaxamp_layer", False) or isinstance(
-            getattr(type(submodule), "jaxamp_policies", None), ModulePolicies
-        ):
+        if _already_under_a_policy(submodule):
             where = f"submodule at {'.'.join(map(str, path))}" if path else "module"
             raise ValueError(
                 f"This NNX {where} already runs under a jaxamp policy; apply_policy to the original model, "
                 "and give any part its own policy with overrides."
             )
+    if "__call__" not in _model_methods(type(model)):
+        raise TypeError(
+            f"apply_policy needs an NNX model with a __call__ method; {type(model).__name__} has none."
+        )
     policies = _policies_by_path(modules, module_policies)
-
-    for path, submodule in modules.items():
-        policy = policies[path][0]
-        for attribute, dtype in (("dtype", policy.compute_dtype), ("param_dtype", policy.param_dtype)):
-            if hasattr(submodule, attribute) and is_floating_dtype_field(getattr(submodule, attribute)):
-                setattr(submodule, attribute, dtype)
 
     param_dtypes = {path: policy.param_dtype for path, (policy, _) in policies.items()}
     nnx.update(
         model, cast_by_owner(nnx.state(model, nnx.Param), param_dtypes, module_policies.policy.param_dtype)
     )
-
     for path, submodule in modules.items():
-        if path == () or not _defines_call(type(submodule)):
-            continue
         policy, holder_policy = policies[path]
-        output_policy = policy if policy != holder_policy else None
-        submodule.__class__ = _layer_class(type(submodule), policy, output_policy)
-
-    if not _defines_call(type(model)):
-        raise TypeError(
-            f"apply_policy needs an NNX model with a __call__ method; {type(model).__name__} has none."
-        )
-    compute_dtypes = {path: policy.compute_dtype for path, (policy, _) in policies.items()}
-    model.__class__ = _root_class(type(model), module_policies, compute_dtypes)
+        if path and policy != holder_policy:
+            submodule.__class__ = _scoped_class(type(submodule), scope_of(policy))
+    model.__class__ = _root_class(type(model), module_policies)
     return model

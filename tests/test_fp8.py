@@ -621,14 +621,6 @@ def test_bad_fp8_inputs_are_refused_naming_the_value_and_the_choices(make, error
         make()
 
 
-def test_apply_policy_refuses_mixed_float8_and_points_to_autocast():
-    """Fails if apply_policy silently ran mixed_float8 as mixed_bfloat16."""
-    import flax.linen as nn
-
-    with pytest.raises(ValueError, match=r"jaxamp\.autocast\(model\.apply, 'mixed_float8'\)"):
-        jaxamp.apply_policy(nn.Dense(4), "mixed_float8")
-
-
 # --- compiled for an H200 ------------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
 """A call split into array leaves and a hashable rest, NNX modules included.
 
 `jaxamp.autocast` traces with the arrays abstract and everything else
-static. NNX modules are split (``nnx.split``) into a static graph and their
+static. NNX modules (and ``nnx.Rngs``) are split (``nnx.split``) into a static graph and their
 state, whose arrays are traced like any other; the state the call leaves
 behind (batch statistics, RNG counts) is written back to the caller's
 modules afterwards, or it would be silently lost.
@@ -21,8 +21,13 @@ from flax import nnx
 _ARRAY = "array"  # placeholder for a traced leaf in the static key
 
 
+# NNX objects that hold state: modules, and also ``nnx.Rngs`` (whose counts a
+# call advances). Older Flax releases have no common base, only Module.
+_NNX_STATEFUL = getattr(nnx, "Pytree", nnx.Module)
+
+
 def _is_nnx_module(value: Any) -> bool:
-    return isinstance(value, nnx.Module)
+    return isinstance(value, _NNX_STATEFUL)
 
 
 def _is_array(value: Any) -> bool:

@@ -14,11 +14,14 @@ from typing import Any
 import numpy as np
 from jax.extend.core import Primitive
 
-from jaxamp.jaxpr_policy.scope import in_float32_scope
+from jaxamp.jaxpr_policy.scope import ScopePolicy, in_float32_scope, scope_policies
 from jaxamp.jaxpr_policy.unruled import subjaxprs, warn_once
 
 Rule = Callable[["Rewrite", Any, Sequence[Any]], list]
 """A dtype rule: ``rule(rewrite, equation, invals) -> outvals``."""
+
+RulesFor = Callable[[np.dtype, bool], Mapping[Primitive, Rule]]
+"""``rules_for(compute_dtype, fp8_matmuls)``: the rules table of a policy scope."""
 
 
 def _carries_jaxpr(equation) -> bool:
@@ -40,20 +43,59 @@ class Rewrite:
         memo: rewritten bodies of higher-order primitives, per (body, input
             avals, output dtypes), so that a body used many times (the same
             jitted layer called in a loop) is rewritten once.
+        rules_for: builds the rules of a policy scope
+            (`jaxamp.jaxpr_policy.scope.policy_scope`); None where no scope
+            can change the policy (the rewrites of a custom derivative).
+        fp8_matmuls: whether `rules` run the eligible matmuls in FP8.
+        all_as_traced: every equation runs as traced (a float32 policy
+            scope).
     """
 
     compute_dtype: np.dtype
     rules: Mapping[Primitive, Rule]
     as_traced: Rule
     memo: dict = dataclasses.field(default_factory=dict)
+    rules_for: RulesFor | None = None
+    fp8_matmuls: bool = False
+    all_as_traced: bool = False
+    _scoped: dict = dataclasses.field(default_factory=dict)
+
+    def scoped(self, equation) -> Rewrite:
+        """The rewrite that `equation` runs under: this one, or its innermost policy scope's.
+
+        The rewrites of the scopes are made once per (compute dtype, FP8)
+        and shared by every body rewritten beneath this one, each with its
+        own memo (a body rewritten under two policies is two bodies).
+        """
+        scopes = scope_policies(equation)
+        if not scopes or self.rules_for is None:
+            return self
+        scope: ScopePolicy = scopes[-1][1]
+        key = (scope.compute_dtype, scope.fp8_matmuls)
+        if key == (self.compute_dtype, self.fp8_matmuls) and not self.all_as_traced:
+            return self
+        if key not in self._scoped:
+            self._scoped[key] = Rewrite(
+                scope.compute_dtype,
+                self.rules_for(*key),
+                self.as_traced,
+                rules_for=self.rules_for,
+                fp8_matmuls=scope.fp8_matmuls,
+                all_as_traced=scope.compute_dtype == np.float32,
+                _scoped=self._scoped,
+            )
+        return self._scoped[key]
 
     def rule_for(self, equation) -> Rule:
         """The rule of `equation`; code under `float32_scope` runs as traced.
 
+        Policy scopes are resolved before (`scoped`): call this on the
+        rewrite that `scoped` gives.
+
         Raises:
             NotImplementedError: the primitive carries a jaxpr and has no rule.
         """
-        if in_float32_scope(equation):
+        if self.all_as_traced or in_float32_scope(equation):
             return self.as_traced
         rule = self.rules.get(equation.primitive)
         if rule is not None:

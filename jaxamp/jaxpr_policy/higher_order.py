@@ -280,8 +280,9 @@ def custom_vjp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     differentiable_in = [is_floating(dtype) for dtype in in_dtypes]
     differentiable_out = [is_floating(dtype) for dtype in out_dtypes]
     outvar_avals = [atom.aval for atom in equation.outvars]
-    forward_rewrites = RewriteCache(context.compute_dtype, context.rules)
-    backward_rewrites = RewriteCache(context.compute_dtype, context.rules)
+    scopes = {"rules_for": context.rules_for, "fp8_matmuls": context.fp8_matmuls}
+    forward_rewrites = RewriteCache(context.compute_dtype, context.rules, **scopes)
+    backward_rewrites = RewriteCache(context.compute_dtype, context.rules, **scopes)
     body = equation.params["call_jaxpr"] if "call_jaxpr" in equation.params else equation.params["fun_jaxpr"]
 
     def original(*primals):

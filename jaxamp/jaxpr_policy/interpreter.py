@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, jaxpr_as_fun
 
-from jaxamp.jaxpr_policy.context import Rewrite, Rule
+from jaxamp.jaxpr_policy.context import Rewrite, Rule, RulesFor
 from jaxamp.jaxpr_policy.reduction_inputs import reduction_inputs
-from jaxamp.jaxpr_policy.rules import cast, float32_rule, follow, follow_rule, restore_rule
-from jaxamp.jaxpr_policy.scope import equation_context
+from jaxamp.jaxpr_policy.rules import cast, float32_rule, follow, follow_rule, is_floating, restore_rule
+from jaxamp.jaxpr_policy.scope import equation_context, scope_policies
 
 
 def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list:
@@ -41,6 +41,12 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
     from, so a normalization's ``(h - mean) * inv + bias`` is rounded once,
     and for float32 ops to read (the square of ``h - mean`` in a variance
     is that of the float32 difference, as before the rounding).
+
+    Each equation runs under the rewrite of its innermost policy scope
+    (`Rewrite.scoped`). A floating value made inside a policy scope is cast
+    to the scope's exit dtype where an equation outside that scope reads it
+    (scope by scope, innermost first); the jaxpr's outputs and the
+    equations inside the scope read it as it was made.
     """
     env: dict[Any, Any] = {}
 
@@ -56,14 +62,18 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
     widened = reduction_inputs(context, jaxpr)
     unrounded: dict[Any, Any] = {}
     fills: dict[Any, Literal] = {}
+    exits: dict[Any, tuple] = {}  # variable -> the policy scopes it was made in
     for equation in jaxpr.eqns:
+        scoped = context.scoped(equation)
         invals = [read(atom) for atom in equation.invars]
         with equation_context(equation):
-            rule = float32_rule if id(equation) in widened else context.rule_for(equation)
+            if exits:
+                invals = _leave_scopes(equation, invals, exits)
+            rule = float32_rule if id(equation) in widened else scoped.rule_for(equation)
             if rule is follow_rule:
                 variables = [None if isinstance(atom, Literal) else atom for atom in equation.invars]
                 outvals, wide = follow(
-                    context,
+                    scoped,
                     equation,
                     invals,
                     [unrounded.get(variable) for variable in variables],
@@ -79,10 +89,33 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
                         value if isinstance(atom, Literal) else unrounded.get(atom, value)
                         for atom, value in zip(equation.invars, invals)
                     ]
-                outvals = rule(context, equation, invals)
+                outvals = rule(scoped, equation, invals)
         for variable, value in zip(equation.outvars, outvals, strict=True):
             env[variable] = value
+        scopes = scope_policies(equation)
+        if scopes:
+            exits.update((variable, scopes) for variable in equation.outvars)
     return [read(atom) for atom in jaxpr.outvars]
+
+
+def _leave_scopes(equation, invals: list, exits: dict[Any, tuple]) -> list:
+    """`equation`'s inputs, each cast to the exit dtype of the policy scopes it leaves."""
+    name_stack = str(equation.source_info.name_stack)
+    leaving = []
+    for atom, value in zip(equation.invars, invals):
+        scopes = () if isinstance(atom, Literal) else exits.get(atom, ())
+        for extent, scope in reversed(scopes):
+            if _inside(name_stack, extent):
+                break
+            if is_floating(value.dtype) and value.dtype != scope.exit_dtype:
+                value = cast(value, scope.exit_dtype)
+        leaving.append(value)
+    return leaving
+
+
+def _inside(name_stack: str, extent: str) -> bool:
+    """Whether a name stack lies within a scope's extent (a prefix ending at a component)."""
+    return name_stack.startswith(extent) and name_stack[len(extent) : len(extent) + 1] in ("", "/", ")")
 
 
 def _is_fill(equation) -> bool:
@@ -195,9 +228,19 @@ class RewriteCache:
     kept: those tracers die with that transformation.
     """
 
-    def __init__(self, compute_dtype: np.dtype, rules: Mapping[Primitive, Rule], max_entries: int = 64):
+    def __init__(
+        self,
+        compute_dtype: np.dtype,
+        rules: Mapping[Primitive, Rule],
+        max_entries: int = 64,
+        *,
+        rules_for: RulesFor | None = None,
+        fp8_matmuls: bool = False,
+    ):
         self._compute_dtype = compute_dtype
         self._rules = rules
+        self._rules_for = rules_for
+        self._fp8_matmuls = fp8_matmuls
         self._max_entries = max_entries
         self._entries: collections.OrderedDict = collections.OrderedDict()
         self.traces = 0
@@ -232,7 +275,13 @@ class RewriteCache:
     def _build(self, fun, avals) -> tuple[_Entry, bool]:
         self.traces += 1
         traced, out_shapes = jax.make_jaxpr(fun, return_shape=True)(*avals)
-        context = Rewrite(self._compute_dtype, self._rules, as_traced=restore_rule)
+        context = Rewrite(
+            self._compute_dtype,
+            self._rules,
+            as_traced=restore_rule,
+            rules_for=self._rules_for,
+            fp8_matmuls=self._fp8_matmuls,
+        )
         out_dtypes = [aval.dtype for aval in traced.out_avals]
         rewritten = rewrite_jaxpr(context, traced, avals, out_dtypes)
         cacheable = not any(isinstance(const, jax.core.Tracer) for const in traced.consts)

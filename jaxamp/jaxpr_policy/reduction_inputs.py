@@ -52,7 +52,7 @@ several: a value read by two equations (two reductions, say) may be written
 to memory between them, and in float32 it would take twice the bytes. An
 equation with any other reader keeps its rule: ``y = x * x`` that is
 returned, fed to a matmul or to ``tanh`` follows its inputs, as before.
-Rules come from ``Rewrite.rule_for``, so overrides and `float32_scope`
+Rules come from ``Rewrite.scoped(...).rule_for``, so overrides, policy scopes and `float32_scope`
 count: a reduction overridden to "follow" is no sink, and code in the scope
 runs as traced.
 
@@ -143,7 +143,9 @@ def _disabled() -> Iterator[None]:
 
 
 def _is_float32_reduction(context: Rewrite, equation) -> bool:
-    return equation.primitive.name in _REDUCTIONS and context.rule_for(equation) is float32_rule
+    return (
+        equation.primitive.name in _REDUCTIONS and context.scoped(equation).rule_for(equation) is float32_rule
+    )
 
 
 def _may_widen(context: Rewrite, equation) -> bool:
@@ -156,7 +158,7 @@ def _may_widen(context: Rewrite, equation) -> bool:
         new_dtype = equation.params["new_dtype"]
         if jnp.promote_types(jnp.float32, new_dtype) != new_dtype:
             return False
-    return context.rule_for(equation) in (follow_rule, convert_rule)
+    return context.scoped(equation).rule_for(equation) in (follow_rule, convert_rule)
 
 
 def reduction_inputs(context: Rewrite, jaxpr: Jaxpr) -> frozenset[int]:

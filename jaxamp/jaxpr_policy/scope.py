@@ -1,12 +1,29 @@
-"""The float32 opt-out: code that `jaxamp.autocast` leaves in its traced dtypes."""
+"""Scopes that `jaxamp.autocast` reads from the name stack of each equation.
+
+* `float32_scope`, the public opt-out: code traced inside it keeps its
+  traced dtypes.
+* Policy scopes (`policy_scope`), entered by `jaxamp.apply_policy` around
+  the calls of a Flax layer whose class runs under a policy of its own (a
+  class in ``overrides``, a normalization layer): the equations inside run
+  under that scope's compute dtype (float32: as traced, like
+  `float32_scope`) and FP8 setting, and a floating value made inside that an
+  equation outside reads is cast to the scope's exit dtype on the way out.
+
+Both are ``jax.named_scope``s, so they are carried into the jaxpr and
+survive ``jax.jit``, ``jax.grad`` and the other transformations; outside
+`autocast` they only name the operations.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import re
 from collections.abc import Iterator
 
 import jax
+import numpy as np
 
 try:  # JAX's own eval_jaxpr re-enters each equation's source info this way.
     from jax._src.source_info_util import user_context as _user_context
@@ -49,6 +66,62 @@ def in_float32_scope(equation) -> bool:
     an attribute JAX does not document (``source_info.name_stack``).
     """
     return bool(_SCOPE_COMPONENT.search(str(equation.source_info.name_stack)))
+
+
+POLICY_SCOPE_PREFIX = "jaxamp_policy"
+
+# "jaxamp_policy.c-float16.m-fp8.o-float32" as one component of a name stack.
+_POLICY_COMPONENT = re.compile(
+    rf"(?:^|(?<=[/(])){POLICY_SCOPE_PREFIX}\.c-([a-z0-9]+)(\.m-fp8)?\.o-([a-z0-9]+)(?=$|[/)])"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScopePolicy:
+    """What a policy scope asks of the equations traced inside it.
+
+    Attributes:
+        compute_dtype: the compute dtype inside; float32 runs them as traced.
+        fp8_matmuls: whether the eligible matmuls inside run in FP8.
+        exit_dtype: the dtype of the scope's floating values where an
+            equation outside the scope reads them.
+    """
+
+    compute_dtype: np.dtype
+    fp8_matmuls: bool
+    exit_dtype: np.dtype
+
+    @property
+    def name(self) -> str:
+        """The scope's name in the name stack, which `scope_policies` parses back."""
+        fp8 = ".m-fp8" if self.fp8_matmuls else ""
+        return f"{POLICY_SCOPE_PREFIX}.c-{self.compute_dtype.name}{fp8}.o-{self.exit_dtype.name}"
+
+
+@contextlib.contextmanager
+def policy_scope(scope: ScopePolicy) -> Iterator[None]:
+    """Runs the operations traced inside under `scope` when `jaxamp.autocast` rewrites them."""
+    with jax.named_scope(scope.name):
+        yield
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_policy_scopes(name_stack: str) -> tuple[tuple[str, ScopePolicy], ...]:
+    scopes = []
+    for match in _POLICY_COMPONENT.finditer(name_stack):
+        compute, fp8, exit_dtype = match.groups()
+        scope = ScopePolicy(np.dtype(compute), fp8 is not None, np.dtype(exit_dtype))
+        scopes.append((name_stack[: match.end()], scope))
+    return tuple(scopes)
+
+
+def scope_policies(equation) -> tuple[tuple[str, ScopePolicy], ...]:
+    """The policy scopes `equation` was traced in, outermost first.
+
+    Each comes with its *extent*: the name stack up to and including the
+    scope, which the name stack of every equation inside it starts with.
+    """
+    return _parse_policy_scopes(str(equation.source_info.name_stack))
 
 
 def equation_context(equation) -> contextlib.AbstractContextManager:

@@ -58,9 +58,7 @@ def _resolve_rules(
         elif isinstance(key, str):
             primitive = _primitive_named(key, rules)
         else:
-            raise TypeError(
-                f"autocast overrides keys must be primitives or their names (str); got {key!r}."
-            )
+            raise TypeError(f"autocast overrides keys must be primitives or their names (str); got {key!r}.")
         if rule_name not in RULES_BY_NAME:
             raise ValueError(
                 f"Unknown autocast rule {rule_name!r} for primitive {primitive.name!r}. "
@@ -154,18 +152,35 @@ def autocast(
         return functools.partial(autocast, policy=policy, overrides=overrides)
     if not callable(fun):
         raise TypeError(f"autocast needs a function to transform; got {type(fun).__name__}: {fun!r}.")
-    resolved = get_policy(policy)
-    return _autocast(fun, resolved, _resolve_rules(overrides, resolved))
+    return _autocast(fun, get_policy(policy), overrides)
 
 
-def autocast_with_fp8_observer(fun: Callable[..., Any], policy: Policy, observer: Callable) -> Callable[..., Any]:
+def autocast_with_fp8_observer(
+    fun: Callable[..., Any], policy: Policy, observer: Callable
+) -> Callable[..., Any]:
     """`autocast` whose FP8 quantizations report their counts to `observer` (for
     `jaxamp.diagnostics.fp8_quantization_stats`; the rewritten program gains host callbacks)."""
-    return _autocast(fun, policy, _resolve_rules(None, policy, observer))
+    return _autocast(fun, policy, fp8_observer=observer)
 
 
-def _autocast(fun: Callable[..., Any], policy: Policy, rules: Mapping[Primitive, Rule]) -> Callable[..., Any]:
-    rewrites = RewriteCache(policy.compute_dtype, rules)
+def _autocast(
+    fun: Callable[..., Any],
+    policy: Policy,
+    overrides: Mapping[str | Primitive, str] | None = None,
+    fp8_observer: Callable | None = None,
+) -> Callable[..., Any]:
+    def rules_for(compute_dtype, fp8_matmuls: bool) -> dict[Primitive, Rule]:
+        """The rules of a policy scope (`jaxamp.jaxpr_policy.scope.policy_scope`)."""
+        matmul_dtype = (policy.matmul_dtype or "float8") if fp8_matmuls else None
+        scope_policy = Policy(policy.param_dtype, compute_dtype, policy.output_dtype, matmul_dtype)
+        return _resolve_rules(overrides, scope_policy, fp8_observer)
+
+    rewrites = RewriteCache(
+        policy.compute_dtype,
+        _resolve_rules(overrides, policy, fp8_observer),
+        rules_for=functools.cache(rules_for),
+        fp8_matmuls=policy.fp8_matmuls,
+    )
 
     def autocast_fun(*args, **kwargs):
         call = split_call(fun, args, kwargs)
