@@ -3,7 +3,7 @@
 python -m experiments.cifar --precision mixed
 python -m experiments.cifar --precision fp32 --model mobilenetv2 --out fp32.json
 python -m experiments.cifar --precision mixed --data synthetic --steps-per-epoch 5
-python -m experiments.cifar --precision mixed_float8   # FP8 matmuls and forward convs, via autocast
+python -m experiments.cifar --precision mixed_float8   # FP8 matmuls and forward convs
 python -m experiments.cifar --checkpoint-dir ckpt --checkpoint-every 100 --resume
 python -m experiments.cifar --coordinator-address 10.0.0.1:1234 --num-processes 2 --process-id 0
 
@@ -187,9 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--route",
         default="auto",
         choices=train.ROUTES,
-        help="how the policy reaches the model: apply_policy (each Flax layer casts), autocast "
-        "(jaxamp.autocast of the model's apply), or auto: autocast for FP8 policies such as "
-        "mixed_float8 (apply_policy cannot run FP8), apply_policy otherwise (default: %(default)s)",
+        help="how the policy reaches the model: apply_policy (params cast where they are created, the "
+        "model's apply through jaxamp.autocast), autocast (jaxamp.autocast of the plain model's apply), "
+        "or auto, which is apply_policy (default: %(default)s)",
     )
     parser.add_argument("--model", default="resnet18", choices=sorted(MODELS), help="the network to train")
     add_data_arguments(parser)

@@ -4,11 +4,11 @@ Read top to bottom, this is the whole recipe:
 
 1. `resolve_precision` turns ``--precision`` into a `jaxamp.Policy` and a
    matmul precision (``fp32`` is true float32, ``tf32`` is JAX's default).
-2. `create_train_state` applies the policy to the plain Flax model by its
-   route (`resolve_route`: `jaxamp.apply_policy` for float32, float16 and
-   bfloat16 policies; `jaxamp.autocast` of the model's ``apply`` for FP8
-   ones, which `apply_policy` refuses) and builds a `jaxamp.TrainState` with SGD (Nesterov momentum, weight
-   decay, warm-up and cosine decay) and the policy's loss scale.
+2. `create_train_state` applies the policy to the plain Flax model with
+   `jaxamp.apply_policy` (or, with ``--route autocast``, `jaxamp.autocast`
+   of the plain model's ``apply``: `resolve_route`) and builds a
+   `jaxamp.TrainState` with SGD (Nesterov momentum, weight decay, warm-up
+   and cosine decay) and the policy's loss scale.
 3. `train_step` gathers, augments and normalizes a batch on the device,
    differentiates through the loss scale with
    `jaxamp.scaled_value_and_grad` (over ``--grad-accum`` micro-batches), and
@@ -55,9 +55,8 @@ from experiments.results import (  # also re-exported from here for compare and 
 # Precisions beyond jaxamp.get_policy's: float32 with an explicit matmul precision.
 _FLOAT32_PRECISIONS = {"fp32": "highest", "tf32": "default"}
 
-# How a policy reaches the model: ``auto`` picks ``autocast`` for FP8 policies
-# (``apply_policy`` casts layers, it cannot make a matmul FP8) and
-# ``apply_policy`` for the others.
+# How a policy reaches the model: ``auto`` is ``apply_policy``, which runs the
+# model through autocast; ``autocast`` rewrites the plain model's ``apply``.
 ROUTES = ("auto", "apply_policy", "autocast")
 
 
@@ -170,30 +169,21 @@ def resolve_precision(name: str) -> Precision:
 def resolve_route(route: str, precision: Precision) -> str:
     """Resolves ``--route``: how `precision`'s policy reaches the model.
 
-    ``auto`` is ``autocast`` for an FP8 policy (``mixed_float8``) and
-    ``apply_policy`` otherwise. ``apply_policy`` wraps each Flax layer to
-    cast its params and inputs; ``autocast`` rewrites the plain model's
-    ``apply`` primitive by primitive (`jaxamp.autocast`), the only route
-    that runs matmuls and convolutions in FP8.
+    ``auto`` is ``apply_policy``: `jaxamp.apply_policy` casts the params
+    where they are created and runs the model's ``apply`` through
+    `jaxamp.autocast`, FP8 policies (``mixed_float8``) included.
+    ``autocast`` rewrites the plain model's ``apply`` itself; both compute
+    the same program.
 
     Returns:
         ``apply_policy`` or ``autocast``.
 
     Raises:
-        ValueError: `route` is not one of `ROUTES`, or ``apply_policy`` was
-            asked for an FP8 policy.
+        ValueError: `route` is not one of `ROUTES`.
     """
     if route not in ROUTES:
         raise ValueError(f"Unknown route {route!r}; choose one of {', '.join(ROUTES)}.")
-    fp8 = precision.policy.fp8_matmuls
-    if route == "auto":
-        return "autocast" if fp8 else "apply_policy"
-    if route == "apply_policy" and fp8:
-        raise ValueError(
-            f"--route apply_policy cannot run --precision {precision.name}: its FP8 matmuls need "
-            "jaxamp.autocast. Use --route autocast (or auto, which picks it)."
-        )
-    return route
+    return "apply_policy" if route == "auto" else route
 
 
 def parse_loss_scale(spec: str) -> tuple[str, float | None]:

@@ -1,9 +1,9 @@
 """The experiments with ``mixed_float8``: the CIFAR recipe's route and the benchmark's FP8 figures.
 
-FP8 reaches a model only through `jaxamp.autocast` (`jaxamp.apply_policy`
-refuses it), so the recipe picks the ``autocast`` route for FP8 policies and
-refuses ``--route apply_policy`` with one, and the benchmark compiles FP8 by
-that route only. All on the CPU, nothing compiled: the FP8 figures are read
+FP8 reaches a model by either route (`jaxamp.apply_policy` runs the model
+through `jaxamp.autocast`), so the recipe's ``auto`` route is
+``apply_policy`` for FP8 policies too, and the benchmark compiles FP8 by
+both routes. All on the CPU, nothing compiled: the FP8 figures are read
 from a hand-built report. Each test says which fault would make it fail.
 """
 
@@ -11,8 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import jaxamp
-from experiments import cifar, train
+from experiments import train
 from experiments.benchmark import checks, roofline, targets, workload
 from experiments.benchmark.budget import Budget
 from experiments.benchmark.results import Results
@@ -22,30 +21,18 @@ from jaxamp.report import OpRecord, PrecisionReport
 @pytest.mark.parametrize(
     "precision, route, resolved",
     [
-        ("mixed_float8", "auto", "autocast"),
+        ("mixed_float8", "auto", "apply_policy"),
         ("mixed_fp8", "autocast", "autocast"),
-        ("p=f32,c=bf16,o=f32,matmul=float8", "auto", "autocast"),
+        ("p=f32,c=bf16,o=f32,matmul=float8", "auto", "apply_policy"),
         ("mixed_bf16", "auto", "apply_policy"),
         ("fp32", "auto", "apply_policy"),
         ("mixed", "autocast", "autocast"),
     ],
 )
-def test_auto_picks_autocast_for_fp8_policies_and_apply_policy_for_the_others(precision, route, resolved):
-    """Fails if ``auto`` sent an FP8 policy to apply_policy (which raises) or changed the
-    route of the float32 and half policies (the recipe's apply_policy)."""
+def test_auto_is_apply_policy_for_every_policy_and_an_explicit_route_is_kept(precision, route, resolved):
+    """Fails if ``auto`` stopped being the recipe's apply_policy for some policy, or an
+    explicit ``--route autocast`` were overridden."""
     assert train.resolve_route(route, train.resolve_precision(precision)) == resolved
-
-
-def test_apply_policy_with_an_fp8_policy_is_refused_at_the_flag_naming_both_and_the_fix(capsys):
-    """``--route apply_policy --precision mixed_float8`` exits 2 (a bad flag) before anything
-    is built, naming the route, the precision and the route to use. Fails if the combination
-    got through to `jaxamp.apply_policy` (its error, exit 1, after loading data)."""
-    with pytest.raises(SystemExit) as exit_info:
-        cifar.main(["--precision", "mixed_float8", "--route", "apply_policy", "--data", "synthetic"])
-    assert exit_info.value.code == 2
-    message = capsys.readouterr().err
-    assert "--route apply_policy cannot run --precision mixed_float8" in message
-    assert "Use --route autocast (or auto, which picks it)" in message
 
 
 def test_an_unknown_route_is_refused_naming_it_and_the_choices():
@@ -92,19 +79,11 @@ def test_the_recipes_fp8_state_runs_its_convolutions_through_fp8_autocast():
 
 @pytest.mark.parametrize(
     "precision, routes",
-    [("fp32", ("apply_policy",)), ("mixed", workload.ROUTES), ("mixed_float8", ("autocast",))],
+    [("fp32", ("apply_policy",)), ("mixed", workload.ROUTES), ("mixed_float8", workload.ROUTES)],
 )
-def test_the_benchmark_compiles_fp8_by_autocast_only(precision, routes):
-    """Fails if an FP8 precision were compiled by apply_policy (which refuses it) or a half
-    precision lost one of its routes."""
+def test_the_benchmark_compiles_half_and_fp8_precisions_by_both_routes_and_float32_by_one(precision, routes):
+    """Fails if a half or FP8 precision lost one of its routes, or float32 compiled twice."""
     assert workload.routes_for(precision) == routes
-
-
-def test_the_benchmarks_apply_policy_route_refuses_an_fp8_policy():
-    with pytest.raises(
-        ValueError, match="'apply_policy' cannot run the FP8 policy .*use the 'autocast' route"
-    ):
-        workload.apply_route(None, "resnet_tiny", jaxamp.get_policy("mixed_float8"), "apply_policy")
 
 
 def _op(primitive, dtype, flops, op_name):
@@ -176,10 +155,9 @@ def test_fp8_gemms_are_bounded_at_the_fp8_peak_and_gpus_without_fp8_are_skipped_
     budget = Budget()
     results = Results(str(tmp_path), {"environment": {}})
     targets.run(["a100"], ["resnet_tiny"], ["mixed_float8"], 4, budget, results)
+    reason = "the a100 has no FP8 tensor cores (Hopper and later have them: h100, h200)"
     assert budget.skipped == [
-        {
-            "work": "target a100 resnet_tiny mixed_float8 autocast",
-            "reason": "the a100 has no FP8 tensor cores (Hopper and later have them: h100, h200)",
-        }
+        {"work": "target a100 resnet_tiny mixed_float8", "reason": reason},
+        {"work": "target a100 resnet_tiny mixed_float8 autocast", "reason": reason},
     ]
     assert "targets" not in results.data

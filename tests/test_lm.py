@@ -51,8 +51,8 @@ def test_the_analytic_flops_per_token_count_every_weight_but_the_position_table_
 
 def test_attention_is_cudnn_on_a_gpu_in_half_precision_and_einsum_or_xla_elsewhere():
     choose = model_lib.choose_attention
-    assert choose("auto", "gpu", jnp.bfloat16, 64) == "cudnn"
-    assert choose("auto", "gpu", jnp.bfloat16, 64, route="autocast") == "einsum"  # traced in float32
+    assert choose("auto", "gpu", jnp.bfloat16, 64, param_dtype=jnp.bfloat16) == "cudnn"
+    assert choose("auto", "gpu", jnp.bfloat16, 64) == "einsum"  # float32 params: traced in float32
     assert choose("auto", "gpu", jnp.float32, 64) == "xla"
     assert choose("auto", "cpu", jnp.float16, 16) == "einsum"
     assert choose("auto", "gpu", jnp.float16, 12) == "einsum"  # head size not a multiple of 8
@@ -289,25 +289,17 @@ def test_the_step_compiled_for_an_h200_runs_its_matmuls_in_bfloat16_with_a_roofl
     assert entry["roofline_step_s"] == max(entry["roofline_compute_s"], entry["roofline_memory_s"]) > 0
 
 
-def test_fp8_takes_the_autocast_route_runs_its_projections_in_fp8_and_refuses_apply_policy(capsys):
-    """`--precisions mixed_bf16,mixed_float8` with no --route: bf16 on apply_policy, FP8 on autocast,
-    and the traced FP8 step runs every projection, MLP and logits matmul in FP8, forward and
-    backward (only the attention cores, batched dots, stay bfloat16). Fails if FP8 is sent to apply_policy (which raises), if
-    an explicit ``--route apply_policy`` is not refused naming the fix, or if the loss runs its
-    matmuls outside autocast's FP8 rewrite."""
+@pytest.mark.parametrize("route", ["apply_policy", "autocast"])
+def test_fp8_runs_every_projection_in_fp8_by_either_route(route):
+    """`--precisions mixed_bf16,mixed_float8` with no --route: both on apply_policy, and the
+    traced FP8 step runs every projection, MLP and logits matmul in FP8, forward and backward
+    (only the attention cores, batched dots, stay bfloat16), whether the policy reaches the model
+    by apply_policy or by autocast on the loss. Fails if a route loses the FP8 rewrite."""
     args = lm_cli.build_parser().parse_args([*TINY_RUN, "--precisions", "mixed_bf16,mixed_float8"])
     routes = {config.precision: config.route for config in lm_cli.configs_from_args(args)}
-    assert routes == {"mixed_bf16": "apply_policy", "mixed_float8": "autocast"}
-    with pytest.raises(SystemExit) as exit_info:
-        lm_cli.main([*TINY_RUN, "--precisions", "mixed_float8", "--route", "apply_policy"])
-    assert exit_info.value.code == 2
-    error = capsys.readouterr().err
-    assert "--route 'apply_policy' cannot run --precision 'mixed_float8'" in error
-    assert "Use --route autocast" in error
+    assert routes == {"mixed_bf16": "apply_policy", "mixed_float8": "apply_policy"}
 
-    config = config_lib.LMConfig(
-        model="tiny", precision="mixed_float8", route="autocast", context=16, batch_size=2
-    )
+    config = config_lib.LMConfig(model="tiny", precision="mixed_float8", route=route, context=16, batch_size=2)
     resolved = resolve_precision(config.precision)
     model, _ = train.create_model(config, resolved, 256, "cpu")
     tx = train.create_optimizer(config)

@@ -26,9 +26,8 @@ for a program compiled without its GPU. It counts every operand a kernel
 reads, so each step includes the whole uint8 training set once (the
 gather's operand, 154 MB for CIFAR-10), alike in every route.
 
-An FP8 precision (``mixed_float8``) is compiled by the ``autocast`` route
-only (``apply_policy`` cannot run FP8), recorded under ``"<precision>
-autocast"``, with what `jaxamp.PrecisionReport.fp8_rows` reads from the
+An FP8 precision (``mixed_float8``) is compiled by both routes too, each
+with what `jaxamp.PrecisionReport.fp8_rows` reads from the
 optimized program: the share of convolution FLOPs in FP8, forward and
 backward (XLA rewrites a forward convolution of scaled FP8 operands into a
 cuDNN FP8 graph; the backward convolutions are bfloat16 by design), the
@@ -250,8 +249,8 @@ def run(
 
     A float32 precision (``fp32``, ``tf32``) is compiled once, by the
     recipe's route (a float32 policy changes nothing, so the routes would
-    compile the same program); an FP8 one once, by ``autocast``; a half
-    precision once per route in `routes` (`workload.routes_for`).
+    compile the same program); a half or FP8 precision once per route in
+    `routes` (`workload.routes_for`).
     """
     compile_estimate = 0.0
     for target in targets:

@@ -7,11 +7,12 @@ Built only from the training recipe's public pieces
 augmented and normalized on the device inside the step.
 
 A policy reaches the model by one of two routes (`ROUTES`): the recipe's
-``apply_policy`` (each Flax layer casts its params and inputs) or
-``autocast`` (the plain float32 model's ``apply`` rewritten primitive by
-primitive, `jaxamp.autocast`). Both train the same params with the same
-loss scale in the same step; only the model's forward pass (and so its
-backward pass) differs.
+``apply_policy`` (params cast where they are created, the model's ``apply``
+run through `jaxamp.autocast`, normalization layers in their policy scope)
+or ``autocast`` (the plain float32 model's ``apply`` rewritten primitive by
+primitive). Both train the same params with the same loss scale in the
+same step; that they compile to the same memory is what the benchmark's
+``targets`` section shows.
 """
 
 from __future__ import annotations
@@ -76,14 +77,9 @@ def apply_route(
     optimizer and the policy's loss scale.
 
     Raises:
-        ValueError: `route` is not one of `ROUTES`, or is ``apply_policy``
-            for an FP8 policy.
+        ValueError: `route` is not one of `ROUTES`.
     """
     if route == "apply_policy":
-        if policy.fp8_matmuls:
-            raise ValueError(
-                f"Route 'apply_policy' cannot run the FP8 policy {policy}; use the 'autocast' route."
-            )
         return state
     if route == "autocast":
         plain_model = create_model(model, num_classes)
@@ -97,13 +93,10 @@ def routes_for(precision_name: str, routes: tuple[str, ...] = ROUTES) -> tuple[s
     """The routes of `routes` that `precision_name` is compiled by.
 
     A float32 precision by the recipe's route only (a float32 policy changes
-    nothing, so the routes would compile the same program); an FP8 one by
-    ``autocast`` only (``apply_policy`` refuses FP8); a half precision by
-    every route in `routes`.
+    nothing, so the routes would compile the same program); a half or FP8
+    precision by every route in `routes`.
     """
-    if is_fp8_precision(precision_name):
-        return ("autocast",)
-    if is_half_precision(precision_name):
+    if is_fp8_precision(precision_name) or is_half_precision(precision_name):
         return routes
     return ("apply_policy",)
 

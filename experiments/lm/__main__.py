@@ -4,7 +4,7 @@ python -m experiments.lm --quick
 python -m experiments.lm --model small --precisions fp32,mixed_bf16,mixed --seeds 0,1 --steps 300
 python -m experiments.lm --route autocast --precisions mixed_bf16
 python -m experiments.lm --data tfds:tiny_shakespeare --data-dir ~/tensorflow_datasets   # prepared there
-python -m experiments.lm --precisions mixed_bf16,mixed_float8   # FP8 matmuls (through autocast)
+python -m experiments.lm --precisions mixed_bf16,mixed_float8   # FP8 matmuls
 python -m experiments.lm --data synthetic --model gpt2 --vocab-size 50304 --batch-size 8 --steps 20
 python -m experiments.lm --target h200        # on paper: compiled for an H200, no GPU needed
 
@@ -78,15 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="fp32,mixed_bf16,mixed",
         help="comma-separated: fp32 (float32, matmuls at highest precision), tf32 (float32 at the default "
         "precision), mixed_bf16 (bfloat16 compute, no loss scale), mixed (float16 compute, dynamic loss "
-        "scale), mixed_float8 (mixed_bf16 with FP8 matmuls, through autocast), or any jaxamp policy",
+        "scale), mixed_float8 (mixed_bf16 with FP8 matmuls), or any jaxamp policy",
     )
     parser.add_argument(
         "--route",
         type=comma_list(list(config_lib.ROUTES)),
         default=None,
-        help="how the policy is applied: apply_policy (on the model), autocast (on the loss), or both "
-        "(default: apply_policy; autocast for FP8 precisions such as mixed_float8, which apply_policy "
-        "refuses)",
+        help="how the policy is applied: apply_policy (on the model), autocast (on the loss of the plain "
+        "model), or both (default: apply_policy)",
     )
     parser.add_argument("--seeds", type=seeds_arg, default="0", help="comma-separated seeds; one run each")
     parser.add_argument("--steps", type=positive_int, default=_DEFAULTS.steps, help="training steps per run")

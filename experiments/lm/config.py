@@ -18,7 +18,6 @@ from experiments.lm import data as data_lib
 from experiments.lm import model as model_lib
 
 ROUTES = ("apply_policy", "autocast")
-FP8_ROUTE = "autocast"  # jaxamp.apply_policy refuses FP8 policies: FP8 rewrites the traced program
 SHARDING = ("fsdp", "replicated")
 
 
@@ -117,32 +116,25 @@ def validate(config: LMConfig) -> None:
         cifar_train.parse_loss_scale(config.loss_scale)
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None
-    if precision.policy.fp8_matmuls and config.route != FP8_ROUTE:
-        raise ConfigError(
-            f"--route {config.route!r} cannot run --precision {config.precision!r}: its matmuls run in "
-            "FP8, which jaxamp.apply_policy refuses (FP8 rewrites the traced program, so it goes through "
-            f"jaxamp.autocast on the loss). Use --route {FP8_ROUTE}, or leave --route out: FP8 "
-            f"precisions then take {FP8_ROUTE}, the others apply_policy."
-        )
     if config.communicates_explicitly:
         communication_policy(config, precision.policy)
 
 
 def default_route(precision: str) -> str:
-    """The route a precision takes when ``--route`` is left out.
+    """The route a precision takes when ``--route`` is left out: ``apply_policy``.
 
-    ``apply_policy`` for every precision but FP8 ones (a policy with
-    ``matmul=float8``, e.g. ``mixed_float8``), which only `jaxamp.autocast`
-    runs.
+    `jaxamp.apply_policy` runs the model through `jaxamp.autocast`, FP8
+    policies (``mixed_float8``) included; ``--route autocast`` applies
+    autocast to the loss of the plain model instead.
 
     Raises:
         ConfigError: `precision` names no precision.
     """
     try:
-        policy = cifar_train.resolve_precision(precision).policy
+        cifar_train.resolve_precision(precision)
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None
-    return FP8_ROUTE if policy.fp8_matmuls else "apply_policy"
+    return "apply_policy"
 
 
 def communication_policy(config: LMConfig, policy: jaxamp.Policy):

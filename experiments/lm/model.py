@@ -46,7 +46,7 @@ SIZES: dict[str, GPTSize] = {
 
 
 def choose_attention(
-    requested: str, platform: str, compute_dtype, head_dim: int, route: str = "apply_policy"
+    requested: str, platform: str, compute_dtype, head_dim: int, param_dtype=jnp.float32
 ) -> str:
     """The attention implementation a model uses.
 
@@ -54,8 +54,9 @@ def choose_attention(
 
     * ``cudnn`` (`jax.nn.dot_product_attention`'s fused flash attention) on a
       GPU when its constraints hold: float16 or bfloat16 operands, a head size
-      that is a multiple of 8 and at most 128, and the ``apply_policy`` route
-      (under ``autocast`` the model is traced in float32, which cuDNN rejects);
+      that is a multiple of 8 and at most 128, and half-precision params
+      (`jaxamp.autocast`, and so `jaxamp.apply_policy`, traces the model with
+      its params' dtype, and cuDNN rejects a float32 trace);
     * ``xla`` (`jax.nn.dot_product_attention`'s einsum, masked float32
       softmax, einsum) for float32 compute;
     * ``einsum`` for half compute elsewhere: the same math, but the score
@@ -70,7 +71,7 @@ def choose_attention(
         platform: the backend compiled for (``cpu``, ``gpu``, ``tpu``).
         compute_dtype: the policy's compute dtype.
         head_dim: size of one head.
-        route: ``apply_policy`` or ``autocast``.
+        param_dtype: the policy's param dtype, in which the model is traced.
 
     Raises:
         ValueError: an unknown choice, or ``cudnn`` where it cannot run.
@@ -80,15 +81,14 @@ def choose_attention(
             f"--attention {requested!r} is invalid: expected one of {', '.join(ATTENTION_CHOICES)}."
         )
     half = jnp.dtype(compute_dtype) in [jnp.dtype(d) for d in _HALF_DTYPES]
-    cudnn_fits = (
-        platform == "gpu" and half and head_dim % 8 == 0 and head_dim <= 128 and route == "apply_policy"
-    )
+    traced_half = jnp.dtype(param_dtype) in [jnp.dtype(d) for d in _HALF_DTYPES]
+    cudnn_fits = platform == "gpu" and half and traced_half and head_dim % 8 == 0 and head_dim <= 128
     if requested == "cudnn" and not cudnn_fits:
         raise ValueError(
             "--attention cudnn needs a GPU, float16 or bfloat16 compute, a head size that is a "
-            "multiple of 8 up to 128, and --route apply_policy; here: platform "
-            f"{platform}, compute {jnp.dtype(compute_dtype).name}, head size {head_dim}, route {route}. "
-            "Use --attention auto."
+            "multiple of 8 up to 128, and half-precision params (a policy such as bfloat16); here: "
+            f"platform {platform}, compute {jnp.dtype(compute_dtype).name}, head size {head_dim}, params "
+            f"{jnp.dtype(param_dtype).name}. Use --attention auto."
         )
     if requested != "auto":
         return requested

@@ -2,8 +2,7 @@
 
     PYTHONPATH=/path/to/cuda_plugin JAX_PLATFORMS=cpu python -m experiments.lm.on_paper --target h200
 
-For each precision and route (FP8 precisions through ``autocast`` only,
-which is the route that runs them), the language model's train step (the recipe's
+For each precision and route, the language model's train step (the recipe's
 own `experiments.lm.train.make_train_step`) is lowered with its arguments as
 ``ShapeDtypeStruct``s on the target's compile-only device
 (`jaxamp.diagnostics.gpu_target_device`) and compiled, as the CIFAR benchmark's
@@ -43,7 +42,7 @@ from experiments.benchmark.workload import memory_of
 from experiments.flags import HelpFormatter
 from experiments.lm import model as model_lib
 from experiments.lm import output, train
-from experiments.lm.config import FP8_ROUTE, LMConfig, default_route
+from experiments.lm.config import LMConfig
 from experiments.results import write_text_atomically
 from experiments.train import resolve_precision
 
@@ -211,9 +210,6 @@ def main(argv: list[str] | None = None) -> int:
     entries = []
     for precision in args.precisions.split(","):
         for route in args.routes.split(","):
-            if default_route(precision) == FP8_ROUTE and route != FP8_ROUTE:
-                print(f"{precision} via {route}: skipped (FP8 runs through {FP8_ROUTE} only)", flush=True)
-                continue
             config = LMConfig(model=args.model, precision=precision, route=route, batch_size=args.batch_size)
             try:
                 try:

@@ -49,8 +49,9 @@ from experiments.train import Precision, resolve_loss_scale, resolve_precision
 def create_model(config: LMConfig, precision: Precision, vocab_size: int, platform: str):
     """The model (policy-wrapped on the ``apply_policy`` route) and its attention choice."""
     size = model_lib.SIZES[config.model]
+    policy = precision.policy
     attention = model_lib.choose_attention(
-        config.attention, platform, precision.policy.compute_dtype, size.head_dim, config.route
+        config.attention, platform, policy.compute_dtype, size.head_dim, policy.param_dtype
     )
     model = model_lib.create_model(config.model, vocab_size, attention)
     if config.route == "apply_policy":
