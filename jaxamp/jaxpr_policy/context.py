@@ -47,8 +47,6 @@ class Rewrite:
             (`jaxamp.jaxpr_policy.scope.policy_scope`); None where no scope
             can change the policy (the rewrites of a custom derivative).
         fp8_matmuls: whether `rules` run the eligible matmuls in FP8.
-        all_as_traced: every equation runs as traced (a float32 policy
-            scope).
     """
 
     compute_dtype: np.dtype
@@ -57,7 +55,6 @@ class Rewrite:
     memo: dict = dataclasses.field(default_factory=dict)
     rules_for: RulesFor | None = None
     fp8_matmuls: bool = False
-    all_as_traced: bool = False
     _scoped: dict = dataclasses.field(default_factory=dict)
 
     def scoped(self, equation) -> Rewrite:
@@ -72,7 +69,7 @@ class Rewrite:
             return self
         scope: ScopePolicy = scopes[-1][1]
         key = (scope.compute_dtype, scope.fp8_matmuls)
-        if key == (self.compute_dtype, self.fp8_matmuls) and not self.all_as_traced:
+        if key == (self.compute_dtype, self.fp8_matmuls):
             return self
         if key not in self._scoped:
             self._scoped[key] = Rewrite(
@@ -81,7 +78,6 @@ class Rewrite:
                 self.as_traced,
                 rules_for=self.rules_for,
                 fp8_matmuls=scope.fp8_matmuls,
-                all_as_traced=scope.compute_dtype == np.float32,
                 _scoped=self._scoped,
             )
         return self._scoped[key]
@@ -95,7 +91,7 @@ class Rewrite:
         Raises:
             NotImplementedError: the primitive carries a jaxpr and has no rule.
         """
-        if self.all_as_traced or in_float32_scope(equation):
+        if in_float32_scope(equation):
             return self.as_traced
         rule = self.rules.get(equation.primitive)
         if rule is not None:

@@ -137,6 +137,17 @@ def float32_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     return bind(equation, casted)
 
 
+def widened_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
+    """An op that would follow its inputs, run in float32 (in a float32 policy scope).
+
+    As `float32_rule`, but a rule of its own: the interpreter hands
+    `float32_rule` the unrounded value of a rounded chain, which suits a
+    reduction fused with its inputs, not a normalization's full-size
+    arithmetic, whose float32 operands the backward pass would keep.
+    """
+    return float32_rule(context, equation, invals)
+
+
 def _literal_fits(literal: Literal, dtype: Any) -> bool:
     """Whether the finite values of `literal` are within the range of `dtype`."""
     values = np.asarray(literal.val, dtype=np.float64)

@@ -5,9 +5,10 @@
 * Policy scopes (`policy_scope`), entered by `jaxamp.apply_policy` around
   the calls of a Flax layer whose class runs under a policy of its own (a
   class in ``overrides``, a normalization layer): the equations inside run
-  under that scope's compute dtype (float32: as traced, like
-  `float32_scope`) and FP8 setting, and a floating value made inside that an
-  equation outside reads is cast to the scope's exit dtype on the way out.
+  under that scope's compute dtype (float32: every op that would follow its
+  inputs runs in float32) and FP8 setting, and a floating value made inside
+  that an equation outside reads is cast to the scope's exit dtype on the
+  way out.
 
 Both are ``jax.named_scope``s, so they are carried into the jaxpr and
 survive ``jax.jit``, ``jax.grad`` and the other transformations; outside
@@ -81,7 +82,8 @@ class ScopePolicy:
     """What a policy scope asks of the equations traced inside it.
 
     Attributes:
-        compute_dtype: the compute dtype inside; float32 runs them as traced.
+        compute_dtype: the compute dtype inside; under float32, the ops that
+            follow their inputs run in float32 too.
         fp8_matmuls: whether the eligible matmuls inside run in FP8.
         exit_dtype: the dtype of the scope's floating values where an
             equation outside the scope reads them.

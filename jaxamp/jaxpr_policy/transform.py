@@ -7,6 +7,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 from jax.extend.core import Primitive
 
 from jaxamp.jaxpr_policy.arguments import split_call
@@ -14,7 +15,7 @@ from jaxamp.jaxpr_policy.context import Rule
 from jaxamp.jaxpr_policy.fp8_rules import fp8_rules
 from jaxamp.jaxpr_policy.interpreter import RewriteCache
 from jaxamp.jaxpr_policy.registry import find
-from jaxamp.jaxpr_policy.rules import RULES_BY_NAME
+from jaxamp.jaxpr_policy.rules import RULES_BY_NAME, follow_rule, widened_rule
 from jaxamp.jaxpr_policy.table import higher_order_rules, resolve, rules_table
 from jaxamp.policy import Policy, PolicySpec, get_policy
 
@@ -170,10 +171,20 @@ def _autocast(
     fp8_observer: Callable | None = None,
 ) -> Callable[..., Any]:
     def rules_for(compute_dtype, fp8_matmuls: bool) -> dict[Primitive, Rule]:
-        """The rules of a policy scope (`jaxamp.jaxpr_policy.scope.policy_scope`)."""
+        """The rules of a policy scope (`jaxamp.jaxpr_policy.scope.policy_scope`).
+
+        In a float32 scope (a normalization layer, an override to float32)
+        the ops that follow their inputs run in float32 instead, whatever
+        dtype their inputs have, as a Flax layer with ``dtype=float32`` does.
+        """
         matmul_dtype = (policy.matmul_dtype or "float8") if fp8_matmuls else None
         scope_policy = Policy(policy.param_dtype, compute_dtype, policy.output_dtype, matmul_dtype)
-        return _resolve_rules(overrides, scope_policy, fp8_observer)
+        rules = _resolve_rules(overrides, scope_policy, fp8_observer)
+        if compute_dtype == np.float32:
+            rules = {
+                primitive: widened_rule if rule is follow_rule else rule for primitive, rule in rules.items()
+            }
+        return rules
 
     rewrites = RewriteCache(
         policy.compute_dtype,
