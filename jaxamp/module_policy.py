@@ -1,9 +1,11 @@
 """`apply_policy`: a precision policy for a Flax model, linen or NNX.
 
-The dispatch above the two Flax routes: `jaxamp.linen_policy` wraps a linen
-model, `jaxamp.nnx_policy` converts a copy of an NNX model, and both follow
-the per-layer rules of `jaxamp.layer_policies`. Any other JAX function (an
-Equinox or Haiku model, plain JAX) goes through `jaxamp.autocast` instead.
+`jaxamp.autocast` with what only a Flax model has: params created in their
+layer's param dtype and a policy per module class. `jaxamp.linen_policy`
+wraps a linen model, `jaxamp.nnx_policy` converts a copy of an NNX model,
+and both take each class's policy from `jaxamp.layer_policies`. Any other
+JAX function (an Equinox or Haiku model, plain JAX) takes `jaxamp.autocast`
+itself.
 """
 
 from __future__ import annotations
@@ -22,14 +24,19 @@ from jaxamp.policy import PolicySpec
 def apply_policy(module: Any, policy: PolicySpec, *, overrides: Mapping[type, PolicySpec] | None = None):
     """Makes a Flax model mixed precision without editing its code.
 
-    The returned model creates every param in ``param_dtype``, runs its
-    arithmetic (Dense, Conv, Einsum, attention, and any custom layer that reads
-    params) in ``compute_dtype`` with inputs and params cast, and returns its
-    outputs in ``output_dtype``. Layers that carry their own ``dtype`` field
-    (often set to float32 and passed down by published models) compute in the
-    policy's compute dtype all the same. Normalization layers compute in
-    float32 and keep their statistics in float32; `overrides` changes the
-    policy of any module class and of the layers it calls.
+    The returned model creates every param in ``param_dtype`` and runs its
+    calls through `jaxamp.autocast` under the policy: every matmul and
+    convolution (Dense, Conv, Einsum, attention, any custom layer) in
+    ``compute_dtype``, or in FP8 under a policy such as ``"mixed_float8"``;
+    reductions, the exp/log family and roots in float32, whatever class they
+    are in (a model's own RMSNorm included); outputs in ``output_dtype``.
+    Layers that carry their own ``dtype`` field (often set to float32 and
+    passed down by published models) compute in the policy's compute dtype
+    all the same. Normalization layers (`jaxamp.NORMALIZATION_LAYERS`)
+    compute in float32, keep their statistics in float32 and hand their
+    result back in the caller's compute dtype; `overrides` changes the
+    policy of any module class and of the layers it calls. Both are policy
+    scopes around the layer's calls, which autocast reads.
 
     The variables have exactly the structure and names of the original
     model's, so checkpoints and pretrained weights move between policies
@@ -48,11 +55,11 @@ def apply_policy(module: Any, policy: PolicySpec, *, overrides: Mapping[type, Po
             ``{nn.Dense: "float32"}`` or ``{MyHead: "float32"}``.
 
     Returns:
-        For linen, a `jaxamp.linen_policy.PolicyModule` wrapping `module`; for
-        NNX, a copy of `module` (the original is untouched) with its state
-        cast to ``param_dtype`` and its calls running under the policy.
-        Wrap the outermost model: params are cast for computation when the
-        wrapper's own ``apply`` (or NNX ``__call__``) runs.
+        For linen, a `jaxamp.linen_policy.PolicyModule` wrapping `module`
+        (its ``apply``, with any ``method=``, runs through autocast); for
+        NNX, a copy of `module` (the original is untouched) with its params
+        cast to ``param_dtype`` and its ``__call__`` and public methods
+        running through autocast. Wrap the outermost model.
 
     Raises:
         TypeError: `module` is not a Flax module, or `overrides` is malformed.

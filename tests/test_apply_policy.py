@@ -2,12 +2,21 @@
 
 The models here are written the way published models are: with no dtype
 arguments at all, or with dtype fields pinned to float32. Only
-`apply_policy` makes them mixed precision. What the models actually compute
-in is read from their traced jaxprs (`jaxamp.precision_report`, and which
-dtype each param is first read in), not from the dtypes of their outputs.
+`apply_policy` makes them mixed precision: the wrapped model is traced as it
+is and `jaxamp.autocast` rewrites the traced program op by op (matmuls and
+convolutions in the compute dtype, reductions and normalizations in
+float32, a bias or a norm's scale added in float32 and rounded once).
+Normalization layers and overridden classes run in a policy scope of their
+own. What the models actually compute in is read from the rewritten jaxprs:
+`jaxamp.precision_report` for the matmuls and convolutions, the dtype each
+param enters the computation in, the dtype a layer hands to the next one,
+and the policy scope a layer's operations run in. Values a model returns on
+the side (``capture_intermediates``, sown NNX values, batch statistics) come
+back in the dtypes the model was traced with.
 """
 
 import functools
+import re
 from typing import Any
 
 import flax.linen as nn
@@ -39,33 +48,81 @@ def leaf_name(path):
     return "/".join(str(key.key) for key in path if isinstance(key, jax.tree_util.DictKey))
 
 
-def read_dtypes(fun, tree, *args):
-    """The dtype(s) in which `fun` reads each floating leaf of `tree`.
+# Operations that only move or cast a value: a param is followed through them
+# to the operations that compute with it.
+STRUCTURAL = frozenset(
+    {"convert_element_type", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose"}
+)
+HEAVY = ("dot_general", "conv_general_dilated")
+POLICY_SCOPE = re.compile(r"jaxamp_policy\.[a-z0-9.-]+")
 
-    A leaf that is first converted is read in the dtype it is converted to;
-    one used directly is read in its own dtype.
+
+def policy_scope_of(equation):
+    """The innermost jaxamp policy scope `equation` was traced in (its name), or None."""
+    scopes = POLICY_SCOPE.findall(str(equation.source_info.name_stack))
+    return scopes[-1] if scopes else None
+
+
+def is_variable(atom):
+    return not isinstance(atom, jax.extend.core.Literal)
+
+
+def param_uses(fun, tree, *args):
+    """{leaf name: {(dtype, policy scope)}}: how the rewritten `fun` computes with each leaf of `tree`.
+
+    Each leaf is followed through casts and reshapes to the operations that
+    compute with it; each such operation adds the dtype the leaf enters it in
+    and the policy scope it runs in (None outside any).
     """
     jaxpr = jax.make_jaxpr(fun)(tree, *args).jaxpr
+    readers = {}
+    for equation in jaxpr.eqns:
+        for operand in filter(is_variable, equation.invars):
+            readers.setdefault(operand, []).append(equation)
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    dtypes = {}
+    uses = {}
     for (path, _), invar in zip(leaves, jaxpr.invars, strict=False):
-        uses = set()
-        for equation in jaxpr.eqns:
-            if any(operand is invar for operand in equation.invars):
-                converts = equation.primitive.name == "convert_element_type"
-                uses.add(np.dtype(equation.params["new_dtype"]) if converts else invar.aval.dtype)
-        dtypes[leaf_name(path)] = uses
-    return dtypes
+        found, pending = set(), [invar]
+        while pending:
+            value = pending.pop()
+            for equation in readers.get(value, ()):
+                if equation.primitive.name in STRUCTURAL:
+                    pending.extend(equation.outvars)
+                else:
+                    found.add((np.dtype(value.aval.dtype), policy_scope_of(equation)))
+        uses[leaf_name(path)] = found
+    return uses
 
 
-def dtypes_in_scope(fun, args, scope):
-    """Output dtypes, in order, of the operations traced inside module `scope`."""
-    jaxpr = jax.make_jaxpr(fun)(*args).jaxpr
-    return [
-        equation.outvars[0].aval.dtype
-        for equation in jaxpr.eqns
-        if scope in str(equation.source_info.name_stack).split("/")
-    ]
+def read_dtypes(uses):
+    """{leaf name: the dtypes it enters the computation in}, from `param_uses`."""
+    return {name: {dtype for dtype, _ in found} for name, found in uses.items()}
+
+
+def read_scopes(uses):
+    """{leaf name: the policy scopes of the operations computing with it}, from `param_uses`."""
+    return {name: {scope for _, scope in found} for name, found in uses.items()}
+
+
+def expected_reads(param_dtype, compute_dtype, **kernels):
+    """The dtype each ConvNet param is computed with, by param name.
+
+    Kernels are cast to the compute dtype of their layer's matmul or
+    convolution (`kernels`: layer -> another compute dtype); a bias is added
+    in its own dtype to the upcast activation (float32 under the mixed
+    policies) and the sum rounded once; the batch norm's params are used in
+    float32.
+    """
+    compute = {layer: kernels.get(layer, compute_dtype) for layer in ("conv", "dense", "head")}
+    return {
+        "conv/kernel": {compute["conv"]},
+        "conv/bias": {param_dtype},
+        "norm/scale": {F32},
+        "norm/bias": {F32},
+        "dense/kernel": {compute["dense"]},
+        "dense/bias": {param_dtype},
+        "head/kernel": {compute["head"]},
+    }
 
 
 def dtypes_of(tree):
@@ -124,16 +181,71 @@ def linen_model(policy, overrides=()):
     return model, jax.eval_shape(model.init, jax.random.key(0), IMAGES)
 
 
-def linen_read_dtypes(policy, overrides=()):
-    """The dtype each layer reads its params in, from the traced apply."""
+def linen_jaxpr(policy, overrides=(), **apply_kwargs):
+    """The rewritten jaxpr of the wrapped ConvNet's apply."""
     model, variables = linen_model(policy, overrides)
-    dtypes = read_dtypes(model.apply, variables, IMAGES)
-    by_layer = {}
-    for name, uses in dtypes.items():
-        collection, layer, _ = name.split("/")
-        if collection == "params":
-            by_layer.setdefault(layer, set()).update(uses)
-    return by_layer
+    return jax.make_jaxpr(functools.partial(model.apply, **apply_kwargs))(variables, IMAGES).jaxpr
+
+
+def linen_param_uses(policy, overrides=()):
+    """`param_uses` of the wrapped ConvNet's params, named 'layer/param'."""
+    model, variables = linen_model(policy, overrides)
+    uses = param_uses(model.apply, variables, IMAGES)
+    return {name.removeprefix("params/"): found for name, found in uses.items() if name.startswith("params/")}
+
+
+def layer_of(equation):
+    """The ConvNet layer `equation` was traced in (from its name stack), or None."""
+    names = str(equation.source_info.name_stack).split("/")
+    return next((name for name in reversed(names) if name in LAYERS), None)
+
+
+def matmul_operands_by_layer(jaxpr):
+    """{layer: (lhs dtype, rhs dtype)} of each layer's matmul or convolution."""
+    return {
+        layer_of(equation): tuple(np.dtype(operand.aval.dtype) for operand in equation.invars[:2])
+        for equation in jaxpr.eqns
+        if equation.primitive.name in HEAVY
+    }
+
+
+def scopes_by_layer(jaxpr):
+    """{layer: the policy scopes its operations run in (None: the model's own policy)}."""
+    scopes = {}
+    for equation in jaxpr.eqns:
+        if layer_of(equation) is not None:
+            scopes.setdefault(layer_of(equation), set()).add(policy_scope_of(equation))
+    return scopes
+
+
+def results_of(jaxpr, layer):
+    """The dtypes in which the operations after `layer` read what it made.
+
+    A cast traced between layers is followed: it is how a result leaves a
+    policy scope in the scope's exit dtype. (A cast inside the next layer is
+    that layer's own business: the batch norm upcasts what it reads.)
+    """
+    made = {
+        variable for equation in jaxpr.eqns if layer_of(equation) == layer for variable in equation.outvars
+    }
+    dtypes = set()
+    for equation in jaxpr.eqns:
+        if layer_of(equation) == layer:
+            continue
+        for operand in filter(is_variable, equation.invars):
+            if operand in made:
+                exits = equation.primitive.name == "convert_element_type" and layer_of(equation) is None
+                dtypes.add(np.dtype(equation.params["new_dtype"] if exits else operand.aval.dtype))
+    return dtypes
+
+
+def norm_scope(compute_dtype):
+    """The policy scope a normalization layer runs in under a policy computing in `compute_dtype`.
+
+    Float32 inside, the caller's compute dtype on the way out; none where
+    that is the caller's own policy.
+    """
+    return None if compute_dtype == F32 else f"jaxamp_policy.c-float32.o-{compute_dtype.name}"
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -178,33 +290,51 @@ def test_linen_float32_weights_of_the_unwrapped_model_load_unchanged(policy, rto
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_linen_every_intermediate_is_in_the_compute_dtype_and_the_output_in_the_output_dtype(policy):
-    _, compute_dtype, output_dtype = POLICIES[policy]
+def test_linen_each_layer_hands_the_next_one_the_compute_dtype_and_the_output_is_in_the_output_dtype(policy):
+    param_dtype, compute_dtype, output_dtype = POLICIES[policy]
+    jaxpr = linen_jaxpr(policy)
+    # The conv reads the input cast at the model's entry; the dense and the
+    # head read what the layer before handed on: all in the compute dtype.
+    assert matmul_operands_by_layer(jaxpr) == {
+        layer: (compute_dtype, compute_dtype) for layer in ("conv", "dense", "head")
+    }
+    # The conv's and the dense's bias adds are rounded to the compute dtype,
+    # and the batch norm hands its float32 result on in it too.
+    assert {layer: results_of(jaxpr, layer) for layer in ("conv", "norm", "dense")} == {
+        layer: {compute_dtype} for layer in ("conv", "norm", "dense")
+    }
     model, variables = linen_model(policy)
     outputs, intermediates = traced_intermediates(model, variables)
-    intermediates = jax.tree.map(lambda leaf: leaf.dtype, intermediates)
-    # The batch norm hands its result to the next layer in the compute dtype.
-    assert {layer: intermediates[layer] for layer in LAYERS} == {
-        layer: {"__call__": (compute_dtype,)} for layer in LAYERS
-    }
-    # One root entry, as for the unwrapped model: the model's own result, which
-    # the wrapper then returns in the output dtype.
-    assert intermediates["__call__"] == (compute_dtype,)
     assert outputs.dtype == output_dtype
+    # capture_intermediates gives the unwrapped model's entries (one per layer
+    # and one root entry, not one more for the wrapper), in the dtypes the
+    # model was traced with: its params'.
+    _, unwrapped = jax.eval_shape(
+        functools.partial(ConvNet().apply, capture_intermediates=True, mutable=["intermediates"]),
+        variables,
+        IMAGES,
+    )
+    assert jax.tree.structure(intermediates) == jax.tree.structure(unwrapped["intermediates"])
+    assert set(intermediates) == {*LAYERS, "__call__"}
+    assert dtypes_of(intermediates) == {param_dtype}
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_linen_a_second_model_under_an_equal_policy_hands_on_the_compute_dtype_too(policy):
     _, compute_dtype, _ = POLICIES[policy]
 
-    def intermediate_dtypes():
+    def hand_offs():
         model = jaxamp.apply_policy(ConvNet(), policy)
         variables = jax.eval_shape(model.init, jax.random.key(0), IMAGES)
-        _, intermediates = traced_intermediates(model, variables)
-        return {layer: intermediates[layer]["__call__"][0].dtype for layer in LAYERS}
+        jaxpr = jax.make_jaxpr(model.apply)(variables, IMAGES).jaxpr
+        handed_on = {layer: results_of(jaxpr, layer) for layer in ("conv", "norm", "dense")}
+        return matmul_operands_by_layer(jaxpr), handed_on
 
-    first, second = intermediate_dtypes(), intermediate_dtypes()
-    assert first == {layer: compute_dtype for layer in LAYERS}
+    first, second = hand_offs(), hand_offs()
+    assert first == (
+        {layer: (compute_dtype, compute_dtype) for layer in ("conv", "dense", "head")},
+        {layer: {compute_dtype} for layer in ("conv", "norm", "dense")},
+    )
     assert second == first
 
 
@@ -218,25 +348,32 @@ def test_linen_every_matmul_and_conv_runs_in_the_compute_dtype(policy):
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_linen_each_layer_reads_its_params_in_its_compute_dtype(policy):
-    _, compute_dtype, _ = POLICIES[policy]
-    assert linen_read_dtypes(policy) == {
-        "conv": {compute_dtype},
-        "norm": {F32},
-        "dense": {compute_dtype},
-        "head": {compute_dtype},
+def test_linen_kernels_are_read_in_the_compute_dtype_biases_in_the_param_dtype_norm_params_in_float32(policy):
+    param_dtype, compute_dtype, _ = POLICIES[policy]
+    uses = linen_param_uses(policy)
+    assert read_dtypes(uses) == expected_reads(param_dtype, compute_dtype)
+    # Only the batch norm's params are used in a policy scope of its own.
+    assert read_scopes(uses) == {
+        name: {norm_scope(compute_dtype)} if name.startswith("norm/") else {None} for name in uses
     }
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_linen_batch_norm_computes_in_float32_and_hands_on_the_compute_dtype(policy):
     _, compute_dtype, _ = POLICIES[policy]
-    model, variables = linen_model(policy)
-    train_step = functools.partial(model.apply, train=True, mutable=["batch_stats"])
-    dtypes = dtypes_in_scope(train_step, (variables, IMAGES), "norm")
-    assert len(dtypes) > 10
-    assert set(dtypes[:-1]) == {F32}
-    assert dtypes[-1] == compute_dtype
+    jaxpr = linen_jaxpr(policy, train=True, mutable=["batch_stats"])
+    norm = [equation for equation in jaxpr.eqns if layer_of(equation) == "norm"]
+    computing = [equation for equation in norm if equation.primitive.name not in STRUCTURAL]
+    names = {equation.primitive.name for equation in computing}
+    assert {"reduce_sum", "rsqrt", "square", "sub", "mul", "add"} <= names
+    # The statistics, the running averages and the normalization itself
+    # (scale and bias included) are all computed in float32.
+    assert {np.dtype(outvar.aval.dtype) for equation in computing for outvar in equation.outvars} == {F32}
+    assert {np.dtype(operand.aval.dtype) for equation in computing for operand in equation.invars} == {F32}
+    assert {policy_scope_of(equation) for equation in norm} == {norm_scope(compute_dtype)}
+    # Its result goes on to the next layer in the compute dtype.
+    assert results_of(jaxpr, "norm") == {compute_dtype}
+    assert matmul_operands_by_layer(jaxpr)["dense"] == (compute_dtype, compute_dtype)
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "float16"])
@@ -299,34 +436,52 @@ def test_linen_a_model_pinned_to_float32_still_computes_in_the_policy_dtype(poli
     assert unwrapped.fraction(F32) == 1.0
 
 
+def scope_name(spec):
+    """The policy scope a layer overridden with `spec` runs in: its compute dtype inside, its output dtype out."""
+    policy = jaxamp.get_policy(spec)
+    return f"jaxamp_policy.c-{np.dtype(policy.compute_dtype).name}.o-{np.dtype(policy.output_dtype).name}"
+
+
 @pytest.mark.parametrize(
-    "overrides, changed",
+    "overrides, changed, handed_on",
     [
-        ({nn.Dense: "float32"}, {"dense": F32}),
-        ({Projection: "float32"}, {"head": F32}),
-        ({nn.Conv: "mixed_bfloat16"}, {"conv": BF16}),
-        ({nn.BatchNorm: "params=float32,compute=float16,output=float16"}, {"norm": F16}),
-        ({nn.Dense: "float32", Projection: "float32"}, {"dense": F32, "head": F32}),
+        ({nn.Dense: "float32"}, {"dense": F32}, {"dense": F32}),
+        ({Projection: "float32"}, {"head": F32}, {}),
+        ({nn.Conv: "mixed_bfloat16"}, {"conv": BF16}, {}),
+        ({nn.BatchNorm: "params=float32,compute=float16,output=float16"}, {"norm": F16}, {"norm": F16}),
+        ({nn.Dense: "float32", Projection: "float32"}, {"dense": F32, "head": F32}, {"dense": F32}),
     ],
     ids=["dense_float32", "custom_layer_float32", "conv_bfloat16", "batch_norm_float16", "two_classes"],
 )
-def test_linen_overrides_run_a_layer_class_under_its_own_policy(overrides, changed):
+def test_linen_overrides_run_a_layer_class_under_its_own_policy(overrides, changed, handed_on):
+    # Each layer's compute dtype; the batch norm's is float32 unless overridden.
     expected = {"conv": F16, "norm": F32, "dense": F16, "head": F16, **changed}
-    overrides = tuple(overrides.items())
-    assert linen_read_dtypes("mixed_float16", overrides) == {
-        layer: {dtype} for layer, dtype in expected.items()
-    }
-
-    model, variables = linen_model("mixed_float16", overrides)
+    pairs = tuple(overrides.items())
+    model, variables = linen_model("mixed_float16", pairs)
     assert dtypes_of(variables["params"]) == {F32}
+    jaxpr = linen_jaxpr("mixed_float16", pairs)
+
+    # Each matmul and conv runs in its layer's compute dtype, the others'
+    # reading the compute dtype of the model whatever the layer before them.
+    assert matmul_operands_by_layer(jaxpr) == {
+        layer: (expected[layer], expected[layer]) for layer in ("conv", "dense", "head")
+    }
     report = jaxamp.precision_report(model.apply, variables, IMAGES)
     matmul_dtypes = [expected[layer].name for layer in ("conv", "dense", "head")]
     assert report.count_by_dtype() == {name: matmul_dtypes.count(name) for name in set(matmul_dtypes)}
-    _, intermediates = traced_intermediates(model, variables)
-    # An overridden layer returns its own policy's output dtype.
-    for module_class, spec in overrides:
-        output = intermediates[LAYER_OF_CLASS[module_class]]["__call__"][0]
-        assert output.dtype == jaxamp.get_policy(spec).output_dtype
+    kernels = {layer: dtype for layer, dtype in changed.items() if layer != "norm"}
+    assert read_dtypes(linen_param_uses("mixed_float16", pairs)) == expected_reads(F32, F16, **kernels)
+
+    # An overridden layer runs in its override's policy scope; the others as
+    # without overrides (the batch norm in its float32 one).
+    scopes = {"conv": {None}, "norm": {norm_scope(F16)}, "dense": {None}, "head": {None}}
+    scopes.update({LAYER_OF_CLASS[module_class]: {scope_name(spec)} for module_class, spec in pairs})
+    assert scopes_by_layer(jaxpr) == scopes
+    # What an overridden layer hands on is in its override's output dtype.
+    assert {layer: results_of(jaxpr, layer) for layer in handed_on} == {
+        layer: {dtype} for layer, dtype in handed_on.items()
+    }
+    assert jax.eval_shape(model.apply, variables, IMAGES).dtype == F32
 
 
 @pytest.mark.parametrize("method", ["features", ConvNet.features], ids=["name", "function"])
@@ -376,21 +531,24 @@ class NnxConvNet(nnx.Module):
         return self.head(self.dense(x.reshape((x.shape[0], -1))))
 
 
+NNX_LAYER_OF_CLASS = {nnx.Linear: "dense", NnxProjection: "head", nnx.BatchNorm: "norm"}
+
+
 def functional(model):
     """`model`'s call as a pure function of its state, for tracing."""
     graphdef, state = nnx.split(model)
     return (lambda state, x: nnx.merge(graphdef, state)(x)), state
 
 
-def nnx_read_dtypes(model):
-    """The dtype each layer reads its params in (batch statistics left out)."""
+def nnx_param_uses(model):
+    """`param_uses` of the model's state (params and batch statistics), named 'layer/variable'."""
     call, state = functional(model)
-    by_layer = {}
-    for name, uses in read_dtypes(call, state, IMAGES).items():
-        layer, variable = name.split("/")
-        if variable not in ("mean", "var"):
-            by_layer.setdefault(layer, set()).update(uses)
-    return by_layer
+    return param_uses(call, state, IMAGES)
+
+
+def nnx_expected_reads(param_dtype, compute_dtype, **kernels):
+    """`expected_reads`, and the batch norm's running statistics used in float32."""
+    return {**expected_reads(param_dtype, compute_dtype, **kernels), "norm/mean": {F32}, "norm/var": {F32}}
 
 
 def param_dtypes(model):
@@ -413,17 +571,24 @@ def test_nnx_state_stays_in_the_param_dtype_and_outputs_come_in_the_output_dtype
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_nnx_layers_compute_and_read_params_in_the_compute_dtype(policy):
-    _, compute_dtype, _ = POLICIES[policy]
+def test_nnx_layers_compute_in_the_compute_dtype_with_biases_in_the_param_dtype_and_norms_in_float32(policy):
+    param_dtype, compute_dtype, _ = POLICIES[policy]
     model = jaxamp.apply_policy(NnxConvNet(rngs=nnx.Rngs(0)), policy)
     call, state = functional(model)
     report = jaxamp.precision_report(call, state, IMAGES)
     assert report.count_by_dtype() == {compute_dtype.name: 3}
-    assert nnx_read_dtypes(model) == {
-        "conv": {compute_dtype},
-        "norm": {F32},
-        "dense": {compute_dtype},
-        "head": {compute_dtype},
+    # Each layer reads the previous one's result in the compute dtype.
+    assert [op.operand_dtypes for op in report.ops] == [(compute_dtype.name, compute_dtype.name)] * 3
+    uses = nnx_param_uses(model)
+    expected = nnx_expected_reads(param_dtype, compute_dtype)
+    if param_dtype != F32:
+        # NNX's BatchNorm returns float32 when traced (its statistics are
+        # float32), so Flax promotes the next Linear's float16 bias to float32
+        # where it is added: the add runs in float32 and rounds once to float16.
+        expected["dense/bias"] = {F32}
+    assert read_dtypes(uses) == expected
+    assert read_scopes(uses) == {
+        name: {norm_scope(compute_dtype)} if name.startswith("norm/") else {None} for name in uses
     }
 
 
@@ -481,16 +646,27 @@ def test_nnx_batch_stats_update_in_float32_in_train_mode():
 def test_nnx_overrides_run_a_layer_class_under_its_own_policy(overrides, changed):
     expected = {"conv": F16, "norm": F32, "dense": F16, "head": F16, **changed}
     model = jaxamp.apply_policy(NnxConvNet(rngs=nnx.Rngs(0)), "mixed_float16", overrides=overrides)
-    assert nnx_read_dtypes(model) == {layer: {dtype} for layer, dtype in expected.items()}
     call, state = functional(model)
-    matmul_dtypes = [expected[layer].name for layer in ("conv", "dense", "head")]
     report = jaxamp.precision_report(call, state, IMAGES)
-    assert report.count_by_dtype() == {name: matmul_dtypes.count(name) for name in set(matmul_dtypes)}
+    # conv, dense, head in program order, each in its layer's compute dtype.
+    assert [op.operand_dtypes for op in report.ops] == [
+        (expected[layer].name, expected[layer].name) for layer in ("conv", "dense", "head")
+    ]
+    uses = nnx_param_uses(model)
+    kernels = {layer: dtype for layer, dtype in changed.items() if layer != "norm"}
+    assert read_dtypes(uses) == nnx_expected_reads(F32, F16, **kernels)
+    # The overridden layer computes in its override's policy scope; the
+    # others as without overrides.
+    scopes = {"conv": {None}, "norm": {norm_scope(F16)}, "dense": {None}, "head": {None}}
+    scopes.update(
+        {NNX_LAYER_OF_CLASS[module_class]: {scope_name(spec)} for module_class, spec in overrides.items()}
+    )
+    by_layer = {}
+    for name, found in read_scopes(uses).items():
+        by_layer.setdefault(name.split("/")[0], set()).update(found)
+    assert by_layer == scopes
     assert param_dtypes(model) == {F32}
     assert model(IMAGES).dtype == F32
-
-
-HIDDEN_DTYPES = []
 
 
 class HiddenLinear(nnx.Linear):
@@ -503,20 +679,26 @@ class NnxTwoLinear(nnx.Module):
         self.second = nnx.Linear(4, 2, rngs=rngs)
 
     def __call__(self, x):
-        hidden = self.first(x)
-        HIDDEN_DTYPES.append(hidden.dtype)
-        return self.second(hidden)
+        return self.second(self.first(x))
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_nnx_a_layer_class_once_wrapped_on_its_own_still_hands_on_the_compute_dtype(policy):
     _, compute_dtype, output_dtype = POLICIES[policy]
+    inputs = jnp.ones((1, 3))
+    half = (compute_dtype.name, compute_dtype.name)
     standalone = jaxamp.apply_policy(HiddenLinear(3, 4, rngs=nnx.Rngs(0)), policy)
-    assert standalone(jnp.ones((1, 3))).dtype == output_dtype
-    HIDDEN_DTYPES.clear()
+    assert standalone(inputs).dtype == output_dtype
+    assert [op.operand_dtypes for op in jaxamp.precision_report(lambda x: standalone(x), inputs).ops] == [
+        half
+    ]
+
     model = jaxamp.apply_policy(NnxTwoLinear(rngs=nnx.Rngs(0)), policy)
-    assert model(jnp.ones((1, 3))).dtype == output_dtype
-    assert HIDDEN_DTYPES == [compute_dtype]
+    assert model(inputs).dtype == output_dtype
+    # The second Linear reads what the first, of the class wrapped before,
+    # hands on in the compute dtype.
+    assert [op.operand_dtypes for op in jaxamp.precision_report(lambda x: model(x), inputs).ops] == [half] * 2
+    assert param_dtypes(model) == {F32}
 
 
 def test_nnx_a_model_already_under_a_policy_is_rejected():
@@ -711,7 +893,20 @@ def test_nnx_rngs_passed_to_a_call_advance_and_sown_values_come_back():
 
     assert not np.array_equal(first == 0, second == 0)  # fresh masks each call
     assert rngs.dropout.count[...] == 2
-    assert dtypes_of(nnx.state(model, nnx.Intermediate)) == {F16}
+    # Each call's sown value comes back, in the dtype the call was traced
+    # with (float32: the params'), equal to what the call returned.
+    sown = nnx.state(model, nnx.Intermediate)["hidden"].get_value()
+    assert len(sown) == 2
+    assert dtypes_of(sown) == {F32}
+    np.testing.assert_array_equal(sown[0], first)
+    np.testing.assert_array_equal(sown[1], second)
+    # The linear under the dropout still computes in float16 (traced
+    # functionally: the call changes the model's state).
+    graphdef, state = nnx.split(model)
+    report = jaxamp.precision_report(
+        lambda state, x: nnx.merge(graphdef, state)(x, rngs=nnx.Rngs(dropout=2)), state, inputs
+    )
+    assert [op.operand_dtypes for op in report.ops] == [("float16", "float16")]
 
 
 def test_nnx_a_submodule_already_under_a_policy_is_rejected_with_the_way_out():
@@ -738,13 +933,27 @@ class Scaled(nn.Module):
         return nn.Dense(2)(x) * scale
 
 
-def test_linen_a_changing_python_scalar_does_not_trace_the_call_again():
+def test_linen_a_second_apply_with_the_same_shapes_does_not_trace_again():
     model = jaxamp.apply_policy(Scaled(), "mixed_float16")
-    variables = model.init(jax.random.key(0), jnp.ones((1, 3)), 1.0)
+    inputs = jnp.ones((1, 3))
+    variables = model.init(jax.random.key(0), inputs, 1.0)
+    rewrites = model._autocast_apply.rewrites
+    before = rewrites.traces
+
+    unscaled = model.apply(variables, inputs, 1.0)
+    assert rewrites.traces == before + 1
+    np.testing.assert_array_equal(model.apply(variables, inputs, 1.0), unscaled)
+    assert rewrites.traces == before + 1
+    # An array scale is traced: one more trace, whatever its values.
     for scale in (0.5, 1.5, 2.5):
-        model.apply(variables, jnp.ones((1, 3)), scale)
-    # One abstract trace for init (mutable, rngs) and one for all the applies.
-    assert len(model.__dict__["_jaxamp_policies_by_path"]) == 2
+        outputs = model.apply(variables, inputs, jnp.float32(scale))
+        np.testing.assert_allclose(outputs, unscaled * scale, rtol=2e-3)
+    assert rewrites.traces == before + 2
+    # A Python float is static: a new value is honoured, and kept for the next call.
+    np.testing.assert_allclose(model.apply(variables, inputs, 3.0), unscaled * 3.0, rtol=2e-3)
+    traces = rewrites.traces
+    np.testing.assert_allclose(model.apply(variables, inputs, 3.0), unscaled * 3.0, rtol=2e-3)
+    assert rewrites.traces == traces
 
 
 # --- overrides on NNX containers, gradients against the float32 model --------------------
