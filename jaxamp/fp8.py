@@ -66,31 +66,29 @@ FP8_SCOPE_NAME = "jaxamp_fp8"
 FP8_FALLBACK_SCOPE_PREFIX = "jaxamp_fp8_fallback_"
 """A fallback runs under ``jax.named_scope(FP8_FALLBACK_SCOPE_PREFIX + reason)``."""
 
-FP8_FALLBACK_REASONS: Mapping[str, str] = types.MappingProxyType(
-    {
-        "shape_not_multiple_of_16": (
-            "a dot's M, N or K (the product of the lhs free dims, of the rhs free dims, of the "
-            "contracting dims), or a convolution's input or output features, is not a multiple of 16, the FP8 GEMM granularity of cuBLASLt and TransformerEngine. "
-            "XLA would pad such an op and still run FP8; jaxamp keeps it in bfloat16 instead, since "
-            "such matmuls are small (a classifier head, a projection to a few outputs) and sit where "
-            "precision matters most."
-        ),
-        "batch_dims": (
-            "the dot has batch dimensions: an attention core (queries times keys, probabilities "
-            "times values) or another batched matmul; FP8 attention needs its own scaling of the "
-            "softmax probabilities, so it stays bfloat16."
-        ),
-        "integer_operands": "an integer dot (int8 matmuls); runs as traced.",
-        "grouped_conv": "a grouped or depthwise convolution (feature or batch groups), kept in bfloat16.",
-        "transposed_conv": "a transposed convolution (lhs dilation), kept in bfloat16.",
-        "conv_backward": (
-            "the two backward convolutions (input and kernel gradients) of an FP8 forward "
-            "convolution: XLA rewrites only forward convolutions into cuDNN FP8 graphs, so these run "
-            "in bfloat16 on the saved FP8 operands."
-        ),
-        "ragged_dot": "a ragged (grouped) dot, which has no FP8 form here.",
-    }
-)
+FP8_FALLBACK_REASONS: Mapping[str, str] = types.MappingProxyType({
+    "shape_not_multiple_of_16": (
+        "a dot's M, N or K (the product of the lhs free dims, of the rhs free dims, of the "
+        "contracting dims), or a convolution's input or output features, is not a multiple of 16, the FP8 GEMM granularity of cuBLASLt and TransformerEngine. "
+        "XLA would pad such an op and still run FP8; jaxamp keeps it in bfloat16 instead, since "
+        "such matmuls are small (a classifier head, a projection to a few outputs) and sit where "
+        "precision matters most."
+    ),
+    "batch_dims": (
+        "the dot has batch dimensions: an attention core (queries times keys, probabilities "
+        "times values) or another batched matmul; FP8 attention needs its own scaling of the "
+        "softmax probabilities, so it stays bfloat16."
+    ),
+    "integer_operands": "an integer dot (int8 matmuls); runs as traced.",
+    "grouped_conv": "a grouped or depthwise convolution (feature or batch groups), kept in bfloat16.",
+    "transposed_conv": "a transposed convolution (lhs dilation), kept in bfloat16.",
+    "conv_backward": (
+        "the two backward convolutions (input and kernel gradients) of an FP8 forward "
+        "convolution: XLA rewrites only forward convolutions into cuDNN FP8 graphs, so these run "
+        "in bfloat16 on the saved FP8 operands."
+    ),
+    "ragged_dot": "a ragged (grouped) dot, which has no FP8 form here.",
+})
 """Why an eligible-looking matmul or convolution did not run in FP8, by slug.
 
 The slug is what the compiled program's op names carry
@@ -156,11 +154,7 @@ def _scaled_dot(
 
     def scaled(lhs_values, rhs_values, lhs_scale_inv, rhs_scale_inv, *, precision):
         product = lax.dot_general(
-            lhs_values,
-            rhs_values,
-            dimension_numbers,
-            precision=precision,
-            preferred_element_type=product_dtype,
+            lhs_values, rhs_values, dimension_numbers, precision=precision, preferred_element_type=product_dtype
         )
         # Inside each branch, so that XLA fuses the scales into the cuBLASLt call.
         return (product * (lhs_scale_inv * rhs_scale_inv).astype(product_dtype)).astype(result_dtype)
@@ -287,9 +281,7 @@ def _fp8_dot_backward(dimension_numbers, result_dtype, observer, residuals, cota
         _observe(observer, "cotangent", cotangent, q_cotangent)
         (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
         rhs_first = ((rhs_contract, lhs_contract), (rhs_batch, lhs_batch))
-        d_lhs = _operand_gradient(
-            q_cotangent, q_rhs, q_lhs.values.ndim, dimension_numbers, True, lhs_dtype.dtype
-        )
+        d_lhs = _operand_gradient(q_cotangent, q_rhs, q_lhs.values.ndim, dimension_numbers, True, lhs_dtype.dtype)
         d_rhs = _operand_gradient(q_cotangent, q_lhs, q_rhs.values.ndim, rhs_first, False, rhs_dtype.dtype)
     return d_lhs, d_rhs
 

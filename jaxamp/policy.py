@@ -146,9 +146,7 @@ def _canonical_matmul_dtype(dtype: Any) -> np.dtype | None:
     )
 
 
-def parse_fields(
-    spec: str, keys: dict[str, str], *, kind: str, example: str, flags: tuple[str, ...] = ()
-) -> dict:
+def parse_fields(spec: str, keys: dict[str, str], *, kind: str, example: str, flags: tuple[str, ...] = ()) -> dict:
     """The one ``key=dtype,...`` grammar, of precision and communication policies alike.
 
     `spec` is read case-insensitively with spaces ignored and split at
@@ -177,9 +175,7 @@ def parse_fields(
         key, separator, value = part.partition("=")
         if not separator or not key or not value:
             forms = ", ".join(["key=dtype", *flags])
-            raise ValueError(
-                f"Malformed part {part!r} in {kind} {spec!r}: expected {forms}, e.g. {example!r}."
-            )
+            raise ValueError(f"Malformed part {part!r} in {kind} {spec!r}: expected {forms}, e.g. {example!r}.")
         if key not in keys:
             raise ValueError(
                 f"Unknown key {key!r} in {kind} {spec!r}. Valid keys: {', '.join(keys)}; e.g. {example!r}."
@@ -300,9 +296,7 @@ def _parse_grammar(spec: str) -> Policy:
     example = "params=float32,compute=float16,output=float32"
     fields = parse_fields(spec, _GRAMMAR_KEYS, kind="precision policy", example=example)
     dtypes = {
-        name: parse_dtype(
-            value, f"The {name.removesuffix('_dtype')} dtype {value!r} of precision policy {spec!r}"
-        )
+        name: parse_dtype(value, f"The {name.removesuffix('_dtype')} dtype {value!r} of precision policy {spec!r}")
         for name, value in fields.items()
         if name != "matmul_dtype"
     }

@@ -74,7 +74,9 @@ def _walk(jaxpr, records: list[OpRecord], repeats: int = 1) -> None:
             _walk(subjaxpr, records, body_repeats)
 
 
-def precision_report(fun: Callable[..., Any], *args, compiled: bool = False, **kwargs) -> PrecisionReport:
+def precision_report(
+    fun: Callable[..., Any], *args, compiled: bool = False, **kwargs
+) -> PrecisionReport:
     """Reports the dtypes of the heavy math of ``fun(*args, **kwargs)``.
 
     Two modes answer two questions:

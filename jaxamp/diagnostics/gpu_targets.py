@@ -150,52 +150,50 @@ _H100 = GpuSpec(
                 "float8_e4m3fn": 1978.9 * _TERA, "float8_e5m2": 1978.9 * _TERA},
 )  # fmt: skip
 
-GPU_TARGETS: Mapping[str, GpuSpec] = types.MappingProxyType(
-    {
-        "v100": GpuSpec(
-            description="Tesla V100-SXM2-32GB",
-            compute_capability=(7, 0),
-            sm_count=80,
-            fp32_cores_per_sm=64,
-            boost_clock_ghz=1.53,
-            memory_bytes=32 * _GIB,
-            memory_bandwidth=900e9,
-            l2_cache_bytes=6 * _MIB,
-            shared_memory_per_sm=96 * 1024,
-            shared_memory_per_block_optin=96 * 1024,
-            # No TF32 or bfloat16 tensor cores: those run at the float32 rate.
-            peak_flops={
-                "float32": 15.7 * _TERA,
-                "tf32": 15.7 * _TERA,
-                "float16": 125 * _TERA,
-                "bfloat16": 15.7 * _TERA,
-            },
-        ),  # fmt: skip
-        "a100": GpuSpec(
-            description="NVIDIA A100-SXM4-40GB",
-            compute_capability=(8, 0),
-            sm_count=108,
-            fp32_cores_per_sm=64,
-            boost_clock_ghz=1.41,
-            memory_bytes=40 * _GIB,
-            memory_bandwidth=1555e9,
-            l2_cache_bytes=40 * _MIB,
-            shared_memory_per_sm=164 * 1024,
-            shared_memory_per_block_optin=163 * 1024,
-            peak_flops={
-                "float32": 19.5 * _TERA,
-                "tf32": 156 * _TERA,
-                "float16": 312 * _TERA,
-                "bfloat16": 312 * _TERA,
-            },
-        ),  # fmt: skip
-        "h100": _H100,
-        # The H200 is an H100 with more and faster memory (141 GB of HBM3e at 4.8 TB/s).
-        "h200": dataclasses.replace(
-            _H100, description="NVIDIA H200", memory_bytes=141 * 10**9, memory_bandwidth=4.8e12
-        ),
-    }
-)
+GPU_TARGETS: Mapping[str, GpuSpec] = types.MappingProxyType({
+    "v100": GpuSpec(
+        description="Tesla V100-SXM2-32GB",
+        compute_capability=(7, 0),
+        sm_count=80,
+        fp32_cores_per_sm=64,
+        boost_clock_ghz=1.53,
+        memory_bytes=32 * _GIB,
+        memory_bandwidth=900e9,
+        l2_cache_bytes=6 * _MIB,
+        shared_memory_per_sm=96 * 1024,
+        shared_memory_per_block_optin=96 * 1024,
+        # No TF32 or bfloat16 tensor cores: those run at the float32 rate.
+        peak_flops={
+            "float32": 15.7 * _TERA,
+            "tf32": 15.7 * _TERA,
+            "float16": 125 * _TERA,
+            "bfloat16": 15.7 * _TERA,
+        },
+    ),  # fmt: skip
+    "a100": GpuSpec(
+        description="NVIDIA A100-SXM4-40GB",
+        compute_capability=(8, 0),
+        sm_count=108,
+        fp32_cores_per_sm=64,
+        boost_clock_ghz=1.41,
+        memory_bytes=40 * _GIB,
+        memory_bandwidth=1555e9,
+        l2_cache_bytes=40 * _MIB,
+        shared_memory_per_sm=164 * 1024,
+        shared_memory_per_block_optin=163 * 1024,
+        peak_flops={
+            "float32": 19.5 * _TERA,
+            "tf32": 156 * _TERA,
+            "float16": 312 * _TERA,
+            "bfloat16": 312 * _TERA,
+        },
+    ),  # fmt: skip
+    "h100": _H100,
+    # The H200 is an H100 with more and faster memory (141 GB of HBM3e at 4.8 TB/s).
+    "h200": dataclasses.replace(
+        _H100, description="NVIDIA H200", memory_bytes=141 * 10**9, memory_bandwidth=4.8e12
+    ),
+})
 """The GPUs jaxamp describes, by target name (read-only)."""
 
 
