@@ -1,9 +1,9 @@
-"""The jaxpr route to a policy: `autocast`, mixed precision for any JAX function.
+"""jaxamp's engine: `autocast`, mixed precision for any JAX function.
 
-The third route to a policy, beside `jaxamp.linen_policy` and
-`jaxamp.nnx_policy` (which `jaxamp.apply_policy` chooses between): it works
-on the primitives of a traced function, not on layers, so it needs no
-framework. One module per job:
+It works on the primitives of a traced function, not on layers, so it needs
+no framework; `jaxamp.apply_policy` runs Flax models through it
+(`jaxamp.linen_policy`, `jaxamp.nnx_policy`), adding params created in
+their dtype and policy scopes per module class. One module per job:
 
 * `transform`: the public `autocast` and its options;
 * `arguments`: a call split into traced arrays and static values, NNX
@@ -20,7 +20,8 @@ framework. One module per job:
 * `higher_order`: the rules that rewrite nested jaxprs (jit, checkpoint,
   scan, while, cond, custom_jvp, custom_vjp, shard_map);
 * `table`: both tables, with the primitives of optional JAX modules;
-* `scope`: `float32_scope`, the opt-out.
+* `scope`: `float32_scope`, the opt-out, and the policy scopes that
+  `apply_policy` opens around a layer class's calls.
 """
 
 from jaxamp.jaxpr_policy.scope import float32_scope

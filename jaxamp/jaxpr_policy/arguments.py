@@ -1,10 +1,10 @@
 """A call split into array leaves and a hashable rest, NNX modules included.
 
 `jaxamp.autocast` traces with the arrays abstract and everything else
-static. NNX modules (and ``nnx.Rngs``) are split (``nnx.split``) into a static graph and their
-state, whose arrays are traced like any other; the state the call leaves
-behind (batch statistics, RNG counts) is written back to the caller's
-modules afterwards, or it would be silently lost.
+static. NNX modules (and ``nnx.Rngs``) are split (``nnx.split``) into a
+static graph and their state, whose arrays are traced like any other; the
+state the call leaves behind (batch statistics, RNG counts) is written back
+to the caller's modules afterwards, or it would be silently lost.
 """
 
 from __future__ import annotations

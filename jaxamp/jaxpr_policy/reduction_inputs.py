@@ -52,9 +52,9 @@ several: a value read by two equations (two reductions, say) may be written
 to memory between them, and in float32 it would take twice the bytes. An
 equation with any other reader keeps its rule: ``y = x * x`` that is
 returned, fed to a matmul or to ``tanh`` follows its inputs, as before.
-Rules come from ``Rewrite.scoped(...).rule_for``, so overrides, policy scopes and `float32_scope`
-count: a reduction overridden to "follow" is no sink, and code in the scope
-runs as traced.
+Rules come from ``Rewrite.scoped(...).rule_for``, so overrides, policy
+scopes and `float32_scope` count: a reduction overridden to "follow" is no
+sink, and code in the scope runs as traced.
 
 Nested jaxprs (a ``jit``, ``scan``, ``cond`` or custom-derivative body) are
 each swept on their own when the interpreter evaluates them. An output of a

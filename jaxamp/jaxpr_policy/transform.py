@@ -112,7 +112,10 @@ def autocast(
     either side. The rewritten jaxpr is cached per argument shapes, dtypes
     and static arguments, so an eager call traces once. NNX modules passed as
     arguments (or as `fun`) are split and their changed state written back.
-    Code under `jaxamp.float32_scope` keeps its traced dtypes.
+    Code under `jaxamp.float32_scope` keeps its traced dtypes; code in a
+    policy scope (which `jaxamp.apply_policy` opens around the calls of a
+    normalization layer or an overridden class) runs under that scope's
+    compute dtype, and its results leave it in the scope's output dtype.
 
     The policy's compute dtype is what matters here: params stay as the
     caller holds them and outputs come back as `fun` returns them. A policy
