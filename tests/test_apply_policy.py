@@ -1047,3 +1047,29 @@ def test_nnx_scaled_gradients_match_the_unwrapped_float32_models(policy):
 
     assert grads_finite
     assert_close_to_float32_but_computed_in_half(grads, float32_grads)
+
+
+class NnxWithHelpers(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(3, 4, rngs=rngs)
+        self.depth = 1
+
+    def __call__(self, x):
+        return self.dense(x)
+
+    def num_layers(self):
+        return self.depth
+
+    def features(self, x, scale=1.0):
+        return self.dense(x) * scale
+
+
+def test_nnx_every_public_method_runs_under_the_policy_and_a_python_result_stays_python():
+    model = jaxamp.apply_policy(NnxWithHelpers(nnx.Rngs(0)), "mixed_float16")
+    x = jnp.ones((2, 3))
+
+    assert model.num_layers() == 1 and type(model.num_layers()) is int
+    assert model.features(x, scale=2.0).dtype == F32
+    graphdef, state = nnx.split(model)
+    report = jaxamp.precision_report(lambda state, x: nnx.merge(graphdef, state).features(x), state, x)
+    assert report.count_by_dtype() == {"float16": 1}

@@ -381,3 +381,19 @@ def test_a_checkpoint_name_passes_the_float16_value_through():
 
     assert _equation_dtypes(jaxamp.autocast(fun), X, W, primitive="name") == [jnp.float16]
     assert _equation_dtypes(jaxamp.autocast(fun), X, W, primitive="tanh") == [jnp.float16]
+
+
+def test_outputs_that_were_no_arrays_when_traced_come_back_as_they_were():
+    """A Python number, a string or None among the outputs is returned, not turned into an array.
+
+    Fails if autocast handed back ``3`` as a JAX array (as tracing it alone would).
+    """
+
+    def fun(x):
+        return {"doubled": x @ x, "layers": 3, "name": "mlp", "nothing": None}
+
+    outputs = jaxamp.autocast(fun)(jnp.ones((2, 2)))
+    assert outputs["doubled"].dtype == jnp.float32
+    assert outputs["layers"] == 3 and type(outputs["layers"]) is int
+    assert outputs["name"] == "mlp" and outputs["nothing"] is None
+    assert jaxamp.autocast(fun)(jnp.ones((2, 2)))["layers"] == 3  # from the cached rewrite too

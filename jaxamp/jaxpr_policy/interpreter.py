@@ -214,6 +214,13 @@ def lift_consts(closed: ClosedJaxpr) -> tuple[Jaxpr, list]:
 class _Entry:
     rewritten: ClosedJaxpr
     out_tree: Any
+    # Outputs that were no arrays when traced (a Python int, None, a string),
+    # by position among the output leaves, returned as they were.
+    static_outputs: tuple[tuple[int, Any], ...] = ()
+
+
+def _is_traced_array(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
 class RewriteCache:
@@ -221,7 +228,8 @@ class RewriteCache:
 
     `call` traces ``fun(*leaves)`` for the leaves' shapes and dtypes, rewrites
     the jaxpr (outputs cast back to the dtypes `fun` returns) and evaluates
-    it. The rewritten jaxpr is kept per (`static_key`, shapes, dtypes), so a
+    it; outputs that were no arrays when traced (a Python number, None) are
+    returned as they were. The rewritten jaxpr is kept per (`static_key`, shapes, dtypes), so a
     second call with the same signature neither traces nor rewrites again,
     and the jitted parts inside it (the same jaxpr objects) hit JAX's compile
     cache. A trace that closed over another transformation's tracers is not
@@ -269,12 +277,25 @@ class RewriteCache:
                     self._entries.popitem(last=False)
         else:
             self._entries.move_to_end(key)
-        outvals = jaxpr_as_fun(entry.rewritten)(*leaves)
-        return jax.tree.unflatten(entry.out_tree, outvals)
+        outvals = iter(jaxpr_as_fun(entry.rewritten)(*leaves))
+        statics = dict(entry.static_outputs)
+        num_outputs = entry.out_tree.num_leaves
+        return jax.tree.unflatten(
+            entry.out_tree,
+            [statics[index] if index in statics else next(outvals) for index in range(num_outputs)],
+        )
 
     def _build(self, fun, avals) -> tuple[_Entry, bool]:
         self.traces += 1
-        traced, out_shapes = jax.make_jaxpr(fun, return_shape=True)(*avals)
+        out_tree, static_outputs = None, []
+
+        def array_outputs(*leaves):
+            nonlocal out_tree
+            outputs, out_tree = jax.tree.flatten(fun(*leaves))
+            static_outputs[:] = [(i, leaf) for i, leaf in enumerate(outputs) if not _is_traced_array(leaf)]
+            return [leaf for leaf in outputs if _is_traced_array(leaf)]
+
+        traced = jax.make_jaxpr(array_outputs)(*avals)
         context = Rewrite(
             self._compute_dtype,
             self._rules,
@@ -285,4 +306,4 @@ class RewriteCache:
         out_dtypes = [aval.dtype for aval in traced.out_avals]
         rewritten = rewrite_jaxpr(context, traced, avals, out_dtypes)
         cacheable = not any(isinstance(const, jax.core.Tracer) for const in traced.consts)
-        return _Entry(rewritten, jax.tree.structure(out_shapes)), cacheable
+        return _Entry(rewritten, out_tree, tuple(static_outputs)), cacheable
