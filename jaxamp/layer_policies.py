@@ -61,6 +61,20 @@ def normalization_policy(policy: Policy) -> Policy:
     return Policy(policy.param_dtype, jnp.float32, policy.compute_dtype)
 
 
+def cast_inputs_at_entry(policy: Policy, tree: Any) -> Any:
+    """A model's floating inputs as the model is traced under `policy`.
+
+    Cast to the compute dtype only where the params are in it too (the
+    ``float16`` and ``bfloat16`` policies), so the model is traced as it
+    would run all in that dtype. Under a mixed policy the model is traced
+    with its inputs as given and its float32 params, as written, and the
+    rules decide per operation: a float16 input meeting float32 params would
+    be a mix the model never sees, whose loops (a ``fori_loop`` whose carry
+    starts from the input) change their carry's dtype.
+    """
+    return policy.cast_to_compute(tree) if policy.param_dtype == policy.compute_dtype else tree
+
+
 def scope_of(policy: Policy) -> ScopePolicy:
     """The policy scope in which a layer running under `policy` is traced."""
     return ScopePolicy(policy.compute_dtype, policy.fp8_matmuls, policy.output_dtype)

@@ -33,7 +33,7 @@ from flax import linen as nn
 
 from jaxamp.jaxpr_policy import autocast
 from jaxamp.jaxpr_policy.scope import policy_scope
-from jaxamp.layer_policies import ModulePolicies, cast_by_owner, scope_of
+from jaxamp.layer_policies import ModulePolicies, cast_by_owner, cast_inputs_at_entry, scope_of
 from jaxamp.policy import Policy
 
 
@@ -135,15 +135,29 @@ class PolicyModule(nn.Module):
         return self._run("__call__", *args, **kwargs)
 
     def _run(self, target, *args, **kwargs):
-        """Calls `target` (a method name, or a function of the wrapped model) under the policy."""
+        """Calls `target` (a method name, or a function of the wrapped model) under the policy.
+
+        Inside another model under a policy, this one's policy is a policy
+        scope of its own, as an override would be.
+        """
+        active = _ACTIVE_CALL.get()
+        if active is None:
+            raise TypeError(
+                f"This apply_policy model ({type(self.module).__name__}) was called as a layer of a model "
+                "that runs under no policy, which would leave it in the traced dtypes. Apply the policy to "
+                "the outermost model, and give this part a policy of its own with "
+                f"overrides={{{type(self.module).__name__}: policy}}."
+            )
         policy = self.module_policies.policy
-        args, kwargs = policy.cast_to_compute((args, kwargs))
+        args, kwargs = cast_inputs_at_entry(policy, (args, kwargs))
         call = (
             getattr(self.module, target)
             if isinstance(target, str)
             else functools.partial(target, self.module)
         )
-        with _layer_scopes(_ActiveCall(self.module_policies, policy)):
+        own = dataclasses.replace(active, module_policies=self.module_policies, policy=policy)
+        scope = policy_scope(scope_of(policy)) if policy != active.policy else contextlib.nullcontext()
+        with _active_call(own), scope:
             outputs = call(*args, **kwargs)
         return policy.cast_to_output(outputs)
 
@@ -219,7 +233,8 @@ class PolicyModule(nn.Module):
         if cached is None:
 
             def apply(variables, *args, **kwargs):
-                return nn.Module.apply(self, variables, *args, **kwargs)
+                with _layer_scopes(_ActiveCall(self.module_policies, self.policy)):
+                    return nn.Module.apply(self, variables, *args, **kwargs)
 
             cached = self.__dict__["_jaxamp_autocast_apply"] = autocast(apply, self.policy)
         return cached

@@ -59,7 +59,10 @@ def apply_policy(module: Any, policy: PolicySpec, *, overrides: Mapping[type, Po
         (its ``apply``, with any ``method=``, runs through autocast); for
         NNX, a copy of `module` (the original is untouched) with its params
         cast to ``param_dtype`` and its ``__call__`` and public methods
-        running through autocast. Wrap the outermost model.
+        running through autocast (a submodule called directly,
+        ``model.encoder(x)``, runs outside the policy). Wrap the outermost
+        model: a linen model under a policy inside another keeps its own
+        policy, one inside a plain linen model raises ``TypeError``.
 
     Raises:
         TypeError: `module` is not a Flax module, or `overrides` is malformed.

@@ -37,7 +37,7 @@ from flax import nnx
 
 from jaxamp.jaxpr_policy import autocast
 from jaxamp.jaxpr_policy.scope import ScopePolicy, policy_scope
-from jaxamp.layer_policies import ModulePolicies, cast_by_owner, scope_of
+from jaxamp.layer_policies import ModulePolicies, cast_by_owner, cast_inputs_at_entry, scope_of
 from jaxamp.policy import Policy
 
 # Whether a root method is running: the methods it calls on the model run
@@ -46,7 +46,7 @@ _IN_MODEL_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxamp_in
 
 
 def _cast_call_arguments(policy: Policy, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Casts the floating arrays among a call's arguments to the compute dtype.
+    """A call's floating arguments as `jaxamp.layer_policies.cast_inputs_at_entry` casts them.
 
     NNX objects passed along (``nnx.Rngs``, modules, variables) are handed on
     as they are: mapping over them would rebuild them as copies whose updates
@@ -57,7 +57,7 @@ def _cast_call_arguments(policy: Policy, args: tuple, kwargs: dict) -> tuple[tup
         return isinstance(leaf, (nnx.Pytree, nnx.Variable))
 
     def cast(leaf):
-        return leaf if is_nnx(leaf) else policy.cast_to_compute(leaf)
+        return leaf if is_nnx(leaf) else cast_inputs_at_entry(policy, leaf)
 
     return jax.tree.map(cast, (args, kwargs), is_leaf=is_nnx)
 
@@ -121,7 +121,7 @@ def _scoped_class(module_class: type, scope: ScopePolicy) -> type:
 
 
 def _run_method(method: Callable, policy: Policy, model: nnx.Module, *args, **kwargs):
-    """``method(model, ...)``, floating inputs in the compute dtype, outputs in the output dtype."""
+    """``method(model, ...)``, its inputs cast at entry, its outputs in the output dtype."""
     args, kwargs = _cast_call_arguments(policy, args, kwargs)
     token = _IN_MODEL_CALL.set(True)
     try:

@@ -4,7 +4,9 @@
 static. NNX modules (and ``nnx.Rngs``) are split (``nnx.split``) into a
 static graph and their state, whose arrays are traced like any other; the
 state the call leaves behind (batch statistics, RNG counts) is written back
-to the caller's modules afterwards, or it would be silently lost.
+to the caller's modules afterwards, or it would be silently lost, and so
+are the plain Python attributes the call changed (a counter, a flag), as
+``nnx.jit`` does.
 """
 
 from __future__ import annotations
@@ -57,8 +59,13 @@ class SplitCall:
     _call_tree: Any
     _slots: tuple
 
-    def run(self, *leaves) -> tuple[Any, list]:
-        """Calls the function on `leaves`; returns its outputs and the modules' new states."""
+    def run(self, *leaves) -> tuple[Any, list, list]:
+        """Calls the function on `leaves`.
+
+        Returns:
+            Its outputs, the modules' new states, and per module the plain
+            attributes the call changed, as ``(path, name, value)``.
+        """
         leaf_iter = iter(leaves)
         merged_modules, rebuilt = [], []
         for slot in self._slots:
@@ -72,10 +79,21 @@ class SplitCall:
             else:
                 rebuilt.append(slot[2])
         fun, args, kwargs = jax.tree.unflatten(self._call_tree, rebuilt)
-        return fun(*args, **kwargs), [nnx.state(module) for module in merged_modules]
+        before = [_plain_attributes(module) for module in merged_modules]
+        outputs = fun(*args, **kwargs)
+        changes = [
+            _changed_attributes(old, _plain_attributes(module))
+            for old, module in zip(before, merged_modules, strict=True)
+        ]
+        return outputs, [nnx.state(module) for module in merged_modules], changes
 
-    def write_back(self, states: list) -> None:
-        """Updates each caller's module whose state the call changed."""
+    def write_back(self, states: list, attribute_changes: list) -> None:
+        """Updates each caller's module whose state or plain attributes the call changed."""
+        for module, changes in zip(self.modules, attribute_changes, strict=True):
+            if changes:
+                submodules = dict(nnx.iter_modules(module))
+                for path, name, value in changes:
+                    _set_attribute(submodules[path], name, value)
         for module, state in zip(self.modules, states, strict=True):
             old_leaves = jax.tree.leaves(nnx.state(module))
             new_leaves = jax.tree.leaves(state)
@@ -85,6 +103,61 @@ class SplitCall:
                 new is not old for new, old in zip(new_leaves, old_leaves)
             ):
                 _update(module, state)
+
+
+def _holds_state(value: Any) -> bool:
+    """Whether `value` is or holds NNX state or arrays (which the state carries, not the graph)."""
+    stateful = (nnx.Variable, _NNX_STATEFUL, jax.Array, np.ndarray)
+    return any(
+        isinstance(leaf, stateful)
+        for leaf in jax.tree.leaves(value, is_leaf=lambda leaf: isinstance(leaf, stateful))
+    )
+
+
+def _plain_attributes(module: Any) -> dict[tuple, dict[str, Any]]:
+    """Per submodule path, the attributes that are neither state nor modules (NNX's own left out)."""
+    if not isinstance(module, nnx.Module):
+        return {}
+    return {
+        path: {
+            name: value
+            for name, value in vars(submodule).items()
+            if not name.startswith("_pytree__") and not _holds_state(value)
+        }
+        for path, submodule in nnx.iter_modules(module)
+    }
+
+
+def _changed_attributes(before: dict, after: dict) -> list[tuple]:
+    """``(path, name, new value)`` of each plain attribute that differs, or is new, after the call."""
+    changes = []
+    for path, attributes in after.items():
+        old = before.get(path, {})
+        for name, value in attributes.items():
+            if name not in old or not _same(old[name], value):
+                changes.append((path, name, value))
+    return changes
+
+
+def _same(old: Any, new: Any) -> bool:
+    if old is new:
+        return True
+    try:
+        return bool(old == new)
+    except Exception:  # noqa: BLE001 (a value whose == is no bool: count it as changed)
+        return False
+
+
+def _set_attribute(module: nnx.Module, name: str, value: Any) -> None:
+    try:
+        setattr(module, name, value)
+    except flax.errors.TraceContextError as error:
+        raise ValueError(
+            f"autocast could not write the attribute {name!r} that the call changed back to the "
+            f"{type(module).__name__} module: NNX forbids it for a module that a plain JAX transformation "
+            "(jax.jit, jax.grad, make_jaxpr) closes over. Use nnx.jit / nnx.grad, or pass the module as "
+            "an argument of the transformed function."
+        ) from error
 
 
 def _update(module: nnx.Module, state) -> None:

@@ -12,6 +12,8 @@ rewritten jaxpr, which `RewriteCache` keeps per input shapes and dtypes.
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
@@ -24,7 +26,24 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, jaxpr_as_fun
 from jaxamp.jaxpr_policy.context import Rewrite, Rule, RulesFor
 from jaxamp.jaxpr_policy.reduction_inputs import reduction_inputs
 from jaxamp.jaxpr_policy.rules import cast, float32_rule, follow, follow_rule, is_floating, restore_rule
-from jaxamp.jaxpr_policy.scope import equation_context, scope_policies
+from jaxamp.jaxpr_policy.scope import canonical_name_stack, equation_context, inside_extent, scope_policies
+from jaxamp.jaxpr_policy.unruled import subjaxprs
+
+# While a higher-order equation's rule runs: the policy scopes in which each
+# output of each body it evaluates was made (one tuple per body), so that the
+# equation's outputs leave those scopes where an equation outside reads them.
+_BODY_OUTPUT_SCOPES: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "jaxamp_body_output_scopes", default=None
+)
+
+
+@contextlib.contextmanager
+def _collecting_body_scopes(reports: list | None):
+    token = _BODY_OUTPUT_SCOPES.set(reports)
+    try:
+        yield reports
+    finally:
+        _BODY_OUTPUT_SCOPES.reset(token)
 
 
 def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list:
@@ -46,7 +65,10 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
     (`Rewrite.scoped`). A floating value made inside a policy scope is cast
     to the scope's exit dtype where an equation outside that scope reads it
     (scope by scope, innermost first); the jaxpr's outputs and the
-    equations inside the scope read it as it was made.
+    equations inside the scope read it as it was made. A body's outputs
+    carry the scopes they were made in out to the equation that holds the
+    body (a block that ends in a normalization, under ``jax.checkpoint``),
+    whose outputs then leave those scopes in the same way.
     """
     env: dict[Any, Any] = {}
 
@@ -70,6 +92,7 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
             if exits:
                 invals = _leave_scopes(equation, invals, exits)
             rule = float32_rule if id(equation) in widened else scoped.rule_for(equation)
+            body_scopes: list | None = None
             if rule is follow_rule:
                 variables = [None if isinstance(atom, Literal) else atom for atom in equation.invars]
                 outvals, wide = follow(
@@ -89,13 +112,45 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
                         value if isinstance(atom, Literal) else unrounded.get(atom, value)
                         for atom, value in zip(equation.invars, invals)
                     ]
-                outvals = rule(scoped, equation, invals)
+                elif next(subjaxprs(equation.params), None) is not None:
+                    body_scopes = []
+                with _collecting_body_scopes(body_scopes):
+                    outvals = rule(scoped, equation, invals)
         for variable, value in zip(equation.outvars, outvals, strict=True):
             env[variable] = value
         scopes = scope_policies(equation)
-        if scopes:
+        if body_scopes:
+            for variable, inner in zip(equation.outvars, _scopes_of_outputs(equation, body_scopes)):
+                if scopes or inner:
+                    exits[variable] = scopes + inner
+        elif scopes:
             exits.update((variable, scopes) for variable in equation.outvars)
+    reports = _BODY_OUTPUT_SCOPES.get()
+    if reports is not None:
+        reports.append(
+            tuple(() if isinstance(atom, Literal) else exits.get(atom, ()) for atom in jaxpr.outvars)
+        )
     return [read(atom) for atom in jaxpr.outvars]
+
+
+def _scopes_of_outputs(equation, body_scopes: list[tuple]) -> list[tuple]:
+    """Per output of `equation`, the policy scopes its bodies made it in, as extents of this jaxpr.
+
+    Only the bodies with one output per output of the equation count (a
+    ``scan`` body's carries and stacked outputs, a ``cond`` branch; not a
+    ``while`` loop's predicate or a custom rule's tangents). A body's
+    extents are relative to the equation's own name stack, which prefixes
+    them here.
+    """
+    prefix = canonical_name_stack(str(equation.source_info.name_stack))
+    per_output: list[tuple] = [() for _ in equation.outvars]
+    for report in body_scopes:
+        if len(report) != len(equation.outvars):
+            continue
+        for index, scopes in enumerate(report):
+            composed = tuple((f"{prefix}/{extent}" if prefix else extent, scope) for extent, scope in scopes)
+            per_output[index] += tuple(scope for scope in composed if scope not in per_output[index])
+    return per_output
 
 
 def _leave_scopes(equation, invals: list, exits: dict[Any, tuple]) -> list:
@@ -105,17 +160,12 @@ def _leave_scopes(equation, invals: list, exits: dict[Any, tuple]) -> list:
     for atom, value in zip(equation.invars, invals):
         scopes = () if isinstance(atom, Literal) else exits.get(atom, ())
         for extent, scope in reversed(scopes):
-            if _inside(name_stack, extent):
+            if inside_extent(name_stack, extent):
                 break
             if is_floating(value.dtype) and value.dtype != scope.exit_dtype:
                 value = cast(value, scope.exit_dtype)
         leaving.append(value)
     return leaving
-
-
-def _inside(name_stack: str, extent: str) -> bool:
-    """Whether a name stack lies within a scope's extent (a prefix ending at a component)."""
-    return name_stack.startswith(extent) and name_stack[len(extent) : len(extent) + 1] in ("", "/", ")")
 
 
 def _is_fill(equation) -> bool:
@@ -176,17 +226,25 @@ def rewrite_jaxpr(
         None if out_dtypes is None else tuple(None if dtype is None else str(dtype) for dtype in out_dtypes)
     )
     key = (closed, tuple(_aval_key(aval) for aval in in_avals), pins)
-    if key in context.memo:
-        return context.memo[key]
+    if key not in context.memo:
 
-    def evaluate(*args):
-        outvals = interpret(context, closed.jaxpr, closed.consts, args)
-        if out_dtypes is None:
-            return outvals
-        return [value if dtype is None else cast(value, dtype) for value, dtype in zip(outvals, out_dtypes)]
+        def evaluate(*args):
+            outvals = interpret(context, closed.jaxpr, closed.consts, args)
+            if out_dtypes is None:
+                return outvals
+            return [
+                value if dtype is None else cast(value, dtype) for value, dtype in zip(outvals, out_dtypes)
+            ]
 
-    rewritten = jax.make_jaxpr(evaluate)(*in_avals)
-    context.memo[key] = rewritten
+        with _collecting_body_scopes([]) as reports:
+            rewritten = jax.make_jaxpr(evaluate)(*in_avals)
+        # The body's own report only: the bodies inside it reported to their
+        # own equations.
+        context.memo[key] = (rewritten, tuple(reports))
+    rewritten, reports = context.memo[key]
+    outer = _BODY_OUTPUT_SCOPES.get()
+    if outer is not None:
+        outer.extend(reports)
     return rewritten
 
 
@@ -295,15 +353,18 @@ class RewriteCache:
             static_outputs[:] = [(i, leaf) for i, leaf in enumerate(outputs) if not _is_traced_array(leaf)]
             return [leaf for leaf in outputs if _is_traced_array(leaf)]
 
-        traced = jax.make_jaxpr(array_outputs)(*avals)
-        context = Rewrite(
-            self._compute_dtype,
-            self._rules,
-            as_traced=restore_rule,
-            rules_for=self._rules_for,
-            fp8_matmuls=self._fp8_matmuls,
-        )
-        out_dtypes = [aval.dtype for aval in traced.out_avals]
-        rewritten = rewrite_jaxpr(context, traced, avals, out_dtypes)
+        # A rewrite of its own, even when started inside another's rule (a
+        # custom derivative's): its outputs report to no enclosing equation.
+        with _collecting_body_scopes(None):
+            traced = jax.make_jaxpr(array_outputs)(*avals)
+            context = Rewrite(
+                self._compute_dtype,
+                self._rules,
+                as_traced=restore_rule,
+                rules_for=self._rules_for,
+                fp8_matmuls=self._fp8_matmuls,
+            )
+            out_dtypes = [aval.dtype for aval in traced.out_avals]
+            rewritten = rewrite_jaxpr(context, traced, avals, out_dtypes)
         cacheable = not any(isinstance(const, jax.core.Tracer) for const in traced.consts)
         return _Entry(rewritten, out_tree, tuple(static_outputs)), cacheable

@@ -107,23 +107,46 @@ def policy_scope(scope: ScopePolicy) -> Iterator[None]:
         yield
 
 
+# A transformation's wrapper in a name stack: "jvp(", "transpose(", and ")".
+_TRANSFORM_WRAPPER = re.compile(r"[A-Za-z_]\w*\(|\)")
+
+
+@functools.lru_cache(maxsize=4096)
+def canonical_name_stack(name_stack: str) -> str:
+    """`name_stack` without transformation wrappers: the scopes alone, "/"-separated.
+
+    Differentiation wraps a name stack's first component
+    (``transpose(jvp(block))/jaxamp_policy...``), so the forward and
+    backward equations of one scope differ as strings; without the wrappers
+    they share the scope's extent.
+    """
+    return _TRANSFORM_WRAPPER.sub("", name_stack)
+
+
 @functools.lru_cache(maxsize=4096)
 def _parse_policy_scopes(name_stack: str) -> tuple[tuple[str, ScopePolicy], ...]:
     scopes = []
     for match in _POLICY_COMPONENT.finditer(name_stack):
         compute, fp8, exit_dtype = match.groups()
         scope = ScopePolicy(np.dtype(compute), fp8 is not None, np.dtype(exit_dtype))
-        scopes.append((name_stack[: match.end()], scope))
+        scopes.append((canonical_name_stack(name_stack[: match.end()]), scope))
     return tuple(scopes)
 
 
 def scope_policies(equation) -> tuple[tuple[str, ScopePolicy], ...]:
     """The policy scopes `equation` was traced in, outermost first.
 
-    Each comes with its *extent*: the name stack up to and including the
-    scope, which the name stack of every equation inside it starts with.
+    Each comes with its *extent*: the canonical name stack
+    (`canonical_name_stack`) up to and including the scope, which the
+    canonical name stack of every equation inside it starts with.
     """
     return _parse_policy_scopes(str(equation.source_info.name_stack))
+
+
+def inside_extent(name_stack: str, extent: str) -> bool:
+    """Whether an equation of `name_stack` lies within a policy scope's `extent`."""
+    canonical = canonical_name_stack(name_stack)
+    return canonical.startswith(extent) and canonical[len(extent) : len(extent) + 1] in ("", "/")
 
 
 def equation_context(equation) -> contextlib.AbstractContextManager:

@@ -198,8 +198,8 @@ def _autocast(
 
     def autocast_fun(*args, **kwargs):
         call = split_call(fun, args, kwargs)
-        outputs, module_states = rewrites.call(call.run, call.leaves, call.static_key)
-        call.write_back(module_states)
+        outputs, module_states, attribute_changes = rewrites.call(call.run, call.leaves, call.static_key)
+        call.write_back(module_states, attribute_changes)
         return outputs
 
     # updated=(): a module's attributes are not copied onto the function.

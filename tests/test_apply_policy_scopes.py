@@ -1,0 +1,204 @@
+"""Policy scopes where programs nest: loops, rematerialized blocks, gradients, nested models.
+
+`apply_policy` runs a Flax model through `jaxamp.autocast` and opens a
+policy scope around each call of a normalization layer or an overridden
+class. These scenarios are the places where a scope meets the rest of a
+real program: a loop whose carry starts from the model's input, a block
+that ends in a normalization under ``nn.remat``/``nn.jit``/``nnx.remat``
+(the scope ends inside a nested jaxpr), ``autocast(jax.grad(...))`` (the
+forward and backward equations of a scope carry different name stacks), a
+model under a policy inside another, and an NNX method that changes a
+plain Python attribute.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxamp
+
+F16 = np.dtype(jnp.float16)
+X = jax.random.normal(jax.random.key(0), (4, 16))
+
+
+def _equations(fun, *args):
+    """(primitive, input dtypes, output dtypes) of each top-level equation of `fun`'s jaxpr."""
+    jaxpr = jax.make_jaxpr(fun)(*args).jaxpr
+    return [
+        (
+            equation.primitive.name,
+            [str(atom.aval.dtype) for atom in equation.invars],
+            [str(atom.aval.dtype) for atom in equation.outvars],
+        )
+        for equation in jaxpr.eqns
+    ]
+
+
+class LoopFromInput(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        dense = nn.Dense(16)
+        dense(x)  # creates the params outside the loop, as linen needs
+        return jax.lax.fori_loop(0, 3, lambda _, h: jnp.tanh(dense(h)), x)
+
+
+class NnxLoopFromInput(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return jax.lax.fori_loop(0, 3, lambda _, h: jnp.tanh(self.dense(h)), x)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "float16"])
+def test_a_loop_whose_carry_starts_from_the_input_traces_and_runs_its_matmuls_in_half(policy):
+    """Fails if the model is traced with float16 inputs beside float32 params (the carry's dtype changes)."""
+    linen = jaxamp.apply_policy(LoopFromInput(), policy)
+    variables = linen.init(jax.random.key(1), X)
+    nnx_model = jaxamp.apply_policy(NnxLoopFromInput(nnx.Rngs(1)), policy)
+    output_dtype = jaxamp.get_policy(policy).output_dtype
+
+    assert linen.apply(variables, X).dtype == output_dtype
+    assert nnx_model(X).dtype == output_dtype
+    assert jaxamp.precision_report(linen.apply, variables, X).count_by_dtype() == {"float16": 2}
+    assert jaxamp.precision_report(lambda model, x: model(x), nnx_model, X).count_by_dtype() == {"float16": 1}
+
+
+class NormBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.LayerNorm()(nn.Dense(16)(x))
+
+
+class Blocks(nn.Module):
+    wrap: str
+
+    @nn.compact
+    def __call__(self, x):
+        block = {"remat": nn.remat(NormBlock), "jit": nn.jit(NormBlock), "plain": NormBlock}[self.wrap]
+        h = block()(x)
+        return nn.Dense(16)(h * 2.0 + 1.0)
+
+
+@pytest.mark.parametrize("wrap", ["plain", "remat", "jit"])
+def test_a_block_ending_in_a_norm_hands_on_half_precision_even_under_remat_or_jit(wrap):
+    """The norm's scope ends inside the nested jaxpr; what leaves it must still be float16.
+
+    Fails if the elementwise ops between blocks run in float32 (a float32
+    residual stream, kept for the backward pass) because the exit cast
+    stopped at the body's boundary.
+    """
+    model = jaxamp.apply_policy(Blocks(wrap), "mixed_float16")
+    variables = model.init(jax.random.key(1), X)
+    equations = _equations(model.apply, variables, X)
+    between = [eq for eq in equations if eq[0] in ("mul", "add") and "float16" in eq[1] + eq[2]]
+    assert ("mul", ["float16"], ["float16"]) in [(name, ins[:1], outs) for name, ins, outs in between], (
+        equations
+    )
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(16, 16, rngs=rngs)
+        self.norm = nnx.LayerNorm(16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.norm(self.dense(x))
+
+
+class NnxRematNet(nnx.Module):
+    def __init__(self, rngs):
+        self.block = NnxBlock(rngs)
+        self.out = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x):
+        h = nnx.remat(lambda block, x: block(x))(self.block, x)
+        return self.out(h * 2.0)
+
+
+def test_nnx_a_rematerialized_block_ending_in_a_norm_hands_on_half_precision():
+    model = jaxamp.apply_policy(NnxRematNet(nnx.Rngs(0)), "mixed_float16")
+    graphdef, state = nnx.split(model)
+    equations = _equations(lambda state, x: nnx.merge(graphdef, state)(x), state, X)
+    assert [outputs for name, _, outputs in equations if name == "mul"] == [["float16"]], equations
+
+
+class RMSNormModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return (nn.RMSNorm()(x) * jnp.arange(16.0)).sum()
+
+
+def test_a_gradient_taken_inside_autocast_keeps_the_norms_residuals_in_float32():
+    """``autocast(jax.grad(...))`` of an apply_policy model: the backward pass reads the
+    forward residuals of the normalization scope unrounded. Fails if the residuals were
+    rounded to float16 on their way to the backward equations (relative error 0.45)."""
+    x = X * 300.0
+    plain = RMSNormModel()
+    plain_variables = plain.init(jax.random.key(1), x)
+    model = jaxamp.apply_policy(RMSNormModel(), "mixed_float16")
+    variables = model.init(jax.random.key(1), x)
+    reference = jax.grad(lambda x: plain.apply(plain_variables, x))(x)
+
+    outside = jax.grad(lambda x: model.apply(variables, x))(x)
+    inside = jaxamp.autocast(jax.grad(lambda x: model.apply(variables, x)))(x)
+
+    for gradient in (outside, inside):
+        relative = float(jnp.linalg.norm(gradient - reference) / jnp.linalg.norm(reference))
+        assert relative < 1e-2, relative
+
+
+class Sub(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(x)
+
+
+class Outer(nn.Module):
+    inner: nn.Module
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(self.inner(nn.Dense(4)(x)))
+
+
+def test_linen_a_model_under_a_policy_inside_another_keeps_its_own_policy():
+    x = jnp.ones((2, 4))
+    model = jaxamp.apply_policy(Outer(inner=jaxamp.apply_policy(Sub(), "float32")), "mixed_float16")
+    variables = model.init(jax.random.key(0), x)
+
+    assert jaxamp.precision_report(model.apply, variables, x).count_by_dtype() == {"float16": 2, "float32": 1}
+    assert set(variables["params"]) == {"Dense_0", "Dense_1", "inner"}
+
+
+def test_linen_a_model_under_a_policy_inside_a_plain_model_is_refused_with_the_way_out():
+    with pytest.raises(TypeError, match=r"outermost model.*overrides=\{Sub: policy\}"):
+        Outer(inner=jaxamp.apply_policy(Sub(), "mixed_float16")).init(jax.random.key(0), jnp.ones((2, 4)))
+
+
+class Counting(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 4, rngs=rngs)
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        return self.dense(x)
+
+
+def test_nnx_a_plain_attribute_a_call_changes_is_written_back_eagerly_and_under_nnx_jit():
+    """Fails if the change made on autocast's merged copy of the model were lost (calls stays 0)."""
+    model = jaxamp.apply_policy(Counting(nnx.Rngs(0)), "mixed_float16")
+    x = jnp.ones((2, 4))
+
+    model(x)
+    model(x)
+    assert model.calls == 2
+    jitted = nnx.jit(lambda model, x: model(x))
+    jitted(model, x)
+    jitted(model, x)
+    assert model.calls == 4
+    assert model(x).dtype == jnp.float32
