@@ -101,11 +101,14 @@ class Encoder(nn.Module):
         return nn.Dense(3)(x)
 
 
+@pytest.mark.parametrize("overridden", [ThirdPartyAttention, nn.MultiHeadDotProductAttention])
 @pytest.mark.parametrize("override", ["float32", "mixed_bfloat16"])
-def test_linen_an_override_reaches_a_class_deep_inside_a_model_and_leaves_its_variables_alone(override):
+def test_linen_an_override_reaches_a_class_deep_inside_a_model_and_leaves_its_variables_alone(
+    override, overridden
+):
     tokens = jax.random.normal(jax.random.key(0), (2, 5, 8))
     plain = jax.eval_shape(Encoder().init, jax.random.key(1), tokens)
-    model = jaxamp.apply_policy(Encoder(), "mixed_float16", overrides={ThirdPartyAttention: override})
+    model = jaxamp.apply_policy(Encoder(), "mixed_float16", overrides={overridden: override})
     variables = model.init(jax.random.key(1), tokens)
 
     assert jax.tree.structure(variables) == jax.tree.structure(plain)
