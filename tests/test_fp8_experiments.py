@@ -139,7 +139,7 @@ def test_the_fp8_summary_splits_convolution_and_matmul_shares_by_pass():
         "| 3.00 | 0.80 | mixed_bf16 autocast |" in table
     )
     assert (
-        "| fallback | backward | bfloat16 x bfloat16 | __cudnn$convBackwardFilter | conv_backward | 1 | 22.2% |"
+        "| autocast | fallback | backward | bfloat16 x bfloat16 | __cudnn$convBackwardFilter | conv_backward | 1 | 22.2% |"
         in table
     )
     (check,) = checks.target_checks({"h200": {"resnet18": {"mixed_float8 autocast": entry}}})

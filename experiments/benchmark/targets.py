@@ -413,7 +413,7 @@ def fp8_table_rows(targets: dict) -> list[str]:
         total = sum(entry["heavy_flops_by_dtype"].values()) or 1
         for row in fp8["rows"]:
             fallbacks.append(
-                f"| {entry['device_kind']} | {model} | {row['status']} | {row['direction']} "
+                f"| {entry['device_kind']} | {model} | {entry['route']} | {row['status']} | {row['direction']} "
                 f"| {' x '.join(row['operand_dtypes'])} | {row['primitive']} | {row['reason']} "
                 f"| {row['ops']} | {row['flops'] / total:.1%} |"
             )
@@ -425,8 +425,8 @@ def fp8_table_rows(targets: dict) -> list[str]:
             "`jaxamp.PrecisionReport.fp8_rows` of the optimized program:"
         ),
         "",
-        "| target | model | outcome | pass | operands | as | reason | ops | share of conv+matmul FLOPs |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| target | model | route | outcome | pass | operands | as | reason | ops | share of conv+matmul FLOPs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *fallbacks,
     ]
     return rows
