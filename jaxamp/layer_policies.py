@@ -71,8 +71,21 @@ def cast_inputs_at_entry(policy: Policy, tree: Any) -> Any:
     rules decide per operation: a float16 input meeting float32 params would
     be a mix the model never sees, whose loops (a ``fori_loop`` whose carry
     starts from the input) change their carry's dtype.
+
+    NNX objects among the inputs (``nnx.Rngs``, modules, variables) are
+    handed on as they are: mapping over them would rebuild them as copies
+    whose updates (an RNG count, a module's state) would be lost.
     """
-    return policy.cast_to_compute(tree) if policy.param_dtype == policy.compute_dtype else tree
+    if policy.param_dtype != policy.compute_dtype:
+        return tree
+
+    def is_nnx(leaf) -> bool:
+        return isinstance(leaf, (nnx.Pytree, nnx.Variable))
+
+    def cast(leaf):
+        return leaf if is_nnx(leaf) else policy.cast_to_compute(leaf)
+
+    return jax.tree.map(cast, tree, is_leaf=is_nnx)
 
 
 def scope_of(policy: Policy) -> ScopePolicy:

@@ -32,7 +32,6 @@ import functools
 import inspect
 from collections.abc import Callable
 
-import jax
 from flax import nnx
 
 from jaxamp.jaxpr_policy import autocast
@@ -43,23 +42,6 @@ from jaxamp.policy import Policy
 # Whether a root method is running: the methods it calls on the model run
 # inside its rewrite, not through autocast again.
 _IN_MODEL_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxamp_in_model_call", default=False)
-
-
-def _cast_call_arguments(policy: Policy, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A call's floating arguments as `jaxamp.layer_policies.cast_inputs_at_entry` casts them.
-
-    NNX objects passed along (``nnx.Rngs``, modules, variables) are handed on
-    as they are: mapping over them would rebuild them as copies whose updates
-    (an RNG count, a module's state) would be lost.
-    """
-
-    def is_nnx(leaf) -> bool:
-        return isinstance(leaf, (nnx.Pytree, nnx.Variable))
-
-    def cast(leaf):
-        return leaf if is_nnx(leaf) else cast_inputs_at_entry(policy, leaf)
-
-    return jax.tree.map(cast, (args, kwargs), is_leaf=is_nnx)
 
 
 def _model_methods(module_class: type) -> dict[str, Callable]:
@@ -122,7 +104,7 @@ def _scoped_class(module_class: type, scope: ScopePolicy) -> type:
 
 def _run_method(method: Callable, policy: Policy, model: nnx.Module, *args, **kwargs):
     """``method(model, ...)``, its inputs cast at entry, its outputs in the output dtype."""
-    args, kwargs = _cast_call_arguments(policy, args, kwargs)
+    args, kwargs = cast_inputs_at_entry(policy, (args, kwargs))
     token = _IN_MODEL_CALL.set(True)
     try:
         outputs = method(model, *args, **kwargs)

@@ -24,7 +24,8 @@ RulesFor = Callable[[np.dtype, bool], Mapping[Primitive, Rule]]
 """``rules_for(compute_dtype, fp8_matmuls)``: the rules table of a policy scope."""
 
 
-def _carries_jaxpr(equation) -> bool:
+def carries_jaxpr(equation) -> bool:
+    """Whether `equation` holds a jaxpr (a ``jit``, ``scan``, ``cond``, custom derivative...)."""
     return next(subjaxprs(equation.params), None) is not None
 
 
@@ -96,7 +97,7 @@ class Rewrite:
         rule = self.rules.get(equation.primitive)
         if rule is not None:
             return rule
-        if _carries_jaxpr(equation):
+        if carries_jaxpr(equation):
             name = equation.primitive.name
             raise NotImplementedError(
                 f"jaxamp.autocast has no rule for the higher-order primitive {name!r} "

@@ -23,11 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, jaxpr_as_fun
 
-from jaxamp.jaxpr_policy.context import Rewrite, Rule, RulesFor
+from jaxamp.jaxpr_policy.context import Rewrite, Rule, RulesFor, carries_jaxpr
 from jaxamp.jaxpr_policy.reduction_inputs import reduction_inputs
 from jaxamp.jaxpr_policy.rules import cast, float32_rule, follow, follow_rule, is_floating, restore_rule
 from jaxamp.jaxpr_policy.scope import canonical_name_stack, equation_context, inside_extent, scope_policies
-from jaxamp.jaxpr_policy.unruled import subjaxprs
 
 # While a higher-order equation's rule runs: the policy scopes in which each
 # output of each body it evaluates was made (one tuple per body), so that the
@@ -112,7 +111,7 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
                         value if isinstance(atom, Literal) else unrounded.get(atom, value)
                         for atom, value in zip(equation.invars, invals)
                     ]
-                elif next(subjaxprs(equation.params), None) is not None:
+                elif carries_jaxpr(equation):
                     body_scopes = []
                 with _collecting_body_scopes(body_scopes):
                     outvals = rule(scoped, equation, invals)
