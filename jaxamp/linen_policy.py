@@ -31,8 +31,9 @@ from typing import Any
 
 from flax import linen as nn
 
-from jaxamp.jaxpr_policy import autocast
+from jaxamp.jaxpr_policy.arguments import LeafOrigin
 from jaxamp.jaxpr_policy.scope import policy_scope
+from jaxamp.jaxpr_policy.transform import make_autocast
 from jaxamp.layer_policies import ModulePolicies, cast_by_owner, cast_inputs_at_entry, scope_of
 from jaxamp.policy import Policy
 
@@ -236,5 +237,19 @@ class PolicyModule(nn.Module):
                 with _layer_scopes(_ActiveCall(self.module_policies, self.policy)):
                     return nn.Module.apply(self, variables, *args, **kwargs)
 
-            cached = self.__dict__["_jaxamp_autocast_apply"] = autocast(apply, self.policy)
+            cached = self.__dict__["_jaxamp_autocast_apply"] = make_autocast(
+                apply, self.policy, traced_in_compute=_params_and_inputs, outputs_as_traced=True
+            )
         return cached
+
+
+def _params_and_inputs(origin: LeafOrigin) -> bool:
+    """Whether a floating leaf of ``apply(variables, *inputs)`` is traced in the compute dtype.
+
+    The params and the model's inputs are; the other collections (batch
+    statistics, a cache) keep their dtypes, as their updates need.
+    """
+    where, *rest = origin.path  # in (fun, args, kwargs); args[0] is the variables
+    if where.idx == 1 and rest and rest[0].idx == 0:
+        return len(rest) > 1 and getattr(rest[1], "key", None) == "params"
+    return True

@@ -34,8 +34,8 @@ from collections.abc import Callable
 
 from flax import nnx
 
-from jaxamp.jaxpr_policy import autocast
 from jaxamp.jaxpr_policy.scope import ScopePolicy, policy_scope
+from jaxamp.jaxpr_policy.transform import make_autocast
 from jaxamp.layer_policies import ModulePolicies, cast_by_owner, cast_inputs_at_entry, scope_of
 from jaxamp.policy import Policy
 
@@ -123,7 +123,9 @@ def _root_class(module_class: type, module_policies: ModulePolicies) -> type:
     policy = module_policies.policy
 
     def through_autocast(method):
-        rewritten = autocast(functools.partial(_run_method, method, policy), policy)
+        rewritten = make_autocast(
+            functools.partial(_run_method, method, policy), policy, outputs_as_traced=True
+        )
 
         @functools.wraps(method)
         def model_method(self, *args, **kwargs):

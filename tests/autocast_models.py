@@ -112,7 +112,7 @@ def softplus(x):
 @softplus.defjvp
 def _softplus_jvp(primals, tangents):
     (x,), (t,) = primals, tangents
-    return softplus(x), (t * jax.nn.sigmoid(x)) @ jnp.eye(x.shape[-1])
+    return softplus(x), (t * jax.nn.sigmoid(x)) @ jnp.eye(x.shape[-1], dtype=x.dtype)
 
 
 def control_flow_mix():

@@ -43,7 +43,17 @@ X = jax.random.normal(jax.random.key(0), (4, 8))
 W = jax.random.normal(jax.random.key(1), (8, 8)) / 3
 
 
-def test_outputs_come_back_in_exactly_the_dtypes_the_function_returns():
+def test_outputs_come_back_in_the_dtypes_the_function_returns_for_its_float32_arguments():
+    """The function is traced with half arguments; what it returns in half comes back in float32.
+
+    An output the function gives in the compute dtype is returned in the
+    dtype of the arguments traced down to it (float32), like the matmul's
+    result here; an explicit cast to that dtype cannot be told apart from it
+    in the half trace. Other dtypes come back as returned. With the
+    arguments traced as given (``float32_argnums``), the trace is the
+    float32 program's and every output has its dtype exactly.
+    """
+
     def fun(x, w):
         h = x @ w
         return {
@@ -54,7 +64,40 @@ def test_outputs_come_back_in_exactly_the_dtypes_the_function_returns():
         }
 
     expected = jax.tree.map(lambda leaf: leaf.dtype, fun(X, W))
-    assert jax.tree.map(lambda leaf: leaf.dtype, jaxamp.autocast(fun)(X, W)) == expected
+    widened = {**expected, "f16": jnp.dtype(jnp.float32)}
+    assert jax.tree.map(lambda leaf: leaf.dtype, jaxamp.autocast(fun)(X, W)) == widened
+    as_given = jaxamp.autocast(fun, float32_argnums=(0, 1))
+    assert jax.tree.map(lambda leaf: leaf.dtype, as_given(X, W)) == expected
+    assert (
+        jax.tree.map(lambda leaf: leaf.dtype, jaxamp.autocast(fun, float32_argnames="w")(X, w=W)) == widened
+    )
+
+
+def test_the_function_is_traced_with_its_floating_arguments_in_the_compute_dtype():
+    seen = []
+
+    def fun(x, w, steps):
+        seen.append((x.dtype, w.dtype, steps.dtype))
+        return x @ w
+
+    steps = jnp.arange(3)
+    jaxamp.autocast(fun, "mixed_bfloat16")(X, W, steps)
+    jaxamp.autocast(fun, "mixed_bfloat16", float32_argnums=1)(X, W, steps)
+    jaxamp.autocast(fun, "float32")(X, W, steps)
+    bf16, f32, i32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
+    assert seen == [(bf16, bf16, i32), (bf16, f32, i32), (f32, f32, i32)]
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"float32_argnums": "0"}, "float32_argnums must be ints"),
+        ({"float32_argnames": 1}, "float32_argnames must be strs"),
+    ],
+)
+def test_float32_arguments_named_wrongly_are_an_error(bad, match):
+    with pytest.raises(TypeError, match=match):
+        jaxamp.autocast(lambda x: x, **bad)
 
 
 def test_a_scalar_literal_does_not_pull_a_float16_value_back_to_float32():
@@ -63,7 +106,13 @@ def test_a_scalar_literal_does_not_pull_a_float16_value_back_to_float32():
     ]
 
 
-def test_a_mask_constant_that_float16_cannot_hold_keeps_the_logits_in_float32():
+def test_a_mask_constant_that_float16_cannot_hold_is_minus_infinity_and_the_softmax_stays_right():
+    """Traced in float16, JAX turns the Python constant -1e9 into -inf, as a float16 program does.
+
+    The softmax runs in float32 and a row with some -inf logits is still
+    right. Traced as given (``float32_argnums``), the constant is float32's
+    and the select that holds it runs in float32.
+    """
     mask = jnp.tril(jnp.ones((4, 4), bool))
 
     def attention_weights(q, k):
@@ -71,10 +120,13 @@ def test_a_mask_constant_that_float16_cannot_hold_keeps_the_logits_in_float32():
         return jax.nn.softmax(logits, axis=-1)
 
     q, k = X, X[::-1]
-    assert _equation_dtypes(jaxamp.autocast(attention_weights), q, k, primitive="select_n") == [jnp.float32]
-    weights = jaxamp.autocast(attention_weights)(q, k)
-    assert bool(jnp.all(jnp.isfinite(weights)))
-    np.testing.assert_allclose(weights, attention_weights(q, k), atol=1e-2)
+    assert _equation_dtypes(jaxamp.autocast(attention_weights), q, k, primitive="select_n") == [jnp.float16]
+    as_given = jaxamp.autocast(attention_weights, float32_argnums=(0, 1))
+    assert _equation_dtypes(as_given, q, k, primitive="select_n") == [jnp.float32]
+    for autocast_weights in (jaxamp.autocast(attention_weights), as_given):
+        weights = autocast_weights(q, k)
+        assert bool(jnp.all(jnp.isfinite(weights)))
+        np.testing.assert_allclose(weights, attention_weights(q, k), atol=1e-2)
 
 
 def test_a_matmul_output_beyond_float16_range_overflows_unless_bfloat16_or_the_float32_scope():
@@ -129,8 +181,11 @@ def test_the_float32_scope_keeps_its_matmuls_in_float32_forward_and_backward():
 
 
 def test_overrides_change_the_rule_of_a_primitive():
-    no_half = jaxamp.autocast(lambda x, w: x @ w, overrides={"dot_general": "restore"})
+    no_half = jaxamp.autocast(lambda x, w: x @ w, overrides={"dot_general": "float32"})
     assert jaxamp.precision_report(no_half, X, W).fraction(jnp.float32) == 1.0
+    # "restore" runs it as traced: in the compute dtype, as the function was traced.
+    as_traced = jaxamp.autocast(lambda x, w: x @ w, overrides={"dot_general": "restore"})
+    assert jaxamp.precision_report(as_traced, X, W).fraction(jnp.float16) == 1.0
     tanh_in_float32 = jaxamp.autocast(lambda x, w: jnp.tanh(x @ w), overrides={"tanh": "float32"})
     assert _equation_dtypes(tanh_in_float32, X, W, primitive="tanh") == [jnp.float32]
 
@@ -165,15 +220,18 @@ def test_an_unknown_primitive_that_carries_a_jaxpr_is_an_error_naming_it():
         NotImplementedError, match="'my_opaque_loop'.*overrides=\\{'my_opaque_loop': 'restore'\\}"
     ):
         jaxamp.autocast(opaque)(X)
-    np.testing.assert_array_equal(jaxamp.autocast(opaque, overrides={"my_opaque_loop": "restore"})(X), X)
-    np.testing.assert_array_equal(jaxamp.autocast(opaque, overrides={primitive: "restore"})(X), X)
+    # Run as traced: in float16, the dtype X was traced in, and widened back on the way out.
+    traced = X.astype(jnp.float16).astype(jnp.float32)
+    np.testing.assert_array_equal(jaxamp.autocast(opaque, overrides={"my_opaque_loop": "restore"})(X), traced)
+    np.testing.assert_array_equal(jaxamp.autocast(opaque, overrides={primitive: "restore"})(X), traced)
 
 
 def test_a_primitive_without_a_lowering_is_overridden_by_the_object_not_the_name():
     primitive, opaque = _primitive_with_a_body("my_unlowered_loop", lowered=False)
     with pytest.raises(ValueError, match="'my_unlowered_loop', which JAX does not have.*object itself"):
         jaxamp.autocast(opaque, overrides={"my_unlowered_loop": "restore"})
-    np.testing.assert_array_equal(jaxamp.autocast(opaque, overrides={primitive: "restore"})(X), X)
+    as_given = jaxamp.autocast(opaque, overrides={primitive: "restore"}, float32_argnums=0)
+    np.testing.assert_array_equal(as_given(X), X)
 
 
 def test_overrides_take_the_primitive_objects_jax_exports():

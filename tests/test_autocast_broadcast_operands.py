@@ -42,9 +42,17 @@ def test_a_float32_bias_added_to_a_float16_matmul_result_gives_float16():
 
 
 def test_two_full_size_operands_still_promote_to_the_wider():
-    """A float32 activation of the result's shape is no per-feature value: the sum stays float32."""
-    (tanh,) = equations(jaxamp.autocast(lambda x, w: jnp.tanh(x @ w + x)), X, W, primitive="tanh")
+    """A float32 activation of the result's shape is no per-feature value: the sum stays float32.
+
+    Traced in float16, the argument ``x`` is a float16 value of the program
+    whose float32 original the sum reads: the sum is computed in float32 and
+    rounded to float16, as ``x`` cast at entry would give.
+    """
+    fun = lambda x, w: jnp.tanh(x @ w + x)  # noqa: E731
+    (tanh,) = equations(jaxamp.autocast(fun, float32_argnums=0), X, W, primitive="tanh")
     assert floating_dtypes(tanh.invars) == {jnp.dtype(jnp.float32)}
+    (tanh,) = equations(jaxamp.autocast(fun), X, W, primitive="tanh")
+    assert floating_dtypes(tanh.invars) == {jnp.dtype(jnp.float16)}
 
 
 def normalize(h, scale, bias):
@@ -91,11 +99,18 @@ def test_batchnorm_statistics_and_running_averages_stay_float32_while_its_output
     sums = equations(fun, variables, images, primitive="reduce_sum")
     assert len(sums) == 2  # the mean and the mean of squares
     for reduction in sums:
-        assert floating_dtypes(reduction.invars) == floating_dtypes(reduction.outvars) == {jnp.dtype(jnp.float32)}
-    (output, updates), (want, want_updates) = fun(variables, images), model.apply(
-        variables, images, mutable=["batch_stats"]
+        assert (
+            floating_dtypes(reduction.invars)
+            == floating_dtypes(reduction.outvars)
+            == {jnp.dtype(jnp.float32)}
+        )
+    (output, updates), (want, want_updates) = (
+        fun(variables, images),
+        model.apply(variables, images, mutable=["batch_stats"]),
     )
-    assert jax.tree.map(lambda leaf: leaf.dtype, updates) == jax.tree.map(lambda leaf: leaf.dtype, want_updates)
+    assert jax.tree.map(lambda leaf: leaf.dtype, updates) == jax.tree.map(
+        lambda leaf: leaf.dtype, want_updates
+    )
     np.testing.assert_allclose(output, want, atol=2e-2)
     for got, expected in zip(jax.tree.leaves(updates), jax.tree.leaves(want_updates)):
         np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-3)
@@ -112,14 +127,21 @@ def test_a_broadcast_zero_is_as_weak_as_the_literal():
     assert floating_dtypes(select.invars) == {jnp.dtype(jnp.float16)}
 
 
-def test_a_broadcast_literal_float16_cannot_hold_still_keeps_the_select_in_float32():
+def test_a_broadcast_literal_float16_cannot_hold_keeps_the_select_in_float32_when_traced_in_float32():
+    """Traced in float16 the fill is -inf, as JAX makes it in a float16 program; traced as given, it
+    is float32's -1e9, which keeps the select in float32 and the result finite."""
+
     def masked(x, w):
         h = x @ w
         return lax.select(h > 0, h, lax.full_like(h, -1e9))
 
     (select,) = equations(jaxamp.autocast(masked), X, W, primitive="select_n")
+    assert floating_dtypes(select.invars) == {jnp.dtype(jnp.float16)}
+    assert bool(jnp.any(jnp.isneginf(jaxamp.autocast(masked)(X, W))))
+    as_given = jaxamp.autocast(masked, float32_argnums=(0, 1))
+    (select,) = equations(as_given, X, W, primitive="select_n")
     assert floating_dtypes(select.invars) == {jnp.dtype(jnp.float32)}
-    assert bool(jnp.all(jnp.isfinite(jaxamp.autocast(masked)(X, W))))
+    assert bool(jnp.all(jnp.isfinite(as_given(X, W))))
 
 
 def test_relu_of_float16_and_its_derivative_stay_float16_and_match_float32():

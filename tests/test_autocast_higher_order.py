@@ -158,11 +158,17 @@ def test_a_checkpoint_keeps_its_policy_and_prevent_cse():
     assert remat.params["prevent_cse"] is False
 
 
-def test_a_scan_carry_keeps_its_traced_dtype_while_the_body_matmul_is_float16():
-    closed = jax.make_jaxpr(jaxamp.autocast(with_scan))(*_inputs("forward"))
+@pytest.mark.parametrize(
+    "float32_argnums, carry_dtype", [((), jnp.float16), ((0, 1), jnp.float32)], ids=["half_trace", "as_given"]
+)
+def test_a_scan_carry_keeps_its_traced_dtype_while_the_body_matmul_is_float16(float32_argnums, carry_dtype):
+    """The carry (``zeros_like(x)``) is pinned to the dtype it was traced with: float16 when the
+    function is traced in the compute dtype, float32 when its arguments are traced as given."""
+    cast = jaxamp.autocast(with_scan, float32_argnums=float32_argnums)
+    closed = jax.make_jaxpr(cast)(*_inputs("forward"))
     (scan,) = _equations(closed, "scan")
     body = scan.params["jaxpr"]
-    assert body.out_avals[0].dtype == jnp.float32  # the carry, pinned
+    assert body.out_avals[0].dtype == carry_dtype  # the carry, pinned
     dots = [equation for equation in body.jaxpr.eqns if equation.primitive.name == "dot_general"]
     assert [dot.outvars[0].aval.dtype for dot in dots] == [jnp.float16]
 

@@ -225,19 +225,24 @@ OVERFLOWING_LITERALS = {
 
 @pytest.mark.parametrize("scenario", sorted(OVERFLOWING_LITERALS))
 def test_an_operation_with_a_literal_beyond_float16_range_runs_in_float32(scenario):
-    """Fails if the literal is checked against float32 (it fits) instead of the half dtype."""
+    """Fails if the literal is checked against float32 (it fits) instead of the half dtype.
+
+    The argument is traced as given (``float32_argnums``), so the literal is
+    float32's; traced in float16, JAX itself would make it infinite.
+    """
     fun, primitive = OVERFLOWING_LITERALS[scenario]
     x = square(jnp.float32)
 
     def model(x):
         return fun(x @ x).astype(jnp.float32)
 
-    closed = jax.make_jaxpr(jaxamp.autocast(model))(x)
+    cast = jaxamp.autocast(model, float32_argnums=0)
+    closed = jax.make_jaxpr(cast)(x)
     (dot,) = [eq for eq in all_equations(closed.jaxpr) if eq.primitive.name == "dot_general"]
     assert dot.outvars[0].aval.dtype == jnp.float16
     (operation,) = [eq for eq in all_equations(closed.jaxpr) if eq.primitive.name == primitive]
     assert set(floating_dtypes(operation.invars)) == {jnp.dtype(jnp.float32)}, operation
-    result = jaxamp.autocast(model)(x)
+    result = cast(x)
     np.testing.assert_allclose(result, model(x), rtol=1e-2)
     assert np.all(np.isfinite(result))
 
@@ -258,11 +263,15 @@ def test_the_same_literal_fits_bfloat16_and_the_operation_stays_in_bfloat16(scen
 def test_a_literal_that_float32_holds_but_bfloat16_cannot_keeps_a_bfloat16_operation_in_float32(literal):
     """bfloat16's largest value is 3.3895e38, float32's 3.4028e38: the check is against the half dtype.
 
-    Fails if literal overflow is checked against float32 (the literal fits it).
+    Fails if literal overflow is checked against float32 (the literal fits it). The argument is
+    traced as given, so the literal is float32's.
     """
     closed = jax.make_jaxpr(
-        jaxamp.autocast(lambda x: jnp.maximum(x @ x, literal) if literal < 0 else jnp.minimum(x @ x, literal),
-                        "mixed_bfloat16")
+        jaxamp.autocast(
+            lambda x: jnp.maximum(x @ x, literal) if literal < 0 else jnp.minimum(x @ x, literal),
+            "mixed_bfloat16",
+            float32_argnums=0,
+        )
     )(square(jnp.float32))
     primitive = "max" if literal < 0 else "min"
     (operation,) = [eq for eq in all_equations(closed.jaxpr) if eq.primitive.name == primitive]
@@ -326,7 +335,11 @@ def test_a_float16_call_after_a_float32_call_runs_its_matmul_on_float16_operands
 
 
 def test_a_callback_receives_the_dtype_it_was_traced_with_though_its_input_was_computed_in_float16():
-    """Fails if the restore rule passes the float16 matmul result through uncast."""
+    """Fails if the restore rule passes the float16 matmul result through uncast.
+
+    Traced as given (``float32_argnums``) the callback was traced for float32;
+    traced in the compute dtype, for float16, which it then receives.
+    """
     seen = []
 
     def host_norm(values):
@@ -338,26 +351,34 @@ def test_a_callback_receives_the_dtype_it_was_traced_with_though_its_input_was_c
         return jax.pure_callback(host_norm, jax.ShapeDtypeStruct((), jnp.float32), h)
 
     x = square(jnp.float32)
-    closed = jax.make_jaxpr(jaxamp.autocast(model))(x)
+    cast = jaxamp.autocast(model, float32_argnums=0)
+    closed = jax.make_jaxpr(cast)(x)
     (callback,) = [eq for eq in all_equations(closed.jaxpr) if eq.primitive.name == "pure_callback"]
     assert floating_dtypes(callback.invars) == [jnp.dtype(jnp.float32)]
-    result = jaxamp.autocast(model)(x)
+    result = cast(x)
     assert seen[-1] == np.float32
     np.testing.assert_allclose(result, model(x), rtol=1e-2)
+    half_trace = jaxamp.autocast(model)(x)
+    assert seen[-1] == np.float16
+    np.testing.assert_allclose(half_trace, model(x), rtol=1e-2)
 
 
 def test_a_reduce_with_the_users_own_combiner_runs_as_traced_on_a_float16_matmul_result():
-    """``lax.reduce`` with a custom computation carries a jaxpr written for float32."""
+    """``lax.reduce`` with a custom computation carries a jaxpr written for float32.
+
+    Its float32 initial value needs float32 operands, so the argument is traced as given.
+    """
 
     def model(x):
         h = x @ x
         return lax.reduce(h, np.float32(0), lambda a, b: a + jnp.abs(b), (1,))
 
     x = square(jnp.float32)
-    closed = jax.make_jaxpr(jaxamp.autocast(model))(x)
+    cast = jaxamp.autocast(model, float32_argnums=0)
+    closed = jax.make_jaxpr(cast)(x)
     (reduce,) = [eq for eq in all_equations(closed.jaxpr) if eq.primitive.name == "reduce"]
     assert set(floating_dtypes(reduce.invars)) == {jnp.dtype(jnp.float32)}
-    np.testing.assert_allclose(jaxamp.autocast(model)(x), model(x), rtol=1e-2)
+    np.testing.assert_allclose(cast(x), model(x), rtol=1e-2)
 
 
 def test_a_scatter_into_a_float16_matmul_result_sees_one_dtype_and_the_traced_values():

@@ -204,12 +204,14 @@ def test_a_users_first_order_primitive_without_a_rule_runs_as_traced():
     """No jaxpr to rewrite, so no error: its inputs are cast back to the dtypes they were traced with.
 
     Fails if every primitive missing from the table is taken for a
-    higher-order one (an error), or if it follows its float16 input.
+    higher-order one (an error), or if it follows its float16 input. The
+    arguments are traced as given (float32), so "as traced" is float32.
     """
     primitive = Primitive("my_first_order_op")
     primitive.def_abstract_eval(lambda x, *, scale: x)
+    as_given = jaxamp.autocast(lambda x, w: primitive.bind(x @ w, scale=2.0), float32_argnums=(0, 1))
     with pytest.warns(jaxamp.NoAutocastRuleWarning, match="no rule for the primitive 'my_first_order_op'"):
-        closed = jax.make_jaxpr(jaxamp.autocast(lambda x, w: primitive.bind(x @ w, scale=2.0)))(X, W)
+        closed = jax.make_jaxpr(as_given)(X, W)
     (equation,) = _equations(closed, "my_first_order_op")
     assert equation.invars[0].aval.dtype == jnp.float32
     assert [equation.outvars[0].aval.dtype for equation in _equations(closed, "dot_general")] == [jnp.float16]
@@ -259,10 +261,12 @@ def test_a_primitive_that_carries_a_jaxpr_takes_restore_and_then_runs_as_traced(
     """'restore', the one override a higher-order primitive accepts, is accepted and runs its body in float32.
 
     Fails if the check that refuses every other rule refuses 'restore' too,
-    or if the override is dropped (the scan's matmul would be float16).
+    or if the override is dropped (the scan's matmul would be float16). The
+    arguments are traced as given (float32), so "as traced" is float32.
     """
     assert _dot_and_tanh_dtypes(jaxamp.autocast(_scanned_layer))[0] == [jnp.float16]
-    assert _dot_and_tanh_dtypes(jaxamp.autocast(_scanned_layer, overrides={key: "restore"})) == [
+    restored = jaxamp.autocast(_scanned_layer, overrides={key: "restore"}, float32_argnums=(0, 1))
+    assert _dot_and_tanh_dtypes(restored) == [
         [jnp.float32],
         [jnp.float32],
     ]
@@ -660,7 +664,9 @@ def test_a_registry_keyed_by_names_or_moved_degrades_with_a_warning_that_says_wh
     assert jax.lax.exp_p in primitives
     message = str(warned[0].message)
     assert "(its rule tables are no longer keyed by primitives)" in message
-    assert "apply to the primitives JAX exports (jax.lax, jax.lax.linalg, jax.extend.core.primitives)" in message
+    assert (
+        "apply to the primitives JAX exports (jax.lax, jax.lax.linalg, jax.extend.core.primitives)" in message
+    )
     monkeypatch.delattr(mlir, "_lowerings")
     with pytest.warns(RuntimeWarning, match="AttributeError"):
         assert jax.lax.exp_p in registry.registered_primitives()

@@ -51,8 +51,8 @@ def test_the_analytic_flops_per_token_count_every_weight_but_the_position_table_
 
 def test_attention_is_cudnn_on_a_gpu_in_half_precision_and_einsum_or_xla_elsewhere():
     choose = model_lib.choose_attention
-    assert choose("auto", "gpu", jnp.bfloat16, 64, param_dtype=jnp.bfloat16) == "cudnn"
-    assert choose("auto", "gpu", jnp.bfloat16, 64) == "einsum"  # float32 params: traced in float32
+    assert choose("auto", "gpu", jnp.bfloat16, 64) == "cudnn"  # float32 params too: traced in bfloat16
+    assert choose("auto", "gpu", jnp.float16, 64) == "cudnn"
     assert choose("auto", "gpu", jnp.float32, 64) == "xla"
     assert choose("auto", "cpu", jnp.float16, 16) == "einsum"
     assert choose("auto", "gpu", jnp.float16, 12) == "einsum"  # head size not a multiple of 8
@@ -149,9 +149,7 @@ def test_a_split_shorter_than_one_window_is_refused_naming_it_and_one_window_fit
 @hypothesis.settings(max_examples=500)
 @hypothesis.example(start=0, size=10, process_count=3)  # a boundary rounded up: (0,4), (3,7), (6,10)
 @hypothesis.example(start=95, size=5, process_count=8)  # more processes than examples
-@hypothesis.given(
-    start=st.integers(0, 10**9), size=st.integers(0, 10**6), process_count=st.integers(1, 300)
-)
+@hypothesis.given(start=st.integers(0, 10**9), size=st.integers(0, 10**6), process_count=st.integers(1, 300))
 def test_the_processes_shares_of_a_split_are_disjoint_contiguous_and_cover_it(start, size, process_count):
     """Each process reads `tfds_share` of every split: together the shares are `[start, stop)`
     cut into consecutive pieces, none overlapping, none left out, their sizes within one of each
@@ -279,8 +277,9 @@ def test_the_step_compiled_for_an_h200_runs_its_matmuls_in_bfloat16_with_a_roofl
 
     if not gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]'; run with JAX_PLATFORMS=cpu)")
+    # The einsum attention: cuDNN's (what auto picks on a GPU) needs libcudnn to compile.
     config = config_lib.LMConfig(
-        model="tiny", precision="mixed_bf16", route="autocast", context=16, batch_size=2
+        model="tiny", precision="mixed_bf16", route="autocast", attention="einsum", context=16, batch_size=2
     )
     entry = on_paper.compile_for("h200", config, vocab_size=256)
     assert entry["device_kind"] == "NVIDIA H200" and entry["attention"] == "einsum"
@@ -299,7 +298,9 @@ def test_fp8_runs_every_projection_in_fp8_by_either_route(route):
     routes = {config.precision: config.route for config in lm_cli.configs_from_args(args)}
     assert routes == {"mixed_bf16": "apply_policy", "mixed_float8": "apply_policy"}
 
-    config = config_lib.LMConfig(model="tiny", precision="mixed_float8", route=route, context=16, batch_size=2)
+    config = config_lib.LMConfig(
+        model="tiny", precision="mixed_float8", route=route, context=16, batch_size=2
+    )
     resolved = resolve_precision(config.precision)
     model, _ = train.create_model(config, resolved, 256, "cpu")
     tx = train.create_optimizer(config)

@@ -45,18 +45,16 @@ SIZES: dict[str, GPTSize] = {
 }
 
 
-def choose_attention(
-    requested: str, platform: str, compute_dtype, head_dim: int, param_dtype=jnp.float32
-) -> str:
+def choose_attention(requested: str, platform: str, compute_dtype, head_dim: int) -> str:
     """The attention implementation a model uses.
 
     ``auto`` picks, in order:
 
     * ``cudnn`` (`jax.nn.dot_product_attention`'s fused flash attention) on a
-      GPU when its constraints hold: float16 or bfloat16 operands, a head size
-      that is a multiple of 8 and at most 128, and half-precision params
-      (`jaxamp.autocast`, and so `jaxamp.apply_policy`, traces the model with
-      its params' dtype, and cuDNN rejects a float32 trace);
+      GPU when its constraints hold: float16 or bfloat16 compute (jaxamp
+      traces the model in the compute dtype, so the attention receives half
+      operands whatever the params' dtype) and a head size that is a
+      multiple of 8 and at most 128;
     * ``xla`` (`jax.nn.dot_product_attention`'s einsum, masked float32
       softmax, einsum) for float32 compute;
     * ``einsum`` for half compute elsewhere: the same math, but the score
@@ -71,7 +69,6 @@ def choose_attention(
         platform: the backend compiled for (``cpu``, ``gpu``, ``tpu``).
         compute_dtype: the policy's compute dtype.
         head_dim: size of one head.
-        param_dtype: the policy's param dtype, in which the model is traced.
 
     Raises:
         ValueError: an unknown choice, or ``cudnn`` where it cannot run.
@@ -81,14 +78,12 @@ def choose_attention(
             f"--attention {requested!r} is invalid: expected one of {', '.join(ATTENTION_CHOICES)}."
         )
     half = jnp.dtype(compute_dtype) in [jnp.dtype(d) for d in _HALF_DTYPES]
-    traced_half = jnp.dtype(param_dtype) in [jnp.dtype(d) for d in _HALF_DTYPES]
-    cudnn_fits = platform == "gpu" and half and traced_half and head_dim % 8 == 0 and head_dim <= 128
+    cudnn_fits = platform == "gpu" and half and head_dim % 8 == 0 and head_dim <= 128
     if requested == "cudnn" and not cudnn_fits:
         raise ValueError(
-            "--attention cudnn needs a GPU, float16 or bfloat16 compute, a head size that is a "
-            "multiple of 8 up to 128, and half-precision params (a policy such as bfloat16); here: "
-            f"platform {platform}, compute {jnp.dtype(compute_dtype).name}, head size {head_dim}, params "
-            f"{jnp.dtype(param_dtype).name}. Use --attention auto."
+            "--attention cudnn needs a GPU, float16 or bfloat16 compute and a head size that is a "
+            f"multiple of 8 up to 128; here: platform {platform}, compute {jnp.dtype(compute_dtype).name}, "
+            f"head size {head_dim}. Use --attention auto."
         )
     if requested != "auto":
         return requested

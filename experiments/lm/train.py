@@ -50,9 +50,7 @@ def create_model(config: LMConfig, precision: Precision, vocab_size: int, platfo
     """The model (policy-wrapped on the ``apply_policy`` route) and its attention choice."""
     size = model_lib.SIZES[config.model]
     policy = precision.policy
-    attention = model_lib.choose_attention(
-        config.attention, platform, policy.compute_dtype, size.head_dim, policy.param_dtype
-    )
+    attention = model_lib.choose_attention(config.attention, platform, policy.compute_dtype, size.head_dim)
     model = model_lib.create_model(config.model, vocab_size, attention)
     if config.route == "apply_policy":
         model = jaxamp.apply_policy(model, precision.policy)
@@ -84,12 +82,27 @@ def create_optimizer(config: LMConfig) -> optax.GradientTransformation:
     )
 
 
+def model_for_init(model):
+    """The model that creates the params: `model`, with the ``einsum`` attention in place of ``cudnn``.
+
+    ``init`` runs the model as written, in float32, and cuDNN's attention
+    takes half operands only; the params are the same for every attention.
+    Under `jaxamp.apply_policy` or `jaxamp.autocast` the model is traced in
+    the compute dtype, so the train step runs cuDNN with float32 params.
+    """
+    inner = getattr(model, "module", model)  # an apply_policy model wraps the GPT
+    if getattr(inner, "attention", None) != "cudnn":
+        return model
+    einsum = inner.clone(attention="einsum")
+    return model.clone(module=einsum) if inner is not model else einsum
+
+
 def create_train_state(
     config: LMConfig, precision: Precision, model, context: int, tx: optax.GradientTransformation
 ) -> jaxamp.TrainState:
     """Initializes params from ``config.seed`` and builds the `jaxamp.TrainState` around `tx`."""
     sample = jnp.zeros((1, context), jnp.int32)
-    params = model.init(jax.random.key(config.seed), sample)["params"]
+    params = model_for_init(model).init(jax.random.key(config.seed), sample)["params"]
     return jaxamp.TrainState.create(
         apply_fn=model.apply,
         params=params,
@@ -169,7 +182,9 @@ def compile_steps(config, precision, model, sharding: Sharding, context: int) ->
     if config.communicates_explicitly:
         # Gathers and gradient sums in the stated dtypes, written into the
         # program (`jaxamp.fsdp.fsdp_loss`), instead of what XLA's partitioner picks.
-        loss_fn = jaxamp.fsdp.fsdp_loss(loss_fn, sharding.mesh, communication_policy(config, precision.policy))
+        loss_fn = jaxamp.fsdp.fsdp_loss(
+            loss_fn, sharding.mesh, communication_policy(config, precision.policy)
+        )
     times = {}
     with precision.context():
         start = time.perf_counter()

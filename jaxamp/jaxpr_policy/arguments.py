@@ -41,6 +41,23 @@ class _ModuleSlot:
     graphdef: Any
     state_tree: Any
     num_leaves: int
+    # The dtype of each array of the state the module came in with, by key path.
+    dtypes: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafOrigin:
+    """Where a traced leaf comes from.
+
+    Attributes:
+        path: its key path in ``(fun, args, kwargs)`` (for NNX state, the
+            path of the module, then the state's own path).
+        variable_type: the NNX ``Variable`` class holding it (``nnx.Param``,
+            ``nnx.BatchStat``...), or None for a plain array.
+    """
+
+    path: tuple
+    variable_type: type | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +68,7 @@ class SplitCall:
         leaves: the arrays, NNX state included, in order.
         static_key: everything else, hashable when the static values are.
         modules: the caller's NNX modules, in the order of their slots.
+        origins: per leaf, where it comes from (`LeafOrigin`).
     """
 
     leaves: tuple
@@ -58,6 +76,7 @@ class SplitCall:
     modules: tuple
     _call_tree: Any
     _slots: tuple
+    origins: tuple = ()
 
     def run(self, *leaves) -> tuple[Any, list, list]:
         """Calls the function on `leaves`.
@@ -86,6 +105,24 @@ class SplitCall:
             for old, module in zip(before, merged_modules, strict=True)
         ]
         return outputs, [nnx.state(module) for module in merged_modules], changes
+
+    def state_output_dtypes(self, states: list) -> list:
+        """Per array leaf of the modules' `states` after the call, the dtype it came in with.
+
+        State a module held before the call (a param, a batch statistic)
+        comes back in its own dtype, whatever dtype it was traced with; state
+        the call created (a sown value) is None: as traced.
+        """
+        slots = [slot for slot in self._slots if isinstance(slot, _ModuleSlot)]
+        dtypes = []
+        for slot, state in zip(slots, states, strict=True):
+            before = dict(slot.dtypes)
+            dtypes.extend(
+                before.get(jax.tree_util.keystr(path))
+                for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+                if _is_array(leaf)
+            )
+        return dtypes
 
     def write_back(self, states: list, attribute_changes: list) -> None:
         """Updates each caller's module whose state or plain attributes the call changed."""
@@ -179,20 +216,41 @@ def split_call(fun: Callable[..., Any], args: tuple, kwargs: dict) -> SplitCall:
     a pytree of its arrays and static fields); NNX modules are split into
     their graph (static) and state (traced); anything else is static.
     """
-    leaves, call_tree = jax.tree.flatten((fun, args, kwargs), is_leaf=_is_nnx_module)
-    traced, slots, modules = [], [], []
-    for leaf in leaves:
+    paths_and_leaves, call_tree = jax.tree_util.tree_flatten_with_path(
+        (fun, args, kwargs), is_leaf=_is_nnx_module
+    )
+    traced, slots, modules, origins = [], [], [], []
+    for path, leaf in paths_and_leaves:
         if _is_nnx_module(leaf):
             graphdef, state = nnx.split(leaf)
             state_leaves, state_tree = jax.tree.flatten(state)
             traced.extend(state_leaves)
-            slots.append(_ModuleSlot(graphdef, state_tree, len(state_leaves)))
+            origins.extend(_state_origins(path, state))
+            dtypes = tuple(
+                (jax.tree_util.keystr(state_path), leaf.dtype)
+                for state_path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+            )
+            slots.append(_ModuleSlot(graphdef, state_tree, len(state_leaves), dtypes))
             modules.append(leaf)
         elif _is_array(leaf):
             traced.append(leaf)
+            origins.append(LeafOrigin(path))
             slots.append(_ARRAY)
         else:
             # The type too: 1, 1.0 and True are equal keys but trace differently.
             slots.append(("static", type(leaf), leaf))
     slots = tuple(slots)
-    return SplitCall(tuple(traced), (call_tree, slots), tuple(modules), call_tree, slots)
+    return SplitCall(tuple(traced), (call_tree, slots), tuple(modules), call_tree, slots, tuple(origins))
+
+
+def _state_origins(module_path: tuple, state: Any) -> list[LeafOrigin]:
+    """A `LeafOrigin` per array leaf of an NNX module's `state`, in ``jax.tree.flatten`` order."""
+    origins = []
+    variables = jax.tree_util.tree_flatten_with_path(
+        state, is_leaf=lambda leaf: isinstance(leaf, nnx.Variable)
+    )
+    for path, variable in variables[0]:
+        variable_type = type(variable) if isinstance(variable, nnx.Variable) else None
+        count = len(jax.tree.leaves(variable))
+        origins.extend([LeafOrigin((*module_path, *path), variable_type)] * count)
+    return origins

@@ -65,20 +65,28 @@ class Rewrite:
         and shared by every body rewritten beneath this one, each with its
         own memo (a body rewritten under two policies is two bodies).
         """
+        if self.rules_for is None:
+            return self
+        if in_float32_scope(equation):
+            return self.under(np.dtype(np.float32), fp8_matmuls=False)
         scopes = scope_policies(equation)
-        if not scopes or self.rules_for is None:
+        if not scopes:
             return self
         scope: ScopePolicy = scopes[-1][1]
-        key = (scope.compute_dtype, scope.fp8_matmuls)
-        if key == (self.compute_dtype, self.fp8_matmuls):
+        return self.under(scope.compute_dtype, fp8_matmuls=scope.fp8_matmuls)
+
+    def under(self, compute_dtype: np.dtype, *, fp8_matmuls: bool) -> Rewrite:
+        """This rewrite with another compute dtype and FP8 setting (this one where no scope can change it)."""
+        key = (np.dtype(compute_dtype), fp8_matmuls)
+        if self.rules_for is None or key == (self.compute_dtype, self.fp8_matmuls):
             return self
         if key not in self._scoped:
             self._scoped[key] = Rewrite(
-                scope.compute_dtype,
+                key[0],
                 self.rules_for(*key),
                 self.as_traced,
                 rules_for=self.rules_for,
-                fp8_matmuls=scope.fp8_matmuls,
+                fp8_matmuls=key[1],
                 _scoped=self._scoped,
             )
         return self._scoped[key]
@@ -92,7 +100,7 @@ class Rewrite:
         Raises:
             NotImplementedError: the primitive carries a jaxpr and has no rule.
         """
-        if in_float32_scope(equation):
+        if in_float32_scope(equation) and self.rules_for is None:
             return self.as_traced
         rule = self.rules.get(equation.primitive)
         if rule is not None:

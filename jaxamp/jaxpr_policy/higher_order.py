@@ -11,8 +11,9 @@ length, direction and unrolling of a ``scan`` kept):
   rewritten for the current input dtypes.
 * ``remat`` (``jax.checkpoint``): likewise; constants the rewrite creates
   become leading operands, since its body must be constant-free.
-* ``scan`` and ``while``: the carry is pinned to its traced dtype, cast on
-  entry and at the end of the body, so the loop's types are fixed points.
+* ``scan`` and ``while``: the carry is pinned to its traced dtype (float32
+  under float32 rules), cast on entry and at the end of the body, so the
+  loop's types are fixed points.
 * ``cond``: each branch is rewritten, and each output is cast to the widest
   dtype the branches give it, so the branches agree.
 * ``custom_jvp_call``: a new ``jax.custom_jvp`` whose primal is the
@@ -59,6 +60,7 @@ from jaxamp.jaxpr_policy.interpreter import (
     interpret,
     lift_consts,
     rewrite_jaxpr,
+    with_dtype,
 )
 from jaxamp.jaxpr_policy.rules import bind, cast, is_floating, restore_rule, traced_dtypes, unsupported
 
@@ -89,6 +91,15 @@ def _scan_counts(params: dict) -> tuple[int, int]:
     return len(consts_tree), len(carry_tree)
 
 
+def _carry_dtypes(context: Rewrite, carry: Sequence[Any]) -> list:
+    """A loop's carry dtypes: as traced, widened to float32 where the loop runs under float32 rules
+    (a `float32_scope`, a float32 policy scope, a linear solve)."""
+    dtypes = traced_dtypes(carry)
+    if context.compute_dtype != np.float32:
+        return dtypes
+    return [jnp.promote_types(jnp.float32, dtype) if is_floating(dtype) else dtype for dtype in dtypes]
+
+
 def scan_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     """``lax.scan`` with its carry pinned to the traced dtypes.
 
@@ -98,7 +109,7 @@ def scan_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     """
     num_consts, num_carry = _scan_counts(equation.params)
     consts = invals[:num_consts]
-    carry_dtypes = traced_dtypes(equation.invars[num_consts : num_consts + num_carry])
+    carry_dtypes = _carry_dtypes(context, equation.invars[num_consts : num_consts + num_carry])
     init = [
         cast(value, dtype) for value, dtype in zip(invals[num_consts : num_consts + num_carry], carry_dtypes)
     ]
@@ -132,7 +143,7 @@ def while_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     cond_nconsts, body_nconsts = equation.params["cond_nconsts"], equation.params["body_nconsts"]
     cond_consts = invals[:cond_nconsts]
     body_consts = invals[cond_nconsts : cond_nconsts + body_nconsts]
-    carry_dtypes = traced_dtypes(equation.invars[cond_nconsts + body_nconsts :])
+    carry_dtypes = _carry_dtypes(context, equation.invars[cond_nconsts + body_nconsts :])
     init = [cast(value, dtype) for value, dtype in zip(invals[cond_nconsts + body_nconsts :], carry_dtypes)]
     carry_avals = [abstract(value) for value in init]
     cond = rewrite_jaxpr(
@@ -187,13 +198,6 @@ def _body_as_function(context: Rewrite, body: ClosedJaxpr, out_dtypes: Sequence[
 def _float0_zeros(value_or_aval) -> np.ndarray:
     """The zero tangent of a non-floating value (JAX's ``float0``)."""
     return np.zeros(np.shape(value_or_aval), dtype=jax.dtypes.float0)
-
-
-def _with_dtype(aval: Any, dtype: Any) -> Any:
-    """`aval` (a ``ShapeDtypeStruct``, or a value's type inside ``shard_map``) with `dtype`."""
-    if isinstance(aval, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(aval.shape, dtype)
-    return aval.update(dtype=dtype)
 
 
 def _narrowed(rewritten: Any, traced: Any) -> Any:
@@ -257,7 +261,7 @@ def custom_jvp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
         leaves = [*primals, *float_tangents]
         float_in_dtypes = [dtype for dtype, keep in zip(in_dtypes, differentiable_in) if keep]
         traced_leaf_dtypes = [*in_dtypes, *float_in_dtypes]
-        traced_avals = [_with_dtype(abstract(leaf), dtype) for leaf, dtype in zip(leaves, traced_leaf_dtypes)]
+        traced_avals = [with_dtype(abstract(leaf), dtype) for leaf, dtype in zip(leaves, traced_leaf_dtypes)]
         rule = jax.make_jaxpr(user_jvp)(*traced_avals)
         rewritten_rule = rewrite_jaxpr(
             context, rule, [abstract(leaf) for leaf in leaves], [*out_dtypes, *tangent_dtypes]
@@ -344,17 +348,32 @@ def shard_map_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
 
 
 def linear_solve_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
-    """``lax.custom_linear_solve`` (``jnp.linalg.solve``/``inv``, ``cg``, ``gmres``) as traced.
+    """``lax.custom_linear_solve`` (``jnp.linalg.solve``/``inv``, ``cg``, ``gmres``) in float32.
 
-    Its jaxprs (matvec, solve, transpose solve) run in the dtypes they were
-    traced with, float32 for a float32 program, rather than being rewritten:
-    a solve is only as accurate as its matvec, and an iterative solver whose
-    matvec rounds to float16 (relative error about 1e-3) stalls there and
-    never meets its tolerance; the factorizations a direct solve uses run in
-    float32 under autocast anyway. A solve is a small part of a model's
-    FLOPs, so nothing is lost by keeping it whole.
+    Its jaxprs (matvec, solve, transpose solve) are rewritten under float32
+    rules for float32 operands: a solve is only as accurate as its matvec,
+    and an iterative solver whose matvec rounds to float16 (relative error
+    about 1e-3) stalls there and never meets its tolerance. A solve is a
+    small part of a model's FLOPs, so nothing is lost by keeping it whole.
     """
-    return restore_rule(context, equation, invals)
+    float32 = context.under(np.dtype(np.float32), fp8_matmuls=False)
+    operands = [
+        cast(value, jnp.promote_types(jnp.float32, value.dtype)) if is_floating(value.dtype) else value
+        for value in invals
+    ]
+    jaxprs, const_lengths = equation.params["jaxprs"], equation.params["const_lengths"]
+    num_consts = sum(const_lengths)
+    right_hand_side = [abstract(value) for value in operands[num_consts:]]
+    rewritten, start = [], 0
+    for jaxpr, length in zip(jaxprs, const_lengths):
+        consts = [abstract(value) for value in operands[start : start + length]]
+        start += length
+        if jaxpr is None:
+            rewritten.append(None)
+            continue
+        out_dtypes = [aval.dtype for aval in right_hand_side]
+        rewritten.append(rewrite_jaxpr(float32, jaxpr, [*consts, *right_hand_side], out_dtypes))
+    return bind(equation, operands, jaxprs=type(jaxprs)(*rewritten))
 
 
 _NO_PROGRAM = "JAX uses it only while it linearizes a function, and removes it before a program is staged"

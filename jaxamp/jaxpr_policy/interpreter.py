@@ -84,15 +84,21 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
     unrounded: dict[Any, Any] = {}
     fills: dict[Any, Literal] = {}
     exits: dict[Any, tuple] = {}  # variable -> the policy scopes it was made in
+    statistics: set = set()
+    constants: set = set()
     for equation in jaxpr.eqns:
         scoped = context.scoped(equation)
         invals = [read(atom) for atom in equation.invars]
+        if _derives_a_statistic(equation, statistics, constants):
+            statistics.update(equation.outvars)
         with equation_context(equation):
             if exits:
                 invals = _leave_scopes(equation, invals, exits)
             rule = float32_rule if id(equation) in widened else scoped.rule_for(equation)
             body_scopes: list | None = None
-            if rule is follow_rule:
+            if _keeps_a_statistic_float32(scoped, equation, invals, statistics):
+                outvals = invals
+            elif rule is follow_rule:
                 variables = [None if isinstance(atom, Literal) else atom for atom in equation.invars]
                 outvals, wide = follow(
                     scoped,
@@ -130,6 +136,55 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
             tuple(() if isinstance(atom, Literal) else exits.get(atom, ()) for atom in jaxpr.outvars)
         )
     return [read(atom) for atom in jaxpr.outvars]
+
+
+_STATISTICS = frozenset(("reduce_sum", "reduce_prod", "reduce_max", "reduce_min"))
+
+
+def _derives_a_statistic(equation, statistics: set, constants: set) -> bool:
+    """Whether `equation` gives a statistic: a reduction, or a first-order op of statistics.
+
+    ``mean(h * h)`` and its ``rsqrt(... + eps)``, a variance, a loss's mean
+    are statistics; ``x - mean`` (an activation read) and a matmul are not.
+    Constants (made of literals and integers alone: a count, ``ddof``) join
+    a statistic without changing what it is; `constants` collects them.
+    """
+    floating_outputs = all(is_floating(variable.aval.dtype) for variable in equation.outvars)
+    if equation.primitive.name in _STATISTICS:
+        return floating_outputs
+    if carries_jaxpr(equation) or equation.primitive.name in ("dot_general", "conv_general_dilated"):
+        return False
+    operands = [
+        atom
+        for atom in equation.invars
+        if not isinstance(atom, Literal) and is_floating(atom.aval.dtype) and atom not in constants
+    ]
+    if not operands:
+        constants.update(equation.outvars)
+        return False
+    return floating_outputs and all(atom in statistics for atom in operands)
+
+
+def _keeps_a_statistic_float32(context: Rewrite, equation, invals: Sequence[Any], statistics: set) -> bool:
+    """Whether `equation` is a cast of a float32 statistic to the half compute dtype, which is skipped.
+
+    Traced in the compute dtype, a program computes its statistics in
+    float32 only where it upcasts them itself, and rounds them back:
+    ``jnp.mean`` of a half value does. Kept in float32, a mean of squares
+    past 65504 stays finite under float16 and a loss keeps its digits, as
+    the float32 reductions of a float32 program do; the value is rounded
+    where an operation that runs in half reads it.
+    """
+    if equation.primitive.name != "convert_element_type" or equation.invars[0] not in statistics:
+        return False
+    (value,) = invals
+    new_dtype = equation.params["new_dtype"]
+    return (
+        new_dtype == context.compute_dtype
+        and jnp.finfo(new_dtype).bits < 32
+        and is_floating(value.dtype)
+        and jnp.finfo(value.dtype).bits > jnp.finfo(new_dtype).bits
+    )
 
 
 def _scopes_of_outputs(equation, body_scopes: list[tuple]) -> list[tuple]:
@@ -200,6 +255,13 @@ def abstract(value: Any, *, drop_leading_axis: bool = False) -> Any:
             return aval.update(shape=aval.shape[1:]) if drop_leading_axis else aval
     shape = np.shape(value)[1:] if drop_leading_axis else np.shape(value)
     return jax.ShapeDtypeStruct(shape, value.dtype)
+
+
+def with_dtype(aval: Any, dtype: Any) -> Any:
+    """`aval` (a ``ShapeDtypeStruct``, or a value's type inside ``shard_map``) with `dtype`."""
+    if isinstance(aval, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(aval.shape, dtype)
+    return aval.update(dtype=dtype)
 
 
 def _aval_key(aval: Any) -> tuple:
@@ -310,8 +372,16 @@ class RewriteCache:
         self._entries: collections.OrderedDict = collections.OrderedDict()
         self.traces = 0
 
-    def call(self, fun: Callable[..., Any], leaves: Sequence[Any], static_key: Hashable | None) -> Any:
-        """``fun(*leaves)`` with dtypes changed per primitive; outputs in fun's dtypes.
+    def call(
+        self,
+        fun: Callable[..., Any],
+        leaves: Sequence[Any],
+        static_key: Hashable | None,
+        *,
+        trace_dtypes: Sequence[Any] | None = None,
+        output_dtypes: Callable[[Any], Sequence[Any]] | None = None,
+    ) -> Any:
+        """``fun(*leaves)`` with dtypes changed per primitive.
 
         Args:
             fun: a function of array leaves returning a pytree of arrays.
@@ -319,15 +389,31 @@ class RewriteCache:
             static_key: everything besides the leaves' shapes and dtypes that
                 decides what `fun` traces to, hashable; ``None`` to trace
                 every call.
+            trace_dtypes: per leaf, the dtype `fun` is traced with, or None
+                for the leaf's own (all its own if omitted). The rewritten
+                program still takes the leaves as they are: the rules see
+                their values, whatever dtype they were traced with.
+            output_dtypes: called while tracing on `fun`'s outputs; per array
+                leaf of them (in ``jax.tree.flatten`` order), the dtype it is
+                returned in, or None for the dtype it was traced with (the
+                default for every output).
         """
         avals = [abstract(leaf) for leaf in leaves]
-        key = None if static_key is None else (static_key, tuple(_aval_key(aval) for aval in avals))
+        if trace_dtypes is None:
+            trace_dtypes = (None,) * len(leaves)
+        trace_key = tuple(None if dtype is None else str(dtype) for dtype in trace_dtypes)
+        key = (
+            None if static_key is None else (static_key, tuple(_aval_key(aval) for aval in avals), trace_key)
+        )
         try:
             entry = None if key is None else self._entries.get(key)
         except TypeError:  # an unhashable static argument
             key, entry = None, None
         if entry is None:
-            entry, cacheable = self._build(fun, avals)
+            trace_avals = [
+                aval if dtype is None else with_dtype(aval, dtype) for aval, dtype in zip(avals, trace_dtypes)
+            ]
+            entry, cacheable = self._build(fun, avals, trace_avals, output_dtypes)
             if key is not None and cacheable:
                 self._entries[key] = entry
                 if len(self._entries) > self._max_entries:
@@ -342,20 +428,23 @@ class RewriteCache:
             [statics[index] if index in statics else next(outvals) for index in range(num_outputs)],
         )
 
-    def _build(self, fun, avals) -> tuple[_Entry, bool]:
+    def _build(self, fun, avals, trace_avals, output_dtypes) -> tuple[_Entry, bool]:
         self.traces += 1
-        out_tree, static_outputs = None, []
+        out_tree, static_outputs, pinned = None, [], []
 
         def array_outputs(*leaves):
             nonlocal out_tree
-            outputs, out_tree = jax.tree.flatten(fun(*leaves))
-            static_outputs[:] = [(i, leaf) for i, leaf in enumerate(outputs) if not _is_traced_array(leaf)]
-            return [leaf for leaf in outputs if _is_traced_array(leaf)]
+            outputs = fun(*leaves)
+            flat, out_tree = jax.tree.flatten(outputs)
+            static_outputs[:] = [(i, leaf) for i, leaf in enumerate(flat) if not _is_traced_array(leaf)]
+            arrays = [leaf for leaf in flat if _is_traced_array(leaf)]
+            pinned[:] = [None] * len(arrays) if output_dtypes is None else list(output_dtypes(outputs))
+            return arrays
 
         # A rewrite of its own, even when started inside another's rule (a
         # custom derivative's): its outputs report to no enclosing equation.
         with _collecting_body_scopes(None):
-            traced = jax.make_jaxpr(array_outputs)(*avals)
+            traced = jax.make_jaxpr(array_outputs)(*trace_avals)
             context = Rewrite(
                 self._compute_dtype,
                 self._rules,
@@ -363,7 +452,10 @@ class RewriteCache:
                 rules_for=self._rules_for,
                 fp8_matmuls=self._fp8_matmuls,
             )
-            out_dtypes = [aval.dtype for aval in traced.out_avals]
+            out_dtypes = [
+                aval.dtype if dtype is None else dtype
+                for aval, dtype in zip(traced.out_avals, pinned, strict=True)
+            ]
             rewritten = rewrite_jaxpr(context, traced, avals, out_dtypes)
         cacheable = not any(isinstance(const, jax.core.Tracer) for const in traced.consts)
         return _Entry(rewritten, out_tree, tuple(static_outputs)), cacheable

@@ -125,15 +125,39 @@ def compute_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
         return restore_rule(context, equation, invals)
     dtype = context.compute_dtype
     casted = [cast(value, dtype) if is_floating(traced) else value for value, traced in zip(invals, dtypes)]
-    return bind(equation, casted, preferred_element_type=dtype)
+    return bind(equation, casted, preferred_element_type=dtype, **_algorithm_for(equation, dtype))
+
+
+def _algorithm_for(equation, operand_dtype: Any) -> dict:
+    """``precision=None`` where the traced matmul names a dot algorithm for other operand dtypes.
+
+    A program traced in half may ask for ``DotAlgorithmPreset.F16_F16_F32``
+    (``jax.nn.dot_product_attention`` does); run with float32 operands it
+    would be refused.
+    """
+    precision = equation.params.get("precision")
+    algorithms = (lax.DotAlgorithmPreset, lax.DotAlgorithm)
+    if isinstance(precision, algorithms) and equation.invars[0].aval.dtype != operand_dtype:
+        return {"precision": None}
+    return {}
 
 
 def float32_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
-    """Floating inputs in float32 (or wider, if traced wider); the result follows."""
+    """Floating inputs in float32 (or wider, if traced wider); the result follows.
+
+    A matmul's or convolution's ``preferred_element_type`` is widened with
+    its operands (it names the traced result dtype: half, in a half trace).
+    """
     casted = [
         cast(value, jnp.promote_types(jnp.float32, dtype)) if is_floating(dtype) else value
         for value, dtype in zip(invals, traced_dtypes(equation.invars))
     ]
+    preferred = equation.params.get("preferred_element_type")
+    if preferred is not None and is_floating(preferred):
+        wide = jnp.promote_types(jnp.float32, preferred)
+        return bind(
+            equation, casted, preferred_element_type=wide, **_algorithm_for(equation, casted[0].dtype)
+        )
     return bind(equation, casted)
 
 
@@ -166,6 +190,12 @@ def _promote(dtypes: Sequence[Any], literals: Sequence[Literal]) -> Any:
         if not _literal_fits(literal, dtype):
             dtype = jnp.promote_types(dtype, literal.aval.dtype)
     return dtype
+
+
+def _wider(dtype: Any, traced: Any) -> bool:
+    """Whether a value of `dtype` is wider than the program traced it: a float32 original of a
+    param traced in half, or the result of an operation the rules ran in float32."""
+    return dtype != traced and jnp.promote_types(dtype, traced) == dtype
 
 
 def _is_broadcast(value: Any, shape: tuple) -> bool:
@@ -257,7 +287,15 @@ def follow(
     weak = [constants[index] for index in floating if constants[index] is not None]
     shape = equation.outvars[0].aval.shape
     full = [index for index in strong if not _is_broadcast(invals[index], shape)]
-    rounds = equation.primitive.name in BROADCASTING and 0 < len(full) < len(strong)
+    arithmetic = equation.primitive.name in BROADCASTING
+    kept = full if arithmetic and 0 < len(full) < len(strong) else strong
+    as_traced = [
+        index for index in kept if not _wider(invals[index].dtype, equation.invars[index].aval.dtype)
+    ]
+    if arithmetic and as_traced:
+        kept = as_traced
+    rounds = len(kept) < len(strong)
+    full = kept
     operands = list(invals)
     if rounds:
         for index in strong:
@@ -276,7 +314,7 @@ def follow(
 
 
 def convert_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
-    """The user's explicit ``astype``: honoured, whatever the input's current dtype."""
+    """The program's own ``astype``: honoured, whatever the input's current dtype."""
     return bind(equation, invals)
 
 
@@ -324,6 +362,8 @@ _FLOAT32 = (
     "cholesky", "eigh", "eig", "lu", "qr", "svd", "triangular_solve", "tridiagonal", "tridiagonal_solve",
     "householder_product", "schur", "hessenberg", "cholesky_update", "symmetric_product", "ormqr", "geqrf",
     "geqp3", "fft",
+    # sums across devices (a gradient's psum): the one sum the rules would otherwise leave in half
+    "psum", "psum_invariant", "reduce_scatter", "unreduced_psum", "unreduced_reduce_scatter",
 )  # fmt: skip
 
 _FOLLOW = (
@@ -355,10 +395,9 @@ _RESTORE = (
     "reduce", "reduce_window", "select_and_scatter",
     # bits and integers: reinterpreting bits depends on the dtype
     "bitcast_convert_type", "iota", "empty", "empty2", "lu_pivots_to_permutation",
-    # collectives keep the dtype the program gave them
-    "psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "ragged_all_to_all", "axis_index",
-    "reduce_scatter", "psum_invariant", "all_gather_invariant", "all_gather_reduced", "unreduced_psum",
-    "unreduced_reduce_scatter", "unreduced_pmax", "unreduced_pmin", "psend", "precv",
+    # collectives that move or pick values keep the dtype the program gave them
+    "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "ragged_all_to_all", "axis_index",
+    "all_gather_invariant", "all_gather_reduced", "unreduced_pmax", "unreduced_pmin", "psend", "precv",
     # their asynchronous halves
     "psum_start", "psum_done", "psum_invariant_start", "all_gather_start", "all_gather_done",
     "all_gather_reduced_start", "all_to_all_start", "all_to_all_done", "ppermute_start", "ppermute_done",

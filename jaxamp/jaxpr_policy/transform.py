@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.extend.core import Primitive
 
-from jaxamp.jaxpr_policy.arguments import split_call
+from jaxamp.jaxpr_policy.arguments import LeafOrigin, split_call
 from jaxamp.jaxpr_policy.context import Rule
 from jaxamp.jaxpr_policy.fp8_rules import fp8_rules
 from jaxamp.jaxpr_policy.interpreter import RewriteCache
 from jaxamp.jaxpr_policy.registry import find
-from jaxamp.jaxpr_policy.rules import RULES_BY_NAME, follow_rule, widened_rule
+from jaxamp.jaxpr_policy.rules import RULES_BY_NAME, follow_rule, is_floating, widened_rule
 from jaxamp.jaxpr_policy.table import higher_order_rules, resolve, rules_table
 from jaxamp.policy import Policy, PolicySpec, get_policy
 
@@ -79,6 +83,8 @@ def autocast(
     policy: PolicySpec = "mixed_float16",
     *,
     overrides: Mapping[str | Primitive, str] | None = None,
+    float32_argnums: int | Sequence[int] = (),
+    float32_argnames: str | Sequence[str] = (),
 ) -> Callable[..., Any]:
     """Runs any JAX function with its heavy math in half precision, like ``torch.autocast``.
 
@@ -153,10 +159,17 @@ def autocast(
             primitive autocast has no rule for; the message names it.
     """
     if fun is None:
-        return functools.partial(autocast, policy=policy, overrides=overrides)
+        return functools.partial(
+            autocast,
+            policy=policy,
+            overrides=overrides,
+            float32_argnums=float32_argnums,
+            float32_argnames=float32_argnames,
+        )
     if not callable(fun):
         raise TypeError(f"autocast needs a function to transform; got {type(fun).__name__}: {fun!r}.")
-    return _autocast(fun, get_policy(policy), overrides)
+    kept = KeptArguments.create(float32_argnums, float32_argnames)
+    return make_autocast(fun, get_policy(policy), overrides, traced_in_compute=kept.traced_in_compute)
 
 
 def autocast_with_fp8_observer(
@@ -164,15 +177,88 @@ def autocast_with_fp8_observer(
 ) -> Callable[..., Any]:
     """`autocast` whose FP8 quantizations report their counts to `observer` (for
     `jaxamp.diagnostics.fp8_quantization_stats`; the rewritten program gains host callbacks)."""
-    return _autocast(fun, policy, fp8_observer=observer)
+    return make_autocast(fun, policy, fp8_observer=observer)
 
 
-def _autocast(
+def _as_tuple(value: Any, kind: type, name: str) -> tuple:
+    if isinstance(value, kind):
+        values = (value,)
+    elif isinstance(value, Sequence) and not isinstance(value, str):
+        values = tuple(value)
+    else:
+        values = (value,)
+    if not all(isinstance(item, kind) and not isinstance(item, bool) for item in values):
+        raise TypeError(
+            f"autocast's {name} must be {kind.__name__}s (or one {kind.__name__}); got {value!r}."
+        )
+    return values
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptArguments:
+    """The arguments `autocast` traces in their own dtypes (``float32_argnums``/``float32_argnames``)."""
+
+    argnums: tuple[int, ...] = ()
+    argnames: tuple[str, ...] = ()
+
+    @classmethod
+    def create(cls, argnums: int | Sequence[int], argnames: str | Sequence[str]) -> KeptArguments:
+        return cls(_as_tuple(argnums, int, "float32_argnums"), _as_tuple(argnames, str, "float32_argnames"))
+
+    def traced_in_compute(self, origin: LeafOrigin) -> bool:
+        """Whether a floating leaf is traced in the compute dtype: unless it lies in a kept argument.
+
+        A leaf's path starts at ``(fun, args, kwargs)``; NNX state other than
+        ``nnx.Param`` (batch statistics, RNG state, counters) keeps its dtype.
+        """
+        if origin.variable_type is not None and not issubclass(origin.variable_type, nnx.Param):
+            return False
+        where, *rest = origin.path
+        if where.idx == 1 and rest and rest[0].idx in self.argnums:
+            return False
+        return not (where.idx == 2 and rest and rest[0].key in self.argnames)
+
+
+def trace_dtypes(
+    policy: Policy, leaves: Sequence[Any], origins: Sequence[LeafOrigin], traced_in_compute: Callable
+) -> tuple:
+    """Per leaf, the dtype the function is traced with: the compute dtype for the floating leaves
+    wider than it (under a half compute dtype), unless `traced_in_compute` keeps them; else None."""
+    compute = np.dtype(policy.compute_dtype)
+    if jnp.finfo(compute).bits >= 32:
+        return (None,) * len(leaves)
+    return tuple(
+        compute
+        if is_floating(leaf.dtype)
+        and leaf.dtype != compute
+        and jnp.promote_types(leaf.dtype, compute) == leaf.dtype
+        and traced_in_compute(origin)
+        else None
+        for leaf, origin in zip(leaves, origins, strict=True)
+    )
+
+
+def make_autocast(
     fun: Callable[..., Any],
     policy: Policy,
     overrides: Mapping[str | Primitive, str] | None = None,
     fp8_observer: Callable | None = None,
+    *,
+    traced_in_compute: Callable[[LeafOrigin], bool] = KeptArguments().traced_in_compute,
+    outputs_as_traced: bool = False,
 ) -> Callable[..., Any]:
+    """`autocast` with the choices `apply_policy` makes differently.
+
+    Args:
+        traced_in_compute: whether a floating leaf (by its `LeafOrigin`) is
+            traced in the compute dtype.
+        outputs_as_traced: return `fun`'s outputs in the dtypes they were
+            traced with (a Flax model casts its own output to the output
+            dtype, and hands its sown values back in the compute dtype),
+            instead of widening those traced in the compute dtype to the
+            dtype of the arguments.
+    """
+
     def rules_for(compute_dtype, fp8_matmuls: bool) -> dict[Primitive, Rule]:
         """The rules of a policy scope (`jaxamp.jaxpr_policy.scope.policy_scope`).
 
@@ -198,7 +284,22 @@ def _autocast(
 
     def autocast_fun(*args, **kwargs):
         call = split_call(fun, args, kwargs)
-        outputs, module_states, attribute_changes = rewrites.call(call.run, call.leaves, call.static_key)
+        narrowed = trace_dtypes(policy, call.leaves, call.origins, traced_in_compute)
+        widest = [leaf.dtype for leaf, dtype in zip(call.leaves, narrowed) if dtype is not None]
+        widened = jnp.result_type(*widest) if widest else None
+
+        def output_dtypes(result) -> list:
+            outputs, module_states, attribute_changes = result
+            if outputs_as_traced or widened is None:
+                pins = [None] * len(_arrays(outputs))
+            else:
+                pins = [widened if leaf.dtype == policy.compute_dtype else None for leaf in _arrays(outputs)]
+            changed = [None] * len(_arrays(attribute_changes))
+            return [*pins, *call.state_output_dtypes(module_states), *changed]
+
+        outputs, module_states, attribute_changes = rewrites.call(
+            call.run, call.leaves, call.static_key, trace_dtypes=narrowed, output_dtypes=output_dtypes
+        )
         call.write_back(module_states, attribute_changes)
         return outputs
 
@@ -206,3 +307,7 @@ def _autocast(
     autocast_fun = functools.wraps(fun, updated=())(autocast_fun)
     autocast_fun.rewrites = rewrites
     return autocast_fun
+
+
+def _arrays(tree: Any) -> list:
+    return [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, (jax.Array, np.ndarray, np.generic))]

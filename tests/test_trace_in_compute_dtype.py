@@ -1,0 +1,297 @@
+"""Under a mixed policy the model is traced in the compute dtype, so what it decides while traced sees half.
+
+A fused attention kernel, a Pallas kernel, a ``dtype`` check and a sown
+value see the dtype the model runs in, while float32 params and state are
+still read in float32 where the rules want float32: a normalization's scale,
+BatchNorm's running statistics. The H200-target checks compile the GPU
+program on this CPU (skipped without the CUDA PJRT plugin, and for cuDNN
+attention without ``libcudnn``).
+"""
+
+import functools
+import importlib.util
+
+import flax.linen as nn
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.experimental import pallas as pl
+
+import jaxamp
+from jaxamp.diagnostics import gpu_targets
+
+BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+
+
+class Attention(nn.Module):
+    """A self-attention block through `jax.nn.dot_product_attention`, no dtype anywhere."""
+
+    implementation: str | None = "cudnn"
+    heads: int = 2
+
+    @nn.compact
+    def __call__(self, x):
+        qkv = nn.DenseGeneral((3, self.heads, x.shape[-1] // self.heads))(nn.LayerNorm()(x))
+        query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        y = jax.nn.dot_product_attention(
+            query, key, value, is_causal=True, implementation=self.implementation
+        )
+        return x + nn.DenseGeneral(x.shape[-1], axis=(-2, -1))(y)
+
+
+class Transformer(nn.Module):
+    implementation: str | None = "cudnn"
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(64, 32)(tokens)
+        for _ in range(2):
+            x = Attention(self.implementation)(x)
+            x = x + nn.Dense(32)(nn.gelu(nn.Dense(128)(nn.LayerNorm()(x))))
+        return nn.Dense(64)(nn.LayerNorm()(x))
+
+
+TOKENS = jnp.arange(4 * 16).reshape(4, 16) % 64
+
+
+def float32_params(implementation="cudnn"):
+    # cuDNN's attention refuses float32 operands, so the params come from the
+    # same model with the XLA attention (the params do not depend on it).
+    del implementation
+    return Transformer(None).init(jax.random.key(0), TOKENS)["params"]
+
+
+def loss_of(apply_fn):
+    def loss_fn(params, tokens):
+        logits = apply_fn({"params": params}, tokens)
+        return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1))
+
+    return loss_fn
+
+
+def routes(model):
+    return {
+        "apply_policy": loss_of(jaxamp.apply_policy(model, "mixed_bfloat16").apply),
+        "autocast": jaxamp.autocast(loss_of(model.apply), "mixed_bfloat16"),
+    }
+
+
+@pytest.mark.parametrize("route", ["apply_policy", "autocast"])
+def test_cudnn_attention_traces_under_both_routes_with_float32_params(route):
+    """Fails with cuDNN's "Q must be fp16/bf16..., got float32" if the model is traced in float32."""
+    seen = []
+    attention = jax.nn.dot_product_attention
+
+    def recording_attention(query, key, value, **kwargs):
+        seen.append(query.dtype)
+        if not _cudnn_importable():  # cuDNN's own check needs the library: run JAX's XLA attention
+            kwargs["implementation"] = None
+        return attention(query, key, value, **kwargs)
+
+    params = float32_params()
+    loss_fn = routes(Transformer("cudnn"))[route]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(jax.nn, "dot_product_attention", recording_attention)
+        jax.eval_shape(jax.value_and_grad(loss_fn), params, TOKENS)
+    assert seen and set(seen) == {BF16}
+
+
+@pytest.mark.parametrize("route", ["apply_policy", "autocast"])
+def test_the_xla_attention_sees_bfloat16_and_matches_float32(route):
+    params = float32_params()
+    loss_fn = routes(Transformer(None))[route]
+    loss, grads = jax.value_and_grad(loss_fn)(params, TOKENS)
+    want_loss, want_grads = jax.value_and_grad(loss_of(Transformer(None).apply))(params, TOKENS)
+    assert jax.tree.map(lambda leaf: leaf.dtype, grads) == jax.tree.map(lambda leaf: leaf.dtype, want_grads)
+    np.testing.assert_allclose(loss, want_loss, rtol=2e-2)
+
+
+def _cudnn_importable() -> bool:
+    """Whether JAX can load libcudnn (the ``nvidia-cudnn-cu12`` wheel's ``nvidia.cudnn``)."""
+    try:
+        return importlib.util.find_spec("nvidia.cudnn") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _compiled_step(loss_fn, params):
+    device = jaxamp.diagnostics.gpu_target_device("h200")
+    arguments = jaxamp.diagnostics.on_device((params, jax.ShapeDtypeStruct((8, 256), jnp.int32)), device)
+
+    def step(params, tokens):
+        grads = jax.grad(loss_fn)(params, tokens)
+        return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
+
+    return jax.jit(step, donate_argnums=0).lower(*arguments).compile()
+
+
+def test_on_an_h200_target_cudnn_attention_runs_and_memory_is_within_ten_percent_of_the_hand_cast_recipe():
+    """The recipe: params cast to bfloat16 at the step's entry, the plain model on them."""
+    if not gpu_targets.cuda_plugin_available() or not _cudnn_importable():
+        pytest.skip("needs the CUDA PJRT plugin and libcudnn (see experiments.lm.on_paper)")
+    model = Transformer("cudnn")
+    params = jax.eval_shape(lambda: float32_params())
+
+    def hand_cast(params, tokens):
+        half = jax.tree.map(lambda param: param.astype(jnp.bfloat16), params)
+        return loss_of(model.apply)(half, tokens)
+
+    temp = {}
+    for name, loss_fn in {"hand_cast": hand_cast, **routes(model)}.items():
+        compiled = _compiled_step(loss_fn, params)
+        assert compiled.as_text().count("__cudnn$fmha") >= 2, name  # forward and backward
+        temp[name] = compiled.memory_analysis().temp_size_in_bytes
+    for route in ("apply_policy", "autocast"):
+        assert temp[route] <= 1.10 * temp["hand_cast"], temp
+
+
+# --- Pallas ---------------------------------------------------------------------------
+
+
+def _double_kernel(seen):
+    def kernel(x_ref, o_ref):
+        seen.append(x_ref.dtype)
+        o_ref[...] = x_ref[...] * 2
+
+    def double(x):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
+
+    return double
+
+
+class LinenPallas(nn.Module):
+    kernel: object
+
+    @nn.compact
+    def __call__(self, x):
+        return self.kernel(nn.Dense(8)(x))
+
+
+class NnxPallas(nnx.Module):
+    def __init__(self, kernel, rngs):
+        self.kernel = kernel
+        self.dense = nnx.Linear(4, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.kernel(self.dense(x))
+
+
+def test_a_pallas_kernel_in_a_linen_and_an_nnx_model_receives_bfloat16():
+    seen = []
+    kernel = _double_kernel(seen)
+    x = jnp.ones((8, 4))
+    linen_model = LinenPallas(kernel)
+    variables = linen_model.init(jax.random.key(0), x)
+    seen.clear()
+    out = jaxamp.apply_policy(linen_model, "mixed_bfloat16").apply(variables, x)
+    assert seen == [BF16] and out.dtype == F32
+    np.testing.assert_allclose(out, linen_model.apply(variables, x), rtol=2e-2)
+
+    seen.clear()
+    nnx_model = jaxamp.apply_policy(NnxPallas(kernel, nnx.Rngs(0)), "mixed_bfloat16")
+    out = nnx_model(x)
+    assert seen == [BF16] and out.dtype == F32
+    assert {leaf.dtype for leaf in jax.tree.leaves(nnx.state(nnx_model, nnx.Param))} == {F32}
+
+
+# --- sown values, and what stays float32 ---------------------------------------------------
+
+
+class Sowing(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8)(x)
+        self.sow("intermediates", "hidden", h)
+        return nn.LayerNorm()(h)
+
+
+@pytest.mark.parametrize(
+    "policy, compute", [("mixed_bfloat16", BF16), ("mixed_float16", jnp.dtype(jnp.float16))]
+)
+def test_sown_values_and_captured_intermediates_come_back_in_the_compute_dtype(policy, compute):
+    x = jnp.ones((2, 4))
+    model = Sowing()
+    variables = model.init(jax.random.key(0), x)
+    policy_model = jaxamp.apply_policy(model, policy)
+    out, state = policy_model.apply(variables, x, mutable=["intermediates"])
+    assert out.dtype == F32
+    assert [leaf.dtype for leaf in jax.tree.leaves(state)] == [compute]
+    _, captured = policy_model.apply(variables, x, capture_intermediates=True, mutable=["intermediates"])
+    # The Dense, the LayerNorm (in its caller's compute dtype) and the model's own output.
+    assert {leaf.dtype for leaf in jax.tree.leaves(captured)} == {compute}
+
+
+class DenseBatchNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.BatchNorm(use_running_average=False, momentum=0.99)(nn.Dense(4)(x))
+
+
+def test_batchnorm_running_statistics_are_updated_in_float32_like_a_float32_model():
+    """50 updates of momentum 0.99 toward a mean near 3: a bfloat16 running mean
+    (spacing 0.0078 near 1) would stall on the steps of 0.01 * (3 - mean)."""
+    model = DenseBatchNorm()
+    batches = [jax.random.normal(jax.random.key(step), (8, 4)) + 3.0 for step in range(50)]
+    variables = model.init(jax.random.key(0), batches[0])
+    variables = {
+        "params": jax.tree.map(lambda p: jnp.eye(4) if p.ndim == 2 else p, variables["params"]),
+        "batch_stats": variables["batch_stats"],
+    }
+    apply = {
+        "float32": jax.jit(functools.partial(model.apply, mutable=["batch_stats"])),
+        "mixed_bfloat16": jax.jit(
+            functools.partial(jaxamp.apply_policy(model, "mixed_bfloat16").apply, mutable=["batch_stats"])
+        ),
+    }
+    stats = {name: variables["batch_stats"] for name in apply}
+    for batch in batches:
+        for name, fun in apply.items():
+            _, updates = fun({"params": variables["params"], "batch_stats": stats[name]}, batch)
+            stats[name] = updates["batch_stats"]
+    got, want = stats["mixed_bfloat16"]["BatchNorm_0"], stats["float32"]["BatchNorm_0"]
+    assert {leaf.dtype for leaf in jax.tree.leaves(got)} == {F32}
+    np.testing.assert_allclose(got["mean"], want["mean"], rtol=2e-3)
+    np.testing.assert_allclose(got["var"], want["var"], rtol=2e-2)
+    # What a bfloat16 running mean would have reached: far outside that tolerance.
+    mean_in_bf16 = jnp.zeros(4, jnp.bfloat16)
+    for batch in batches:
+        batch_mean = batch.astype(jnp.bfloat16).astype(jnp.float32).mean(0)
+        mean_in_bf16 = (0.99 * mean_in_bf16 + 0.01 * batch_mean).astype(jnp.bfloat16)
+    assert not np.allclose(mean_in_bf16.astype(jnp.float32), want["mean"], rtol=2e-3)
+
+
+def _equations(jaxpr):
+    for equation in jaxpr.eqns:
+        yield equation
+        for param in equation.params.values():
+            inner = getattr(param, "jaxpr", None)
+            if inner is not None:
+                yield from _equations(getattr(inner, "jaxpr", inner))
+
+
+def test_a_layer_norms_float32_scale_is_read_in_float32_while_the_model_is_traced_in_bfloat16():
+    """The scale 1.001 is not a bfloat16 value (its spacing at 1 is 0.0078): read in bfloat16 it
+    would be 1.0. Every operation that reads the scale param reads it in float32."""
+    model = nn.LayerNorm()
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    variables = {"params": {"scale": jnp.full((8,), 1.001), "bias": jnp.zeros(8)}}
+    closed = jax.make_jaxpr(jaxamp.apply_policy(model, "mixed_bfloat16").apply)(variables, x)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(variables)
+    scale = closed.jaxpr.invars[
+        [jax.tree_util.keystr(path) for path, _ in leaves].index("['params']['scale']")
+    ]
+    readers = {scale}
+    for equation in _equations(closed.jaxpr):
+        if readers & {atom for atom in equation.invars if not isinstance(atom, jax.extend.core.Literal)}:
+            assert all(var.aval.dtype == F32 for var in equation.outvars), equation
+            if equation.primitive.name in ("reshape", "broadcast_in_dim", "convert_element_type"):
+                readers.update(equation.outvars)
+    # The norm's arithmetic read it: the result differs from a scale of 1.0 by the 0.1%.
+    out = jaxamp.apply_policy(model, "mixed_float16").apply(variables, x)
+    ones = jaxamp.apply_policy(model, "mixed_float16").apply(
+        {"params": {"scale": jnp.ones(8), "bias": jnp.zeros(8)}}, x
+    )
+    assert not np.array_equal(out, ones)
