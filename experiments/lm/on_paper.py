@@ -17,13 +17,18 @@ included, with the share of them in FP8 and each FP8 outcome,
 tokens/s it allows. Nothing is autotuned; it is a bound on paper, not a
 measurement.
 
-cuDNN's fused attention cannot be compiled here: JAX asks the installed
-cuDNN library for its version while lowering it ("cuDNN not found."), so
-where ``--attention auto`` would pick ``cudnn`` on the GPU, the step is
-compiled with the ``einsum`` attention instead and the entry says so
-(``attention_note``). The bound then counts the attention's score matrices
-in memory traffic, which flash attention avoids: an upper estimate of
-bytes moved.
+cuDNN's fused attention compiles here once ``libcudnn`` is importable (the
+``nvidia-cudnn-cu12`` wheel, which the ``cuda`` extra installs, unpacked onto
+``PYTHONPATH``): JAX asks the cuDNN library for its version while lowering
+it. Where it is not, the step is compiled with the ``einsum`` attention
+instead and the entry says so (``attention_note``); the bound then counts
+the attention's score matrices in memory traffic, which flash attention
+avoids: an upper estimate of bytes moved.
+
+Beside the two routes, ``hand_cast`` is the recipe JAX language-model code
+bases use, the anchor to measure against: the params cast to bfloat16 at
+the step's entry and the plain model applied to them (no jaxamp in the
+model), with the same attention choice.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ from experiments.results import write_text_atomically
 from experiments.train import resolve_precision
 
 PRECISIONS = ("fp32", "tf32", "mixed_bf16", "mixed", "mixed_float8")
-ROUTES = ("apply_policy", "autocast")
+ROUTES = ("apply_policy", "autocast", "hand_cast")
+HAND_CAST = "hand_cast"  # the anchor: params cast to bfloat16 at the step's entry
 GPT2_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64, as nanoGPT does
 
 
@@ -57,12 +63,19 @@ def compile_for(target: str, config: LMConfig, vocab_size: int) -> dict[str, Any
     device = jaxamp.diagnostics.gpu_target_device(spec)
     precision = resolve_precision(config.precision)
     context = config.sequence_length
+    hand_cast = config.route == HAND_CAST
+    if hand_cast:  # the plain model, as the autocast route builds it
+        config = dataclasses.replace(config, route="autocast")
     model, attention = train.create_model(config, precision, vocab_size, "gpu")
     tx = train.create_optimizer(config)
     state = jax.eval_shape(lambda: train.create_train_state(config, precision, model, context, tx))
     windows = jax.ShapeDtypeStruct((config.batch_size, context + 1), jnp.int32)
     arguments = jaxamp.diagnostics.on_device((state, windows), device)
-    step = train.make_train_step(train.make_loss_fn(model.apply, config.route, precision.policy))
+    if hand_cast:
+        loss_fn = hand_cast_loss(model.apply, precision.policy.compute_dtype)
+    else:
+        loss_fn = train.make_loss_fn(model.apply, config.route, precision.policy)
+    step = train.make_train_step(loss_fn)
     compiled_step = targets.compile_step(step, arguments, config.precision, precision.context(), spec)
     compiled, text, compile_s = compiled_step.compiled, compiled_step.text, compiled_step.compile_s
     heavy_flops = compiled_step.report.flops_by_dtype()
@@ -78,7 +91,7 @@ def compile_for(target: str, config: LMConfig, vocab_size: int) -> dict[str, Any
         "device_kind": device.device_kind,
         "model": config.model,
         "precision": config.precision,
-        "route": config.route,
+        "route": HAND_CAST if hand_cast else config.route,
         "attention": attention,
         "batch_size": config.batch_size,
         "context": context,
@@ -105,10 +118,23 @@ def compile_for(target: str, config: LMConfig, vocab_size: int) -> dict[str, Any
     }
 
 
+def hand_cast_loss(apply_fn, compute_dtype):
+    """The anchor's loss: float32 params cast to `compute_dtype` at entry, the plain model on them."""
+
+    def loss_fn(params, windows):
+        half = jax.tree.map(lambda param: param.astype(compute_dtype), params)
+        logits = apply_fn({"params": half}, windows[:, :-1])
+        return train.token_losses(logits, windows[:, 1:]).mean()
+
+    return loss_fn
+
+
 def title(entries: list[dict[str, Any]]) -> str:
     """The table page's heading, naming the GPUs compiled for."""
     devices = sorted({entry["device_kind"] for entry in entries if "device_kind" in entry})
-    return f"# Language model compiled for {', '.join(devices) or 'a GPU'}, on paper: memory and roofline bound"
+    return (
+        f"# Language model compiled for {', '.join(devices) or 'a GPU'}, on paper: memory and roofline bound"
+    )
 
 
 def markdown(entries: list[dict[str, Any]], command: str) -> str:
@@ -187,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=HelpFormatter,
     )
     parser.add_argument(
-        "--target", default="h200", choices=list(jaxamp.diagnostics.GPU_TARGETS), help="the GPU to compile for"
+        "--target",
+        default="h200",
+        choices=list(jaxamp.diagnostics.GPU_TARGETS),
+        help="the GPU to compile for",
     )
     parser.add_argument("--model", default="gpt2", choices=list(model_lib.SIZES), help="model size")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
@@ -210,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     entries = []
     for precision in args.precisions.split(","):
         for route in args.routes.split(","):
+            if route == HAND_CAST and resolve_precision(precision).policy.compute_dtype == jnp.float32:
+                continue  # nothing to cast: the plain float32 step
             config = LMConfig(model=args.model, precision=precision, route=route, batch_size=args.batch_size)
             try:
                 try:
