@@ -37,7 +37,8 @@ class Rewrite:
         compute_dtype: the policy's compute dtype.
         rules: primitive -> rule.
         as_traced: the rule that runs an equation exactly as traced, for code
-            under `jaxamp.float32_scope` and for first-order primitives the
+            under `jaxamp.float32_scope` where no scope can change the rules
+            (a custom derivative's rewrite) and for first-order primitives the
             table does not know (a user's own primitive, or one a newer JAX
             added), which are named once per process
             (`jaxamp.jaxpr_policy.unruled.warn_once`).
@@ -92,7 +93,7 @@ class Rewrite:
         return self._scoped[key]
 
     def rule_for(self, equation) -> Rule:
-        """The rule of `equation`; code under `float32_scope` runs as traced.
+        """The rule of `equation` (`scoped` gives code under `float32_scope` the float32 rules).
 
         Policy scopes are resolved before (`scoped`): call this on the
         rewrite that `scoped` gives.

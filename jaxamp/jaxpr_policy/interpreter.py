@@ -1,7 +1,9 @@
 """The jaxpr interpreter at the heart of `jaxamp.autocast`.
 
-A function is traced to a jaxpr once, with the dtypes its caller gave it,
-and the jaxpr is evaluated again equation by equation: each equation's rule
+A function is traced to a jaxpr once, its floating arguments in the compute
+dtype (`jaxamp.jaxpr_policy.transform.trace_dtypes`), and the jaxpr is
+evaluated again equation by equation on the arguments as the caller gave
+them: each equation's rule
 (`jaxamp.jaxpr_policy.rules` for first-order primitives,
 `jaxamp.jaxpr_policy.higher_order` for those carrying jaxprs) sees the current
 input values, whose dtypes may differ from the traced ones, and decides
@@ -58,7 +60,9 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
     its full-size operands' half dtype, for the next such op to compute
     from, so a normalization's ``(h - mean) * inv + bias`` is rounded once,
     and for float32 ops to read (the square of ``h - mean`` in a variance
-    is that of the float32 difference, as before the rounding).
+    is that of the float32 difference, as before the rounding). It also
+    follows the statistics (`_derives_a_statistic`), which a cast to the
+    half compute dtype leaves in float32 (`_keeps_a_statistic_float32`).
 
     Each equation runs under the rewrite of its innermost policy scope
     (`Rewrite.scoped`). A floating value made inside a policy scope is cast

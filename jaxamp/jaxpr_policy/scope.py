@@ -1,7 +1,7 @@
 """Scopes that `jaxamp.autocast` reads from the name stack of each equation.
 
-* `float32_scope`, the public opt-out: code traced inside it keeps its
-  traced dtypes.
+* `float32_scope`, the public opt-out: code traced inside it runs in
+  float32.
 * Policy scopes (`policy_scope`), entered by `jaxamp.apply_policy` around
   the calls of a Flax layer whose class runs under a policy of its own (a
   class in ``overrides``, a normalization layer): the equations inside run
@@ -41,10 +41,13 @@ _SCOPE_COMPONENT = re.compile(rf"(^|[/(]){FLOAT32_SCOPE_NAME}($|[/)])")
 
 @contextlib.contextmanager
 def float32_scope() -> Iterator[None]:
-    """Keeps the operations traced inside it in their own dtypes under `jaxamp.autocast`.
+    """Runs the operations traced inside it in float32 under `jaxamp.autocast`.
 
     For the layer that a user knows must stay in float32 (a loss with large
-    intermediate values, a hand-written normalization). The scope is a
+    intermediate values, a hand-written normalization): its matmuls, and the
+    operations that would follow their inputs, run in float32, though the
+    function was traced in the compute dtype. Kernels, scatters and other
+    operations that run as traced keep the traced dtype. The scope is a
     ``jax.named_scope``, so it is carried into the jaxpr and survives
     ``jax.jit``, ``jax.grad`` and the other transformations; outside
     `autocast` it only names the operations.

@@ -89,43 +89,49 @@ def autocast(
     """Runs any JAX function with its heavy math in half precision, like ``torch.autocast``.
 
     ``autocast(fun)`` has ``fun``'s signature. Each call traces ``fun`` to a
-    jaxpr (array arguments abstract, every other argument static) and
-    evaluates the jaxpr again with dtypes changed per primitive:
+    jaxpr (array arguments abstract, every other argument static) with its
+    floating array arguments in the policy's compute dtype, so whatever
+    ``fun`` decides while traced (a fused attention kernel, a Pallas call,
+    a ``dtype`` check) sees the dtype it runs in. The jaxpr is then
+    evaluated with the arguments as given, dtypes chosen per primitive:
 
     * matrix multiplications and convolutions run in the policy's compute
       dtype, forward and backward;
     * numerically sensitive operations (exp/log family, roots and powers,
-      special functions, every reduction) run in float32;
+      special functions, every reduction, sums across devices) run in
+      float32; a statistic (a reduction's result, and what follows from
+      statistics alone) stays float32 through the program's cast to half;
     * elementwise and structural operations follow their inputs; scalar
-      literals (and literals broadcast to a shape) are weak unless the half
-      dtype cannot hold them; a per-feature value broadcast against a
-      half-precision activation (a bias, a normalization's scale, offset,
-      mean and variance) computes with it in float32 and gives the
-      activation's dtype, rounded once per chain of such ops; an
-      elementwise chain whose results go only to a float32 reduction (the
-      ``h * h`` of a norm) runs in float32;
-    * scatters (``x.at[i].add``, ``segment_sum``, the gradient of a
-      gather), collectives, random bits, callbacks, kernels and linear
-      solves (``custom_linear_solve``) run in the dtypes they were traced
-      with;
+      literals are weak; in the arithmetic ops a float32 operand wider than
+      it was traced (a float32 param read as such, a float32 op's result) or
+      broadcast against an activation (a bias, a normalization's scale)
+      computes with the half-precision activation in float32 and gives the
+      activation's dtype, rounded once per chain of such ops; an elementwise
+      chain whose results go only to a float32 reduction (the ``h * h`` of
+      a norm) runs in float32;
+    * scatters, collectives that move values, random bits, callbacks and
+      kernels run in the dtypes they were traced with; linear solves
+      (``custom_linear_solve``) run in float32;
     * nested ``jit``, ``checkpoint``, ``scan``, ``while_loop``, ``cond``,
       ``custom_jvp``, ``custom_vjp`` and ``shard_map`` (``pmap``) bodies are
       rewritten recursively.
 
-    The outputs come back in exactly the dtypes ``fun`` returns, so
-    ``jax.grad`` of it gives gradients in the dtypes of the arguments. It
-    composes with ``jax.jit``, ``jax.grad``, ``jax.vmap`` and ``jax.jvp`` on
-    either side. The rewritten jaxpr is cached per argument shapes, dtypes
-    and static arguments, so an eager call traces once. NNX modules passed as
-    arguments (or as `fun`) are split and their changed state written back.
-    Code under `jaxamp.float32_scope` keeps its traced dtypes; code in a
-    policy scope (which `jaxamp.apply_policy` opens around the calls of a
-    normalization layer or an overridden class) runs under that scope's
-    compute dtype, and its results leave it in the scope's output dtype.
+    The rewritten program takes the arguments as given, so ``jax.grad`` of
+    it gives gradients in the dtypes of the arguments; a floating output
+    that ``fun`` gives in the compute dtype comes back in the arguments'
+    dtype (float32), other outputs as ``fun`` returns them. It composes with
+    ``jax.jit``, ``jax.grad``, ``jax.vmap`` and ``jax.jvp`` on either side.
+    The rewritten jaxpr is cached per argument shapes, dtypes and static
+    arguments, so an eager call traces once. NNX modules passed as
+    arguments (or as `fun`) are split (their ``nnx.Param``s traced in the
+    compute dtype, other state as it is) and their changed state written
+    back in the dtype it came in. Code under `jaxamp.float32_scope` runs in
+    float32; code in a policy scope (which `jaxamp.apply_policy` opens
+    around the calls of a normalization layer or an overridden class) runs
+    under that scope's compute dtype, and its results leave it in the
+    scope's output dtype.
 
-    The policy's compute dtype is what matters here: params stay as the
-    caller holds them and outputs come back as `fun` returns them. A policy
-    with FP8 matmuls (``"mixed_float8"``) also runs every eligible
+    A policy with FP8 matmuls (``"mixed_float8"``) also runs every eligible
     ``dot_general`` as `jaxamp.fp8_dot_general`, and the other matmuls and
     convolutions in the compute dtype under a named fallback scope
     (`jaxamp.diagnostics.FP8_FALLBACK_REASONS`).
@@ -147,6 +153,11 @@ def autocast(
             widest input) or ``"restore"`` (as traced), e.g.
             ``{"tanh": "float32"}``. A primitive that carries a jaxpr
             accepts only ``"restore"``.
+        float32_argnums: positional arguments traced in their own dtypes
+            rather than the compute dtype (state that must stay float32, or
+            code written for float32 only), as ``jax.jit``'s
+            ``static_argnums`` name arguments.
+        float32_argnames: the same, by keyword.
 
     Returns:
         The function under the policy. Its ``rewrites.traces`` counts how
@@ -155,6 +166,8 @@ def autocast(
     Raises:
         ValueError: the policy or an override names no valid choice, or an
             override names a primitive JAX does not have.
+        TypeError: ``float32_argnums`` or ``float32_argnames`` are not ints
+            or strings.
         NotImplementedError: (when called) `fun` uses a higher-order
             primitive autocast has no rule for; the message names it.
     """
