@@ -331,6 +331,38 @@ def test_each_gan_train_state_skips_on_its_own_gradients_and_halves_only_its_own
         assert scale_ratio == (0.5 if skipped and policy == MIXED else 1.0)
 
 
+def test_one_skip_decision_for_both_gan_states_keeps_their_two_copies_of_the_scale_equal():
+    """The page's alternative: one combined flag passed to both apply_gradients calls."""
+    d_loss, g_loss = jaxamp.autocast(discriminator_loss, MIXED), jaxamp.autocast(generator_loss, MIXED)
+
+    @jax.jit
+    def joint_step(d_state, g_state, z, real):
+        _, d_grads, d_finite = jaxamp.scaled_value_and_grad(d_loss, d_state.loss_scale)(
+            d_state.params, g_state.params, z, real
+        )
+        _, g_grads, g_finite = jaxamp.scaled_value_and_grad(g_loss, g_state.loss_scale)(g_state.params, d_state.params, z)
+        both_finite = d_finite & g_finite
+        return (d_state.apply_gradients(grads=d_grads, grads_finite=both_finite),
+                g_state.apply_gradients(grads=g_grads, grads_finite=both_finite))  # fmt: skip
+
+    k_d, k_g = jax.random.split(jax.random.key(0))
+    d_state, g_state = (
+        jaxamp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3), loss_scale=jaxamp.DynamicLossScale())
+        for params in (init_two_layers(k_d, (8, 16, 1)), init_two_layers(k_g, (4, 16, 8)))
+    )
+    z = jax.random.normal(jax.random.key(1), (8, 4))
+    real = 2 + 0.5 * jax.random.normal(jax.random.key(2), (8, 8))
+    for batch in [real, real.at[0, 0].set(jnp.inf), real]:  # the inf reaches the discriminator's loss only
+        d_before, g_before = d_state, g_state
+        d_state, g_state = joint_step(d_state, g_state, z, batch)
+        both_skipped = not np.all(np.isfinite(batch))
+        assert same_tree(d_state.params, d_before.params) == both_skipped
+        assert same_tree(g_state.params, g_before.params) == both_skipped
+        assert same_tree(d_state.loss_scale, g_state.loss_scale)
+    assert (int(d_state.step), int(g_state.step), int(g_state.skipped_steps)) == (2, 2, 1)
+    assert float(g_state.loss_scale.loss_scale) == 2.0**14
+
+
 # Custom derivatives
 
 
