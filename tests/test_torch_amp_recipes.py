@@ -43,7 +43,9 @@ def make_train_step(policy):
 
     @jax.jit
     def train_step(state, x, y):
-        loss, grads, grads_finite = jaxamp.scaled_value_and_grad(policy_loss, state.loss_scale)(state.params, x, y)
+        loss, grads, grads_finite = jaxamp.scaled_value_and_grad(policy_loss, state.loss_scale)(
+            state.params, x, y
+        )
         return state.apply_gradients(grads=grads, grads_finite=grads_finite), loss
 
     return train_step
@@ -86,7 +88,9 @@ def record_what_the_clip_sees() -> optax.GradientTransformation:
 def test_the_clip_sees_only_unscaled_finite_gradients_and_an_overflowed_step_never_reaches_it(clip):
     params, x, y = classification_problem()
     tx = optax.chain(record_what_the_clip_sees(), clip, optax.adam(1e-2))
-    state = jaxamp.TrainState.create(apply_fn=None, params=params, tx=tx, loss_scale=jaxamp.DynamicLossScale())
+    state = jaxamp.TrainState.create(
+        apply_fn=None, params=params, tx=tx, loss_scale=jaxamp.DynamicLossScale()
+    )
     train_step = make_train_step(MIXED)
     bad_x = x.at[0, 0].set(jnp.inf)
 
@@ -116,9 +120,17 @@ def test_the_clip_sees_only_unscaled_finite_gradients_and_an_overflowed_step_nev
 def test_an_overflowed_micro_batch_never_reaches_the_accumulator_and_four_finite_ones_make_the_big_batch_step():
     params, x, y = classification_problem()
     bad_x = x.at[0, 0].set(jnp.inf)
-    micro_batches = [(x[0:2], y[0:2]), (x[2:4], y[2:4]), (bad_x[0:2], y[0:2]), (x[4:6], y[4:6]), (x[6:8], y[6:8])]
+    micro_batches = [
+        (x[0:2], y[0:2]),
+        (x[2:4], y[2:4]),
+        (bad_x[0:2], y[0:2]),
+        (x[4:6], y[4:6]),
+        (x[6:8], y[6:8]),
+    ]
     tx = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=4)
-    state = jaxamp.TrainState.create(apply_fn=None, params=params, tx=tx, loss_scale=jaxamp.DynamicLossScale())
+    state = jaxamp.TrainState.create(
+        apply_fn=None, params=params, tx=tx, loss_scale=jaxamp.DynamicLossScale()
+    )
     train_step = make_train_step(MIXED)
 
     for index, (batch_x, batch_y) in enumerate(micro_batches):
@@ -151,7 +163,7 @@ HALF_CRITIC = jaxamp.autocast(critic, MIXED)
 
 
 def input_grads(critic, params, x, loss_scale=None):
-    critic_sum = lambda x: critic(params, x).sum()  # noqa: E731
+    critic_sum = lambda x: critic(params, x).sum()
     if loss_scale is None:
         return jax.grad(critic_sum)(x)
     return jaxamp.scaled_value_and_grad(critic_sum, loss_scale)(x)[1]
@@ -174,7 +186,8 @@ def init_critic(weight_scale):
 
 def relative_error(tree, reference):
     return max(
-        float(jnp.abs(a - b).max() / jnp.abs(b).max()) for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(reference))
+        float(jnp.abs(a - b).max() / jnp.abs(b).max())
+        for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(reference))
     )
 
 
@@ -197,7 +210,7 @@ def test_a_small_inner_gradient_underflows_in_float16_unless_it_goes_through_the
 def penalty_param_grads(penalty, params, inner_scale):
     loss_scale = jaxamp.DynamicLossScale()
     inner_loss_scale = loss_scale if inner_scale else None
-    loss = lambda p: penalty(input_grads(HALF_CRITIC, p, INTERPOLATES, inner_loss_scale))  # noqa: E731
+    loss = lambda p: penalty(input_grads(HALF_CRITIC, p, INTERPOLATES, inner_loss_scale))
     return jax.jit(jaxamp.scaled_value_and_grad(loss, loss_scale))(params)[1]
 
 
@@ -210,7 +223,12 @@ def test_the_wgan_gp_param_gradient_through_a_scaled_inner_gradient_is_float32s_
     # The squared norm's derivative is as small as the gradient: it underflows in the outer backward pass.
     squared_grads = penalty_param_grads(squared_norm, params, inner_scale=True)
     assert all(np.all(leaf == 0) for leaf in jax.tree.leaves(squared_grads["w3"]))
-    assert relative_error(squared_grads, jax.grad(lambda p: squared_norm(input_grads(critic, p, INTERPOLATES)))(params)) == 1.0
+    assert (
+        relative_error(
+            squared_grads, jax.grad(lambda p: squared_norm(input_grads(critic, p, INTERPOLATES)))(params)
+        )
+        == 1.0
+    )
 
 
 def train_critic(critic_fn, loss_scale, scale_inner, applied_steps=30):
@@ -232,7 +250,9 @@ def train_critic(critic_fn, loss_scale, scale_inner, applied_steps=30):
         )(state.params, state.loss_scale)
         return state.apply_gradients(grads=grads, grads_finite=grads_finite), grad_norm
 
-    state = jaxamp.TrainState.create(apply_fn=None, params=init_critic(0.002), tx=optax.adam(1e-3), loss_scale=loss_scale)
+    state = jaxamp.TrainState.create(
+        apply_fn=None, params=init_critic(0.002), tx=optax.adam(1e-3), loss_scale=loss_scale
+    )
     by_step = {}
     for _ in range(2 * applied_steps):
         if int(state.step) == applied_steps:
@@ -272,7 +292,10 @@ def init_two_layers(key, sizes):
 
 def discriminator_loss(d_params, g_params, z, real):
     fake = jax.lax.stop_gradient(two_layers(g_params, z))
-    return jax.nn.softplus(-two_layers(d_params, real)).mean() + jax.nn.softplus(two_layers(d_params, fake)).mean()
+    return (
+        jax.nn.softplus(-two_layers(d_params, real)).mean()
+        + jax.nn.softplus(two_layers(d_params, fake)).mean()
+    )
 
 
 def generator_loss(g_params, d_params, z):
@@ -289,7 +312,9 @@ def make_gan_step(policy):
             d_state.params, g_state.params, z, real
         )
         d_state = d_state.apply_gradients(grads=d_grads, grads_finite=d_finite)
-        _, g_grads, g_finite = jaxamp.scaled_value_and_grad(g_loss, g_state.loss_scale)(g_state.params, d_state.params, z)
+        _, g_grads, g_finite = jaxamp.scaled_value_and_grad(g_loss, g_state.loss_scale)(
+            g_state.params, d_state.params, z
+        )
         return d_state, g_state.apply_gradients(grads=g_grads, grads_finite=g_finite)
 
     return gan_step
@@ -340,14 +365,18 @@ def test_one_skip_decision_for_both_gan_states_keeps_their_two_copies_of_the_sca
         _, d_grads, d_finite = jaxamp.scaled_value_and_grad(d_loss, d_state.loss_scale)(
             d_state.params, g_state.params, z, real
         )
-        _, g_grads, g_finite = jaxamp.scaled_value_and_grad(g_loss, g_state.loss_scale)(g_state.params, d_state.params, z)
+        _, g_grads, g_finite = jaxamp.scaled_value_and_grad(g_loss, g_state.loss_scale)(
+            g_state.params, d_state.params, z
+        )
         both_finite = d_finite & g_finite
         return (d_state.apply_gradients(grads=d_grads, grads_finite=both_finite),
                 g_state.apply_gradients(grads=g_grads, grads_finite=both_finite))  # fmt: skip
 
     k_d, k_g = jax.random.split(jax.random.key(0))
     d_state, g_state = (
-        jaxamp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3), loss_scale=jaxamp.DynamicLossScale())
+        jaxamp.TrainState.create(
+            apply_fn=None, params=params, tx=optax.adam(1e-3), loss_scale=jaxamp.DynamicLossScale()
+        )
         for params in (init_two_layers(k_d, (8, 16, 1)), init_two_layers(k_g, (4, 16, 8)))
     )
     z = jax.random.normal(jax.random.key(1), (8, 4))
