@@ -231,6 +231,25 @@ def test_the_wgan_gp_param_gradient_through_a_scaled_inner_gradient_is_float32s_
     )
 
 
+def test_an_inner_gradient_that_overflows_makes_the_outer_gradients_non_finite_so_the_step_is_skipped():
+    params = init_critic(0.05)
+    loss_scale = jaxamp.DynamicLossScale(2.0**24)  # the inner seed alone is beyond float16's 65504
+    inner = input_grads(HALF_CRITIC, params, INTERPOLATES, loss_scale)
+    assert not bool(jaxamp.all_finite(inner))
+
+    def critic_loss(params, loss_scale):
+        return wgan_gp(input_grads(HALF_CRITIC, params, INTERPOLATES, loss_scale))
+
+    state = jaxamp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3), loss_scale=loss_scale)
+    _, grads, grads_finite = jaxamp.scaled_value_and_grad(critic_loss, state.loss_scale)(
+        state.params, state.loss_scale
+    )
+    assert not bool(grads_finite)
+    after = state.apply_gradients(grads=grads, grads_finite=grads_finite)
+    assert same_tree(after.params, state.params)
+    assert (int(after.step), int(after.skipped_steps), float(after.loss_scale.loss_scale)) == (0, 1, 2.0**23)
+
+
 def train_critic(critic_fn, loss_scale, scale_inner, applied_steps=30):
     """The page's WGAN-GP critic: the mean input-gradient norm at each applied step, and the final state."""
     real = jax.random.normal(jax.random.key(2), (8, 16)) + 1
