@@ -9,12 +9,15 @@ python -m experiments.cifar --coordinator-address 10.0.0.1:1234 --num-processes 
 
 Exit status: 0 on success, 2 for a bad flag, 1 for anything found later (data
 missing or damaged, an unusable checkpoint, a batch that does not split over
-the devices, an overflow storm), each with one message and no traceback.
+the devices, an overflow storm), each with one message and no traceback; 130
+when interrupted (Ctrl-C), with the last checkpoint kept and the command that
+resumes from it.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 import jax
@@ -27,6 +30,7 @@ from experiments.flags import (
     add_process_flags,
     fraction_below_one,
     non_negative_int,
+    output_file,
     positive_float,
     positive_int,
 )
@@ -218,9 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--out",
+        type=output_file,
         default=None,
         help="write per-epoch results and the environment to this JSON file "
-        "(default: none, nothing is written; the run says so when it ends)",
+        "(checked before training starts) (default: none, nothing is written; the run says so when it ends)",
     )
     return parser
 
@@ -278,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
             from_cluster_environment=args.distributed,
         )
         results = train.train_and_evaluate(config)
+    except KeyboardInterrupt:
+        print(interrupted_advice(config, sys.argv[1:] if argv is None else argv), file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
     except jaxamp.LossScaleStuckError as error:
         print(f"error: {stuck_advice(error, config)}", file=sys.stderr)
         return 1
@@ -305,6 +313,27 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("results not written: add --out FILE to keep them (per-epoch results and the environment, JSON)")
     return 0
+
+
+def interrupted_advice(config: train.TrainConfig, argv: list[str]) -> str:
+    """The message printed instead of a traceback when the run is interrupted (Ctrl-C)."""
+    saved = f" The results of the finished epochs are in {config.out}." if config.out else ""
+    if not config.checkpoint_dir:
+        return (
+            f"interrupted; no checkpoint was kept (no --checkpoint-dir).{saved} To be able to resume an "
+            "interrupted run, add --checkpoint-dir DIR (and --checkpoint-every N for mid-epoch checkpoints)."
+        )
+    latest = checkpointing.latest_checkpoint(config.checkpoint_dir)
+    if latest is None:
+        return (
+            f"interrupted before the first checkpoint in {config.checkpoint_dir}; nothing to resume.{saved} "
+            "Run the same command again to start afresh."
+        )
+    resume_argv = argv if "--resume" in argv else [*argv, "--resume"]
+    return (
+        f"interrupted; the last checkpoint kept is {latest}.{saved} Resume with: "
+        f"python -m experiments.cifar {shlex.join(resume_argv)}"
+    )
 
 
 def stuck_advice(error: jaxamp.LossScaleStuckError, config: train.TrainConfig) -> str:

@@ -25,7 +25,7 @@ import jaxamp
 from experiments import cifar, train
 from experiments import data as data_lib
 from experiments import results as results_lib
-from experiments.flags import HelpFormatter
+from experiments.flags import HelpFormatter, output_directory
 from experiments.models import MODELS
 
 
@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     cifar.add_training_arguments(parser)
     parser.add_argument(
         "--out-dir",
+        type=output_directory,
         default=None,
         help="where to write the table, plots and results.json (default: a new runs/compare-<time>/; "
         "the published study is results/<device>/<dataset>/)",

@@ -10,7 +10,8 @@ python -m experiments.lm --target h200        # on paper: compiled for an H200, 
 
 Exit status: 0 on success, 2 for a bad flag, 1 for anything found later (the
 corpus missing or too small, a batch that does not split over the devices),
-each with one message and no traceback.
+each with one message and no traceback; 130 when interrupted (Ctrl-C), with
+where the finished evaluations were written.
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ import jaxamp
 from experiments import distributed, results
 from experiments.cifar import loss_scale_arg, precision_arg
 from experiments.compare import comma_list
-from experiments.flags import HelpFormatter, add_process_flags, integer_at_least, positive_float, positive_int
+from experiments.flags import (
+    HelpFormatter,
+    add_process_flags,
+    integer_at_least,
+    output_directory,
+    positive_float,
+    positive_int,
+)
 from experiments.lm import config as config_lib
 from experiments.lm import data as data_lib
 from experiments.lm import model as model_lib
@@ -68,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a first run of a few minutes on a CPU: sets --model tiny --precisions fp32,mixed_bf16 "
-        "--steps 100 --eval-every 25 (over those flags)",
+        help="a first run of a few minutes on a CPU: --model tiny --precisions fp32,mixed_bf16 --steps 100 "
+        "--eval-every 25, each unless given beside it (given flags win: --quick --steps 30 runs 30 steps)",
     )
     parser.add_argument("--model", default=_DEFAULTS.model, choices=list(model_lib.SIZES), help="model size")
     parser.add_argument(
@@ -178,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--out-dir",
+        type=output_directory,
         default=None,
         help="where results.json, table.md and the plots go (default: a new directory under runs/)",
     )
@@ -188,11 +197,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def configs_from_args(args: argparse.Namespace) -> list[config_lib.LMConfig]:
-    """One `LMConfig` per precision x route x seed, in that order."""
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The flags, with --quick's settings (`QUICK`) as the defaults of the flags not given.
+
+    A flag given beside --quick wins over it, so what runs is what the command
+    line says and the command recorded in table.md is the whole story.
+    """
+    args = parser.parse_args(argv)
     if args.quick:
-        for name, value in QUICK.items():
-            setattr(args, name, value)
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
+    return args
+
+
+def configs_from_args(args: argparse.Namespace) -> list[config_lib.LMConfig]:
+    """One `LMConfig` per precision x route x seed, in that order (`parse_args` has applied --quick)."""
     base = config_lib.LMConfig(
         model=args.model,
         attention=args.attention,
@@ -238,7 +257,7 @@ def new_out_dir() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     try:
         configs = configs_from_args(args)
         for config in configs:
@@ -246,12 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     except config_lib.ConfigError as error:
         parser.error(str(error))
     command = "python -m experiments.lm " + shlex.join(sys.argv[1:] if argv is None else argv)
+    out_dir = None
     try:
         distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
         main_process = jax.process_index() == 0
-        out_dir = args.out_dir or (new_out_dir() if main_process else None)
-        if args.out_dir and main_process:
-            os.makedirs(out_dir, exist_ok=True)
         corpus = data_lib.load_corpus(
             configs[0].data,
             configs[0].data_dir,
@@ -261,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
             jax.process_count(),
         )
         print(f"corpus: {corpus.description}", flush=True)
+        # Made once the corpus is loaded: a run that cannot start leaves no empty folder behind.
+        out_dir = args.out_dir or (new_out_dir() if main_process else None)
+        if args.out_dir and main_process:
+            os.makedirs(out_dir, exist_ok=True)
         payload: dict[str, Any] = {"command": command, "environment": environment(), "runs": []}
 
         for config in configs:
@@ -275,6 +296,18 @@ def main(argv: list[str] | None = None) -> int:
             if main_process:
                 output.write_json(out_dir, payload)
                 output.write_table(out_dir, payload["runs"], command, payload["environment"])
+    except KeyboardInterrupt:
+        kept = (
+            f" The evaluations finished so far are in {os.path.join(out_dir, 'results.json')}."
+            if out_dir and os.path.exists(os.path.join(out_dir, "results.json"))
+            else ""
+        )
+        print(
+            f"interrupted.{kept} Language-model runs keep no checkpoints: run the command again to start "
+            "afresh, with fewer --steps or --precisions for a shorter run.",
+            file=sys.stderr,
+        )
+        return 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
     except (
         data_lib.DataUnavailableError,
         distributed.DistributedSetupError,
