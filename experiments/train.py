@@ -623,7 +623,6 @@ def _run_epoch(run: _Run, state, epoch: int, resumed_at: Position | None):
     sums = _fold_sums(sums, pending)
     state = jax.block_until_ready(state)
     train_time = time.perf_counter() - start
-    progress.close()
 
     images = steps * config.batch_size
     previous = run.results["epochs"][-1] if run.results["epochs"] else {}
@@ -635,7 +634,9 @@ def _run_epoch(run: _Run, state, epoch: int, resumed_at: Position | None):
         "images_per_s": (steps - steps_done) * config.batch_size / train_time,
     }
     if epoch % config.eval_every == 0 or epoch == config.epochs:
+        progress.describe(f"epoch {epoch}/{config.epochs}: testing")
         record.update(_evaluate(run.eval_step, state, run.device_data, config.steps_per_epoch))
+    progress.close()
     record["loss_scale"] = float(host_value(state.loss_scale.loss_scale))
     record["skipped_steps"] = int(host_value(state.skipped_steps))
     record["injected_nonfinite"] = previous.get("injected_nonfinite", 0) + int(sums["injected"])
