@@ -52,7 +52,12 @@ def scaled_value_and_grad(
         dtype of the arguments they belong to; `grads_finite` is a scalar bool
         to pass to ``TrainState.apply_gradients`` and
         ``DynamicLossScale.adjust``.
+
+    Raises:
+        TypeError: `loss_scale` is not a loss scale (it has no ``scale`` and
+            ``unscale``), e.g. a plain number.
     """
+    _require_loss_scale(loss_scale)
 
     def scaled_loss(*args, **kwargs):
         output = fun(*args, **kwargs)
@@ -82,3 +87,19 @@ def scaled_value_and_grad(
         return value, grads, all_finite(grads)
 
     return value_and_grads
+
+
+def _require_loss_scale(loss_scale: Any) -> None:
+    """Raises TypeError, naming the type needed, unless `loss_scale` scales and unscales."""
+    if all(callable(getattr(loss_scale, name, None)) for name in ("scale", "unscale")):
+        return
+    example = (
+        f" For a fixed scale of {loss_scale!r} pass jaxamp.StaticLossScale({loss_scale!r})."
+        if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool)
+        else ""
+    )
+    raise TypeError(
+        "scaled_value_and_grad needs a loss scale (jaxamp.NoOpLossScale, StaticLossScale or "
+        f"DynamicLossScale, or a jmp loss scale) as loss_scale; got {loss_scale!r} of type "
+        f"{type(loss_scale).__name__}.{example}"
+    )
