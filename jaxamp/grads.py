@@ -22,12 +22,14 @@ def scaled_value_and_grad(
 ) -> Callable[..., tuple[Any, Any, jax.Array]]:
     """Like `jax.value_and_grad`, through a loss scale, with a finiteness flag.
 
-    The returned function computes::
+    The returned function computes:
 
-        loss = fun(*args)                       # or (loss, aux) with has_aux
-        scaled_grads = grad(loss_scale.scale(loss))
-        grads = loss_scale.unscale(scaled_grads)
-        grads_finite = all_finite(grads)
+    ```python
+    loss = fun(*args)                       # or (loss, aux) with has_aux
+    scaled_grads = grad(loss_scale.scale(loss))
+    grads = loss_scale.unscale(scaled_grads)
+    grads_finite = all_finite(grads)
+    ```
 
     The backward pass starts from a cotangent equal to the loss scale, in the
     loss's own dtype, and carries it through the model's float16 computation,
