@@ -86,6 +86,25 @@ def add_process_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def comma_list(choices: list[str] | None, validate=None):
+    """An argparse type for a comma-separated, case-insensitive list, each item checked."""
+
+    def parse(text: str) -> list[str]:
+        items = [item.strip().lower() for item in text.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("expected a comma-separated list, got nothing")
+        for item in items:
+            if choices is not None and item not in choices:
+                raise argparse.ArgumentTypeError(
+                    f"invalid choice {item!r} (choose from {', '.join(choices)})"
+                )
+            if validate is not None:
+                validate(item)
+        return items
+
+    return parse
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number > 0."""
     try:

@@ -38,8 +38,9 @@ import optax
 import jaxamp
 from experiments import data as data_lib
 from experiments.checkpointing import Checkpointer, CheckpointError, Position, signature
+from experiments.config import FLOAT32_PRECISIONS, ROUTES, TrainConfig, parse_loss_scale, validate_rate
 from experiments.distributed import DataParallel, host_value
-from experiments.fault_injection import inject_nonfinite, validate_rate
+from experiments.fault_injection import inject_nonfinite
 from experiments.grad_accumulation import accumulate_gradients
 from experiments.models import MODELS, create_model
 from experiments.progress import Progress
@@ -52,45 +53,8 @@ from experiments.results import (  # also re-exported from here for compare and 
     write_json_atomically,
 )
 
-# Precisions beyond jaxamp.get_policy's: float32 with an explicit matmul precision.
-_FLOAT32_PRECISIONS = {"fp32": "highest", "tf32": "default"}
-
-# How a policy reaches the model: ``auto`` is ``apply_policy``, which runs the
-# model through autocast; ``autocast`` rewrites the plain model's ``apply``.
-ROUTES = ("auto", "apply_policy", "autocast")
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Everything that defines a run; the CLI flags map onto these fields."""
-
-    model: str = "resnet18"
-    precision: str = "mixed"
-    loss_scale: str = "default"
-    dataset: str = "cifar10"
-    data: str = "tfds"
-    data_dir: str | None = None
-    epochs: int = 2
-    batch_size: int = 128
-    eval_batch_size: int = 500
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    warmup_epochs: float = 1.0
-    label_smoothing: float = 0.0
-    steps_per_epoch: int | None = None
-    eval_every: int = 1
-    seed: int = 0
-    checkpoint_dir: str | None = None
-    resume: bool = False
-    out: str | None = None
-    progress: bool = True
-    grad_accum: int = 1
-    checkpoint_every: int | None = None
-    max_consecutive_skips: int = 50
-    max_overflows_at_min_scale: int = 0
-    inject_nonfinite: float = 0.0
-    route: str = "auto"
+# TrainConfig, ROUTES, parse_loss_scale and validate_rate live in experiments.config (no JAX), so
+# the command answers a bad flag before JAX loads; callers may still take them from here.
 
 
 class ConfigError(ValueError):
@@ -161,8 +125,8 @@ class Precision:
 def resolve_precision(name: str) -> Precision:
     """Resolves ``--precision``: ``fp32``, ``tf32`` or any jaxamp policy spec."""
     key = "".join(name.split()).lower()
-    if key in _FLOAT32_PRECISIONS:
-        return Precision(key, jaxamp.get_policy("float32"), _FLOAT32_PRECISIONS[key])
+    if key in FLOAT32_PRECISIONS:
+        return Precision(key, jaxamp.get_policy("float32"), FLOAT32_PRECISIONS[key])
     return Precision(name, jaxamp.get_policy(name), "default")
 
 
@@ -184,31 +148,6 @@ def resolve_route(route: str, precision: Precision) -> str:
     if route not in ROUTES:
         raise ValueError(f"Unknown route {route!r}; choose one of {', '.join(ROUTES)}.")
     return "apply_policy" if route == "auto" else route
-
-
-def parse_loss_scale(spec: str) -> tuple[str, float | None]:
-    """Checks ``--loss-scale`` without building anything: ``(kind, static value)``.
-
-    Builds no array, so a flag parser can call it before ``jax.distributed``
-    is initialised.
-
-    Raises:
-        ValueError: naming the spec and the valid forms.
-    """
-    key = "".join(spec.split()).lower()
-    if key in ("default", "dynamic", "none"):
-        return key, None
-    if key.startswith("static:"):
-        try:
-            value = float(key.removeprefix("static:"))
-        except ValueError:
-            value = math.nan
-        if math.isfinite(value) and value > 0:
-            return "static", value
-    raise ValueError(
-        f"Unknown loss scale {spec!r}; choose default, dynamic, none or static:N "
-        "with N a positive number (e.g. static:1024)."
-    )
 
 
 def resolve_loss_scale(spec: str, policy: jaxamp.Policy) -> jaxamp.LossScale:

@@ -25,8 +25,7 @@ from experiments.benchmark import (
 )
 from experiments.benchmark.budget import Budget, SkipWork
 from experiments.benchmark.results import Results
-from experiments.compare import comma_list
-from experiments.flags import HelpFormatter, output_directory, positive_float, positive_int
+from experiments.flags import HelpFormatter, comma_list, output_directory, positive_float, positive_int
 from experiments.models import MODELS
 from experiments.results import run_directory, write_text_atomically
 

@@ -23,15 +23,13 @@ import shlex
 import sys
 from typing import Any
 
-import jax
-
-import jaxamp
-from experiments import distributed, results
+# Nothing heavy here: the flags are parsed before JAX, Flax or TensorFlow load (in `main`), so a
+# mistyped flag is answered at once.
 from experiments.cifar import loss_scale_arg, precision_arg
-from experiments.compare import comma_list
 from experiments.flags import (
     HelpFormatter,
     add_process_flags,
+    comma_list,
     integer_at_least,
     output_directory,
     positive_float,
@@ -39,8 +37,6 @@ from experiments.flags import (
 )
 from experiments.lm import config as config_lib
 from experiments.lm import data as data_lib
-from experiments.lm import model as model_lib
-from experiments.lm import output, train
 
 QUICK = {"model": "tiny", "precisions": ["fp32", "mixed_bf16"], "steps": 100, "eval_every": 25}
 _DEFAULTS = config_lib.LMConfig()
@@ -79,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a first run of a few minutes on a CPU: --model tiny --precisions fp32,mixed_bf16 --steps 100 "
         "--eval-every 25, each unless given beside it (given flags win: --quick --steps 30 runs 30 steps)",
     )
-    parser.add_argument("--model", default=_DEFAULTS.model, choices=list(model_lib.SIZES), help="model size")
+    parser.add_argument("--model", default=_DEFAULTS.model, choices=list(config_lib.SIZES), help="model size")
     parser.add_argument(
         "--precisions",
         type=comma_list(None, precision_arg),
@@ -137,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--attention",
         default=_DEFAULTS.attention,
-        choices=list(model_lib.ATTENTION_CHOICES),
+        choices=list(config_lib.ATTENTION_CHOICES),
         help="auto: cudnn on a GPU where it fits, else xla for float32 and einsum for half compute",
     )
     parser.add_argument(
@@ -243,6 +239,8 @@ def configs_from_args(args: argparse.Namespace) -> list[config_lib.LMConfig]:
 
 def environment() -> dict[str, Any]:
     """What ran where, and how loaded the machine was at the start."""
+    from experiments import results  # pylint: disable=import-outside-toplevel
+
     return {
         **results.machine(),
         "load_average_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
@@ -252,10 +250,21 @@ def environment() -> dict[str, Any]:
 
 def new_out_dir() -> str:
     """A fresh directory under ``runs/`` (git-ignored), as every experiment command makes."""
+    from experiments import results  # pylint: disable=import-outside-toplevel
+
     return results.run_directory("lm")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
+    """Runs the command with `argv` (default: the command line); returns the exit status.
+
+    Args:
+        argv: the flags.
+        entry_point: run as ``python -m experiments.lm``: once the flags are
+            parsed, and before JAX starts, let the CUDA plugin register
+            quietly where no GPU is visible
+            (`jaxamp.diagnostics.allow_compiling_without_gpu`).
+    """
     parser = build_parser()
     args = parse_args(parser, argv)
     try:
@@ -264,6 +273,14 @@ def main(argv: list[str] | None = None) -> int:
             config_lib.validate(config)
     except config_lib.ConfigError as error:
         parser.error(str(error))
+    import jax  # pylint: disable=import-outside-toplevel  # after the flags: see the imports above
+
+    import jaxamp  # pylint: disable=import-outside-toplevel
+    from experiments import distributed  # pylint: disable=import-outside-toplevel
+    from experiments.lm import output, train  # pylint: disable=import-outside-toplevel
+
+    if entry_point:
+        jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
     command = "python -m experiments.lm " + shlex.join(sys.argv[1:] if argv is None else argv)
     out_dir = None
     try:
@@ -323,5 +340,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
-    sys.exit(main())
+    sys.exit(main(entry_point=True))
