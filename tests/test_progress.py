@@ -104,3 +104,16 @@ def test_without_a_bar_a_written_line_goes_straight_to_the_log():
     progress.write("epoch 1/1 | loss 1.0", logged.append)
     progress.close()
     assert logged == ["epoch 1/1 | loss 1.0"]
+
+
+def test_the_cifar_bar_says_it_is_testing_through_the_test_pass():
+    """The bar sat at 100% through the test pass with nothing saying so."""
+    from experiments import cifar
+
+    with _a_terminal() as terminal:
+        exit_code = cifar.main(["--model", "resnet_tiny", "--data", "synthetic", "--epochs", "1",
+                                "--batch-size", "8", "--steps-per-epoch", "2"])  # fmt: skip
+    assert exit_code == 0
+    frames = terminal.getvalue().split("\r")
+    testing = [frame for frame in frames if "epoch 1/1: testing" in frame]
+    assert testing and "2/2" in testing[0], frames
