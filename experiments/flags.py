@@ -146,7 +146,8 @@ def _check_creatable(text: str, path: str, what: str) -> None:
     ancestor = _nearest_existing(os.path.dirname(path))
     if not os.path.isdir(ancestor):
         raise argparse.ArgumentTypeError(
-            f"cannot create {text}: {ancestor} is a file, not a directory; name a {what} under a directory"
+            f"cannot create {text}: {ancestor} is a file, not a directory; choose a {what} path "
+            "that does not pass through a file"
         )
     if not os.access(ancestor, os.W_OK | os.X_OK, effective_ids=_EFFECTIVE_IDS):
         raise argparse.ArgumentTypeError(
