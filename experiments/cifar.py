@@ -111,7 +111,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         default=config_lib.TrainConfig.eval_batch_size,
         help="test batch size (default: %(default)s)",
     )
-    parser.add_argument("--lr", type=positive_float, default=config_lib.TrainConfig.lr, help="peak learning rate")
+    parser.add_argument(
+        "--lr", type=positive_float, default=config_lib.TrainConfig.lr, help="peak learning rate"
+    )
     parser.add_argument(
         "--seed",
         type=non_negative_int,
@@ -197,7 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
         "model's apply through jaxamp.autocast), autocast (jaxamp.autocast of the plain model's apply), "
         "or auto, which is apply_policy (default: %(default)s)",
     )
-    parser.add_argument("--model", default="resnet18", choices=config_lib.MODEL_NAMES, help="the network to train")
+    parser.add_argument(
+        "--model", default="resnet18", choices=config_lib.MODEL_NAMES, help="the network to train"
+    )
     add_data_arguments(parser)
     add_training_arguments(parser)
     parser.add_argument(

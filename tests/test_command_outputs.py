@@ -46,9 +46,8 @@ def refused(main, argv, capsys) -> str:
 
 def test_an_existing_directory_as_out_is_refused_before_training(tmp_path, capsys, no_training):
     line = refused(cifar.main, [*TINY_CIFAR, "--out", str(tmp_path)], capsys)
-    assert line.endswith(
-        f"argument --out: {tmp_path} is a directory, not a file; name a file, e.g. {tmp_path / 'results.json'}"
-    )
+    example = tmp_path / "results.json"
+    assert line.endswith(f"argument --out: {tmp_path} is a directory, not a file; name a file, e.g. {example}")
 
 
 def test_an_out_under_a_file_is_refused_naming_the_file(tmp_path, capsys, no_training):
@@ -124,7 +123,8 @@ def test_lm_with_a_missing_out_dir_data_leaves_out_dir_uncreated(tmp_path, capsy
 def test_resume_from_a_missing_checkpoint_folder_creates_nothing(tmp_path):
     """--resume naming a folder that does not exist is an error, and the folder stays absent."""
     missing = tmp_path / "checkpoints"
-    with pytest.raises(checkpointing.CheckpointError, match="--resume found no checkpoint in .*no such folder"):
+    expected = "--resume found no checkpoint in .*no such folder"
+    with pytest.raises(checkpointing.CheckpointError, match=expected):
         checkpointing.Checkpointer(str(missing), {"model": "tiny"}, resume=True)
     assert not missing.exists()
 

@@ -47,7 +47,10 @@ def test_the_model_names_the_flags_offer_are_the_models_there_are():
     assert lm_model.SIZES is lm_config.SIZES and lm_model.ATTENTION_CHOICES is lm_config.ATTENTION_CHOICES
 
 
-@pytest.mark.parametrize("name", [name for name in config_lib.KNOWN_PRECISIONS if name not in ("fp32", "tf32")])
+FAST_PATH_POLICIES = [name for name in config_lib.KNOWN_PRECISIONS if name not in ("fp32", "tf32")]
+
+
+@pytest.mark.parametrize("name", FAST_PATH_POLICIES)
 def test_every_precision_accepted_without_jaxamp_is_one_jaxamp_accepts(name):
     """The flag's fast path can never accept a name that jaxamp.get_policy would refuse."""
     assert isinstance(jaxamp.get_policy(name), jaxamp.Policy)

@@ -181,12 +181,14 @@ def test_ctrl_c_names_the_last_checkpoint_and_the_command_that_resumes(tmp_path)
     ending in experiments/distributed.py), the newest complete checkpoint and the resume command;
     a save under way when the signal came completes first."""
     checkpoints = tmp_path / "checkpoints"
-    argv = [*KILLED_RUN[:-4], "--checkpoint-every", "1", "--epochs", "4", "--checkpoint-dir", str(checkpoints)]
+    argv = [*KILLED_RUN[:-4], "--checkpoint-every", "1", "--epochs", "4",
+            "--checkpoint-dir", str(checkpoints)]  # fmt: skip
     # A shell without job control starts background commands with SIGINT ignored, and Python
     # then keeps it ignored: the command runs with Python's own Ctrl-C handler, as in a terminal.
     as_in_a_terminal = (
         "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-        f"sys.argv = ['experiments.cifar', *{argv!r}]; runpy.run_module('experiments.cifar', run_name='__main__')"
+        f"sys.argv = ['experiments.cifar', *{argv!r}]; "
+        "runpy.run_module('experiments.cifar', run_name='__main__')"
     )
     process = subprocess.Popen(
         [sys.executable, "-c", as_in_a_terminal],
@@ -220,7 +222,9 @@ def test_ctrl_c_names_the_last_checkpoint_and_the_command_that_resumes(tmp_path)
                                               "nothing to resume. Run the same command again"),
     ],
 )  # fmt: skip
-def test_ctrl_c_before_any_checkpoint_says_there_is_nothing_to_resume(extra, expected, tmp_path, monkeypatch, capsys):
+def test_ctrl_c_before_any_checkpoint_says_there_is_nothing_to_resume(
+    extra, expected, tmp_path, monkeypatch, capsys
+):
     def interrupted(config):
         raise KeyboardInterrupt
 
