@@ -142,3 +142,22 @@ def test_lm_quick_lets_flags_given_beside_it_win():
         ("fp32", 100, 25),
         ("mixed_bf16", 100, 25),
     ]
+
+
+def test_ctrl_c_in_lm_says_where_the_finished_evaluations_are(tmp_path, monkeypatch, capsys):
+    """Exit status 130 and one line, no KeyboardInterrupt traceback."""
+    from experiments.lm import train as lm_train
+
+    def interrupted(config, corpus, log, on_record):
+        on_record({"config": {}, "evaluations": []})  # one evaluation written, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lm_train, "train_and_evaluate", interrupted)
+    out_dir = tmp_path / "lm"
+    assert lm.main(["--data", "synthetic", "--no-progress", "--out-dir", str(out_dir)]) == 130
+    error = capsys.readouterr().err
+    assert error.strip() == (
+        f"interrupted. The evaluations finished so far are in {out_dir / 'results.json'}. Language-model "
+        "runs keep no checkpoints: run the command again to start afresh, with fewer --steps or "
+        "--precisions for a shorter run."
+    )
