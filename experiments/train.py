@@ -37,7 +37,13 @@ import optax
 
 import jaxamp
 from experiments import data as data_lib
-from experiments.checkpointing import Checkpointer, CheckpointError, Position, signature
+from experiments.checkpointing import (
+    Checkpointer,
+    CheckpointError,
+    Position,
+    check_folder_usable,
+    signature,
+)
 from experiments.config import FLOAT32_PRECISIONS, ROUTES, TrainConfig, parse_loss_scale, validate_rate
 from experiments.distributed import DataParallel, host_value
 from experiments.fault_injection import inject_nonfinite
@@ -431,15 +437,17 @@ def train_and_evaluate(
     precision = resolve_precision(config.precision)
     data_parallel = DataParallel.over_all_devices()
     data_parallel.check_batch_size(config.batch_size, config.grad_accum)
-    checkpointer = None
     if config.checkpoint_dir:
-        checkpointer = Checkpointer(
-            config.checkpoint_dir, signature(config, data_parallel.device_count), resume=config.resume
-        )
+        check_folder_usable(config.checkpoint_dir)  # at once, creating nothing
     elif config.resume:
         raise ConfigError("--resume needs --checkpoint-dir: the folder of the run to continue.")
     if dataset is None:
         dataset = data_lib.load_dataset(config.dataset, config.data, config.data_dir, seed=config.seed)
+    checkpointer = None
+    if config.checkpoint_dir:  # made once the data has loaded: a run that cannot start leaves no folder
+        checkpointer = Checkpointer(
+            config.checkpoint_dir, signature(config, data_parallel.device_count), resume=config.resume
+        )
     if config.batch_size > len(dataset.train_labels):
         raise ConfigError(
             f"--batch-size {config.batch_size} exceeds the {len(dataset.train_labels)} "

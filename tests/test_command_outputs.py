@@ -161,3 +161,13 @@ def test_ctrl_c_in_lm_says_where_the_finished_evaluations_are(tmp_path, monkeypa
         "runs keep no checkpoints: run the command again to start afresh, with fewer --steps or "
         "--precisions for a shorter run."
     )
+
+
+def test_cifar_with_missing_data_leaves_no_checkpoint_folder(tmp_path, capsys):
+    """--checkpoint-dir used to be created before the data loaded, and stayed behind, empty."""
+    checkpoints = tmp_path / "checkpoints"
+    argv = ["--model", "resnet_tiny", "--dataset", "fashion_mnist", "--data", "tfds", "--no-progress",
+            "--data-dir", str(tmp_path / "no-such-data"), "--checkpoint-dir", str(checkpoints)]  # fmt: skip
+    assert cifar.main(argv) == 1
+    assert "Traceback" not in capsys.readouterr().err
+    assert not checkpoints.exists()
