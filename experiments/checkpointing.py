@@ -24,9 +24,12 @@ read.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
+import signal
+import threading
 from typing import Any
 
 import jax
@@ -55,6 +58,20 @@ _STEP_FOLDER = re.compile(r"^\d+$")
 _ORBAX_TEMPORARY = re.compile(r"^\d+\.orbax-checkpoint-tmp")
 _MAX_TO_KEEP = 3
 _EFFECTIVE_IDS = os.access in os.supports_effective_ids
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The folder of the newest complete checkpoint in `directory`, or None.
+
+    Reads folder names only (a checkpoint being written has orbax's temporary
+    suffix until it is complete), so it answers also while the process is
+    being interrupted.
+    """
+    try:
+        steps = [int(name) for name in os.listdir(directory) if _STEP_FOLDER.match(name)]
+    except OSError:
+        return None
+    return os.path.join(directory, str(max(steps))) if steps else None
 
 
 class CheckpointError(RuntimeError):
@@ -136,6 +153,12 @@ class Checkpointer:
 
     def __init__(self, directory: str, run_signature: dict[str, Any], *, resume: bool):
         check_folder_usable(directory)
+        if resume and not os.path.isdir(directory):
+            # Checked before orbax creates the folder: a failed resume leaves nothing behind.
+            raise CheckpointError(
+                f"--resume found no checkpoint in {directory}: there is no such folder. Run without "
+                "--resume to start afresh, or name the --checkpoint-dir of the run to continue."
+            )
         self.directory = directory
         self._signature = run_signature
         try:
@@ -160,15 +183,21 @@ class Checkpointer:
     def save(
         self, global_step: int, state: jaxamp.TrainState, position: Position, results: dict[str, Any]
     ) -> None:
-        """Saves and waits until the checkpoint is complete on disk."""
+        """Saves and waits until the checkpoint is complete on disk.
+
+        A Ctrl-C during the save takes effect once it is complete (a second one
+        at once): orbax writes in background threads, and an interrupt landing
+        inside it leaves a thread that fails noisily at exit.
+        """
         meta = {"signature": self._signature, "position": dataclasses.asdict(position), "results": results}
-        self._manager.save(
-            global_step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(saved_parts(state)), meta=ocp.args.JsonSave(meta)
-            ),
-        )
-        self._manager.wait_until_finished()
+        with _interrupts_deferred():
+            self._manager.save(
+                global_step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(saved_parts(state)), meta=ocp.args.JsonSave(meta)
+                ),
+            )
+            self._manager.wait_until_finished()
 
     def restore_latest(
         self, state: jaxamp.TrainState
@@ -193,8 +222,8 @@ class Checkpointer:
             )["state"]
         except Exception as error:
             raise CheckpointError(
-                f"The state in {where} cannot be read ({type(error).__name__}: {error}); delete that "
-                "checkpoint to resume from an earlier one, or start afresh in a new folder."
+                f"The state in {where} cannot be read; delete that checkpoint to resume from an earlier "
+                f"one, or start afresh in a new folder.\n{_cause(error)}"
             ) from error
         return state.replace(**restored), Position(**meta["position"]), meta["results"]
 
@@ -214,8 +243,8 @@ class Checkpointer:
             return meta
         except Exception as error:  # orbax reports a damaged checkpoint through many types
             raise CheckpointError(
-                f"{where} is not a readable checkpoint of this experiment ({type(error).__name__}: "
-                f"{error}); delete it to resume from an earlier one, or start afresh in a new folder."
+                f"{where} is not a readable checkpoint of this experiment; delete it to resume from an "
+                f"earlier one, or start afresh in a new folder.\n{_cause(error)}"
             ) from error
 
     def _check_signature(self, meta: dict[str, Any]) -> None:
@@ -232,6 +261,45 @@ class Checkpointer:
                 + "; ".join(differences)
                 + ". Resume with the checkpoint's settings, or start afresh in a new folder."
             )
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Holds back the first SIGINT (Ctrl-C) until the block ends; a second one interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set signal handlers, and only it receives KeyboardInterrupt
+        return
+    received = []
+    previous = signal.getsignal(signal.SIGINT)
+
+    def hold(signum, frame):
+        if received:
+            signal.signal(signal.SIGINT, previous)
+            raise KeyboardInterrupt
+        received.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received and previous is signal.default_int_handler:
+        raise KeyboardInterrupt
+
+
+_CAUSE_CHARACTERS = 300
+
+
+def _cause(error: Exception) -> str:
+    """The second line of an unreadable checkpoint's error: what orbax or tensorstore said.
+
+    Their messages run to thousands of characters of JSON on one line, so the
+    advice goes first, on a line of its own, and this detail is cut short.
+    """
+    detail = " ".join(str(error).split())
+    if len(detail) > _CAUSE_CHARACTERS:
+        detail = detail[:_CAUSE_CHARACTERS] + " ..."
+    return f"  cause: {type(error).__name__}: {detail}"
 
 
 def saved_parts(state: jaxamp.TrainState) -> dict[str, Any]:

@@ -9,28 +9,34 @@ python -m experiments.cifar --coordinator-address 10.0.0.1:1234 --num-processes 
 
 Exit status: 0 on success, 2 for a bad flag, 1 for anything found later (data
 missing or damaged, an unusable checkpoint, a batch that does not split over
-the devices, an overflow storm), each with one message and no traceback.
+the devices, an overflow storm), each with one message and no traceback; 130
+when interrupted (Ctrl-C), with the last checkpoint kept and the command that
+resumes from it.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+from typing import TYPE_CHECKING
 
-import jax
-
-import jaxamp
-from experiments import checkpointing, distributed, fault_injection, train
-from experiments import data as data_lib
+# Nothing heavy here: the flags are parsed before JAX, Flax or TensorFlow load (in `main`), so a
+# mistyped flag is answered at once.
+from experiments import config as config_lib
 from experiments.flags import (
     HelpFormatter,
     add_process_flags,
     fraction_below_one,
     non_negative_int,
+    output_file,
     positive_float,
     positive_int,
 )
-from experiments.models import MODELS
+
+if TYPE_CHECKING:
+    import jaxamp
+    from experiments import train
 
 _DATASETS = ("cifar10", "fashion_mnist")
 _DATA_SOURCES = ("tfds", "synthetic")
@@ -43,7 +49,7 @@ def injection_rate(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
     try:
-        return fault_injection.validate_rate(rate)
+        return config_lib.validate_rate(rate)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -51,7 +57,7 @@ def injection_rate(text: str) -> float:
 def precision_arg(text: str) -> str:
     """An argparse type: fp32, tf32 or any jaxamp policy spec."""
     try:
-        train.resolve_precision(text)
+        config_lib.check_precision(text)
     except (ValueError, TypeError) as error:
         raise argparse.ArgumentTypeError(f"{error} Also accepted: fp32, tf32.") from None
     return text
@@ -60,7 +66,7 @@ def precision_arg(text: str) -> str:
 def loss_scale_arg(text: str) -> str:
     """An argparse type: default, dynamic, none or static:N."""
     try:
-        train.parse_loss_scale(text)
+        config_lib.parse_loss_scale(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text
@@ -90,22 +96,24 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--epochs",
         type=positive_int,
-        default=train.TrainConfig.epochs,
+        default=config_lib.TrainConfig.epochs,
         help="passes over the training data (default: %(default)s; 30 for accuracy)",
     )
     parser.add_argument(
         "--batch-size",
         type=positive_int,
-        default=train.TrainConfig.batch_size,
+        default=config_lib.TrainConfig.batch_size,
         help="train batch size, over all devices and processes",
     )
     parser.add_argument(
         "--eval-batch-size",
         type=positive_int,
-        default=train.TrainConfig.eval_batch_size,
+        default=config_lib.TrainConfig.eval_batch_size,
         help="test batch size (default: %(default)s)",
     )
-    parser.add_argument("--lr", type=positive_float, default=train.TrainConfig.lr, help="peak learning rate")
+    parser.add_argument(
+        "--lr", type=positive_float, default=config_lib.TrainConfig.lr, help="peak learning rate"
+    )
     parser.add_argument(
         "--seed",
         type=non_negative_int,
@@ -143,7 +151,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-consecutive-skips",
         type=non_negative_int,
-        default=train.TrainConfig.max_consecutive_skips,
+        default=config_lib.TrainConfig.max_consecutive_skips,
         help="stop (exit 1) after this many overflowed steps in a row; 0 turns it off (default: %(default)s)",
     )
     parser.add_argument(
@@ -186,12 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--route",
         default="auto",
-        choices=train.ROUTES,
+        choices=config_lib.ROUTES,
         help="how the policy reaches the model: apply_policy (params cast where they are created, the "
         "model's apply through jaxamp.autocast), autocast (jaxamp.autocast of the plain model's apply), "
         "or auto, which is apply_policy (default: %(default)s)",
     )
-    parser.add_argument("--model", default="resnet18", choices=sorted(MODELS), help="the network to train")
+    parser.add_argument(
+        "--model", default="resnet18", choices=config_lib.MODEL_NAMES, help="the network to train"
+    )
     add_data_arguments(parser)
     add_training_arguments(parser)
     parser.add_argument(
@@ -218,14 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--out",
+        type=output_file,
         default=None,
         help="write per-epoch results and the environment to this JSON file "
-        "(default: none, nothing is written; the run says so when it ends)",
+        "(checked before training starts) (default: none, nothing is written; the run says so when it ends)",
     )
     return parser
 
 
-def config_from_args(args: argparse.Namespace, **overrides) -> train.TrainConfig:
+def config_from_args(args: argparse.Namespace, **overrides) -> config_lib.TrainConfig:
     fields = {
         "epochs": args.epochs,
         "batch_size": args.batch_size,
@@ -246,16 +257,33 @@ def config_from_args(args: argparse.Namespace, **overrides) -> train.TrainConfig
         "inject_nonfinite": args.inject_nonfinite,
     }
     fields.update(overrides)
-    return train.TrainConfig(**fields)
+    return config_lib.TrainConfig(**fields)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
+    """Runs the command with `argv` (default: the command line); returns the exit status.
+
+    Args:
+        argv: the flags.
+        entry_point: run as ``python -m experiments.cifar``: once the flags
+            are parsed, and before JAX starts, let the CUDA plugin register
+            quietly where no GPU is visible
+            (`jaxamp.diagnostics.allow_compiling_without_gpu`).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
     if args.checkpoint_every and not args.checkpoint_dir:
         parser.error("--checkpoint-every needs --checkpoint-dir")
+    import jax  # pylint: disable=import-outside-toplevel  # after the flags: see the imports above
+
+    import jaxamp  # pylint: disable=import-outside-toplevel
+    from experiments import checkpointing, distributed, train  # pylint: disable=import-outside-toplevel
+    from experiments import data as data_lib  # pylint: disable=import-outside-toplevel
+
+    if entry_point:
+        jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
     try:
         train.resolve_route(args.route, train.resolve_precision(args.precision))
     except ValueError as error:
@@ -278,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
             from_cluster_environment=args.distributed,
         )
         results = train.train_and_evaluate(config)
+    except KeyboardInterrupt:
+        print(interrupted_advice(config, sys.argv[1:] if argv is None else argv), file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
     except jaxamp.LossScaleStuckError as error:
         print(f"error: {stuck_advice(error, config)}", file=sys.stderr)
         return 1
@@ -307,7 +338,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def stuck_advice(error: jaxamp.LossScaleStuckError, config: train.TrainConfig) -> str:
+def interrupted_advice(config: config_lib.TrainConfig, argv: list[str]) -> str:
+    """The message printed instead of a traceback when the run is interrupted (Ctrl-C)."""
+    from experiments import checkpointing  # pylint: disable=import-outside-toplevel
+
+    saved = f" The results of the finished epochs are in {config.out}." if config.out else ""
+    if not config.checkpoint_dir:
+        return (
+            f"interrupted; no checkpoint was kept (no --checkpoint-dir).{saved} To be able to resume an "
+            "interrupted run, add --checkpoint-dir DIR (and --checkpoint-every N for mid-epoch checkpoints)."
+        )
+    latest = checkpointing.latest_checkpoint(config.checkpoint_dir)
+    if latest is None:
+        return (
+            f"interrupted before the first checkpoint in {config.checkpoint_dir}; nothing to resume.{saved} "
+            "Run the same command again to start afresh."
+        )
+    resume_argv = argv if "--resume" in argv else [*argv, "--resume"]
+    return (
+        f"interrupted; the last checkpoint kept is {latest}.{saved} Resume with: "
+        f"python -m experiments.cifar {shlex.join(resume_argv)}"
+    )
+
+
+def stuck_advice(error: jaxamp.LossScaleStuckError, config: config_lib.TrainConfig) -> str:
     """The one message printed when the overflow guard stops a run."""
     kept = (
         f" The last good checkpoint in {config.checkpoint_dir} is kept; --resume continues from it."
@@ -323,5 +377,4 @@ def stuck_advice(error: jaxamp.LossScaleStuckError, config: train.TrainConfig) -
 
 
 if __name__ == "__main__":
-    jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
-    sys.exit(main())
+    sys.exit(main(entry_point=True))

@@ -19,33 +19,10 @@ import os
 import sys
 from typing import Any
 
-import jax
-
-import jaxamp
-from experiments import cifar, train
-from experiments import data as data_lib
-from experiments import results as results_lib
-from experiments.flags import HelpFormatter
-from experiments.models import MODELS
-
-
-def comma_list(choices: list[str] | None, validate=None):
-    """An argparse type for a comma-separated, case-insensitive list, each item checked."""
-
-    def parse(text: str) -> list[str]:
-        items = [item.strip().lower() for item in text.split(",") if item.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError("expected a comma-separated list, got nothing")
-        for item in items:
-            if choices is not None and item not in choices:
-                raise argparse.ArgumentTypeError(
-                    f"invalid choice {item!r} (choose from {', '.join(choices)})"
-                )
-            if validate is not None:
-                validate(item)
-        return items
-
-    return parse
+# Nothing heavy here: the flags are parsed before JAX, Flax or TensorFlow load (in `main`).
+from experiments import cifar
+from experiments import config as config_lib
+from experiments.flags import HelpFormatter, comma_list, output_directory
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--models",
-        type=comma_list(sorted(MODELS)),
+        type=comma_list(list(config_lib.MODEL_NAMES)),
         default=["resnet18", "resnet50", "resnet101", "mobilenetv2"],
         help="comma-separated (default: resnet18,resnet50,resnet101,mobilenetv2)",
     )
@@ -76,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     cifar.add_training_arguments(parser)
     parser.add_argument(
         "--out-dir",
+        type=output_directory,
         default=None,
         help="where to write the table, plots and results.json (default: a new runs/compare-<time>/; "
         "the published study is results/<device>/<dataset>/)",
@@ -186,8 +164,18 @@ def plot(results: dict[str, Any], models: list[str], precisions: list[str], out_
     return paths
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
+    """Runs the command with `argv` (default: the command line); `entry_point` as in `cifar.main`."""
     args = build_parser().parse_args(argv)
+    import jax  # pylint: disable=import-outside-toplevel  # after the flags: see the imports above
+
+    import jaxamp  # pylint: disable=import-outside-toplevel
+    from experiments import data as data_lib  # pylint: disable=import-outside-toplevel
+    from experiments import results as results_lib  # pylint: disable=import-outside-toplevel
+    from experiments import train  # pylint: disable=import-outside-toplevel
+
+    if entry_point:
+        jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
     try:
         dataset = data_lib.load_dataset(args.dataset, args.data, args.data_dir, seed=args.seed)
     except data_lib.DataUnavailableError as error:
@@ -226,5 +214,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
-    sys.exit(main())
+    sys.exit(main(entry_point=True))

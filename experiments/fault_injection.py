@@ -21,15 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-
-def validate_rate(rate: float) -> float:
-    """Returns `rate` if it lies in [0, 1); raises ValueError naming it otherwise."""
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(
-            f"--inject-nonfinite {rate!r} must lie in [0, 1): the share of steps whose "
-            "gradients become inf or NaN (0 turns injection off; 0.1 is 10%)."
-        )
-    return rate
+from experiments.config import validate_rate  # noqa: F401  (re-exported: where it used to live)
 
 
 def inject_nonfinite(grads: Any, rng: jax.Array, rate: float) -> tuple[Any, jax.Array]:

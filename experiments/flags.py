@@ -5,14 +5,20 @@ Every command (``experiments.cifar``, ``experiments.compare``,
 ``experiments.benchmark``) builds its parser with `HelpFormatter` and types
 each numeric flag with one of the types here, so ``--batch-size 0`` or
 ``--budget -1`` stops at once with exit status 2 and one line naming the
-flag, the value and what is expected, before any work starts.
+flag, the value and what is expected, before any work starts. The output
+paths (``--out``, ``--out-dir``) are checked the same way (`output_file`,
+`output_directory`), so a bad one fails before training, not after an epoch.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
+
+# What this process may do (also after seteuid), not what its real user may.
+_EFFECTIVE_IDS = os.access in os.supports_effective_ids
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -80,6 +86,25 @@ def add_process_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def comma_list(choices: list[str] | None, validate=None):
+    """An argparse type for a comma-separated, case-insensitive list, each item checked."""
+
+    def parse(text: str) -> list[str]:
+        items = [item.strip().lower() for item in text.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("expected a comma-separated list, got nothing")
+        for item in items:
+            if choices is not None and item not in choices:
+                raise argparse.ArgumentTypeError(
+                    f"invalid choice {item!r} (choose from {', '.join(choices)})"
+                )
+            if validate is not None:
+                validate(item)
+        return items
+
+    return parse
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number > 0."""
     try:
@@ -100,3 +125,73 @@ def fraction_below_one(text: str) -> float:
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value}")
     return value
+
+
+def _nearest_existing(path: str) -> str:
+    """`path` itself if it exists, else its nearest ancestor that does."""
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def _check_creatable(text: str, path: str, what: str) -> None:
+    """Refuses `path` (not there yet) unless it can be created: its nearest
+    existing ancestor must be a directory this user may write into.
+
+    Nothing is created: a run that fails later leaves nothing behind.
+    """
+    ancestor = _nearest_existing(os.path.dirname(path))
+    if not os.path.isdir(ancestor):
+        raise argparse.ArgumentTypeError(
+            f"cannot create {text}: {ancestor} is a file, not a directory; choose a {what} path "
+            "that does not pass through a file"
+        )
+    if not os.access(ancestor, os.W_OK | os.X_OK, effective_ids=_EFFECTIVE_IDS):
+        raise argparse.ArgumentTypeError(
+            f"cannot create {text}: no permission to write in {ancestor}; name a {what} in a directory you "
+            "can write to"
+        )
+
+
+def output_file(text: str) -> str:
+    """An argparse type: a file this run may write (``--out results.json``).
+
+    Checked before any work, without creating anything: not a directory; if
+    it exists, writable; if not, creatable (its nearest existing ancestor a
+    directory this user may write into).
+    """
+    path = os.path.abspath(text)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(
+            f"{text} is a directory, not a file; name a file, e.g. {os.path.join(text, 'results.json')}"
+        )
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK, effective_ids=_EFFECTIVE_IDS):
+            raise argparse.ArgumentTypeError(
+                f"no permission to write {text}; name another file, or fix its permissions"
+            )
+        return text
+    _check_creatable(text, path, "file")
+    return text
+
+
+def output_directory(text: str) -> str:
+    """An argparse type: a directory this run may write into (``--out-dir runs/x``).
+
+    Checked before any work, without creating anything: not a file; if it
+    exists, writable; if not, creatable.
+    """
+    path = os.path.abspath(text)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a directory; name a directory")
+    if os.path.isdir(path):
+        if not os.access(path, os.W_OK | os.X_OK, effective_ids=_EFFECTIVE_IDS):
+            raise argparse.ArgumentTypeError(
+                f"no permission to write in {text}; name a directory you can write to, or fix its permissions"
+            )
+        return text
+    _check_creatable(text, path, "directory")
+    return text

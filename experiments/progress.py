@@ -21,13 +21,17 @@ def bar_wanted(enabled: bool) -> bool:
 
 
 class Progress:
-    """A per-epoch progress bar showing loss and images/s.
+    """A per-epoch progress bar showing one step's loss and images/s.
 
-    The loss shown is that of a step dispatched at the previous refresh, long
-    finished by now, so reading it never waits for the device to drain its
-    queue of steps; images/s counts the steps known to be finished. A line
-    logged while the bar is drawn goes through `write`, so that it never joins
-    the bar's line.
+    The loss shown (``step_loss``: one step's, not a mean) is that of a step
+    dispatched at the previous refresh, long finished by now, so reading it
+    never waits for the device to drain its queue of steps. The rate counts
+    only finished steps, timed from the first step seen to finish: dispatch
+    is asynchronous, so a clock started at the first dispatch would divide
+    queued, unfinished steps by a short time (the first rate was 50-1000x too
+    high). No rate is shown until two refreshes have finished. A line logged
+    while the bar is drawn goes through `write`, so that it never joins the
+    bar's line.
     """
 
     def __init__(
@@ -46,9 +50,8 @@ class Progress:
             self._bar = tqdm(total=total, initial=initial, desc=description, leave=False, unit="step")
         self._batch_size = batch_size  # examples per step: images, or tokens (rate_name="tokens_s")
         self._rate_name = rate_name
-        self._first_step = initial
         self._pending: tuple[int, jax.Array] | None = None
-        self._start = time.perf_counter()
+        self._first_finished: tuple[int, float] | None = None  # (step, when it was seen finished)
         self._refresh_every = max(1, total // 50)
 
     def update(self, step: int, loss: jax.Array) -> None:
@@ -59,11 +62,21 @@ class Progress:
             return
         if self._pending is not None:
             finished_step, finished_loss = self._pending
-            elapsed = time.perf_counter() - self._start
-            rate = (finished_step - self._first_step) * self._batch_size / elapsed
-            shown_loss = f"{float(host_value(finished_loss)):.4f}"
-            self._bar.set_postfix({"loss": shown_loss, self._rate_name: f"{rate:,.0f}"})
+            postfix = {"step_loss": f"{float(host_value(finished_loss)):.4f}"}  # waits for that step
+            now = time.perf_counter()
+            if self._first_finished is None:
+                self._first_finished = (finished_step, now)
+            else:
+                first_step, first_time = self._first_finished
+                rate = (finished_step - first_step) * self._batch_size / (now - first_time)
+                postfix[self._rate_name] = f"{rate:,.0f}"
+            self._bar.set_postfix(postfix)
         self._pending = (step, loss)
+
+    def describe(self, description: str) -> None:
+        """Replaces the bar's description (the CIFAR epoch's bar says ``testing`` during the test pass)."""
+        if self._bar is not None:
+            self._bar.set_description(description)
 
     def write(self, line: str, log: Callable[[str], None] = print) -> None:
         """Logs `line` with `log` on a line of its own, the bar drawn again below it.

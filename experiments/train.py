@@ -37,9 +37,16 @@ import optax
 
 import jaxamp
 from experiments import data as data_lib
-from experiments.checkpointing import Checkpointer, CheckpointError, Position, signature
+from experiments.checkpointing import (
+    Checkpointer,
+    CheckpointError,
+    Position,
+    check_folder_usable,
+    signature,
+)
+from experiments.config import FLOAT32_PRECISIONS, ROUTES, TrainConfig, parse_loss_scale, validate_rate
 from experiments.distributed import DataParallel, host_value
-from experiments.fault_injection import inject_nonfinite, validate_rate
+from experiments.fault_injection import inject_nonfinite
 from experiments.grad_accumulation import accumulate_gradients
 from experiments.models import MODELS, create_model
 from experiments.progress import Progress
@@ -52,45 +59,8 @@ from experiments.results import (  # also re-exported from here for compare and 
     write_json_atomically,
 )
 
-# Precisions beyond jaxamp.get_policy's: float32 with an explicit matmul precision.
-_FLOAT32_PRECISIONS = {"fp32": "highest", "tf32": "default"}
-
-# How a policy reaches the model: ``auto`` is ``apply_policy``, which runs the
-# model through autocast; ``autocast`` rewrites the plain model's ``apply``.
-ROUTES = ("auto", "apply_policy", "autocast")
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Everything that defines a run; the CLI flags map onto these fields."""
-
-    model: str = "resnet18"
-    precision: str = "mixed"
-    loss_scale: str = "default"
-    dataset: str = "cifar10"
-    data: str = "tfds"
-    data_dir: str | None = None
-    epochs: int = 2
-    batch_size: int = 128
-    eval_batch_size: int = 500
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    warmup_epochs: float = 1.0
-    label_smoothing: float = 0.0
-    steps_per_epoch: int | None = None
-    eval_every: int = 1
-    seed: int = 0
-    checkpoint_dir: str | None = None
-    resume: bool = False
-    out: str | None = None
-    progress: bool = True
-    grad_accum: int = 1
-    checkpoint_every: int | None = None
-    max_consecutive_skips: int = 50
-    max_overflows_at_min_scale: int = 0
-    inject_nonfinite: float = 0.0
-    route: str = "auto"
+# TrainConfig, ROUTES, parse_loss_scale and validate_rate live in experiments.config (no JAX), so
+# the command answers a bad flag before JAX loads; callers may still take them from here.
 
 
 class ConfigError(ValueError):
@@ -161,8 +131,8 @@ class Precision:
 def resolve_precision(name: str) -> Precision:
     """Resolves ``--precision``: ``fp32``, ``tf32`` or any jaxamp policy spec."""
     key = "".join(name.split()).lower()
-    if key in _FLOAT32_PRECISIONS:
-        return Precision(key, jaxamp.get_policy("float32"), _FLOAT32_PRECISIONS[key])
+    if key in FLOAT32_PRECISIONS:
+        return Precision(key, jaxamp.get_policy("float32"), FLOAT32_PRECISIONS[key])
     return Precision(name, jaxamp.get_policy(name), "default")
 
 
@@ -184,31 +154,6 @@ def resolve_route(route: str, precision: Precision) -> str:
     if route not in ROUTES:
         raise ValueError(f"Unknown route {route!r}; choose one of {', '.join(ROUTES)}.")
     return "apply_policy" if route == "auto" else route
-
-
-def parse_loss_scale(spec: str) -> tuple[str, float | None]:
-    """Checks ``--loss-scale`` without building anything: ``(kind, static value)``.
-
-    Builds no array, so a flag parser can call it before ``jax.distributed``
-    is initialised.
-
-    Raises:
-        ValueError: naming the spec and the valid forms.
-    """
-    key = "".join(spec.split()).lower()
-    if key in ("default", "dynamic", "none"):
-        return key, None
-    if key.startswith("static:"):
-        try:
-            value = float(key.removeprefix("static:"))
-        except ValueError:
-            value = math.nan
-        if math.isfinite(value) and value > 0:
-            return "static", value
-    raise ValueError(
-        f"Unknown loss scale {spec!r}; choose default, dynamic, none or static:N "
-        "with N a positive number (e.g. static:1024)."
-    )
 
 
 def resolve_loss_scale(spec: str, policy: jaxamp.Policy) -> jaxamp.LossScale:
@@ -492,15 +437,17 @@ def train_and_evaluate(
     precision = resolve_precision(config.precision)
     data_parallel = DataParallel.over_all_devices()
     data_parallel.check_batch_size(config.batch_size, config.grad_accum)
-    checkpointer = None
     if config.checkpoint_dir:
-        checkpointer = Checkpointer(
-            config.checkpoint_dir, signature(config, data_parallel.device_count), resume=config.resume
-        )
+        check_folder_usable(config.checkpoint_dir)  # at once, creating nothing
     elif config.resume:
         raise ConfigError("--resume needs --checkpoint-dir: the folder of the run to continue.")
     if dataset is None:
         dataset = data_lib.load_dataset(config.dataset, config.data, config.data_dir, seed=config.seed)
+    checkpointer = None
+    if config.checkpoint_dir:  # made once the data has loaded: a run that cannot start leaves no folder
+        checkpointer = Checkpointer(
+            config.checkpoint_dir, signature(config, data_parallel.device_count), resume=config.resume
+        )
     if config.batch_size > len(dataset.train_labels):
         raise ConfigError(
             f"--batch-size {config.batch_size} exceeds the {len(dataset.train_labels)} "
@@ -623,7 +570,6 @@ def _run_epoch(run: _Run, state, epoch: int, resumed_at: Position | None):
     sums = _fold_sums(sums, pending)
     state = jax.block_until_ready(state)
     train_time = time.perf_counter() - start
-    progress.close()
 
     images = steps * config.batch_size
     previous = run.results["epochs"][-1] if run.results["epochs"] else {}
@@ -635,7 +581,9 @@ def _run_epoch(run: _Run, state, epoch: int, resumed_at: Position | None):
         "images_per_s": (steps - steps_done) * config.batch_size / train_time,
     }
     if epoch % config.eval_every == 0 or epoch == config.epochs:
+        progress.describe(f"epoch {epoch}/{config.epochs}: testing")
         record.update(_evaluate(run.eval_step, state, run.device_data, config.steps_per_epoch))
+    progress.close()
     record["loss_scale"] = float(host_value(state.loss_scale.loss_scale))
     record["skipped_steps"] = int(host_value(state.skipped_steps))
     record["injected_nonfinite"] = previous.get("injected_nonfinite", 0) + int(sums["injected"])

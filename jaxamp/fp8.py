@@ -3,23 +3,25 @@
 One job: turn a ``dot_general`` into an FP8 GEMM, forward and backward, the
 way NVIDIA TransformerEngine does on Hopper GPUs, without state.
 
-The algorithm of `fp8_dot_general(lhs, rhs, dimension_numbers)`::
+The algorithm of `fp8_dot_general(lhs, rhs, dimension_numbers)`:
 
-    forward:   q_lhs, s_lhs = quantize(lhs, float8_e4m3fn)
-               q_rhs, s_rhs = quantize(rhs, float8_e4m3fn)
-               out = dot(q_lhs, q_rhs) * s_lhs * s_rhs    # float32 accumulation,
-                                                          # fast accumulation
-               return out.astype(result dtype)             # bfloat16 by default
-    backward:  q_g, s_g = quantize(cotangent, float8_e5m2)
-               d_lhs = dot(q_g, q_rhs) * s_g * s_rhs      # split accumulation
-               d_rhs = dot(q_lhs, q_g) * s_lhs * s_g      # (as JAX's transpose rules)
+```text
+forward:   q_lhs, s_lhs = quantize(lhs, float8_e4m3fn)
+           q_rhs, s_rhs = quantize(rhs, float8_e4m3fn)
+           out = dot(q_lhs, q_rhs) * s_lhs * s_rhs    # float32 accumulation,
+                                                      # fast accumulation
+           return out.astype(result dtype)             # bfloat16 by default
+backward:  q_g, s_g = quantize(cotangent, float8_e5m2)
+           d_lhs = dot(q_g, q_rhs) * s_g * s_rhs      # split accumulation
+           d_rhs = dot(q_lhs, q_g) * s_lhs * s_g      # (as JAX's transpose rules)
 
-    quantize(x, fp8):                           # current scaling
-        amax  = max(|x|)                        # of the tensor now
-        scale = fp8.max / amax   (1 if amax is 0 or not finite)
-        q     = clip(x * scale, -fp8.max, fp8.max).astype(fp8)
-        s     = 1 / scale        (NaN if amax is not finite)
-        return q, s
+quantize(x, fp8):                           # current scaling
+    amax  = max(|x|)                        # of the tensor now
+    scale = fp8.max / amax   (1 if amax is 0 or not finite)
+    q     = clip(x * scale, -fp8.max, fp8.max).astype(fp8)
+    s     = 1 / scale        (NaN if amax is not finite)
+    return q, s
+```
 
 So all three GEMMs of a matmul's training step are FP8 GEMMs, and only the
 quantized operands (FP8 values and a float32 scale each) are kept for the

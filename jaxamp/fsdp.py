@@ -13,14 +13,16 @@ bfloat16 gathers (half the bytes of float32) and float32 reductions.
 the global batch; it is an ordinary JAX function, so it composes with
 `jax.value_and_grad`, `jaxamp.scaled_value_and_grad`, `jax.jit` and
 `jaxamp.TrainState` as they are. Inside, per leaf (``shard_map`` over the
-axis)::
+axis):
 
-    # forward: gather in the gather dtype
-    full = all_gather(shard.astype(gather_dtype), axis, tiled=True)
-    loss = pmean(loss_fn(full, local_batch), axis)
-    # backward (a custom VJP): reduce in the reduce dtype
-    grad_shard = psum_scatter(local_grad.astype(reduce_dtype), axis, tiled=True)
-    grad_shard = grad_shard.astype(shard.dtype)
+```python
+# forward: gather in the gather dtype
+full = all_gather(shard.astype(gather_dtype), axis, tiled=True)
+loss = pmean(loss_fn(full, local_batch), axis)
+# backward (a custom VJP): reduce in the reduce dtype
+grad_shard = psum_scatter(local_grad.astype(reduce_dtype), axis, tiled=True)
+grad_shard = grad_shard.astype(shard.dtype)
+```
 
 The cast before the all-gather and the cast before the reduce-scatter are
 written into the program, not left to XLA's sharding propagation: with plain

@@ -22,12 +22,14 @@ def scaled_value_and_grad(
 ) -> Callable[..., tuple[Any, Any, jax.Array]]:
     """Like `jax.value_and_grad`, through a loss scale, with a finiteness flag.
 
-    The returned function computes::
+    The returned function computes:
 
-        loss = fun(*args)                       # or (loss, aux) with has_aux
-        scaled_grads = grad(loss_scale.scale(loss))
-        grads = loss_scale.unscale(scaled_grads)
-        grads_finite = all_finite(grads)
+    ```python
+    loss = fun(*args)                       # or (loss, aux) with has_aux
+    scaled_grads = grad(loss_scale.scale(loss))
+    grads = loss_scale.unscale(scaled_grads)
+    grads_finite = all_finite(grads)
+    ```
 
     The backward pass starts from a cotangent equal to the loss scale, in the
     loss's own dtype, and carries it through the model's float16 computation,
@@ -52,7 +54,12 @@ def scaled_value_and_grad(
         dtype of the arguments they belong to; `grads_finite` is a scalar bool
         to pass to ``TrainState.apply_gradients`` and
         ``DynamicLossScale.adjust``.
+
+    Raises:
+        TypeError: `loss_scale` is not a loss scale (it has no ``scale`` and
+            ``unscale``), e.g. a plain number.
     """
+    _require_loss_scale(loss_scale)
 
     def scaled_loss(*args, **kwargs):
         output = fun(*args, **kwargs)
@@ -82,3 +89,19 @@ def scaled_value_and_grad(
         return value, grads, all_finite(grads)
 
     return value_and_grads
+
+
+def _require_loss_scale(loss_scale: Any) -> None:
+    """Raises TypeError, naming the type needed, unless `loss_scale` scales and unscales."""
+    if all(callable(getattr(loss_scale, name, None)) for name in ("scale", "unscale")):
+        return
+    example = (
+        f" For a fixed scale of {loss_scale!r} pass jaxamp.StaticLossScale({loss_scale!r})."
+        if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool)
+        else ""
+    )
+    raise TypeError(
+        "scaled_value_and_grad needs a loss scale (jaxamp.NoOpLossScale, StaticLossScale or "
+        f"DynamicLossScale, or a jmp loss scale) as loss_scale; got {loss_scale!r} of type "
+        f"{type(loss_scale).__name__}.{example}"
+    )

@@ -164,13 +164,15 @@ class CountsSkippedSteps:
     leaves params, optimizer state and every other field as they were, and
     calls ``adjust(False)`` on the loss scale, once. So the loss scale, which
     every step passes through exactly once with its finiteness flag, is where
-    the counts live::
+    the counts live:
 
-        if grads_finite:
-            consecutive_skipped_steps = 0
-        else:
-            skipped_steps += 1               # saturates at 2**31 - 1
-            consecutive_skipped_steps += 1
+    ```python
+    if grads_finite:
+        consecutive_skipped_steps = 0
+    else:
+        skipped_steps += 1               # saturates at 2**31 - 1
+        consecutive_skipped_steps += 1
+    ```
 
     `jaxamp.TrainState.skipped_steps` and `jaxamp.OverflowGuard` read these
     counters from the loss scale, and `jaxamp.loss_scaling` keeps the loss
@@ -297,22 +299,24 @@ class DynamicLossScale(CountsSkippedSteps, _ScalesByItsLossScale):
 
     This is the algorithm of ``torch.amp.GradScaler`` and of jmp, with
     Megatron/DeepSpeed-style hysteresis and counters a caller can log. Each
-    training step calls ``adjust(grads_finite)`` once::
+    training step calls ``adjust(grads_finite)`` once:
 
-        if grads_finite:
-            counter += 1
-            if counter == period:       # `period` clean steps in a row
-                loss_scale = min(loss_scale * factor, max_loss_scale)
-                counter = 0
-                overflows_until_backoff = hysteresis
-            consecutive_skipped_steps = 0
-        else:                           # the step is skipped by the caller
+    ```python
+    if grads_finite:
+        counter += 1
+        if counter == period:       # `period` clean steps in a row
+            loss_scale = min(loss_scale * factor, max_loss_scale)
             counter = 0
-            overflows_until_backoff -= 1
-            if overflows_until_backoff <= 0:
-                loss_scale = max(loss_scale / factor, min_loss_scale)
-            skipped_steps += 1          # as every loss scale counts them
-            consecutive_skipped_steps += 1   # (CountsSkippedSteps)
+            overflows_until_backoff = hysteresis
+        consecutive_skipped_steps = 0
+    else:                           # the step is skipped by the caller
+        counter = 0
+        overflows_until_backoff -= 1
+        if overflows_until_backoff <= 0:
+            loss_scale = max(loss_scale / factor, min_loss_scale)
+        skipped_steps += 1          # as every loss scale counts them
+        consecutive_skipped_steps += 1   # (CountsSkippedSteps)
+    ```
 
     With ``hysteresis=1`` (the default) every overflow halves the scale, as in
     torch and jmp. With ``hysteresis=N`` the first ``N - 1`` overflows since

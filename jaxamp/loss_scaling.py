@@ -67,17 +67,19 @@ def loss_scaling(
 
     ``update(grads, state, params, grads_finite=None)`` takes the *unscaled*
     gradients (from `jaxamp.scaled_value_and_grad`, with the scale
-    `loss_scale_of` reads from the state) and computes::
+    `loss_scale_of` reads from the state) and computes:
 
-        if grads_finite is None:
-            grads_finite = all_finite(grads)
-        inner_updates, new_inner_state = inner.update(grads, inner_state, params)
-        if grads_finite:
-            updates, inner_state = inner_updates, new_inner_state
-        else:                                    # the step is skipped
-            updates = -0.0 for every leaf        # params + -0.0 is params, bit for bit
-            inner_state = inner_state            # moments, step count, schedules
-        loss_scale = loss_scale.adjust(grads_finite)   # backs off or grows; counts the skip
+    ```python
+    if grads_finite is None:
+        grads_finite = all_finite(grads)
+    inner_updates, new_inner_state = inner.update(grads, inner_state, params)
+    if grads_finite:
+        updates, inner_state = inner_updates, new_inner_state
+    else:                                    # the step is skipped
+        updates = -0.0 for every leaf        # params + -0.0 is params, bit for bit
+        inner_state = inner_state            # moments, step count, schedules
+    loss_scale = loss_scale.adjust(grads_finite)   # backs off or grows; counts the skip
+    ```
 
     Both outcomes are computed and one is selected with ``jnp.where``: no
     branch, no host sync, no retrace under ``jax.jit``. The state is a

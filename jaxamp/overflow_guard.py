@@ -13,14 +13,16 @@ step that `jaxamp.TrainState` and `jaxamp.loss_scaling` read too), and a
 `OverflowGuard.check` reads them on the host, at the points where a training
 loop logs anyway (every few hundred steps, at a checkpoint, at an epoch's
 end), so the jitted step gains no host sync. It raises `LossScaleStuckError`
-when either limit is reached::
+when either limit is reached:
 
-    consecutive = loss_scale.consecutive_skipped_steps
-    if max_consecutive_skips and consecutive >= max_consecutive_skips:
-        raise LossScaleStuckError            # a storm, whatever the scale
-    if (max_overflows_at_min_scale and loss_scale <= min_loss_scale
-            and consecutive >= max_overflows_at_min_scale):
-        raise LossScaleStuckError            # nothing left to back off to
+```python
+consecutive = loss_scale.consecutive_skipped_steps
+if max_consecutive_skips and consecutive >= max_consecutive_skips:
+    raise LossScaleStuckError            # a storm, whatever the scale
+if (max_overflows_at_min_scale and loss_scale <= min_loss_scale
+        and consecutive >= max_overflows_at_min_scale):
+    raise LossScaleStuckError            # nothing left to back off to
+```
 
 Both limits are off (None) unless asked for. The count is exact for every
 loss scale, however far apart the checks are, and the guard keeps no state

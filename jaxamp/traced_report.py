@@ -41,11 +41,13 @@ def _flops(primitive: str, lhs, rhs, out, params: dict[str, Any]) -> int:
 def _walk(jaxpr, records: list[OpRecord], repeats: int = 1) -> None:
     """Appends a record for every matmul and convolution of `jaxpr` to `records`.
 
-    Nested jaxprs are walked too::
+    Nested jaxprs are walked too:
 
-        scan:   body records, FLOPs times `length` (times enclosing repeats)
-        cond:   the records of the branch with the most FLOPs (ties: the first)
-        other:  every nested jaxpr once (while_loop bodies, jit, remat, ...)
+    ```text
+    scan:   body records, FLOPs times `length` (times enclosing repeats)
+    cond:   the records of the branch with the most FLOPs (ties: the first)
+    other:  every nested jaxpr once (while_loop bodies, jit, remat, ...)
+    ```
     """
     for equation in jaxpr.eqns:
         name = equation.primitive.name

@@ -119,15 +119,17 @@ class TrainState(train_state.TrainState):
         takes its new value, and ``step`` increments. Where it is false, all of
         those stay bit-identical and the loss scale counts the skipped step
         (``skipped_steps``). In both cases the loss scale is adjusted (grown
-        or backed off). In steps::
+        or backed off). In steps:
 
-            param_updates, (loss_scale, opt_state) = loss_scaling(tx, loss_scale).update(
-                grads, LossScalingState(loss_scale, opt_state), params,
-                grads_finite=grads_finite)       # skips opt_state, adjusts the scale
-            if grads_finite:
-                step, params = step + 1, params + param_updates
-                fields = updates                 # batch_stats=..., a subclass's own
-            # else: step, params and fields stay as they were
+        ```python
+        param_updates, (loss_scale, opt_state) = loss_scaling(tx, loss_scale).update(
+            grads, LossScalingState(loss_scale, opt_state), params,
+            grads_finite=grads_finite)       # skips opt_state, adjusts the scale
+        if grads_finite:
+            step, params = step + 1, params + param_updates
+            fields = updates                 # batch_stats=..., a subclass's own
+        # else: step, params and fields stay as they were
+        ```
 
         Both outcomes are computed and one is selected with ``jnp.where``, which
         XLA fuses with the optimizer update: no branch, no host sync, no

@@ -1,5 +1,6 @@
 """Shared test settings: quick compiles, a compilation cache, hypothesis limits, fresh processes started early."""
 
+import gc
 import os
 import pathlib
 import socket
@@ -58,9 +59,23 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_sessionfinish(session):
-    """Kills a fresh process no test waited for (a run stopped early, -x) and removes its folder."""
-    del session
+    """Kills a fresh process no test waited for (a run stopped early, -x) and removes its folder.
+
+    Under pytest-xdist it also collects the worker's garbage and freezes what
+    survives (`gc.freeze`), before the worker reports that it has finished
+    (this hook runs inside xdist's wrapper, which reports after it). Once all
+    workers have reported, execnet gives each 5 s to end and then sends it
+    SIGINT; pytest's own full collections at unconfigure, on the heap of a
+    worker that ran a quarter of the suite, could take longer on a loaded
+    machine, and the interrupt landed in JAX's `gc.callbacks` entry: a passing
+    suite printed a KeyboardInterrupt traceback from `_xla_gc_callback`
+    (PytestUnraisableExceptionWarning). With the survivors frozen those
+    collections have almost nothing to visit.
+    """
     fresh_processes.stop_all()
+    if _under_xdist(session.config):
+        gc.collect()
+        gc.freeze()
 
 
 @pytest.fixture

@@ -137,7 +137,9 @@ def test_a_block_marked_continues_runs_after_the_block_before_it_and_its_output_
 def test_every_public_name_has_an_entry_in_the_api_reference():
     """A name added to `jaxamp.__all__` without a `::: jaxamp.NAME` entry fails (and the reverse)."""
     api = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
+    # A name that is also a module's (jaxamp.loss_scaling) is entered by its full path, headed by its name.
     documented = set(re.findall(r"^::: jaxamp\.(\w+)$", api, re.MULTILINE))
+    documented |= set(re.findall(r'^      heading: "jaxamp\.(\w+)"$', api, re.MULTILINE))
     assert sorted(set(jaxamp.__all__) - documented) == []
     assert sorted(documented - set(jaxamp.__all__) - {"diagnostics", "fsdp"}) == []
 
@@ -239,6 +241,35 @@ def test_a_docstring_example_rendered_as_prose_is_caught():
     assert _garbled_examples("<p>&gt;&gt;&gt; x = 1</p>") == (0, [">>> x = 1"])
     highlighted = '<div class="highlight"><pre><span></span><code><span class="o">&gt;&gt;&gt;</span> x</code></pre></div>'
     assert _garbled_examples(highlighted) == (0, [])
+
+
+def _api_headings(page_html: str) -> list[str]:
+    """The name in each mkdocstrings heading of the API page (signature and labels left out)."""
+    headings = re.findall(r'<h\d id="[^"]*" class="doc doc-heading">(.*?)<a href=', page_html, re.DOTALL)
+    names = []
+    for heading in headings:
+        text = html.unescape(re.sub(r"<[^>]+>", "", heading)).strip()
+        names.append(text.split()[0].split("(", 1)[0])  # without a label such as "dataclass"
+    return names
+
+
+def test_the_api_reference_renders_each_public_name_once_as_itself(site_build):
+    """`::: jaxamp.loss_scaling` rendered the module of that name, not the function: an internal
+    helper (require_skip_counting) in the reference, LossScalingState and loss_scale_of twice.
+    Also: no reST ``::`` shown as text, and the at-a-glance table has no empty header row."""
+    build, site = site_build
+    assert build.returncode == 0, build.stderr
+    page = (site / "api" / "index.html").read_text(encoding="utf-8")
+    headings = _api_headings(page)
+    public = [f"jaxamp.{name}" for name in jaxamp.__all__]
+    public += [f"jaxamp.diagnostics.{name}" for name in jaxamp.diagnostics.__all__]
+    assert {name: headings.count(name) for name in public if headings.count(name) != 1} == {}
+    assert "require_skip_counting" not in page
+    parser = _ProseOfTheApiPage()
+    parser.feed(page)
+    assert [line for line in "".join(parser.prose).splitlines() if re.search(r"(?<!:)::(?!:)", line)] == []
+    first_header = re.search(r"<thead>(.*?)</thead>", page, re.DOTALL)[1]
+    assert all(cell.strip() for cell in re.findall(r"<th[^>]*>(.*?)</th>", first_header, re.DOTALL))
 
 
 def test_every_example_of_the_api_reference_renders_as_code(site_build):

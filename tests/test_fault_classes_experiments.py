@@ -4,6 +4,8 @@
   not all finite: not its inf or NaN leaves, and not its finite ones either.
 * Evaluation sees the test images as they are: never cropped, flipped or
   drawn at random, and every test image once.
+* A run's summary reports the skipped and injected steps of the whole run
+  once: the last epoch's cumulative counts, not their sum.
 * A timed epoch compiles nothing: the train step, the test step and the
   epoch plan are compiled before the first epoch starts its clock. Checked
   structurally (which compilations happen inside an epoch), never by timing.
@@ -11,7 +13,8 @@
 Negative controls (each injected by hand and seen to fail here): the
 accumulator adding a non-finite micro-batch's gradients; the eval step
 augmenting its images; the steps jitted lazily instead of compiled ahead of
-the first epoch.
+the first epoch; the summary adding up the per-epoch skip counts, which are
+already cumulative.
 """
 
 import contextlib
@@ -27,6 +30,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from experiments import data as data_lib
 from experiments import train
 from experiments.grad_accumulation import accumulate_gradients
+from experiments.results import summarize
 
 # --- gradient accumulation ---------------------------------------------------------------------------
 
@@ -315,3 +319,17 @@ def test_crop_offsets_are_uniform_over_the_nine_positions_of_each_axis():
     frequencies = np.bincount(8 - rows, minlength=9) / count
     assert frequencies.shape == (9,)
     assert np.all(frequencies > 0.06) and np.all(frequencies < 0.17), frequencies
+
+
+def test_the_summary_reads_the_cumulative_skip_counts_of_the_last_epoch_not_their_sum():
+    """Each epoch's skipped_steps and injected_nonfinite are already totals since the run began
+    (the loss scale's counter, and the previous epoch's count plus this one's). Three epochs that
+    skipped 2, 3 and 4 steps record 2, 5 and 9: the run skipped 9, not 16."""
+    epochs = [
+        {"epoch": epoch, "train_time_s": 1.0, "images_per_s": 10.0, "train_loss": 2.0,
+         "skipped_steps": skipped, "injected_nonfinite": injected, "state_checksum": f"c{epoch}"}
+        for epoch, skipped, injected in [(1, 2, 1), (2, 5, 3), (3, 9, 6)]
+    ]  # fmt: skip
+    summary = summarize(epochs)
+    assert summary["skipped_steps"] == 9 and summary["injected_nonfinite"] == 6
+    assert summary["epochs"] == 3 and summary["final_state_checksum"] == "c3"

@@ -606,3 +606,24 @@ def test_text_cut_off_inside_an_operand_list_is_refused_showing_the_unclosed_tex
     cut = whole[: whole.index("dot(%a, %b") + len("dot(%a, %b")]
     with pytest.raises(ValueError, match=r"^Unbalanced parentheses in HLO text: '\(%a, %b'$"):
         jaxamp.diagnostics.hlo_precision_report(cut)
+
+
+def test_a_nested_loops_matmul_counts_once_per_iteration_of_both_loops():
+    """A 4x3 nested fori_loop runs its matmul 12 times: the inner loop's trip count is multiplied by
+    the outer's. A walk that dropped the outer count reported 3 (4x too low), one that dropped both 1.
+    Compiled on this machine, so the loops are XLA's own while loops with known trip counts."""
+
+    def nested(outer_trips, inner_trips):
+        def run(x, w):
+            def outer(_, x):
+                return jax.lax.fori_loop(0, inner_trips, lambda _, x: jnp.tanh(x @ w), x)
+
+            return jax.lax.fori_loop(0, outer_trips, outer, x)
+
+        return jax.jit(run).lower(jnp.ones((8, 16)), jnp.ones((16, 16))).compile().as_text()
+
+    hlo = nested(4, 3)
+    assert hlo.count('"known_trip_count":{"n":"4"}') == 1 and hlo.count('"known_trip_count":{"n":"3"}') == 1
+    assert sum(op.flops for op in jaxamp.diagnostics.heavy_ops(hlo)) == 12 * 2 * 8 * 16 * 16
+    # The traffic of the inner loop counts 4 times too: more than 3 times that of the outer loop run once.
+    assert jaxamp.diagnostics.bytes_accessed(hlo) > 3 * jaxamp.diagnostics.bytes_accessed(nested(1, 3))

@@ -1,5 +1,6 @@
 """Tests for `jaxamp.diagnostics.gpu_targets`: GPU descriptions and deviceless compilation."""
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -130,3 +131,29 @@ def test_with_the_plugin_installed_and_jax_platforms_unset_gpu_targets_compile_a
     assert completed.stdout.split() == ["cpu", "NVIDIA", "H200", str(64 * 64 * 2)]
     if not jax_first:
         assert "Traceback" not in completed.stderr
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["block ends", "block raises"])
+def test_the_cuda_check_switch_is_set_only_inside_the_block_and_removed_after(monkeypatch, fails):
+    """The import-side-effect contract, also where the plugin is absent (it is faked here as installed,
+    with no GPU visible): JAX_SKIP_CUDA_CONSTRAINTS_CHECK is 1 inside `_cuda_check_skipped` only, and
+    the environment is as before once the block ends, normally or by an exception."""
+    monkeypatch.setattr(gpu_targets, "cuda_plugin_available", lambda: True)
+    monkeypatch.setattr(gpu_targets, "nvidia_gpu_visible", lambda: False)
+    monkeypatch.delenv("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", raising=False)
+    before = dict(os.environ)
+    with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
+        with gpu_targets._cuda_check_skipped():
+            assert os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] == "1"
+            if fails:
+                raise RuntimeError("compiling failed")
+    assert dict(os.environ) == before
+
+
+def test_a_cuda_check_switch_the_user_set_is_left_as_it_was(monkeypatch):
+    monkeypatch.setattr(gpu_targets, "cuda_plugin_available", lambda: True)
+    monkeypatch.setattr(gpu_targets, "nvidia_gpu_visible", lambda: False)
+    monkeypatch.setenv("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "0")
+    with gpu_targets._cuda_check_skipped():
+        assert os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] == "0"
+    assert os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] == "0"

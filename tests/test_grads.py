@@ -197,6 +197,25 @@ def test_has_aux_needs_a_loss_aux_pair():
         fun(jnp.ones(3))
 
 
+@pytest.mark.parametrize(
+    "loss_scale, hint",
+    [
+        (2.0, " For a fixed scale of 2.0 pass jaxamp.StaticLossScale(2.0)."),
+        (None, ""),
+        (jnp.float32(2.0), ""),
+    ],
+)
+def test_something_that_is_no_loss_scale_is_a_type_error_naming_the_type_needed(loss_scale, hint):
+    """It was AttributeError: 'float' object has no attribute 'scale', at the first call."""
+    message = (
+        "scaled_value_and_grad needs a loss scale (jaxamp.NoOpLossScale, StaticLossScale or "
+        f"DynamicLossScale, or a jmp loss scale) as loss_scale; got {loss_scale!r} of type "
+        f"{type(loss_scale).__name__}.{hint}"
+    )
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        jaxamp.scaled_value_and_grad(lambda x: jnp.sum(x), loss_scale)
+
+
 # --- underflow made visible --------------------------------------------------------
 
 

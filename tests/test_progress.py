@@ -12,6 +12,7 @@ import re
 
 import jax.numpy as jnp
 
+from experiments import progress as progress_module
 from experiments.progress import Progress
 
 
@@ -49,17 +50,36 @@ def _screen(written: str) -> list[str]:
 
 
 def test_the_bar_shows_the_loss_of_the_latest_finished_refresh():
-    """Losses 10, 20, ..., 60: after step k the bar shows step k-1's loss (a step known to be finished)."""
+    """Losses 10, 20, ..., 60: after step k the bar shows step k-1's loss (a step known to be finished),
+    labelled as one step's loss."""
     shown = []
     with _a_terminal() as terminal:
         progress = Progress(total=6, description="epoch 1/1", enabled=True, batch_size=8)
         for step, loss in enumerate([10.0, 20.0, 30.0, 40.0, 50.0, 60.0], start=1):
             progress.update(step, jnp.float32(loss))
             frame = terminal.getvalue().rsplit("\r", 1)[-1]
-            shown.append(re.search(r"loss=([\d.]+)", frame)[1] if "loss=" in frame else None)
-            assert re.search(r"img_s=[\d,]+", frame) or step == 1, frame
+            shown.append(re.search(r"step_loss=([\d.]+)", frame)[1] if "step_loss=" in frame else None)
         progress.close()
     assert shown == [None, "10.0000", "20.0000", "30.0000", "40.0000", "50.0000"]
+
+
+def test_the_rate_counts_finished_steps_from_the_first_one_seen_finished(monkeypatch):
+    """Steps are dispatched at once and finish later, so the first refresh has no rate to give (it
+    was 50-1000x too high when timed from the first dispatch); from the second finished refresh on,
+    the rate is the steps finished since then over the time since then. A clock that moves 2 s per
+    refresh, 8 images a step: 16 images in 2 s, 8 img/s, whatever the dispatch times."""
+    clock = iter(float(second) for second in range(0, 100, 2))
+    monkeypatch.setattr(progress_module.time, "perf_counter", lambda: next(clock))
+    rates = []
+    with _a_terminal() as terminal:
+        progress = Progress(total=5, description="epoch 1/1", enabled=True, batch_size=8)
+        for step in range(1, 6):
+            progress.update(step, jnp.float32(1.0))
+            frame = terminal.getvalue().rsplit("\r", 1)[-1]
+            rates.append(re.search(r"img_s=([\d,]+)", frame)[1] if "img_s=" in frame else None)
+        progress.close()
+    # step 1: nothing finished yet; step 2: step 1 finished, the clock starts; step 3 on: a rate
+    assert rates == [None, None, "4", "4", "4"]
 
 
 def test_a_line_written_while_the_bar_is_live_stands_on_its_own_line():
@@ -73,7 +93,7 @@ def test_a_line_written_while_the_bar_is_live_stands_on_its_own_line():
         screen = _screen(terminal.getvalue())
         progress.close()
     assert "step     2/4 | held-out loss 4.4037" in screen
-    assert "loss=4.0000" in screen[-1] and "tokens_s=" in screen[-1]
+    assert "step_loss=4.0000" in screen[-1] and "tokens_s=" in screen[-1]
 
 
 def test_without_a_bar_a_written_line_goes_straight_to_the_log():
@@ -84,3 +104,16 @@ def test_without_a_bar_a_written_line_goes_straight_to_the_log():
     progress.write("epoch 1/1 | loss 1.0", logged.append)
     progress.close()
     assert logged == ["epoch 1/1 | loss 1.0"]
+
+
+def test_the_cifar_bar_says_it_is_testing_through_the_test_pass():
+    """The bar sat at 100% through the test pass with nothing saying so."""
+    from experiments import cifar
+
+    with _a_terminal() as terminal:
+        exit_code = cifar.main(["--model", "resnet_tiny", "--data", "synthetic", "--epochs", "1",
+                                "--batch-size", "8", "--steps-per-epoch", "2"])  # fmt: skip
+    assert exit_code == 0
+    frames = terminal.getvalue().split("\r")
+    testing = [frame for frame in frames if "epoch 1/1: testing" in frame]
+    assert testing and "2/2" in testing[0], frames

@@ -2,7 +2,9 @@
 
 import json
 import os
+import pathlib
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -153,3 +155,81 @@ def test_an_overflow_storm_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
     assert saved[-1] == stopped_at - 1  # nothing saved from the step the guard fired on
     meta = json.loads((checkpoints / str(saved[-1]) / "meta" / "metadata").read_text())
     assert meta["position"]["steps_done"] == stopped_at - 1
+
+
+def test_an_unreadable_state_is_reported_in_a_short_first_line_naming_the_folder_and_the_fix(tmp_path):
+    """Tensorstore's message is thousands of characters of JSON on one line; it used to come first,
+    with the advice at its very end. Now the advice leads, and the cause is cut short below it."""
+    Checkpointer(str(tmp_path), SIGNATURE, resume=False).save(5, fresh_state(), position(), {"epochs": []})
+    for folder, _, files in os.walk(tmp_path / "5" / "state"):
+        for name in files:
+            if os.path.basename(folder) == "d":  # the array data files
+                (pathlib.Path(folder) / name).write_bytes(b"damaged")
+    with pytest.raises(CheckpointError) as error_info:
+        Checkpointer(str(tmp_path), SIGNATURE, resume=True).restore_latest(fresh_state())
+    first, *rest = str(error_info.value).splitlines()
+    assert len(first) <= 200, first
+    assert first == (
+        f"The state in {tmp_path / '5'} cannot be read; delete that checkpoint to resume from an earlier "
+        "one, or start afresh in a new folder."
+    )
+    assert len(rest) == 1 and rest[0].startswith("  cause: ") and len(rest[0]) < 400
+
+
+def test_ctrl_c_names_the_last_checkpoint_and_the_command_that_resumes(tmp_path):
+    """SIGINT, as Ctrl-C sends it, mid-run: exit status 130, no traceback (it was 28 lines of one,
+    ending in experiments/distributed.py), the newest complete checkpoint and the resume command;
+    a save under way when the signal came completes first."""
+    checkpoints = tmp_path / "checkpoints"
+    argv = [*KILLED_RUN[:-4], "--checkpoint-every", "1", "--epochs", "4",
+            "--checkpoint-dir", str(checkpoints)]  # fmt: skip
+    # A shell without job control starts background commands with SIGINT ignored, and Python
+    # then keeps it ignored: the command runs with Python's own Ctrl-C handler, as in a terminal.
+    as_in_a_terminal = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        f"sys.argv = ['experiments.cifar', *{argv!r}]; "
+        "runpy.run_module('experiments.cifar', run_name='__main__')"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", as_in_a_terminal],
+        cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir},
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not (checkpoints.is_dir() and any(name.isdigit() for name in os.listdir(checkpoints))):
+        assert process.poll() is None, process.stderr.read()
+        assert time.monotonic() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.05)
+    time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    error = process.communicate(timeout=120)[1]
+    assert process.returncode == 130, error
+    messages = [line for line in error.splitlines() if not line.startswith(("WARNING", "I0000"))]
+    assert "Traceback" not in error and len(messages) == 1, error
+    latest = max(int(name) for name in os.listdir(checkpoints) if name.isdigit())
+    assert messages[0] == (
+        f"interrupted; the last checkpoint kept is {checkpoints / str(latest)}. Resume with: "
+        f"python -m experiments.cifar {shlex.join([*argv, '--resume'])}"
+    )
+    assert not [name for name in os.listdir(checkpoints) if not name.isdigit()], "a save left unfinished"
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ([], "interrupted; no checkpoint was kept (no --checkpoint-dir). To be able to resume"),
+        (["--checkpoint-dir", "{tmp}/empty"], "interrupted before the first checkpoint in {tmp}/empty; "
+                                              "nothing to resume. Run the same command again"),
+    ],
+)  # fmt: skip
+def test_ctrl_c_before_any_checkpoint_says_there_is_nothing_to_resume(
+    extra, expected, tmp_path, monkeypatch, capsys
+):
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "train_and_evaluate", interrupted)
+    extra = [item.format(tmp=tmp_path) for item in extra]
+    assert cifar.main([*KILLED_RUN[:-4], *extra]) == 130
+    error = capsys.readouterr().err
+    assert error.startswith(expected.format(tmp=tmp_path)) and "Traceback" not in error

@@ -25,8 +25,7 @@ from experiments.benchmark import (
 )
 from experiments.benchmark.budget import Budget, SkipWork
 from experiments.benchmark.results import Results
-from experiments.compare import comma_list
-from experiments.flags import HelpFormatter, positive_float, positive_int
+from experiments.flags import HelpFormatter, comma_list, output_directory, positive_float, positive_int
 from experiments.models import MODELS
 from experiments.results import run_directory, write_text_atomically
 
@@ -133,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--out-dir",
+        type=output_directory,
         default=None,
         help="where to write results.json, table.md and plots (default: a new "
         "runs/benchmark-<quick|full|targets-...>-<time>/; the published runs are in "

@@ -10,7 +10,8 @@ python -m experiments.lm --target h200        # on paper: compiled for an H200, 
 
 Exit status: 0 on success, 2 for a bad flag, 1 for anything found later (the
 corpus missing or too small, a batch that does not split over the devices),
-each with one message and no traceback.
+each with one message and no traceback; 130 when interrupted (Ctrl-C), with
+where the finished evaluations were written.
 """
 
 from __future__ import annotations
@@ -22,17 +23,20 @@ import shlex
 import sys
 from typing import Any
 
-import jax
-
-import jaxamp
-from experiments import distributed, results
+# Nothing heavy here: the flags are parsed before JAX, Flax or TensorFlow load (in `main`), so a
+# mistyped flag is answered at once.
 from experiments.cifar import loss_scale_arg, precision_arg
-from experiments.compare import comma_list
-from experiments.flags import HelpFormatter, add_process_flags, integer_at_least, positive_float, positive_int
+from experiments.flags import (
+    HelpFormatter,
+    add_process_flags,
+    comma_list,
+    integer_at_least,
+    output_directory,
+    positive_float,
+    positive_int,
+)
 from experiments.lm import config as config_lib
 from experiments.lm import data as data_lib
-from experiments.lm import model as model_lib
-from experiments.lm import output, train
 
 QUICK = {"model": "tiny", "precisions": ["fp32", "mixed_bf16"], "steps": 100, "eval_every": 25}
 _DEFAULTS = config_lib.LMConfig()
@@ -68,10 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a first run of a few minutes on a CPU: sets --model tiny --precisions fp32,mixed_bf16 "
-        "--steps 100 --eval-every 25 (over those flags)",
+        help="a first run of a few minutes on a CPU: --model tiny --precisions fp32,mixed_bf16 --steps 100 "
+        "--eval-every 25, each unless given beside it (given flags win: --quick --steps 30 runs 30 steps)",
     )
-    parser.add_argument("--model", default=_DEFAULTS.model, choices=list(model_lib.SIZES), help="model size")
+    parser.add_argument("--model", default=_DEFAULTS.model, choices=list(config_lib.SIZES), help="model size")
     parser.add_argument(
         "--precisions",
         type=comma_list(None, precision_arg),
@@ -129,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--attention",
         default=_DEFAULTS.attention,
-        choices=list(model_lib.ATTENTION_CHOICES),
+        choices=list(config_lib.ATTENTION_CHOICES),
         help="auto: cudnn on a GPU where it fits, else xla for float32 and einsum for half compute",
     )
     parser.add_argument(
@@ -178,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--out-dir",
+        type=output_directory,
         default=None,
         help="where results.json, table.md and the plots go (default: a new directory under runs/)",
     )
@@ -188,11 +193,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def configs_from_args(args: argparse.Namespace) -> list[config_lib.LMConfig]:
-    """One `LMConfig` per precision x route x seed, in that order."""
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The flags, with --quick's settings (`QUICK`) as the defaults of the flags not given.
+
+    A flag given beside --quick wins over it, so what runs is what the command
+    line says and the command recorded in table.md is the whole story.
+    """
+    args = parser.parse_args(argv)
     if args.quick:
-        for name, value in QUICK.items():
-            setattr(args, name, value)
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
+    return args
+
+
+def configs_from_args(args: argparse.Namespace) -> list[config_lib.LMConfig]:
+    """One `LMConfig` per precision x route x seed, in that order (`parse_args` has applied --quick)."""
     base = config_lib.LMConfig(
         model=args.model,
         attention=args.attention,
@@ -224,6 +239,8 @@ def configs_from_args(args: argparse.Namespace) -> list[config_lib.LMConfig]:
 
 def environment() -> dict[str, Any]:
     """What ran where, and how loaded the machine was at the start."""
+    from experiments import results  # pylint: disable=import-outside-toplevel
+
     return {
         **results.machine(),
         "load_average_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
@@ -233,25 +250,42 @@ def environment() -> dict[str, Any]:
 
 def new_out_dir() -> str:
     """A fresh directory under ``runs/`` (git-ignored), as every experiment command makes."""
+    from experiments import results  # pylint: disable=import-outside-toplevel
+
     return results.run_directory("lm")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
+    """Runs the command with `argv` (default: the command line); returns the exit status.
+
+    Args:
+        argv: the flags.
+        entry_point: run as ``python -m experiments.lm``: once the flags are
+            parsed, and before JAX starts, let the CUDA plugin register
+            quietly where no GPU is visible
+            (`jaxamp.diagnostics.allow_compiling_without_gpu`).
+    """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     try:
         configs = configs_from_args(args)
         for config in configs:
             config_lib.validate(config)
     except config_lib.ConfigError as error:
         parser.error(str(error))
+    import jax  # pylint: disable=import-outside-toplevel  # after the flags: see the imports above
+
+    import jaxamp  # pylint: disable=import-outside-toplevel
+    from experiments import distributed  # pylint: disable=import-outside-toplevel
+    from experiments.lm import output, train  # pylint: disable=import-outside-toplevel
+
+    if entry_point:
+        jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
     command = "python -m experiments.lm " + shlex.join(sys.argv[1:] if argv is None else argv)
+    out_dir = None
     try:
         distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
         main_process = jax.process_index() == 0
-        out_dir = args.out_dir or (new_out_dir() if main_process else None)
-        if args.out_dir and main_process:
-            os.makedirs(out_dir, exist_ok=True)
         corpus = data_lib.load_corpus(
             configs[0].data,
             configs[0].data_dir,
@@ -261,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
             jax.process_count(),
         )
         print(f"corpus: {corpus.description}", flush=True)
+        # Made once the corpus is loaded: a run that cannot start leaves no empty folder behind.
+        out_dir = args.out_dir or (new_out_dir() if main_process else None)
+        if args.out_dir and main_process:
+            os.makedirs(out_dir, exist_ok=True)
         payload: dict[str, Any] = {"command": command, "environment": environment(), "runs": []}
 
         for config in configs:
@@ -275,6 +313,18 @@ def main(argv: list[str] | None = None) -> int:
             if main_process:
                 output.write_json(out_dir, payload)
                 output.write_table(out_dir, payload["runs"], command, payload["environment"])
+    except KeyboardInterrupt:
+        kept = (
+            f" The evaluations finished so far are in {os.path.join(out_dir, 'results.json')}."
+            if out_dir and os.path.exists(os.path.join(out_dir, "results.json"))
+            else ""
+        )
+        print(
+            f"interrupted.{kept} Language-model runs keep no checkpoints: run the command again to start "
+            "afresh, with fewer --steps or --precisions for a shorter run.",
+            file=sys.stderr,
+        )
+        return 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
     except (
         data_lib.DataUnavailableError,
         distributed.DistributedSetupError,
@@ -290,5 +340,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
-    sys.exit(main())
+    sys.exit(main(entry_point=True))

@@ -9,16 +9,43 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
-import jax.numpy as jnp
-
-import jaxamp
-from experiments import train as cifar_train
+# No JAX or Flax here: `python -m experiments.lm` parses its flags (defaults and choices from this
+# module) before they load. What needs them imports them where it is used.
+from experiments import config as cifar_config
 from experiments.lm import data as data_lib
-from experiments.lm import model as model_lib
+
+if TYPE_CHECKING:
+    import jaxamp
 
 ROUTES = ("apply_policy", "autocast")
 SHARDING = ("fsdp", "replicated")
+ATTENTION_CHOICES = ("auto", "cudnn", "xla", "einsum")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTSize:
+    """The shape of a model: depth, width, heads and context length."""
+
+    num_layers: int
+    d_model: int
+    num_heads: int
+    context: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+
+SIZES: dict[str, GPTSize] = {
+    # For tests and the quick run: a few seconds per hundred steps on a CPU core.
+    "tiny": GPTSize(num_layers=2, d_model=64, num_heads=4, context=64),
+    # For CPU parity runs: about 0.8M parameters.
+    "small": GPTSize(num_layers=4, d_model=128, num_heads=4, context=128),
+    # GPT-2 small (124M parameters with GPT-2's vocabulary of 50304, padded).
+    "gpt2": GPTSize(num_layers=12, d_model=768, num_heads=12, context=1024),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +82,7 @@ class LMConfig:
 
     @property
     def sequence_length(self) -> int:
-        return self.context or model_lib.SIZES[self.model].context
+        return self.context or SIZES[self.model].context
 
 
 class ConfigError(ValueError):
@@ -87,12 +114,12 @@ def validate(config: LMConfig) -> None:
             fail(f"--{name.replace('_', '-')}", value, "a finite number > 0")
     if not (isinstance(config.weight_decay, (int, float)) and 0 <= config.weight_decay < math.inf):
         fail("--weight-decay", config.weight_decay, "a finite number >= 0")
-    if config.model not in model_lib.SIZES:
-        fail("--model", config.model, f"one of {', '.join(model_lib.SIZES)}")
+    if config.model not in SIZES:
+        fail("--model", config.model, f"one of {', '.join(SIZES)}")
     if config.route not in ROUTES:
         fail("--route", config.route, f"one of {', '.join(ROUTES)}")
-    if config.attention not in model_lib.ATTENTION_CHOICES:
-        fail("--attention", config.attention, f"one of {', '.join(model_lib.ATTENTION_CHOICES)}")
+    if config.attention not in ATTENTION_CHOICES:
+        fail("--attention", config.attention, f"one of {', '.join(ATTENTION_CHOICES)}")
     try:
         data_lib.parse_source(config.data)
     except ValueError as error:
@@ -107,17 +134,19 @@ def validate(config: LMConfig) -> None:
             config.vocab_size,
             f"256 (or nothing) with --data {config.data}, whose tokens are bytes",
         )
-    limit = model_lib.SIZES[config.model].context
+    limit = SIZES[config.model].context
     if config.context is not None and not (is_int(config.context) and 1 <= config.context <= limit):
         valid = f"an integer from 1 to {limit}, the context of --model {config.model}"
         fail("--context", config.context, valid)
     try:
-        precision = cifar_train.resolve_precision(config.precision)
-        cifar_train.parse_loss_scale(config.loss_scale)
+        cifar_config.check_precision(config.precision)
+        cifar_config.parse_loss_scale(config.loss_scale)
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None
     if config.communicates_explicitly:
-        communication_policy(config, precision.policy)
+        from experiments.train import resolve_precision  # pylint: disable=import-outside-toplevel
+
+        communication_policy(config, resolve_precision(config.precision).policy)
 
 
 def default_route(precision: str) -> str:
@@ -131,7 +160,7 @@ def default_route(precision: str) -> str:
         ConfigError: `precision` names no precision.
     """
     try:
-        cifar_train.resolve_precision(precision)
+        cifar_config.check_precision(precision)
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None
     return "apply_policy"
@@ -147,6 +176,10 @@ def communication_policy(config: LMConfig, policy: jaxamp.Policy):
         ConfigError: the flags need FSDP sharding or a jaxamp with
             `jaxamp.fsdp.fsdp_loss`, name no dtype, or narrow the reduction.
     """
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+    import jaxamp  # pylint: disable=import-outside-toplevel
+
     if config.sharding != "fsdp":
         raise ConfigError(
             f"--gather-dtype and --reduce-dtype need --sharding fsdp, not {config.sharding!r}: "

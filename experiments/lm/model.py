@@ -10,39 +10,16 @@ per backend and dtype by `choose_attention`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-ATTENTION_CHOICES = ("auto", "cudnn", "xla", "einsum")
+# The sizes and attention choices live with the settings (no Flax there, for the command's flags).
+from experiments.lm.config import ATTENTION_CHOICES, SIZES, GPTSize  # noqa: F401  (re-exported)
+
 _HALF_DTYPES = (jnp.float16, jnp.bfloat16)
-
-
-@dataclasses.dataclass(frozen=True)
-class GPTSize:
-    """The shape of a model: depth, width, heads and context length."""
-
-    num_layers: int
-    d_model: int
-    num_heads: int
-    context: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
-
-
-SIZES: dict[str, GPTSize] = {
-    # For tests and the quick run: a few seconds per hundred steps on a CPU core.
-    "tiny": GPTSize(num_layers=2, d_model=64, num_heads=4, context=64),
-    # For CPU parity runs: about 0.8M parameters.
-    "small": GPTSize(num_layers=4, d_model=128, num_heads=4, context=128),
-    # GPT-2 small (124M parameters with GPT-2's vocabulary of 50304, padded).
-    "gpt2": GPTSize(num_layers=12, d_model=768, num_heads=12, context=1024),
-}
 
 
 def choose_attention(requested: str, platform: str, compute_dtype, head_dim: int) -> str:

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import jaxamp
 from experiments.benchmark import targets
 from experiments.benchmark.workload import memory_of
-from experiments.flags import HelpFormatter
+from experiments.flags import HelpFormatter, output_directory
 from experiments.lm import model as model_lib
 from experiments.lm import output, train
 from experiments.lm.config import LMConfig
@@ -223,7 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, default=GPT2_VOCAB, help="vocabulary size (GPT-2's)")
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated precisions")
     parser.add_argument("--routes", default=",".join(ROUTES), help="comma-separated routes")
-    parser.add_argument("--out-dir", default=None, help="where results.json and table.md go (default: runs/)")
+    parser.add_argument(
+        "--out-dir",
+        type=output_directory,
+        default=None,
+        help="where results.json and table.md go (default: runs/)",
+    )
     args = parser.parse_args(argv)
     if not jaxamp.diagnostics.cuda_plugin_available():
         print(

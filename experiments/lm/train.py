@@ -374,10 +374,14 @@ def train_and_evaluate(
 
 
 def format_evaluation(entry: dict[str, Any], steps: int) -> str:
-    """The one line printed at each evaluation."""
+    """The one line printed at each evaluation.
+
+    Its train loss is the mean over the steps since the last evaluation (``mean
+    loss``); the progress bar's ``step_loss`` is one recent step's.
+    """
     train_loss = "-" if entry["train_loss"] is None else f"{entry['train_loss']:.4f}"
     return (
-        f"step {entry['step']:>5}/{steps} | train {entry['train_time_s']:7.1f}s loss {train_loss}"
+        f"step {entry['step']:>5}/{steps} | train {entry['train_time_s']:7.1f}s mean loss {train_loss}"
         f" | held-out {entry['held_out_bits_per_byte']:.4f} bits/byte | loss scale {entry['loss_scale']:g}"
         f" | skipped {entry['skipped_steps']}"
     )

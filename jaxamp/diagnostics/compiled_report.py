@@ -26,11 +26,13 @@ def compiled_precision_report(lowered: Any) -> PrecisionReport:
 def hlo_precision_report(hlo_text: str, lowered_hlo_text: str | None = None) -> PrecisionReport:
     """A `PrecisionReport` of an optimized HLO module's text.
 
-    Use it on a step that is already compiled, to avoid compiling it twice::
+    Use it on a step that is already compiled, to avoid compiling it twice:
 
-        lowered = jax.jit(step).lower(*args)
-        report = hlo_precision_report(
-            lowered.compile().as_text(), jaxamp.diagnostics.hlo_report.lowered_hlo_text(lowered))
+    ```python
+    lowered = jax.jit(step).lower(*args)
+    report = hlo_precision_report(
+        lowered.compile().as_text(), jaxamp.diagnostics.hlo_report.lowered_hlo_text(lowered))
+    ```
 
     A record's ``primitive`` is the HLO opcode (``dot``, ``convolution``) or
     the custom call target (``__cudnn$convForward``, ``__cublas$gemm``,

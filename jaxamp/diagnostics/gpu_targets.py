@@ -3,13 +3,15 @@
 JAX can compile a program for a GPU on a CPU-only machine, given the CUDA
 PJRT plugin of the installed JAX's version (``pip install
 jaxamp[gpu-aot]``: the ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt``
-wheels, no NVIDIA libraries needed) and a description of the GPU::
+wheels, no NVIDIA libraries needed) and a description of the GPU:
 
-    device = jaxamp.diagnostics.gpu_target_device("h200")
-    args = jaxamp.diagnostics.on_device((variables, images), device)   # ShapeDtypeStructs
-    compiled = jax.jit(step).lower(*args).compile()
-    compiled.memory_analysis()                              # H200 bytes
-    jaxamp.precision_report(step, *args, compiled=True)     # cuDNN in float16
+```python
+device = jaxamp.diagnostics.gpu_target_device("h200")
+args = jaxamp.diagnostics.on_device((variables, images), device)   # ShapeDtypeStructs
+compiled = jax.jit(step).lower(*args).compile()
+compiled.memory_analysis()                              # H200 bytes
+jaxamp.precision_report(step, *args, compiled=True)     # cuDNN in float16
+```
 
 The description is a ``GpuTargetConfigProto`` in text form, written here from
 the GPUs' published specifications (`GPU_TARGETS`). What such a compilation

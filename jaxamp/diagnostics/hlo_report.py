@@ -403,15 +403,17 @@ def walk(
     """What `ops_of` finds in every instruction the program executes, loops unrolled.
 
     The walk follows the program's control flow from `computation` (the
-    entry by default)::
+    entry by default):
 
-        for instruction in computation:
-            yield from ops_of(instruction, shapes, repeats)
-            if not descend(instruction): continue
-            conditional: walk each branch; yield the branch heaviest by sum(weight)
-                         (a step runs one branch: count the most it can cost)
-            while:       walk condition and body with repeats * trip count
-            otherwise:   walk every called computation (fusions, calls) with repeats
+    ```text
+    for instruction in computation:
+        yield from ops_of(instruction, shapes, repeats)
+        if not descend(instruction): continue
+        conditional: walk each branch; yield the branch heaviest by sum(weight)
+                     (a step runs one branch: count the most it can cost)
+        while:       walk condition and body with repeats * trip count
+        otherwise:   walk every called computation (fusions, calls) with repeats
+    ```
 
     Args:
         module: the parsed module.
@@ -524,13 +526,15 @@ def fp8_fed_matmuls(hlo_text: str) -> set[tuple[str, str]]:
     Reads the HLO of a lowered, not yet optimized program (see
     `lowered_hlo_text`) and marks every value that is an FP8 array or
     derives from one through a dequantize (`_DEQUANTIZE_OPCODES`:
-    ``convert``, the scale's ``multiply``/``divide``, layout changes)::
+    ``convert``, the scale's ``multiply``/``divide``, layout changes):
 
-        fp8_fed(v) = v has an FP8 element type
-                     or v = op(operands) with op in _DEQUANTIZE_OPCODES
-                        and fp8_fed(some operand)
-                     or v is a parameter of a called computation whose
-                        argument is fp8_fed, or a call's result whose root is
+    ```text
+    fp8_fed(v) = v has an FP8 element type
+                 or v = op(operands) with op in _DEQUANTIZE_OPCODES
+                    and fp8_fed(some operand)
+                 or v is a parameter of a called computation whose
+                    argument is fp8_fed, or a call's result whose root is
+    ```
 
     A ``dot`` or ``convolution`` with an fp8_fed operand asked for FP8
     math, whatever XLA then makes of it (the classic quantize-dequantize

@@ -1,0 +1,114 @@
+"""The settings of a CIFAR run, and the checks of them that need no JAX.
+
+`TrainConfig` holds everything that defines a run; the command line maps onto
+its fields. This module imports nothing heavy (no JAX, Flax or TensorFlow),
+so ``python -m experiments.cifar`` answers a mistyped flag before any of them
+loads; `experiments.train` uses these and re-exports them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+# How a policy reaches the model: ``auto`` is ``apply_policy``, which runs the
+# model through autocast; ``autocast`` rewrites the plain model's ``apply``.
+ROUTES = ("auto", "apply_policy", "autocast")
+
+# The keys of experiments.models.MODELS (tests/test_command_startup.py checks they agree).
+MODEL_NAMES = ("mobilenetv2", "resnet101", "resnet152", "resnet18", "resnet34", "resnet50", "resnet_tiny")
+
+# Precisions beyond jaxamp.get_policy's: float32 with an explicit matmul precision.
+FLOAT32_PRECISIONS = {"fp32": "highest", "tf32": "default"}
+
+# Names `check_precision` accepts without loading jaxamp (tests/test_command_startup.py checks
+# that jaxamp accepts each); any other spec is checked by jaxamp.get_policy.
+KNOWN_PRECISIONS = (
+    *FLOAT32_PRECISIONS,
+    "float32", "mixed", "mixed_float16", "mixed_fp16", "mixed_bfloat16", "mixed_bf16",
+    "float16", "fp16", "bfloat16", "bf16", "mixed_float8", "mixed_fp8",
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a run; the CLI flags map onto these fields."""
+
+    model: str = "resnet18"
+    precision: str = "mixed"
+    loss_scale: str = "default"
+    dataset: str = "cifar10"
+    data: str = "tfds"
+    data_dir: str | None = None
+    epochs: int = 2
+    batch_size: int = 128
+    eval_batch_size: int = 500
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    warmup_epochs: float = 1.0
+    label_smoothing: float = 0.0
+    steps_per_epoch: int | None = None
+    eval_every: int = 1
+    seed: int = 0
+    checkpoint_dir: str | None = None
+    resume: bool = False
+    out: str | None = None
+    progress: bool = True
+    grad_accum: int = 1
+    checkpoint_every: int | None = None
+    max_consecutive_skips: int = 50
+    max_overflows_at_min_scale: int = 0
+    inject_nonfinite: float = 0.0
+    route: str = "auto"
+
+
+def check_precision(name: str) -> str:
+    """Returns ``--precision`` `name` if it is ``fp32``, ``tf32`` or a jaxamp policy spec.
+
+    The common names are checked here; any other spec loads jaxamp to parse it.
+
+    Raises:
+        ValueError or TypeError: jaxamp's, naming the spec and the valid forms.
+    """
+    if "".join(name.split()).lower() in KNOWN_PRECISIONS:
+        return name
+    from experiments.train import resolve_precision  # pylint: disable=import-outside-toplevel
+
+    resolve_precision(name)
+    return name
+
+
+def parse_loss_scale(spec: str) -> tuple[str, float | None]:
+    """Checks ``--loss-scale`` without building anything: ``(kind, static value)``.
+
+    Builds no array, so a flag parser can call it before ``jax.distributed``
+    is initialised.
+
+    Raises:
+        ValueError: naming the spec and the valid forms.
+    """
+    key = "".join(spec.split()).lower()
+    if key in ("default", "dynamic", "none"):
+        return key, None
+    if key.startswith("static:"):
+        try:
+            value = float(key.removeprefix("static:"))
+        except ValueError:
+            value = math.nan
+        if math.isfinite(value) and value > 0:
+            return "static", value
+    raise ValueError(
+        f"Unknown loss scale {spec!r}; choose default, dynamic, none or static:N "
+        "with N a positive number (e.g. static:1024)."
+    )
+
+
+def validate_rate(rate: float) -> float:
+    """Returns `rate` if it lies in [0, 1); raises ValueError naming it otherwise."""
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(
+            f"--inject-nonfinite {rate!r} must lie in [0, 1): the share of steps whose "
+            "gradients become inf or NaN (0 turns injection off; 0.1 is 10%)."
+        )
+    return rate

@@ -1,0 +1,173 @@
+"""What the commands write, checked before they work; nothing left behind when they fail.
+
+A bad ``--out`` (experiments.cifar) or ``--out-dir`` (every other command)
+is refused by argparse before any data loads or anything compiles: exit
+status 2, one line naming the path and the problem, no traceback. It used to
+fail only when first written, after an epoch of training.
+"""
+
+import contextlib
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from experiments import checkpointing, cifar, compare, train
+from experiments.benchmark import __main__ as benchmark
+from experiments.lm import __main__ as lm
+from experiments.lm import on_paper
+
+TINY_CIFAR = ["--model", "resnet_tiny", "--data", "synthetic", "--no-progress", "--epochs", "1",
+              "--batch-size", "8", "--steps-per-epoch", "1"]  # fmt: skip
+OUT_DIR_COMMANDS = {"lm": lm.main, "compare": compare.main, "benchmark": benchmark.main,
+                    "lm.on_paper": on_paper.main}  # fmt: skip
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Fails the test if a run starts: the path must be refused before."""
+
+    def started(*args, **kwargs):
+        raise AssertionError("the run started before its output path was checked")
+
+    monkeypatch.setattr(train, "train_and_evaluate", started)
+
+
+def refused(main, argv, capsys) -> str:
+    """Runs `main(argv)`, expecting argparse's exit 2; returns the error line."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "Traceback" not in error
+    return error.strip().splitlines()[-1]
+
+
+def test_an_existing_directory_as_out_is_refused_before_training(tmp_path, capsys, no_training):
+    line = refused(cifar.main, [*TINY_CIFAR, "--out", str(tmp_path)], capsys)
+    example = tmp_path / "results.json"
+    assert line.endswith(f"argument --out: {tmp_path} is a directory, not a file; name a file, e.g. {example}")
+
+
+def test_an_out_under_a_file_is_refused_naming_the_file(tmp_path, capsys, no_training):
+    (tmp_path / "notes.txt").write_text("a file, not a directory")
+    out = tmp_path / "notes.txt" / "run" / "results.json"
+    line = refused(cifar.main, [*TINY_CIFAR, "--out", str(out)], capsys)
+    assert f"cannot create {out}: {tmp_path / 'notes.txt'} is a file, not a directory" in line
+
+
+@contextlib.contextmanager
+def read_only_directory():
+    """A directory nobody may write in, also root (who ignores modes): seteuid to nobody."""
+    path = tempfile.mkdtemp(prefix="jaxamp_outputs_")
+    os.chmod(path, 0o555)
+    is_root = os.geteuid() == 0
+    if is_root:
+        os.seteuid(65534)  # the real uid stays root, so this is undone below
+    try:
+        yield path
+    finally:
+        if is_root:
+            os.seteuid(0)
+        os.chmod(path, 0o755)
+        shutil.rmtree(path)
+
+
+def test_an_out_in_a_directory_without_write_permission_is_refused(capsys, no_training):
+    with read_only_directory() as locked:
+        out = os.path.join(locked, "sub", "results.json")
+        line = refused(cifar.main, [*TINY_CIFAR, "--out", out], capsys)
+        assert f"cannot create {out}: no permission to write in {locked}" in line
+        assert not os.path.exists(os.path.join(locked, "sub"))
+
+
+@pytest.mark.parametrize("main", OUT_DIR_COMMANDS.values(), ids=OUT_DIR_COMMANDS.keys())
+def test_a_file_as_out_dir_is_refused_by_every_command(main, tmp_path, capsys):
+    a_file = tmp_path / "table.md"
+    a_file.write_text("not a directory")
+    line = refused(main, ["--out-dir", str(a_file)], capsys)
+    assert line.endswith(f"argument --out-dir: {a_file} is a file, not a directory; name a directory")
+
+
+def test_an_out_dir_that_cannot_be_created_is_refused_and_nothing_is_made(capsys):
+    with read_only_directory() as locked:
+        out_dir = os.path.join(locked, "runs", "lm")
+        line = refused(lm.main, ["--out-dir", out_dir], capsys)
+        assert f"cannot create {out_dir}: no permission to write in {locked}" in line
+        assert os.listdir(locked) == []
+
+
+def test_a_good_out_is_accepted_and_not_created_by_the_check(tmp_path):
+    out = tmp_path / "new" / "results.json"
+    args = cifar.build_parser().parse_args([*TINY_CIFAR, "--out", str(out)])
+    assert args.out == str(out) and not (tmp_path / "new").exists()
+
+
+def test_lm_with_a_missing_data_dir_leaves_no_run_folder(tmp_path, monkeypatch, capsys):
+    """It left an empty runs/lm-<time>/ for every failed attempt."""
+    monkeypatch.chdir(tmp_path)
+    missing = tmp_path / "no-such-sources"
+    assert lm.main(["--model", "tiny", "--no-progress", "--data-dir", str(missing)]) == 1
+    error = capsys.readouterr().err
+    assert str(missing) in error and "Traceback" not in error
+    assert os.listdir(tmp_path) == []
+
+
+def test_lm_with_a_missing_out_dir_data_leaves_out_dir_uncreated(tmp_path, capsys):
+    out_dir = tmp_path / "results" / "lm"
+    assert lm.main(["--no-progress", "--data-dir", str(tmp_path / "absent"), "--out-dir", str(out_dir)]) == 1
+    assert not (tmp_path / "results").exists()
+
+
+def test_resume_from_a_missing_checkpoint_folder_creates_nothing(tmp_path):
+    """--resume naming a folder that does not exist is an error, and the folder stays absent."""
+    missing = tmp_path / "checkpoints"
+    expected = "--resume found no checkpoint in .*no such folder"
+    with pytest.raises(checkpointing.CheckpointError, match=expected):
+        checkpointing.Checkpointer(str(missing), {"model": "tiny"}, resume=True)
+    assert not missing.exists()
+
+
+def test_lm_quick_lets_flags_given_beside_it_win():
+    """--quick's settings fill only the flags not given; it used to override them silently."""
+    parser = lm.build_parser()
+    args = lm.parse_args(parser, ["--quick", "--precisions", "mixed", "--steps", "30", "--eval-every", "10"])
+    configs = lm.configs_from_args(args)
+    assert [(config.precision, config.steps, config.eval_every, config.model) for config in configs] == [
+        ("mixed", 30, 10, "tiny")
+    ]
+    quick = lm.configs_from_args(lm.parse_args(lm.build_parser(), ["--quick"]))
+    assert [(config.precision, config.steps, config.eval_every) for config in quick] == [
+        ("fp32", 100, 25),
+        ("mixed_bf16", 100, 25),
+    ]
+
+
+def test_ctrl_c_in_lm_says_where_the_finished_evaluations_are(tmp_path, monkeypatch, capsys):
+    """Exit status 130 and one line, no KeyboardInterrupt traceback."""
+    from experiments.lm import train as lm_train
+
+    def interrupted(config, corpus, log, on_record):
+        on_record({"config": {}, "evaluations": []})  # one evaluation written, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lm_train, "train_and_evaluate", interrupted)
+    out_dir = tmp_path / "lm"
+    assert lm.main(["--data", "synthetic", "--no-progress", "--out-dir", str(out_dir)]) == 130
+    error = capsys.readouterr().err
+    assert error.strip() == (
+        f"interrupted. The evaluations finished so far are in {out_dir / 'results.json'}. Language-model "
+        "runs keep no checkpoints: run the command again to start afresh, with fewer --steps or "
+        "--precisions for a shorter run."
+    )
+
+
+def test_cifar_with_missing_data_leaves_no_checkpoint_folder(tmp_path, capsys):
+    """--checkpoint-dir used to be created before the data loaded, and stayed behind, empty."""
+    checkpoints = tmp_path / "checkpoints"
+    argv = ["--model", "resnet_tiny", "--dataset", "fashion_mnist", "--data", "tfds", "--no-progress",
+            "--data-dir", str(tmp_path / "no-such-data"), "--checkpoint-dir", str(checkpoints)]  # fmt: skip
+    assert cifar.main(argv) == 1
+    assert "Traceback" not in capsys.readouterr().err
+    assert not checkpoints.exists()
