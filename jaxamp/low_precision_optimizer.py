@@ -244,6 +244,15 @@ def low_precision_optimizer(
         callable(state_dtype) and not _is_dtype_like(state_dtype)
     ):
         state_dtype = _floating_dtype(state_dtype, "state_dtype")
+    seed = (
+        jax.random.key(0 if key is None else key) if isinstance(key, (int, type(None))) else jnp.asarray(key)
+    )
+    raw_key = jax.random.key_data(seed) if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) else seed
+    if raw_key.dtype != jnp.uint32:
+        raise ValueError(
+            f"low_precision_optimizer's key must be a PRNG key (jax.random.key(0)), its raw uint32 data or an "
+            f"int seed; got {key!r}."
+        )
     inner = optax.with_extra_args_support(inner)
 
     def checked_float32_params(params):
@@ -260,6 +269,24 @@ def low_precision_optimizer(
             lambda leaf: leaf.astype(jnp.float32) if is_floating_array(leaf) else leaf, params
         )
 
+    def land(param, update32, compensation, leaf_key):
+        """The update that lands `param` on its rounded float32 sum, and Kahan's new buffer (or None)."""
+        param32 = param.astype(jnp.float32)
+        exact = param32 + jnp.asarray(update32, jnp.float32)
+        if rounding == "kahan":
+            exact = exact + compensation.astype(jnp.float32)
+        if rounding == "stochastic":
+            new_param = stochastic_round(exact, param.dtype, leaf_key)
+        else:
+            new_param = exact.astype(param.dtype)
+        update = (new_param.astype(jnp.float32) - param32).astype(param.dtype)
+        if rounding != "kahan":
+            return update, None
+        # optax.apply_updates puts the param at p + update in its dtype: new_param whenever
+        # new_param - p was exact, else within half an ulp of it. The buffer keeps what was lost.
+        landed = (param32 + update.astype(jnp.float32)).astype(param.dtype)
+        return update, stochastic_round(exact - landed.astype(jnp.float32), param.dtype, leaf_key)
+
     def init(params) -> LowPrecisionState:
         params32 = checked_float32_params(params)
         inner_state32 = inner.init(params32)
@@ -267,14 +294,12 @@ def low_precision_optimizer(
             _check_field_names(state_dtype, inner_state32)
         leaves, state_tree = jax.tree.flatten(inner_state32)
         storage = _storage_dtypes(state_dtype, inner_state32)
-        seed = jax.random.key(0 if key is None else key) if isinstance(key, (int, type(None))) else key
-        raw_key = jax.random.key_data(seed) if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) else seed
         return LowPrecisionState(
             inner_state=state_tree.unflatten(
                 [leaf if dtype is None else leaf.astype(dtype) for leaf, dtype in zip(leaves, storage, strict=True)]
             ),
             compensation=jax.tree.map(jnp.zeros_like, params) if rounding == "kahan" else None,
-            key=jnp.asarray(raw_key),
+            key=raw_key,
         )  # fmt: skip
 
     def update(grads, state: LowPrecisionState, params=None, **extra_args):
@@ -293,36 +318,19 @@ def low_precision_optimizer(
 
         step_key, params_key, state_key = jax.random.split(jax.random.wrap_key_data(state.key), 3)
         param_leaves, param_tree = jax.tree.flatten(params)
-        update_leaves = param_tree.flatten_up_to(updates32)
-        compensation_leaves = (
+        compensations = (
             param_tree.flatten_up_to(state.compensation)
             if rounding == "kahan"
             else [None] * len(param_leaves)
         )
-        landed_updates, new_compensation = [], []
-        for index, (param, update32, compensation) in enumerate(
-            zip(param_leaves, update_leaves, compensation_leaves, strict=True)
-        ):
-            if not is_floating_array(param):
-                landed_updates.append(update32)
-                new_compensation.append(compensation)
-                continue
-            param32 = param.astype(jnp.float32)
-            exact = param32 + jnp.asarray(update32, jnp.float32)
-            if rounding == "kahan":
-                exact = exact + compensation.astype(jnp.float32)
-            if rounding == "stochastic":
-                new_param = stochastic_round(exact, param.dtype, jax.random.fold_in(params_key, index))
-            else:
-                new_param = exact.astype(param.dtype)
-            landed_update = (new_param.astype(jnp.float32) - param32).astype(param.dtype)
-            landed_updates.append(landed_update)
-            # Where optax.apply_updates really puts the param: p + update, in the param dtype.
-            landed = (param32 + landed_update.astype(jnp.float32)).astype(param.dtype)
-            lost = exact - landed.astype(jnp.float32)
-            new_compensation.append(
-                stochastic_round(lost, param.dtype, jax.random.fold_in(params_key, index))
+        landed = [
+            land(param, update, compensation, jax.random.fold_in(params_key, index))
+            if is_floating_array(param)
+            else (update, compensation)
+            for index, (param, update, compensation) in enumerate(
+                zip(param_leaves, param_tree.flatten_up_to(updates32), compensations, strict=True)
             )
+        ]
 
         storage = _storage_dtypes(state_dtype, reference)
         state_leaves, state_tree = jax.tree.flatten(new_inner_state32)
@@ -331,9 +339,11 @@ def low_precision_optimizer(
             else stochastic_round(leaf, dtype, jax.random.fold_in(state_key, index))
             for index, (leaf, dtype) in enumerate(zip(state_leaves, storage, strict=True))
         ]  # fmt: skip
-        return param_tree.unflatten(landed_updates), LowPrecisionState(
+        return param_tree.unflatten([update for update, _ in landed]), LowPrecisionState(
             inner_state=state_tree.unflatten(stored_leaves),
-            compensation=param_tree.unflatten(new_compensation) if rounding == "kahan" else None,
+            compensation=param_tree.unflatten([buffer for _, buffer in landed])
+            if rounding == "kahan"
+            else None,
             key=jax.random.key_data(step_key),
         )
 

@@ -260,6 +260,7 @@ def test_mixed_param_dtypes_need_param_dtype_none():
         ({"state_dtype": "bf16"}, r"state_dtype must be a floating dtype.*'bf16'"),
         ({"state_dtype": {"m": jnp.bfloat16}}, r"names 'm', which .* fields are 'count', 'mu', 'nu'"),
         ({"state_dtype": lambda path, leaf: jnp.int32}, r"state_dtype \(at .*\) must be a floating dtype"),
+        ({"key": 1.5}, r"key must be a PRNG key \(jax.random.key\(0\)\), its raw uint32 data or an int seed"),
     ],
 )
 def test_bad_settings_name_the_valid_choices(settings, message):
