@@ -111,6 +111,38 @@ def train(param_dtype, tx, params, train_data, test_data):
     return float(jnp.mean((mlp(state.params, test_inputs) - test_targets) ** 2)), bytes_per_param
 
 
+def step_milliseconds(recipes_by_name, params, train_data, rounds=40):
+    """Milliseconds of one compiled train step of each recipe, the median of `rounds`.
+
+    Each round times one step of every recipe in turn, so that the load of
+    a shared machine falls on all of them alike.
+    """
+    batch = jax.tree.map(lambda data: data[0], train_data)
+
+    def make_step():
+        @jax.jit
+        def train_step(state, batch):
+            inputs, targets = batch
+            grads = jax.grad(lambda params: jnp.mean((mlp(params, inputs) - targets) ** 2))(state.params)
+            return state.apply_gradients(grads=grads)
+
+        return train_step
+
+    steps, states = {}, {}
+    for name, (param_dtype, tx) in recipes_by_name.items():
+        steps[name] = make_step()
+        start = jax.tree.map(lambda p, dtype=param_dtype: p.astype(dtype), params)
+        state = jaxamp.TrainState.create(apply_fn=mlp, params=start, tx=tx)
+        states[name] = jax.block_until_ready(steps[name](state, batch))  # compiles
+    times = {name: [] for name in recipes_by_name}
+    for _ in range(rounds):
+        for name in recipes_by_name:
+            started = time.perf_counter()
+            states[name] = jax.block_until_ready(steps[name](states[name], batch))
+            times[name].append(time.perf_counter() - started)
+    return {name: 1000 * float(np.median(values)) for name, values in times.items()}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=2)
@@ -130,6 +162,10 @@ def main():
             seconds.setdefault(name, []).append(time.perf_counter() - run_started)
             losses.setdefault(name, []).append(loss)
 
+    train_data, _ = make_data(0, args.batch_size, 1)
+    milliseconds = step_milliseconds(
+        recipes(args.learning_rate, args.steps, 0), init_mlp(jax.random.key(0), scale=0.5), train_data
+    )
     float32_mean = np.mean(losses["float32"])
     print("# bfloat16 master weights and Adam state against float32, on a CPU")
     print()
@@ -144,19 +180,24 @@ def main():
         f"batch {args.batch_size}. Cells: held-out mean squared error after the last step; bytes/param: "
         "params plus optimizer state, counted from the pytrees; gap and seed spread "
         "(largest minus smallest seed): in percent of float32's mean; s/run: "
-        "wall seconds of one run, compilation included, mean over seeds (2 CPU cores shared with other work)."
+        "wall seconds of one run, compilation included, mean over seeds; ms/step: one compiled step (forward, backward and update) "
+        "after compilation, the median of 40 rounds that each time one step of every recipe in turn; "
+        "both on 2 CPU cores shared with other work."
     )
     print()
     seed_columns = " | ".join(f"seed {seed}" for seed in range(args.seeds))
-    print(f"| recipe | bytes/param | {seed_columns} | mean | gap vs float32 | seed spread | s/run |")
-    print("|---|---:|" + "---:|" * args.seeds + "---:|---:|---:|---:|")
+    print(
+        f"| recipe | bytes/param | {seed_columns} | mean | gap vs float32 | seed spread | s/run | ms/step | step vs nearest |"
+    )
+    print("|---|---:|" + "---:|" * args.seeds + "---:|---:|---:|---:|---:|---:|")
     for name, values in losses.items():
         mean = np.mean(values)
         cells = " | ".join(f"{value:.5f}" for value in values)
         print(
             f"| {name} | {bytes_per_param[name]:.2f} | {cells} | {mean:.5f} | {100 * (mean / float32_mean - 1):+.1f}% | "
             f"{100 * (max(values) - min(values)) / float32_mean:.1f}% | "
-            f"{np.mean(seconds[name]):.1f} |"
+            f"{np.mean(seconds[name]):.1f} | {milliseconds[name]:.2f} | "
+            f"{milliseconds[name] / milliseconds['bf16 nearest']:.2f}x |"
         )
 
 
