@@ -205,7 +205,9 @@ def low_precision_optimizer(
     Composition: put `jaxamp.loss_scaling` outside this wrapper (or pass it as
     ``tx`` to `jaxamp.TrainState`), so that a step with non-finite gradients
     keeps the params, every state leaf, the compensation buffer and the key
-    bit-identical. ``optax.MultiSteps`` and any ``chain`` go inside.
+    bit-identical. ``optax.MultiSteps`` and any ``chain`` go inside. The
+    Kahan buffer is shaped like the params and the moments too, so
+    `jaxamp.fsdp.fsdp_shardings` of the state splits them alike.
 
     Args:
         inner: the optax optimizer (any `GradientTransformation`,
