@@ -138,7 +138,7 @@ def _storage_dtypes(state_dtype: StateDtype, reference_state) -> list:
         elif callable(state_dtype) and not _is_dtype_like(state_dtype):
             chosen = state_dtype(path, leaf)
         else:
-            chosen = state_dtype
+            chosen = state_dtype if np.ndim(leaf) > 0 else None
         return (
             None
             if chosen is None
@@ -216,7 +216,9 @@ def low_precision_optimizer(
             (bfloat16 by default); None accepts each param's own dtype, e.g.
             float32 normalization scales beside bfloat16 kernels.
         state_dtype: the dtype to store the inner state's floating leaves in:
-            one dtype for all; a mapping from field names of optax's state
+            one dtype for every floating array but scalars (a scalar costs
+            nothing, and rounding one, an injected learning rate say, would
+            change the schedule); a mapping from field names of optax's state
             named tuples to dtypes (``{"mu": jnp.bfloat16, "nu": jnp.float32}``;
             the innermost named field of a leaf's path decides, unnamed leaves
             keep their dtype); or a callable ``(path, leaf) -> dtype or None``.

@@ -84,6 +84,16 @@ def test_adam_moments_are_stored_in_the_dtypes_asked_after_init_and_after_three_
         state, _ = train(tx, state.params, steps=3)
 
 
+def test_scalars_of_the_state_such_as_an_injected_learning_rate_keep_their_dtype():
+    inner = optax.inject_hyperparams(optax.adam)(learning_rate=optax.linear_schedule(1e-3, 0.0, 10))
+    state, _ = train(jaxamp.low_precision_optimizer(inner), bf16_params(), steps=3)
+    injected = state.opt_state.inner_state
+    assert injected.hyperparams["learning_rate"].dtype == jnp.float32
+    # The rate of the last step taken (the third: 1e-3 * 8 / 10), to float32 precision, not bfloat16.
+    assert float(injected.hyperparams["learning_rate"]) == pytest.approx(8e-4, rel=1e-6)
+    assert set(dtypes(injected.inner_state[0].mu)) == {jnp.dtype(jnp.bfloat16)}
+
+
 @pytest.mark.parametrize("rounding, bytes_per_param", [("nearest", 6), ("stochastic", 6), ("kahan", 8)])
 def test_params_and_adam_state_take_half_the_bytes_of_float32_plus_the_kahan_buffer(
     rounding, bytes_per_param
@@ -191,7 +201,11 @@ def test_a_resumed_run_is_bit_exact_against_an_uninterrupted_one(rounding):
     )
     resumed = resumed.replace(opt_state=opt_state)
     resumed, _ = _continue(resumed, steps=3)
-    for got, expected in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(whole.params), strict=True):
+    for got, expected in zip(
+        jax.tree.leaves((resumed.params, resumed.opt_state)),
+        jax.tree.leaves((whole.params, whole.opt_state)),
+        strict=True,
+    ):
         assert np.asarray(got).tobytes() == np.asarray(expected).tobytes()
 
 
