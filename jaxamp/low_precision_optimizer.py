@@ -6,8 +6,8 @@ inner optimizer computes in float32. What decides whether such a run trains
 like float32 is how each step's float32 result is rounded back:
 
 * ``"nearest"``: round to nearest, as ``optax.apply_updates`` does on
-  bfloat16 params. An update below half a bfloat16 ulp of its param (about
-  0.2% of it) is lost, every step.
+  bfloat16 params. An update below half a bfloat16 ulp of its param (0.2%
+  to 0.4% of it) is lost, every step.
 * ``"stochastic"``: round up or down at random, up with the probability
   that makes the expected value the float32 sum. Small updates survive on
   average; the PRNG key lives in the state, so runs are deterministic.
