@@ -43,6 +43,7 @@ from jaxamp.loss_scale import (
     default_loss_scale,
 )
 from jaxamp.loss_scaling import LossScalingState, loss_scale_of, loss_scaling
+from jaxamp.low_precision_optimizer import low_precision_optimizer
 from jaxamp.module_policy import apply_policy
 from jaxamp.overflow_guard import LossScaleStuckError, OverflowGuard
 from jaxamp.policy import Policy, get_policy
@@ -74,6 +75,7 @@ __all__ = [
     "get_policy",
     "loss_scale_of",
     "loss_scaling",
+    "low_precision_optimizer",
     "precision_report",
     "scaled_value_and_grad",
     "select_tree",

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 # The sizes and attention choices live with the settings (no Flax there, for the command's flags).
-from experiments.lm.config import ATTENTION_CHOICES, SIZES, GPTSize  # noqa: F401  (re-exported)
+from experiments.lm.config import ATTENTION_CHOICES, SIZES, GPTSize
 
 _HALF_DTYPES = (jnp.float16, jnp.bfloat16)
 

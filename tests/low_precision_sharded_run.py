@@ -1,0 +1,138 @@
+"""`low_precision_optimizer` on 8 virtual CPU devices with FSDP shardings against one device; prints JSON.
+
+Run by tests/test_low_precision_optimizer.py in a fresh process (the device
+count is fixed when JAX starts): ``python tests/low_precision_sharded_run.py``.
+For stochastic rounding and Kahan, five Adam steps of a small MLP with
+bfloat16 params and moments run through `jaxamp.TrainState`, once on one
+device and once with the state placed by `jaxamp.fsdp.fsdp_shardings` and the
+loss by `jaxamp.fsdp.fsdp_loss`. It reports how the buffers are sharded and
+how far the sharded params are from the unsharded ones.
+"""
+
+import json
+import os
+import pathlib
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+import jaxamp
+import jaxamp.fsdp
+
+# Every matmul in float32 on both sides: the runs then differ only in the order of cross-device sums.
+jax.config.update("jax_default_matmul_precision", "highest")
+
+INPUTS = jax.random.normal(jax.random.key(1), (32, 16))
+TARGETS = jnp.sin(INPUTS @ jnp.linspace(-1.0, 1.0, 16 * 8).reshape(16, 8))
+
+
+def loss_fn(params, inputs, targets):
+    params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    hidden = jnp.tanh(inputs @ params["w1"] + params["b1"])
+    return jnp.mean((hidden @ params["w2"] - targets) ** 2)
+
+
+def initial_params():
+    keys = jax.random.split(jax.random.key(0), 2)
+    params = {
+        "w1": 0.3 * jax.random.normal(keys[0], (16, 64)),
+        "b1": jnp.zeros((64,)),
+        "w2": 0.3 * jax.random.normal(keys[1], (64, 8)),
+    }
+    return jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+
+
+def train(state, step_loss, steps=5):
+    @jax.jit
+    def train_step(state):
+        grads = jax.grad(step_loss)(state.params, INPUTS, TARGETS)
+        return state.apply_gradients(grads=grads)
+
+    for _ in range(steps):
+        state = train_step(state)
+    return state
+
+
+def elementwise_loss(params, inputs, targets):
+    """A loss whose gradient needs no sum across devices: sharded and unsharded gradients agree bit for bit."""
+    del inputs, targets
+    return sum(jnp.sum(jnp.sin(3.0 * p.astype(jnp.float32)) ** 2) for p in jax.tree.leaves(params))
+
+
+def flat(params):
+    return np.concatenate([np.asarray(leaf, np.float32).ravel() for leaf in jax.tree.leaves(params)])
+
+
+def main():
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    results = {"devices": len(jax.devices())}
+    for rounding in ("stochastic", "kahan"):
+        tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), rounding=rounding, key=3)
+        state = jaxamp.TrainState.create(apply_fn=None, params=initial_params(), tx=tx)
+        sharded_state = jax.device_put(state, jaxamp.fsdp.fsdp_shardings(state, mesh))
+
+        # 1. The optimizer alone: the same gradients on both sides, so any difference is the wrapper's.
+        one_device = train(state, elementwise_loss)
+        sharded = train(sharded_state, elementwise_loss)
+        param_specs = [str(leaf.sharding.spec) for leaf in jax.tree.leaves(sharded.params)]
+        adam = sharded.opt_state.inner_state[0]
+        buffers = {"mu": adam.mu, "nu": adam.nu}
+        if rounding == "kahan":
+            buffers["compensation"] = sharded.opt_state.compensation
+        results[rounding] = {
+            "param_specs": param_specs,
+            "buffers_sharded_like_params": {
+                name: [str(leaf.sharding.spec) for leaf in jax.tree.leaves(tree)] == param_specs
+                for name, tree in buffers.items()
+            },
+            "buffer_dtypes": {
+                name: sorted({str(leaf.dtype) for leaf in jax.tree.leaves(tree)})
+                for name, tree in buffers.items()
+            },
+            "state_bit_identical": all(
+                np.asarray(a).tobytes() == np.asarray(b).tobytes()
+                for a, b in zip(
+                    jax.tree.leaves((one_device.params, one_device.opt_state)),
+                    jax.tree.leaves((sharded.params, sharded.opt_state)),
+                    strict=True,
+                )
+            ),
+            "params_changed": float(np.mean(flat(one_device.params) != flat(initial_params()))),
+        }
+
+        # 2. A small MLP through jaxamp.fsdp.fsdp_loss: the gradients' sums run in another order, and
+        # Adam's first steps (about lr * sign(g)) turn a near-zero gradient's flipped sign into a
+        # full step; float32 Adam, sharded against unsharded, shows the scale of that.
+        mlp_one = train(state, loss_fn)
+        mlp_sharded = train(sharded_state, jaxamp.fsdp.fsdp_loss(loss_fn, mesh))
+        results[rounding]["mlp_params_max_relative_difference"] = float(
+            np.max(np.abs(flat(mlp_one.params) - flat(mlp_sharded.params)))
+            / np.max(np.abs(flat(mlp_one.params)))
+        )
+        results[rounding]["mlp_loss_after"] = [
+            float(loss_fn(s.params, INPUTS, TARGETS)) for s in (mlp_one, mlp_sharded)
+        ]
+    # optax.adam on the same bfloat16 params, without the wrapper, and on float32 params.
+    for name, dtype in (("bfloat16", jnp.bfloat16), ("float32", jnp.float32)):
+        params = jax.tree.map(lambda p, dtype=dtype: p.astype(dtype), initial_params())
+        state = jaxamp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
+        mlp_one = train(state, loss_fn)
+        sharded_state = jax.device_put(state, jaxamp.fsdp.fsdp_shardings(state, mesh))
+        mlp_sharded = train(sharded_state, jaxamp.fsdp.fsdp_loss(loss_fn, mesh))
+        results[f"optax_adam_{name}_mlp_params_max_relative_difference"] = float(
+            np.max(np.abs(flat(mlp_one.params) - flat(mlp_sharded.params)))
+            / np.max(np.abs(flat(mlp_one.params)))
+        )
+    results["loss_before"] = float(loss_fn(initial_params(), INPUTS, TARGETS))
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""`jaxamp.low_precision_optimizer`: bfloat16 params and optimizer state that keep small updates."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from fresh_processes import FreshProcess, xla_flags
+
+import jaxamp
+from jaxamp.low_precision_optimizer import LowPrecisionState, stochastic_round
+
+ROUNDINGS = ("nearest", "stochastic", "kahan")
+INPUTS = jax.random.normal(jax.random.key(1), (32, 8))
+TARGETS = INPUTS @ jnp.linspace(-1.0, 1.0, 8)[:, None]
+
+
+def bf16_params():
+    keys = jax.random.split(jax.random.key(0), 2)
+    return {
+        "kernel": (0.3 * jax.random.normal(keys[0], (8, 1))).astype(jnp.bfloat16),
+        "bias": jnp.zeros((1,), jnp.bfloat16),
+    }
+
+
+def mse(params):
+    params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    return jnp.mean((INPUTS @ params["kernel"] + params["bias"] - TARGETS) ** 2)
+
+
+def train(tx, params, steps, poison_at=()):
+    """`steps` jitted steps of `tx` through jaxamp.TrainState; a step in `poison_at` gets inf gradients."""
+    state = jaxamp.TrainState.create(
+        apply_fn=None, params=params, tx=tx, loss_scale=jaxamp.DynamicLossScale()
+    )
+
+    @jax.jit
+    def train_step(state, poison):
+        loss, grads, grads_finite = jaxamp.scaled_value_and_grad(mse, state.loss_scale)(state.params)
+        grads = jax.tree.map(lambda grad: grad * poison, grads)
+        return state.apply_gradients(grads=grads, grads_finite=grads_finite & jaxamp.all_finite(grads)), loss
+
+    losses = []
+    for step in range(steps):
+        state, loss = train_step(state, jnp.inf if step in poison_at else 1.0)
+        losses.append(float(loss))
+    return state, losses
+
+
+def dtypes(tree):
+    return [leaf.dtype for leaf in jax.tree.leaves(tree)]
+
+
+def tree_bytes(tree):
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize(
+    "state_dtype, mu_dtype, nu_dtype",
+    [
+        (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
+        ({"mu": jnp.bfloat16, "nu": jnp.float32}, jnp.bfloat16, jnp.float32),
+        ({"nu": jnp.bfloat16}, jnp.float32, jnp.bfloat16),
+        (
+            lambda path, leaf: jnp.float16 if "mu" in jax.tree_util.keystr(path) else None,
+            jnp.float16,
+            jnp.float32,
+        ),
+        (jnp.float32, jnp.float32, jnp.float32),
+    ],
+    ids=["all-bf16", "mu-bf16-nu-f32", "nu-bf16", "callable-mu-f16", "all-f32"],
+)
+def test_adam_moments_are_stored_in_the_dtypes_asked_after_init_and_after_three_jitted_steps(
+    state_dtype, mu_dtype, nu_dtype
+):
+    tx = jaxamp.low_precision_optimizer(optax.scale_by_adam(), state_dtype=state_dtype)
+    state, _ = train(tx, bf16_params(), steps=0)
+    for when in ("after init", "after 3 steps"):
+        adam = state.opt_state.inner_state
+        assert set(dtypes(adam.mu)) == {jnp.dtype(mu_dtype)}, when
+        assert set(dtypes(adam.nu)) == {jnp.dtype(nu_dtype)}, when
+        assert adam.count.dtype == jnp.int32, when
+        assert set(dtypes(state.params)) == {jnp.dtype(jnp.bfloat16)}, when
+        state, _ = train(tx, state.params, steps=3)
+
+
+def test_scalars_of_the_state_such_as_an_injected_learning_rate_keep_their_dtype():
+    inner = optax.inject_hyperparams(optax.adam)(learning_rate=optax.linear_schedule(1e-3, 0.0, 10))
+    state, _ = train(jaxamp.low_precision_optimizer(inner), bf16_params(), steps=3)
+    injected = state.opt_state.inner_state
+    assert injected.hyperparams["learning_rate"].dtype == jnp.float32
+    # The rate of the last step taken (the third: 1e-3 * 8 / 10), to float32 precision, not bfloat16.
+    assert float(injected.hyperparams["learning_rate"]) == pytest.approx(8e-4, rel=1e-6)
+    assert set(dtypes(injected.inner_state[0].mu)) == {jnp.dtype(jnp.bfloat16)}
+
+
+@pytest.mark.parametrize("rounding, bytes_per_param", [("nearest", 6), ("stochastic", 6), ("kahan", 8)])
+def test_params_and_adam_state_take_half_the_bytes_of_float32_plus_the_kahan_buffer(
+    rounding, bytes_per_param
+):
+    params = {"kernel": jnp.zeros((256, 256), jnp.bfloat16)}
+    params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    float32_bytes = tree_bytes(params32) + tree_bytes(optax.adam(1e-3).init(params32))
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-3), rounding=rounding)
+    low_bytes = tree_bytes(params) + tree_bytes(tx.init(params))
+    # 12 bytes per param in float32; the extra 12 bytes are the key (8) and Adam's count (4).
+    assert float32_bytes == 12 * 256 * 256 + 4
+    assert low_bytes == bytes_per_param * 256 * 256 + 12
+    assert low_bytes / float32_bytes == pytest.approx(bytes_per_param / 12, abs=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_stochastic_rounding_is_unbiased_between_two_neighbours_and_deterministic_for_a_key(dtype):
+    low = jnp.asarray(1.0, dtype)
+    high = jnp.nextafter(low, jnp.asarray(2.0, dtype))
+    value = float(low) + 0.3 * (float(high) - float(low))  # 30% of the way up
+    draws = stochastic_round(jnp.full((100_000,), value), dtype, jax.random.key(3))
+    assert set(np.unique(np.asarray(draws.astype(jnp.float32)))) == {float(low), float(high)}
+    fraction_up = float(jnp.mean(draws == high))
+    standard_error = np.sqrt(0.3 * 0.7 / draws.size)
+    assert abs(fraction_up - 0.3) < 4 * standard_error
+    assert (stochastic_round(jnp.full((1000,), value), dtype, jax.random.key(3)) == draws[:1000]).all()
+    assert not (stochastic_round(jnp.full((1000,), value), dtype, jax.random.key(4)) == draws[:1000]).all()
+
+
+def test_stochastic_rounding_keeps_representable_values_infinities_and_nans():
+    values = jnp.array([1.0, -2.5, 0.0, jnp.inf, -jnp.inf, jnp.nan])
+    rounded = stochastic_round(values, jnp.bfloat16, jax.random.key(0)).astype(jnp.float32)
+    np.testing.assert_array_equal(rounded, values)
+
+
+def add_tiny_updates(rounding, steps, update=1e-4, width=1000):
+    """`steps` additions of `update` to `width` bfloat16 ones, under jit."""
+    tx = jaxamp.low_precision_optimizer(optax.sgd(update), rounding=rounding, key=7)
+    params = jnp.ones((width,), jnp.bfloat16)
+
+    def step(_, carry):
+        params, opt_state = carry
+        updates, opt_state = tx.update(-jnp.ones_like(params), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = jax.jit(lambda params: jax.lax.fori_loop(0, steps, step, (params, tx.init(params))))(
+        params
+    )
+    return params.astype(jnp.float32), opt_state
+
+
+def test_one_update_below_half_an_ulp_is_lost_to_nearest_and_kept_in_kahans_buffer():
+    """bfloat16's half ulp at 1.0 is 0.0039; 1e-4 cannot move the param, and Kahan keeps it for later."""
+    nearest, _ = add_tiny_updates("nearest", steps=1)
+    kahan, opt_state = add_tiny_updates("kahan", steps=1)
+    assert (nearest == 1.0).all() and (kahan == 1.0).all()
+    assert float(opt_state.compensation.astype(jnp.float32).mean()) == pytest.approx(1e-4, rel=1e-3)
+
+
+def test_ten_thousand_tiny_updates_end_near_the_float32_sum_except_under_nearest_rounding():
+    """10,000 steps of +1e-4 on 1.0: float32 ends at 2.0."""
+    float32_sum = 1.0 + 10_000 * float(np.float32(1e-4))
+    nearest, _ = add_tiny_updates("nearest", steps=10_000)
+    assert (nearest == 1.0).all()
+    stochastic, _ = add_tiny_updates("stochastic", steps=10_000)
+    # Each param is a random walk (spread 0.09 over the 1000); their mean lands within 4 standard errors.
+    assert float(stochastic.mean()) == pytest.approx(float32_sum, abs=0.012)
+    kahan, _ = add_tiny_updates("kahan", steps=10_000)
+    assert (kahan == 2.0).all()
+
+
+def test_after_a_thousand_tiny_updates_kahan_holds_bfloat16s_nearest_to_the_float32_sum():
+    kahan, opt_state = add_tiny_updates("kahan", steps=1000)
+    assert (kahan == float(jnp.asarray(1.1, jnp.bfloat16))).all()  # 1.1015625
+    total = kahan + opt_state.compensation.astype(jnp.float32)
+    assert float(total.mean()) == pytest.approx(1.1, abs=2e-4)
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_a_skipped_step_leaves_params_moments_buffer_and_key_bit_identical(rounding):
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), rounding=rounding)
+    before, _ = train(tx, bf16_params(), steps=2)
+    state, _ = train(tx, bf16_params(), steps=3, poison_at=(2,))
+    assert int(state.skipped_steps) == 1
+    assert int(state.step) == 2
+    leaves = jax.tree.leaves((state.params, state.opt_state))
+    # The run with its third step skipped holds exactly the state of two clean steps.
+    for kept, expected in zip(leaves, jax.tree.leaves((before.params, before.opt_state)), strict=True):
+        assert kept.dtype == expected.dtype
+        assert np.asarray(kept).tobytes() == np.asarray(expected).tobytes()
+    assert isinstance(state.opt_state, LowPrecisionState)
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_a_resumed_run_is_bit_exact_against_an_uninterrupted_one(rounding):
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), rounding=rounding, key=jax.random.key(5))
+    whole, _ = train(tx, bf16_params(), steps=6)
+    half, _ = train(tx, bf16_params(), steps=3)
+    # A checkpoint: every leaf to NumPy and back.
+    params, opt_state = jax.tree.map(
+        lambda leaf: jnp.asarray(np.asarray(leaf)), (half.params, half.opt_state)
+    )
+    resumed = jaxamp.TrainState.create(
+        apply_fn=None, params=params, tx=tx, loss_scale=jaxamp.DynamicLossScale()
+    )
+    resumed = resumed.replace(opt_state=opt_state)
+    resumed, _ = _continue(resumed, steps=3)
+    for got, expected in zip(
+        jax.tree.leaves((resumed.params, resumed.opt_state)),
+        jax.tree.leaves((whole.params, whole.opt_state)),
+        strict=True,
+    ):
+        assert np.asarray(got).tobytes() == np.asarray(expected).tobytes()
+
+
+def _continue(state, steps):
+    @jax.jit
+    def train_step(state):
+        loss, grads, grads_finite = jaxamp.scaled_value_and_grad(mse, state.loss_scale)(state.params)
+        return state.apply_gradients(grads=grads, grads_finite=grads_finite), loss
+
+    for _ in range(steps):
+        state, loss = train_step(state)
+    return state, loss
+
+
+def test_the_state_passes_through_jit_tree_map_and_lower():
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-3), rounding="kahan")
+    params = bf16_params()
+    opt_state = jax.jit(tx.init)(params)
+    assert isinstance(opt_state, LowPrecisionState)
+    assert jax.tree.structure(jax.tree.map(lambda leaf: leaf, opt_state)) == jax.tree.structure(opt_state)
+    grads = jax.tree.map(jnp.ones_like, params)
+    lowered = jax.jit(tx.update).lower(grads, opt_state, params)
+    assert "stablehlo" in lowered.as_text() or "func" in lowered.as_text()
+    abstract = jax.eval_shape(tx.update, grads, opt_state, params)[1]
+    assert dtypes(abstract) == dtypes(opt_state)
+
+
+OPTIMIZERS = {
+    "scale_by_adam": optax.chain(optax.scale_by_adam(), optax.scale(-0.05)),
+    "adamw": optax.adamw(0.05, weight_decay=1e-4),
+    "lion": optax.lion(0.03),
+    "sgd momentum": optax.sgd(0.05, momentum=0.9),
+    "adafactor": optax.adafactor(0.05),
+    "MultiSteps adam": optax.MultiSteps(optax.adam(0.05), every_k_schedule=2),
+}
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_optimizer_trains_with_bfloat16_state_and_params(name, rounding):
+    tx = jaxamp.low_precision_optimizer(OPTIMIZERS[name], rounding=rounding)
+    state, losses = train(tx, bf16_params(), steps=40)
+    assert losses[-1] < 0.5 * losses[0], losses
+    floating = [
+        leaf
+        for leaf in jax.tree.leaves(state.opt_state.inner_state)
+        if jnp.issubdtype(leaf.dtype, jnp.floating)
+    ]
+    assert floating and {leaf.dtype for leaf in floating} == {jnp.dtype(jnp.bfloat16)}
+    assert set(dtypes(state.params)) == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_mixed_param_dtypes_need_param_dtype_none():
+    params = {"kernel": jnp.ones((2, 2), jnp.bfloat16), "scale": jnp.ones((2,), jnp.float32)}
+    with pytest.raises(ValueError, match=r"\['scale'\] is float32.*param_dtype=None"):
+        jaxamp.low_precision_optimizer(optax.adam(1e-3)).init(params)
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-3), param_dtype=None, rounding="kahan")
+    updates, opt_state = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
+    assert dtypes(updates) == dtypes(params) == dtypes(opt_state.compensation)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"rounding": "round"}, r"rounding must be one of 'nearest', 'stochastic', 'kahan'; got 'round'"),
+        ({"param_dtype": jnp.int8}, r"param_dtype must be a floating dtype such as jnp.bfloat16.*int8"),
+        ({"state_dtype": "bf16"}, r"state_dtype must be a floating dtype.*'bf16'"),
+        ({"state_dtype": {"m": jnp.bfloat16}}, r"names 'm', which .* fields are 'count', 'mu', 'nu'"),
+        ({"state_dtype": lambda path, leaf: jnp.int32}, r"state_dtype \(at .*\) must be a floating dtype"),
+        ({"key": 1.5}, r"key must be a PRNG key \(jax.random.key\(0\)\), its raw uint32 data or an int seed"),
+    ],
+)
+def test_bad_settings_name_the_valid_choices(settings, message):
+    with pytest.raises(ValueError, match=message):
+        jaxamp.low_precision_optimizer(optax.scale_by_adam(), **settings).init(bf16_params())
+
+
+def test_update_without_params_and_a_non_optimizer_say_what_is_needed():
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-3))
+    params = bf16_params()
+    with pytest.raises(ValueError, match=r"needs the params"):
+        tx.update(params, tx.init(params))
+    with pytest.raises(TypeError, match="needs inner to be an optax optimizer"):
+        jaxamp.low_precision_optimizer("adam")
+
+
+# --- 8 virtual CPU devices -------------------------------------------------------
+
+SHARDED = FreshProcess("sharded_run", "tests/low_precision_sharded_run.py", env={"XLA_FLAGS": xla_flags()})
+
+
+@pytest.fixture(scope="module")
+def sharded_run():
+    return SHARDED.last_json_line()
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_on_eight_devices_the_buffers_shard_like_the_params_and_the_steps_match_one_device(
+    sharded_run, rounding
+):
+    """Five Adam steps with the state placed by jaxamp.fsdp.fsdp_shardings (tests/low_precision_sharded_run.py).
+
+    With gradients that need no cross-device sum, params, moments, buffer and
+    key match one device bit for bit: the stochastic rounding draws the same
+    numbers however the arrays are split.
+    """
+    run = sharded_run[rounding]
+    assert sharded_run["devices"] == 8
+    assert run["param_specs"] == ["P('data',)", "P(None, 'data')", "P('data',)"]
+    assert all(run["buffers_sharded_like_params"].values()), run["buffers_sharded_like_params"]
+    expected = {"mu", "nu", "compensation"} if rounding == "kahan" else {"mu", "nu"}
+    assert run["buffer_dtypes"] == {name: ["bfloat16"] for name in expected}
+    assert run["state_bit_identical"]
+    assert run["params_changed"] > 0.9
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_through_fsdp_loss_the_sharded_run_is_as_close_to_one_device_as_optax_on_bfloat16_params(
+    sharded_run, rounding
+):
+    """Summed in another order, bfloat16 gradients differ in their last bits; Adam turns that into
+    a difference of about 2% of the largest param after five steps, with or without the wrapper."""
+    run = sharded_run[rounding]
+    assert (
+        run["mlp_params_max_relative_difference"]
+        <= 2 * sharded_run["optax_adam_bfloat16_mlp_params_max_relative_difference"]
+    )
+    assert sharded_run["optax_adam_float32_mlp_params_max_relative_difference"] < 1e-6
+    assert max(run["mlp_loss_after"]) < 0.5 * sharded_run["loss_before"]
