@@ -66,12 +66,14 @@ class LowPrecisionState(NamedTuple):
 def stochastic_round(value: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     """Rounds `value` to `dtype` up or down at random, unbiased.
 
-    For any target floating dtype (bfloat16, float16, subnormals included)::
+    For any target floating dtype (bfloat16, float16, subnormals included):
 
-        nearest = round_to_nearest(value, dtype)
-        other   = the neighbour of nearest on value's side   # nextafter
-        p_other = |value - nearest| / |other - nearest|      # in [0, 1/2]
-        return other with probability p_other, else nearest
+    ```text
+    nearest = round_to_nearest(value, dtype)
+    other   = the neighbour of nearest on value's side   # nextafter
+    p_other = |value - nearest| / |other - nearest|      # in [0, 1/2]
+    return other with probability p_other, else nearest
+    ```
 
     so the expected result is `value` itself. A value already representable,
     an infinity or a NaN is returned as rounded to nearest.
@@ -172,19 +174,21 @@ def low_precision_optimizer(
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax optimizer to keep params and state in a low precision, computing in float32.
 
-    ``update(grads, state, params)`` computes, leaf by leaf::
+    ``update(grads, state, params)`` computes, leaf by leaf:
 
-        step_key, params_key, state_key = split(key, 3);  key = step_key
-        inner_state32 = inner_state read back to the dtypes inner.init makes (float32)
-        updates32, inner_state32 = inner.update(float32(grads), inner_state32, float32(params))
-        for each param p (of dtype param_dtype) and its update u:
-            if rounding == "nearest":    new_p = round_to_nearest(p + u)
-            if rounding == "stochastic": new_p = stochastic_round(p + u, params_key)
-            if rounding == "kahan":      exact = p + u + compensation
-                                         new_p = round_to_nearest(exact)
-                                         compensation = stochastic_round(exact - new_p, params_key)
-            update = new_p - p                                            # in param_dtype
-        inner_state = each floating leaf stochastic_round(leaf32, its storage dtype, state_key)
+    ```text
+    step_key, params_key, state_key = split(key, 3);  key = step_key
+    inner_state32 = inner_state read back to the dtypes inner.init makes (float32)
+    updates32, inner_state32 = inner.update(float32(grads), inner_state32, float32(params))
+    for each param p (of dtype param_dtype) and its update u:
+        if rounding == "nearest":    new_p = round_to_nearest(p + u)
+        if rounding == "stochastic": new_p = stochastic_round(p + u, params_key)
+        if rounding == "kahan":      exact = p + u + compensation
+                                     new_p = round_to_nearest(exact)
+                                     compensation = stochastic_round(exact - new_p, params_key)
+        update = new_p - p                                            # in param_dtype
+    inner_state = each floating leaf stochastic_round(leaf32, its storage dtype, state_key)
+    ```
 
     and returns ``update`` for ``optax.apply_updates``. ``new_p - p`` is exact
     in the param dtype whenever ``new_p`` is within a factor two of ``p``

@@ -449,7 +449,11 @@ def dot_generals(jaxpr):
 
 @pytest.mark.parametrize("scoped", [False, True], ids=["custom_vjp", "custom_vjp_in_float32_scope"])
 def test_a_custom_vjp_in_float32_scope_runs_its_forward_and_backward_matmuls_in_float32(scoped):
-    matmul = jaxamp.float32_scope()(custom_matmul) if scoped else custom_matmul
+    def float32_matmul(x, w):  # the page's counterpart of custom_fwd(cast_inputs=torch.float32)
+        with jaxamp.float32_scope():
+            return custom_matmul(x.astype(jnp.float32), w.astype(jnp.float32))
+
+    matmul = float32_matmul if scoped else custom_matmul
 
     def loss(w1, w2, x):
         h = jnp.tanh(x @ w1)

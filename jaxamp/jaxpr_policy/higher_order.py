@@ -91,10 +91,10 @@ def _scan_counts(params: dict) -> tuple[int, int]:
     return len(consts_tree), len(carry_tree)
 
 
-def _carry_dtypes(context: Rewrite, carry: Sequence[Any]) -> list:
-    """A loop's carry dtypes: as traced, widened to float32 where the loop runs under float32 rules
-    (a `float32_scope`, a float32 policy scope, a linear solve)."""
-    dtypes = traced_dtypes(carry)
+def _pinned_dtypes(context: Rewrite, atoms: Sequence[Any]) -> list:
+    """The dtypes a loop's carry is pinned to: as traced, widened to float32 where the rules are
+    float32's (a `float32_scope`, a float32 policy scope, a linear solve)."""
+    dtypes = traced_dtypes(atoms)
     if context.compute_dtype != np.float32:
         return dtypes
     return [jnp.promote_types(jnp.float32, dtype) if is_floating(dtype) else dtype for dtype in dtypes]
@@ -109,7 +109,7 @@ def scan_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     """
     num_consts, num_carry = _scan_counts(equation.params)
     consts = invals[:num_consts]
-    carry_dtypes = _carry_dtypes(context, equation.invars[num_consts : num_consts + num_carry])
+    carry_dtypes = _pinned_dtypes(context, equation.invars[num_consts : num_consts + num_carry])
     init = [
         cast(value, dtype) for value, dtype in zip(invals[num_consts : num_consts + num_carry], carry_dtypes)
     ]
@@ -143,7 +143,7 @@ def while_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     cond_nconsts, body_nconsts = equation.params["cond_nconsts"], equation.params["body_nconsts"]
     cond_consts = invals[:cond_nconsts]
     body_consts = invals[cond_nconsts : cond_nconsts + body_nconsts]
-    carry_dtypes = _carry_dtypes(context, equation.invars[cond_nconsts + body_nconsts :])
+    carry_dtypes = _pinned_dtypes(context, equation.invars[cond_nconsts + body_nconsts :])
     init = [cast(value, dtype) for value, dtype in zip(invals[cond_nconsts + body_nconsts :], carry_dtypes)]
     carry_avals = [abstract(value) for value in init]
     cond = rewrite_jaxpr(
