@@ -455,3 +455,16 @@ def test_outputs_that_were_no_arrays_when_traced_come_back_as_they_were():
     assert outputs["layers"] == 3 and type(outputs["layers"]) is int
     assert outputs["name"] == "mlp" and outputs["nothing"] is None
     assert jaxamp.autocast(fun)(jnp.ones((2, 2)))["layers"] == 3  # from the cached rewrite too
+
+
+def test_a_static_float_argument_of_either_sign_or_nan_traces_its_own_program():
+    """0.0 == -0.0, so a cache keyed on equality reused 1 / (x * 0.0)'s program for -0.0 (inf, not
+    -inf); nan != nan, so it traced again on every call."""
+    fun = jaxamp.autocast(lambda x, s: 1.0 / (x * s), "float32")
+    x = jnp.ones(2)
+    assert bool(jnp.all(fun(x, 0.0) == jnp.inf))
+    assert bool(jnp.all(fun(x, -0.0) == -jnp.inf))
+    traces = fun.rewrites.traces
+    assert bool(jnp.all(jnp.isnan(fun(x, float("nan")))))
+    assert bool(jnp.all(jnp.isnan(fun(x, float("nan")))))
+    assert fun.rewrites.traces == traces + 1

@@ -96,7 +96,8 @@ class SplitCall:
                 merged_modules.append(module)
                 rebuilt.append(module)
             else:
-                rebuilt.append(slot[2])
+                _, kind, value = slot
+                rebuilt.append(float(value) if kind is float else value)
         fun, args, kwargs = jax.tree.unflatten(self._call_tree, rebuilt)
         before = [_plain_attributes(module) for module in merged_modules]
         outputs = fun(*args, **kwargs)
@@ -238,7 +239,10 @@ def split_call(fun: Callable[..., Any], args: tuple, kwargs: dict) -> SplitCall:
             slots.append(_ARRAY)
         else:
             # The type too: 1, 1.0 and True are equal keys but trace differently.
-            slots.append(("static", type(leaf), leaf))
+            # A float by its repr, which round-trips: 0.0 == -0.0 though 1 / x
+            # differs, and nan != nan would miss the cache on every call.
+            value = repr(leaf) if type(leaf) is float else leaf
+            slots.append(("static", type(leaf), value))
     slots = tuple(slots)
     return SplitCall(tuple(traced), (call_tree, slots), tuple(modules), call_tree, slots, tuple(origins))
 
