@@ -157,7 +157,7 @@ def autocast(
             rather than the compute dtype (state that must stay float32, or
             code written for float32 only), as ``jax.jit``'s
             ``static_argnums`` name arguments.
-        float32_argnames: the same, by keyword.
+        float32_argnames: the same, for arguments passed by keyword.
 
     Returns:
         The function under the policy. Its ``rewrites.traces`` counts how
