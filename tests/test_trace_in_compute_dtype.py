@@ -191,6 +191,7 @@ def test_a_pallas_kernel_in_a_linen_and_an_nnx_model_receives_bfloat16():
     np.testing.assert_allclose(out, linen_model.apply(variables, x), rtol=2e-2)
 
     seen.clear()
+    kernel = _double_kernel(seen)  # a kernel of its own: newer JAX caches a kernel's trace per function
     nnx_model = jaxamp.apply_policy(NnxPallas(kernel, nnx.Rngs(0)), "mixed_bfloat16")
     out = nnx_model(x)
     assert seen == [BF16] and out.dtype == F32
@@ -295,3 +296,32 @@ def test_a_layer_norms_float32_scale_is_read_in_float32_while_the_model_is_trace
         {"params": {"scale": jnp.ones(8), "bias": jnp.zeros(8)}}, x
     )
     assert not np.array_equal(out, ones)
+
+
+def test_a_function_that_refuses_half_inputs_is_traced_as_given_with_a_warning_naming_the_fix():
+    """Some functions refuse half inputs while traced (JAX 0.12's LU for float16); they run as
+    traced with the arguments as given, and say so. One that fails either way raises the first error."""
+
+    def float32_only(x, w):
+        if x.dtype != jnp.float32:
+            raise TypeError(f"float32_only takes float32, got {x.dtype}")
+        return jnp.tanh(x @ w)
+
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 8)) / 8
+    with pytest.warns(jaxamp.jaxpr_policy.interpreter.HalfTraceRefusedWarning, match="float32_argnums"):
+        out = jaxamp.autocast(float32_only)(x, w)
+    np.testing.assert_allclose(out, float32_only(x, w), rtol=2e-3)
+    assert out.dtype == F32
+    # The matmul still runs in float16: only the trace was float32's.
+    assert (
+        jaxamp.precision_report(jaxamp.autocast(float32_only, float32_argnums=(0, 1)), x, w).fraction(
+            jnp.float16
+        )
+        == 1.0
+    )
+
+    def never(x):
+        raise ValueError(f"never takes {x.dtype}")
+
+    with pytest.raises(ValueError, match="never takes float16"):
+        jaxamp.autocast(never)(x)

@@ -17,6 +17,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -346,6 +347,40 @@ def _is_traced_array(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
+class HalfTraceRefusedWarning(UserWarning):
+    """A function refused its arguments in the compute dtype, so `jaxamp.autocast` traced it as given."""
+
+
+def _trace(fun: Callable[..., Any], trace_avals: Sequence[Any], avals: Sequence[Any]) -> ClosedJaxpr:
+    """`fun` traced for `trace_avals`, or for `avals` (the arguments as given) if it refuses them.
+
+    Some functions refuse half-precision inputs while traced (on JAX 0.12
+    ``jnp.linalg.solve``'s LU decomposition refuses float16). They are
+    traced as given instead, with a warning that names the error and the
+    way to say so (``float32_argnums``); if that fails too, the first
+    error is raised.
+    """
+    try:
+        return jax.make_jaxpr(fun)(*trace_avals)
+    except (TypeError, ValueError, NotImplementedError) as error:
+        if all(traced.dtype == given.dtype for traced, given in zip(trace_avals, avals)):
+            raise
+        try:
+            traced = jax.make_jaxpr(fun)(*avals)
+        except Exception:  # noqa: BLE001 (the half trace's error is the one to report)
+            raise error from None
+        first_line = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        warnings.warn(
+            f"jaxamp.autocast traced this function with its arguments as given, since traced in the "
+            f"compute dtype it raised {type(error).__name__}: {first_line} Kernels and dtype checks in it "
+            "see float32. To trace those arguments as given without this warning, pass "
+            "float32_argnums (or float32_argnames) to autocast.",
+            HalfTraceRefusedWarning,
+            stacklevel=5,
+        )
+        return traced
+
+
 class RewriteCache:
     """Traces, rewrites and evaluates functions, keeping each rewrite for reuse.
 
@@ -448,7 +483,7 @@ class RewriteCache:
         # A rewrite of its own, even when started inside another's rule (a
         # custom derivative's): its outputs report to no enclosing equation.
         with _collecting_body_scopes(None):
-            traced = jax.make_jaxpr(array_outputs)(*trace_avals)
+            traced = _trace(array_outputs, trace_avals, avals)
             context = Rewrite(
                 self._compute_dtype,
                 self._rules,
