@@ -221,12 +221,15 @@ def follow_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
         for each weak input whose literal dtype cannot hold:
             dtype = promote(dtype, its traced dtype)
         cast every floating input to dtype, run the primitive in dtype
-        if the primitive broadcasts (add, sub, mul, div, max, min), some
-                strong input is broadcast (size 1 where the result is not)
-                and some has the result's shape:
-            result_dtype = promote(dtypes of the strong inputs of the result's shape),
-                widened by weak inputs as above
-            cast the floating results to result_dtype
+        if the primitive is add, sub, mul, div, max or min:
+            deciding = the strong inputs of the result's shape, if some
+                       strong input is broadcast (size 1 where the result is
+                       not); else every strong input
+            of those, drop the ones wider than traced (a float32 param's
+                original, a float32 rule's result), if any others remain
+            if deciding is not every strong input:
+                result_dtype = promote(dtypes of deciding), widened by weak inputs as above
+                cast the floating results to result_dtype
 
     So a per-feature float32 value (a bias or scale, which are params, or
     a batch norm's mean and variance, which are float32 reductions) meeting
@@ -286,16 +289,17 @@ def follow(
         return bind(equation, invals), None
     weak = [constants[index] for index in floating if constants[index] is not None]
     shape = equation.outvars[0].aval.shape
-    full = [index for index in strong if not _is_broadcast(invals[index], shape)]
+    # The inputs whose dtype the result takes: in the arithmetic ops, those of
+    # the result's shape, and of those the ones as traced.
     arithmetic = equation.primitive.name in BROADCASTING
-    kept = full if arithmetic and 0 < len(full) < len(strong) else strong
+    full = [index for index in strong if not _is_broadcast(invals[index], shape)]
+    deciding = full if arithmetic and 0 < len(full) < len(strong) else strong
     as_traced = [
-        index for index in kept if not _wider(invals[index].dtype, equation.invars[index].aval.dtype)
+        index for index in deciding if not _wider(invals[index].dtype, equation.invars[index].aval.dtype)
     ]
     if arithmetic and as_traced:
-        kept = as_traced
-    rounds = len(kept) < len(strong)
-    full = kept
+        deciding = as_traced
+    rounds = len(deciding) < len(strong)
     operands = list(invals)
     if rounds:
         for index in strong:
@@ -307,7 +311,7 @@ def follow(
     outvals = bind(equation, operands)
     if not rounds:
         return outvals, None
-    result_dtype = _promote([invals[index].dtype for index in full], weak)
+    result_dtype = _promote([invals[index].dtype for index in deciding], weak)
     if result_dtype == dtype:
         return outvals, None
     return [cast(value, result_dtype) for value in outvals], outvals
