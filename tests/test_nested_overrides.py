@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 
 import jaxamp
+from tests.test_autocast_rule_classes import all_equations
 
 F16, BF16, F32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 X = jnp.ones((2, 4))
@@ -95,19 +96,10 @@ MATMUL_DTYPES = [F16, F32, BF16, BF16]
 KERNEL_DTYPES = {"dense": F32, "outer": F32, "middle": F32, "leaf": BF16}
 
 
-def _equations(jaxpr):
-    for equation in jaxpr.eqns:
-        yield equation
-        for param in equation.params.values():
-            inner = getattr(param, "jaxpr", None)
-            if inner is not None:
-                yield from _equations(getattr(inner, "jaxpr", inner))
-
-
 def _matmul_and_tanh_dtypes(fun, *args):
     jaxpr = jax.make_jaxpr(fun)(*args).jaxpr
-    matmuls = [eq.invars[0].aval.dtype for eq in _equations(jaxpr) if eq.primitive.name == "dot_general"]
-    (tanh,) = [eq for eq in _equations(jaxpr) if eq.primitive.name == "tanh"]
+    matmuls = [eq.invars[0].aval.dtype for eq in all_equations(jaxpr) if eq.primitive.name == "dot_general"]
+    (tanh,) = [eq for eq in all_equations(jaxpr) if eq.primitive.name == "tanh"]
     return matmuls, tanh.invars[0].aval.dtype
 
 

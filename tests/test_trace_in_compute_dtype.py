@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 
 import jaxamp
 from jaxamp.diagnostics import gpu_targets
+from tests.test_autocast_rule_classes import all_equations
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 
@@ -264,15 +265,6 @@ def test_batchnorm_running_statistics_are_updated_in_float32_like_a_float32_mode
     assert not np.allclose(mean_in_bf16.astype(jnp.float32), want["mean"], rtol=2e-3)
 
 
-def _equations(jaxpr):
-    for equation in jaxpr.eqns:
-        yield equation
-        for param in equation.params.values():
-            inner = getattr(param, "jaxpr", None)
-            if inner is not None:
-                yield from _equations(getattr(inner, "jaxpr", inner))
-
-
 def test_a_layer_norms_float32_scale_is_read_in_float32_while_the_model_is_traced_in_bfloat16():
     """The scale 1.001 is not a bfloat16 value (its spacing at 1 is 0.0078): read in bfloat16 it
     would be 1.0. Every operation that reads the scale param reads it in float32."""
@@ -285,7 +277,7 @@ def test_a_layer_norms_float32_scale_is_read_in_float32_while_the_model_is_trace
         [jax.tree_util.keystr(path) for path, _ in leaves].index("['params']['scale']")
     ]
     readers = {scale}
-    for equation in _equations(closed.jaxpr):
+    for equation in all_equations(closed.jaxpr):
         if readers & {atom for atom in equation.invars if not isinstance(atom, jax.extend.core.Literal)}:
             assert all(var.aval.dtype == F32 for var in equation.outvars), equation
             if equation.primitive.name in ("reshape", "broadcast_in_dim", "convert_element_type"):

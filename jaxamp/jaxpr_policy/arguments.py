@@ -224,14 +224,13 @@ def split_call(fun: Callable[..., Any], args: tuple, kwargs: dict) -> SplitCall:
     for path, leaf in paths_and_leaves:
         if _is_nnx_module(leaf):
             graphdef, state = nnx.split(leaf)
-            state_leaves, state_tree = jax.tree.flatten(state)
-            traced.extend(state_leaves)
+            state_with_paths, state_tree = jax.tree_util.tree_flatten_with_path(state)
+            traced.extend(state_leaf for _, state_leaf in state_with_paths)
             origins.extend(_state_origins(path, state))
             dtypes = tuple(
-                (jax.tree_util.keystr(state_path), leaf.dtype)
-                for state_path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+                (jax.tree_util.keystr(state_path), leaf.dtype) for state_path, leaf in state_with_paths
             )
-            slots.append(_ModuleSlot(graphdef, state_tree, len(state_leaves), dtypes))
+            slots.append(_ModuleSlot(graphdef, state_tree, len(state_with_paths), dtypes))
             modules.append(leaf)
         elif _is_array(leaf):
             traced.append(leaf)
