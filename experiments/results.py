@@ -89,6 +89,20 @@ def state_finite(state: jaxamp.TrainState) -> bool:
     )
 
 
+def skipped_steps_line(state: Any, newly_skipped: int) -> str | None:
+    """One line for the steps skipped since the last report, naming the last one's non-finite
+    gradient leaves (`jaxamp.diagnostics.NonFiniteGradients`); None when none was skipped.
+
+    Read at a report (an epoch's end, an evaluation), so at most one line per
+    report and no read inside a step.
+    """
+    if newly_skipped <= 0:
+        return None
+    record = getattr(state, "nonfinite_grads", None)
+    last = "" if record is None else f"; the last: {record.summary()}"
+    return f"{newly_skipped} step{'s' if newly_skipped > 1 else ''} skipped since the last report{last}"
+
+
 RUNS_ROOT = "runs"
 
 

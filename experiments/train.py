@@ -53,6 +53,7 @@ from experiments.progress import Progress
 from experiments.results import (  # also re-exported from here for compare and older callers
     environment,
     format_epoch,
+    skipped_steps_line,
     state_checksum,
     state_finite,
     summarize,
@@ -586,6 +587,10 @@ def _run_epoch(run: _Run, state, epoch: int, resumed_at: Position | None):
     progress.close()
     record["loss_scale"] = float(host_value(state.loss_scale.loss_scale))
     record["skipped_steps"] = int(host_value(state.skipped_steps))
+    skipped_line = skipped_steps_line(state, record["skipped_steps"] - previous.get("skipped_steps", 0))
+    if skipped_line:
+        run.log(f"epoch {epoch}: {skipped_line}")
+        record["last_skipped_step"] = skipped_line
     record["injected_nonfinite"] = previous.get("injected_nonfinite", 0) + int(sums["injected"])
     record["state_finite"] = state_finite(state)
     record["state_checksum"] = state_checksum(state)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp.finite import all_finite
+from jaxamp.jaxpr_policy.recorder import PROBE_SLOTS, overflow_session, with_backward
 from jaxamp.loss_scale import LossScale
 
 
@@ -19,7 +20,8 @@ def scaled_value_and_grad(
     *,
     has_aux: bool = False,
     argnums: int | Sequence[int] = 0,
-) -> Callable[..., tuple[Any, Any, jax.Array]]:
+    record_overflow: bool = False,
+) -> Callable[..., tuple]:
     """Like `jax.value_and_grad`, through a loss scale, with a finiteness flag.
 
     The returned function computes:
@@ -46,6 +48,8 @@ def scaled_value_and_grad(
             `DynamicLossScale`, or a `jmp` loss scale).
         has_aux: whether `fun` returns ``(loss, aux)``.
         argnums: which positional argument(s) to differentiate.
+        record_overflow: also return an `OverflowRecord` of the autocast
+            calls in `fun`.
 
     Returns:
         A function with `fun`'s arguments that returns
@@ -53,7 +57,8 @@ def scaled_value_and_grad(
         result (``loss`` or ``(loss, aux)``); `grads` are unscaled and in the
         dtype of the arguments they belong to; `grads_finite` is a scalar bool
         to pass to ``TrainState.apply_gradients`` and
-        ``DynamicLossScale.adjust``.
+        ``DynamicLossScale.adjust``. With `record_overflow`,
+        ``(value, grads, grads_finite, record)``.
 
     Raises:
         TypeError: `loss_scale` is not a loss scale (it has no ``scale`` and
@@ -80,6 +85,9 @@ def scaled_value_and_grad(
             )
         return loss_scale.scale(loss_array), output
 
+    if record_overflow:
+        return _recording_overflow(fun, scaled_loss, loss_scale, argnums)
+
     value_and_scaled_grad = jax.value_and_grad(scaled_loss, argnums=argnums, has_aux=True)
 
     @functools.wraps(fun)
@@ -87,6 +95,31 @@ def scaled_value_and_grad(
         (_, value), scaled_grads = value_and_scaled_grad(*args, **kwargs)
         grads = loss_scale.unscale(scaled_grads)
         return value, grads, all_finite(grads)
+
+    return value_and_grads
+
+
+def _recording_overflow(fun, scaled_loss, loss_scale, argnums):
+    """`scaled_value_and_grad` with ``record_overflow=True``: the probe is argument 0 of the
+    differentiated function, and its gradient holds the backward amaxes."""
+    single = isinstance(argnums, int)
+    shifted = (0, *((argnums + 1,) if single else (index + 1 for index in argnums)))
+
+    def differentiable(probe, *args, **kwargs):
+        with overflow_session(probe) as session:
+            scaled, output = scaled_loss(*args, **kwargs)
+        return scaled, (output, session.records)
+
+    value_and_probed_grad = jax.value_and_grad(differentiable, argnums=shifted, has_aux=True)
+
+    @functools.wraps(fun)
+    def value_and_grads(*args, **kwargs):
+        with overflow_session(None) as sizing:
+            jax.eval_shape(lambda *leaves: scaled_loss(*leaves, **kwargs), *args)
+        probe = jnp.zeros([sizing.size, PROBE_SLOTS], jnp.float32)
+        (_, (value, records)), (probe_grad, *scaled_grads) = value_and_probed_grad(probe, *args, **kwargs)
+        grads = loss_scale.unscale(scaled_grads[0] if single else tuple(scaled_grads))
+        return value, grads, all_finite(grads), with_backward(records, sizing.offsets, probe_grad)
 
     return value_and_grads
 

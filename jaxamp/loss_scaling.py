@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxamp.finite import all_finite, select_tree
+from jaxamp.finite import select_tree
 from jaxamp.loss_scale import LossScale
+from jaxamp.nonfinite_grads import NonFiniteGradients, leaf_finite_flags
 
 
 class LossScalingState(NamedTuple):
@@ -38,10 +39,14 @@ class LossScalingState(NamedTuple):
             ``loss_scale.consecutive_skipped_steps``), the only ones there are.
         inner_state: the wrapped optimizer's state, as it was after the last
             step whose gradients were finite.
+        nonfinite_grads: which gradient leaves were not finite in the last
+            skipped step, and its index (`jaxamp.diagnostics.NonFiniteGradients`;
+            ``.summary()`` names them); None in a state built by hand.
     """
 
     loss_scale: LossScale
     inner_state: optax.OptState
+    nonfinite_grads: NonFiniteGradients | None = None
 
 
 def require_skip_counting(loss_scale: Any, caller: str) -> None:
@@ -70,8 +75,9 @@ def loss_scaling(
     `loss_scale_of` reads from the state) and computes:
 
     ```python
+    leaf_finite = [all(isfinite(g)) for g in leaves(grads)]
     if grads_finite is None:
-        grads_finite = all_finite(grads)
+        grads_finite = all(leaf_finite)
     inner_updates, new_inner_state = inner.update(grads, inner_state, params)
     if grads_finite:
         updates, inner_state = inner_updates, new_inner_state
@@ -79,7 +85,12 @@ def loss_scaling(
         updates = -0.0 for every leaf        # params + -0.0 is params, bit for bit
         inner_state = inner_state            # moments, step count, schedules
     loss_scale = loss_scale.adjust(grads_finite)   # backs off or grows; counts the skip
+    nonfinite_grads = nonfinite_grads.after_step(leaf_finite, grads_finite)
     ```
+
+    The last line keeps which leaves were not finite in the last skipped
+    step (`jaxamp.diagnostics.NonFiniteGradients`): the per-leaf flags are
+    those ``all_finite`` reduces, so XLA computes them once.
 
     Both outcomes are computed and one is selected with ``jnp.where``: no
     branch, no host sync, no retrace under ``jax.jit``. The state is a
@@ -119,16 +130,25 @@ def loss_scaling(
     inner = optax.with_extra_args_support(inner)
 
     def init(params) -> LossScalingState:
-        return LossScalingState(loss_scale=loss_scale, inner_state=inner.init(params))
+        return LossScalingState(
+            loss_scale=loss_scale,
+            inner_state=inner.init(params),
+            nonfinite_grads=NonFiniteGradients.for_params(params),
+        )
 
     def update(grads, state: LossScalingState, params=None, *, grads_finite=None, **extra_args):
+        leaf_finite = leaf_finite_flags(grads)
         if grads_finite is None:
-            grads_finite = all_finite(grads)
+            grads_finite = jnp.all(leaf_finite)
         inner_updates, new_inner_state = inner.update(grads, state.inner_state, params, **extra_args)
         skipped_updates = jax.tree.map(lambda update: jnp.full_like(update, -0.0), inner_updates)
+        nonfinite_grads = state.nonfinite_grads
+        if nonfinite_grads is not None:
+            nonfinite_grads = nonfinite_grads.after_step(leaf_finite, grads_finite)
         return select_tree(grads_finite, inner_updates, skipped_updates), LossScalingState(
             loss_scale=state.loss_scale.adjust(grads_finite),
             inner_state=select_tree(grads_finite, new_inner_state, state.inner_state),
+            nonfinite_grads=nonfinite_grads,
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
@@ -154,6 +174,15 @@ def loss_scale_of(opt_state: Any) -> LossScale:
     Raises:
         ValueError: `opt_state` holds no `LossScalingState`, or more than one.
     """
+    return scaling_state_of(opt_state, "loss_scale_of").loss_scale
+
+
+def scaling_state_of(opt_state: Any, caller: str) -> LossScalingState:
+    """The one `LossScalingState` anywhere in `opt_state` (at its root, in a chain's tuple, ...).
+
+    Raises:
+        ValueError: `opt_state` holds no `LossScalingState`, or more than one.
+    """
     found = [
         node
         for node in jax.tree.leaves(opt_state, is_leaf=lambda node: isinstance(node, LossScalingState))
@@ -161,8 +190,8 @@ def loss_scale_of(opt_state: Any) -> LossScale:
     ]
     if len(found) != 1:
         raise ValueError(
-            f"loss_scale_of needs an optimizer state holding one jaxamp.loss_scaling state; this one "
+            f"{caller} needs an optimizer state holding one jaxamp.loss_scaling state; this one "
             f"holds {len(found)}. Build the optimizer as jaxamp.loss_scaling(inner, loss_scale), once, "
             "and pass the state its init or update returned."
         )
-    return found[0].loss_scale
+    return found[0]

@@ -42,10 +42,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import numpy as np
 
-from jaxamp.loss_scaling import loss_scale_of
+from jaxamp.loss_scaling import scaling_state_of
+from jaxamp.nonfinite_grads import NonFiniteGradients, host_value
 
 
 class LossScaleStuckError(RuntimeError):
@@ -61,6 +61,9 @@ class LossScaleStuckError(RuntimeError):
         loss_scale: the current loss scale.
         min_loss_scale: the loss scale's floor, or None if it has none.
         reason: which limit fired, in words.
+        nonfinite_paths: the gradient leaves that were not finite in the
+            last skipped step (`jaxamp.diagnostics.NonFiniteGradients`), or
+            None when the state keeps no such record.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class LossScaleStuckError(RuntimeError):
         loss_scale: float,
         min_loss_scale: float | None,
         reason: str,
+        nonfinite_paths: list[str] | None = None,
     ):
         self.applied_steps = applied_steps
         self.skipped_steps = skipped_steps
@@ -80,6 +84,7 @@ class LossScaleStuckError(RuntimeError):
         self.loss_scale = loss_scale
         self.min_loss_scale = min_loss_scale
         self.reason = reason
+        self.nonfinite_paths = nonfinite_paths
         floor = "" if min_loss_scale is None else f" (its minimum is {min_loss_scale:g})"
         counts = f"{skipped_steps} skipped in all, the last {consecutive_skipped_steps} in a row"
         where = (
@@ -87,10 +92,15 @@ class LossScaleStuckError(RuntimeError):
             if applied_steps is None
             else f"At step {self.steps} ({applied_steps} applied, {counts})"
         )
+        leaves = ""
+        if nonfinite_paths:
+            shown = ", ".join(nonfinite_paths[:4]) + (", ..." if len(nonfinite_paths) > 4 else "")
+            leaves = f" The last skipped step's non-finite gradients: {len(nonfinite_paths)} leaves: {shown}."
         super().__init__(
-            f"Loss scale stuck: {reason}. {where} the loss scale is {loss_scale:g}{floor}. The "
+            f"Loss scale stuck: {reason}. {where} the loss scale is {loss_scale:g}{floor}.{leaves} The "
             "gradients overflow whatever the scale: try a bfloat16 policy, a lower learning rate, "
-            "or a static loss scale, and look for inf or NaN in the inputs."
+            "a float32 override for the layer named, or a static loss scale, and look for inf or NaN "
+            "in the inputs. The guide 'Why was my step skipped?' says what each finding means."
         )
 
 
@@ -136,10 +146,10 @@ class OverflowGuard:
             LossScaleStuckError: a limit was reached.
             TypeError: `state` holds no loss scale with skip counters.
         """
-        loss_scale, applied = _loss_scale_and_applied_steps(state)
-        skipped = int(_host_value(loss_scale.skipped_steps))
-        consecutive = int(_host_value(loss_scale.consecutive_skipped_steps))
-        scale = float(_host_value(loss_scale.loss_scale))
+        loss_scale, applied, nonfinite_grads = _counters_of(state)
+        skipped = int(host_value(loss_scale.skipped_steps))
+        consecutive = int(host_value(loss_scale.consecutive_skipped_steps))
+        scale = float(host_value(loss_scale.loss_scale))
         floor = getattr(loss_scale, "min_loss_scale", None)
         floor = None if floor is None else float(floor)
 
@@ -164,32 +174,30 @@ class OverflowGuard:
                 loss_scale=scale,
                 min_loss_scale=floor,
                 reason=reason,
+                nonfinite_paths=None if nonfinite_grads is None else nonfinite_grads.nonfinite_paths(),
             )
 
 
-def _loss_scale_and_applied_steps(state: Any) -> tuple[Any, int | None]:
-    """The loss scale a state holds, and its applied steps (None if it counts none)."""
+def _counters_of(state: Any) -> tuple[Any, int | None, NonFiniteGradients | None]:
+    """The loss scale a state holds, its applied steps (None if it counts none) and its
+    record of non-finite gradient leaves (None if it keeps none)."""
     if hasattr(state, "step") and hasattr(state, "loss_scale"):
-        loss_scale, applied = state.loss_scale, int(_host_value(state.step))
+        loss_scale, applied = state.loss_scale, int(host_value(state.step))
+        nonfinite_grads = getattr(state, "nonfinite_grads", None)
     else:
         try:
-            loss_scale, applied = loss_scale_of(state), None
+            scaling_state = scaling_state_of(state, "OverflowGuard.check")
         except ValueError:
             raise TypeError(
                 "OverflowGuard.check needs a train state with step, skipped_steps and loss_scale "
                 f"(a jaxamp.TrainState) or a jaxamp.loss_scaling optimizer state; got "
                 f"{type(state).__name__}."
             ) from None
+        loss_scale, applied = scaling_state.loss_scale, None
+        nonfinite_grads = scaling_state.nonfinite_grads
     if not hasattr(loss_scale, "consecutive_skipped_steps"):
         raise TypeError(
             f"OverflowGuard.check needs a jaxamp loss scale, which counts skipped steps; the state "
             f"holds {type(loss_scale).__name__}."
         )
-    return loss_scale, applied
-
-
-def _host_value(value: Any) -> np.ndarray:
-    """A scalar's value on this host, also for an array replicated across processes."""
-    if isinstance(value, jax.Array) and not value.is_fully_addressable:
-        return np.asarray(value.addressable_data(0))
-    return np.asarray(value)
+    return loss_scale, applied, nonfinite_grads

@@ -19,9 +19,12 @@ from flax.training import train_state
 from jaxamp.finite import all_finite, select_tree
 from jaxamp.loss_scale import LossScale, NoOpLossScale
 from jaxamp.loss_scaling import LossScalingState, loss_scaling, require_skip_counting
+from jaxamp.nonfinite_grads import NonFiniteGradients
 
 # Fields that apply_gradients itself manages; callers cannot pass them as updates.
-_MANAGED_FIELDS = frozenset({"step", "params", "opt_state", "loss_scale", "skipped_steps", "apply_fn", "tx"})
+_MANAGED_FIELDS = frozenset(
+    {"step", "params", "opt_state", "loss_scale", "nonfinite_grads", "skipped_steps", "apply_fn", "tx"}
+)
 
 
 class TrainState(train_state.TrainState):
@@ -48,12 +51,17 @@ class TrainState(train_state.TrainState):
             holds the skip counters.
         batch_stats: the model's mutable state (e.g. BatchNorm statistics), or
             None.
+        nonfinite_grads: which gradient leaves were not finite in the last
+            skipped step, and its index
+            (`jaxamp.diagnostics.NonFiniteGradients`: ``.summary()`` on the
+            host names them); None in a state built without `create`.
         skipped_steps: steps skipped because their gradients were not finite
             (int32): read from ``loss_scale.skipped_steps``, not stored twice.
     """
 
     loss_scale: Any = struct.field(default_factory=NoOpLossScale)
     batch_stats: Any = None
+    nonfinite_grads: NonFiniteGradients | None = None
 
     @property
     def skipped_steps(self) -> jax.Array:
@@ -108,6 +116,7 @@ class TrainState(train_state.TrainState):
             opt_state=tx.init(params),
             loss_scale=loss_scale,
             batch_stats=batch_stats,
+            nonfinite_grads=NonFiniteGradients.for_params(params),
             **kwargs,
         )
 
@@ -117,8 +126,9 @@ class TrainState(train_state.TrainState):
         Where `grads_finite` is true: params and optimizer state take the
         optax update, every field in `updates` (``batch_stats=new_stats``, say)
         takes its new value, and ``step`` increments. Where it is false, all of
-        those stay bit-identical and the loss scale counts the skipped step
-        (``skipped_steps``). In both cases the loss scale is adjusted (grown
+        those stay bit-identical, the loss scale counts the skipped step
+        (``skipped_steps``) and ``nonfinite_grads`` records which gradient
+        leaves were not finite. In both cases the loss scale is adjusted (grown
         or backed off). In steps:
 
         ```python
@@ -171,7 +181,7 @@ class TrainState(train_state.TrainState):
 
         param_updates, scaling_state = loss_scaling(self.tx, self.loss_scale).update(
             grads,
-            LossScalingState(loss_scale=self.loss_scale, inner_state=self.opt_state),
+            LossScalingState(self.loss_scale, self.opt_state, self.nonfinite_grads),
             self.params,
             grads_finite=grads_finite,
         )
@@ -185,4 +195,5 @@ class TrainState(train_state.TrainState):
             **select_tree(grads_finite, stepped, kept),
             opt_state=scaling_state.inner_state,
             loss_scale=scaling_state.loss_scale,
+            nonfinite_grads=scaling_state.nonfinite_grads,
         )

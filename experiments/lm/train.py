@@ -42,7 +42,7 @@ from experiments.lm import model as model_lib
 from experiments.lm.config import LMConfig, communication_policy, validate
 from experiments.lm.sharding import Sharding
 from experiments.progress import Progress
-from experiments.results import state_checksum, state_finite
+from experiments.results import skipped_steps_line, state_checksum, state_finite
 from experiments.train import Precision, resolve_loss_scale, resolve_precision
 
 
@@ -323,12 +323,19 @@ def train_and_evaluate(
             "loss_scale": float(host_value(state.loss_scale.loss_scale)),
             "skipped_steps": int(host_value(state.skipped_steps)),
         }
+        previous = results["evaluations"][-1]["skipped_steps"] if results["evaluations"] else 0
+        skipped_line = skipped_steps_line(state, entry["skipped_steps"] - previous)
+        if skipped_line:
+            entry["last_skipped_step"] = skipped_line
         results["evaluations"].append(entry)
-        line = format_evaluation(entry, config.steps)
-        if progress is None:
-            log(line)
-        else:
-            progress.write(line, log)
+        lines = [format_evaluation(entry, config.steps)] + (
+            [f"step {step}: {skipped_line}"] if skipped_line else []
+        )
+        for line in lines:
+            if progress is None:
+                log(line)
+            else:
+                progress.write(line, log)
         if on_record:
             on_record(results)
 

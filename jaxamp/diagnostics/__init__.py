@@ -13,7 +13,10 @@ load it). One module per job:
 * `fp8_stats`: `fp8_quantization_stats`, how FP8 operands quantized;
 * `gpu_targets`: `GPU_TARGETS`, `GpuSpec`, `gpu_target_device`,
   `on_device`: deviceless compilation for NVIDIA GPUs;
-* `collectives`: the collectives of a partitioned program and their bytes.
+* `collectives`: the collectives of a partitioned program and their bytes;
+* `overflow`: why a step was skipped: `NonFiniteGradients` (the gradient
+  leaves), `OverflowRecord` (the first matmul or convolution that
+  overflowed, forward or backward), `record_overflow`.
 
 Examples:
     >>> device = jaxamp.diagnostics.gpu_target_device("h200")
@@ -43,6 +46,14 @@ from jaxamp.diagnostics.gpu_targets import (
     spec_for_device_kind,
 )
 from jaxamp.diagnostics.hlo_report import bytes_accessed, heavy_ops, lowered_hlo_text
+from jaxamp.diagnostics.overflow import (
+    FirstOverflow,
+    NonFiniteGradients,
+    OverflowRecord,
+    OverflowSite,
+    nonfinite_grads_of,
+    record_overflow,
+)
 from jaxamp.fp8 import FP8_FALLBACK_REASONS
 
 __all__ = [
@@ -50,10 +61,14 @@ __all__ = [
     "GPU_TARGETS",
     "Collective",
     "CollectiveTotal",
+    "FirstOverflow",
     "Fp8NotUsedWarning",
     "Fp8QuantizationStats",
     "Fp8TensorStats",
     "GpuSpec",
+    "NonFiniteGradients",
+    "OverflowRecord",
+    "OverflowSite",
     "allow_compiling_without_gpu",
     "bytes_accessed",
     "check_fp8",
@@ -67,6 +82,8 @@ __all__ = [
     "heavy_ops",
     "hlo_precision_report",
     "lowered_hlo_text",
+    "nonfinite_grads_of",
     "on_device",
+    "record_overflow",
     "spec_for_device_kind",
 ]

@@ -62,12 +62,22 @@ from jaxamp.jaxpr_policy.interpreter import (
     rewrite_jaxpr,
     with_dtype,
 )
+from jaxamp.jaxpr_policy.recorder import active_recorder
 from jaxamp.jaxpr_policy.rules import bind, cast, is_floating, restore_rule, traced_dtypes, unsupported
 
 
 def jit_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
-    """A nested ``jit``: the same primitive and params around the rewritten body."""
+    """A nested ``jit``: the same primitive and params around the rewritten body.
+
+    In a rewrite that records overflows (`jaxamp.jaxpr_policy.recorder`) the
+    body is inlined instead, so that its matmuls are watched too.
+    """
     body_param = "jaxpr" if "jaxpr" in equation.params else "call_jaxpr"
+    recorder = active_recorder()
+    if recorder is not None:
+        closed = equation.params[body_param]
+        with recorder.inlined(equation):
+            return interpret(context, closed.jaxpr, closed.consts, invals)
     body = rewrite_jaxpr(context, equation.params[body_param], [abstract(value) for value in invals])
     return bind(equation, invals, **{body_param: body})
 

@@ -27,9 +27,21 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, jaxpr_as_fun
 
 from jaxamp.jaxpr_policy.context import Rewrite, Rule, RulesFor, carries_jaxpr
+from jaxamp.jaxpr_policy.recorder import (
+    INLINED_CALLS,
+    PROBE_SLOTS,
+    SITE_PRIMITIVES,
+    OverflowSession,
+    Recorder,
+    active_recorder,
+    count_sites,
+    no_session,
+    recording,
+)
 from jaxamp.jaxpr_policy.reduction_inputs import reduction_inputs
 from jaxamp.jaxpr_policy.rules import cast, float32_rule, follow, follow_rule, is_floating, restore_rule
 from jaxamp.jaxpr_policy.scope import canonical_name_stack, equation_context, inside_extent, scope_policies
+from jaxamp.overflow_record import OverflowRecord
 
 # While a higher-order equation's rule runs: the policy scopes in which each
 # output of each body it evaluates was made (one tuple per body), so that the
@@ -73,7 +85,13 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
     carry the scopes they were made in out to the equation that holds the
     body (a block that ends in a normalization, under ``jax.checkpoint``),
     whose outputs then leave those scopes in the same way.
+
+    In a recording rewrite (`jaxamp.jaxpr_policy.recorder`), each matmul
+    and convolution is a site: its operands are tapped for the backward
+    pass and its output's amax recorded; bodies other than nested ``jit``
+    calls (which the jit rule inlines) are rewritten without recording.
     """
+    recorder = active_recorder()
     env: dict[Any, Any] = {}
 
     def read(atom):
@@ -99,6 +117,9 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
         with equation_context(equation):
             if exits:
                 invals = _leave_scopes(equation, invals, exits)
+            site = recorder is not None and equation.primitive.name in SITE_PRIMITIVES
+            if site:
+                invals = recorder.tap_operands(invals)
             rule = float32_rule if id(equation) in widened else scoped.rule_for(equation)
             body_scopes: list | None = None
             if _keeps_a_statistic_float32(scoped, equation, invals, statistics):
@@ -124,8 +145,10 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
                     ]
                 elif carries_jaxpr(equation):
                     body_scopes = []
-                with _collecting_body_scopes(body_scopes):
+                with _collecting_body_scopes(body_scopes), _recording_in_body(recorder, equation):
                     outvals = rule(scoped, equation, invals)
+            if site:
+                outvals = [recorder.record(equation, outvals[0]), *outvals[1:]]
         for variable, value in zip(equation.outvars, outvals, strict=True):
             env[variable] = value
         scopes = scope_policies(equation)
@@ -141,6 +164,13 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
             tuple(() if isinstance(atom, Literal) else exits.get(atom, ()) for atom in jaxpr.outvars)
         )
     return [read(atom) for atom in jaxpr.outvars]
+
+
+def _recording_in_body(recorder: Recorder | None, equation) -> contextlib.AbstractContextManager:
+    """No recording inside the bodies of `equation` unless it is a nested call the jit rule inlines."""
+    if recorder is None or equation.primitive.name in INLINED_CALLS or not carries_jaxpr(equation):
+        return contextlib.nullcontext()
+    return recording(None)
 
 
 _STATISTICS = frozenset(("reduce_sum", "reduce_prod", "reduce_max", "reduce_min"))
@@ -341,6 +371,10 @@ class _Entry:
     # Outputs that were no arrays when traced (a Python int, None, a string),
     # by position among the output leaves, returned as they were.
     static_outputs: tuple[tuple[int, Any], ...] = ()
+    # A recording rewrite's sites, its probe's rows and the matmuls it does not watch.
+    sites: tuple = ()
+    sites_size: int = 0
+    unrecorded: int = 0
 
 
 def _is_traced_array(leaf: Any) -> bool:
@@ -419,6 +453,7 @@ class RewriteCache:
         *,
         trace_dtypes: Sequence[Any] | None = None,
         output_dtypes: Callable[[Any], Sequence[Any]] | None = None,
+        session: OverflowSession | None = None,
     ) -> Any:
         """``fun(*leaves)`` with dtypes changed per primitive.
 
@@ -436,13 +471,19 @@ class RewriteCache:
                 leaf of them (in ``jax.tree.flatten`` order), the dtype it is
                 returned in, or None for the dtype it was traced with (the
                 default for every output).
+            session: an overflow session (`jaxamp.jaxpr_policy.recorder`):
+                the rewrite records its sites, takes its probe rows from the
+                session and adds its `OverflowRecord` to it.
         """
         avals = [abstract(leaf) for leaf in leaves]
         if trace_dtypes is None:
             trace_dtypes = (None,) * len(leaves)
         trace_key = tuple(None if dtype is None else str(dtype) for dtype in trace_dtypes)
+        recording = session is not None
         key = (
-            None if static_key is None else (static_key, tuple(_aval_key(aval) for aval in avals), trace_key)
+            None
+            if static_key is None
+            else (static_key, tuple(_aval_key(aval) for aval in avals), trace_key, recording)
         )
         try:
             entry = None if key is None else self._entries.get(key)
@@ -452,14 +493,22 @@ class RewriteCache:
             trace_avals = [
                 aval if dtype is None else with_dtype(aval, dtype) for aval, dtype in zip(avals, trace_dtypes)
             ]
-            entry, cacheable = self._build(fun, avals, trace_avals, output_dtypes)
+            entry, cacheable = self._build(fun, avals, trace_avals, output_dtypes, recording)
             if key is not None and cacheable:
                 self._entries[key] = entry
                 if len(self._entries) > self._max_entries:
                     self._entries.popitem(last=False)
         else:
             self._entries.move_to_end(key)
-        outvals = iter(jaxpr_as_fun(entry.rewritten)(*leaves))
+        if recording:
+            probe = session.take(entry.sites_size)
+            *results, forward_amax = jaxpr_as_fun(entry.rewritten)(probe, *leaves)
+            session.records.append(
+                OverflowRecord(forward_amax, jnp.zeros_like(forward_amax), entry.sites, entry.unrecorded)
+            )
+            outvals = iter(results)
+        else:
+            outvals = iter(jaxpr_as_fun(entry.rewritten)(*leaves))
         statics = dict(entry.static_outputs)
         num_outputs = entry.out_tree.num_leaves
         return jax.tree.unflatten(
@@ -467,7 +516,7 @@ class RewriteCache:
             [statics[index] if index in statics else next(outvals) for index in range(num_outputs)],
         )
 
-    def _build(self, fun, avals, trace_avals, output_dtypes) -> tuple[_Entry, bool]:
+    def _build(self, fun, avals, trace_avals, output_dtypes, recording_overflow: bool) -> tuple[_Entry, bool]:
         self.traces += 1
         out_tree, static_outputs, pinned = None, [], []
 
@@ -482,7 +531,9 @@ class RewriteCache:
 
         # A rewrite of its own, even when started inside another's rule (a
         # custom derivative's): its outputs report to no enclosing equation.
-        with _collecting_body_scopes(None):
+        # Nor does it record for an overflow session: autocast calls traced
+        # inside this one are part of this rewrite.
+        with _collecting_body_scopes(None), no_session(), recording(None):
             traced = _trace(array_outputs, trace_avals, avals)
             context = Rewrite(
                 self._compute_dtype,
@@ -495,6 +546,36 @@ class RewriteCache:
                 aval.dtype if dtype is None else dtype
                 for aval, dtype in zip(traced.out_avals, pinned, strict=True)
             ]
+            if recording_overflow:
+                return self._build_recording(context, traced, avals, out_dtypes, out_tree, static_outputs)
             rewritten = rewrite_jaxpr(context, traced, avals, out_dtypes)
         cacheable = not any(isinstance(const, jax.core.Tracer) for const in traced.consts)
         return _Entry(rewritten, out_tree, tuple(static_outputs)), cacheable
+
+    def _build_recording(
+        self, context, traced, avals, out_dtypes, out_tree, static_outputs
+    ) -> tuple[_Entry, bool]:
+        """The rewrite of `traced` with its sites recorded: inputs ``(probe, *leaves)``, outputs
+        ``(*outputs, forward_amax)`` (`jaxamp.jaxpr_policy.recorder`)."""
+        sites_size, unrecorded = count_sites(traced.jaxpr)
+        recorded: list = []
+
+        def evaluate(probe, *args):
+            recorder = Recorder(probe)
+            with recording(recorder):
+                outvals = interpret(context, traced.jaxpr, traced.consts, args)
+            recorded[:] = recorder.sites
+            outvals = [cast(value, dtype) for value, dtype in zip(outvals, out_dtypes, strict=True)]
+            return [*outvals, recorder.forward_amax()]
+
+        probe_aval = jax.ShapeDtypeStruct((sites_size, PROBE_SLOTS), jnp.float32)
+        rewritten = jax.make_jaxpr(evaluate)(probe_aval, *avals)
+        entry = _Entry(
+            rewritten,
+            out_tree,
+            tuple(static_outputs),
+            sites=tuple(recorded),
+            sites_size=sites_size,
+            unrecorded=unrecorded,
+        )
+        return entry, not any(isinstance(const, jax.core.Tracer) for const in traced.consts)

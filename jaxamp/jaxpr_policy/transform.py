@@ -18,6 +18,7 @@ from jaxamp.jaxpr_policy.arguments import LeafOrigin, split_call
 from jaxamp.jaxpr_policy.context import Rule
 from jaxamp.jaxpr_policy.fp8_rules import fp8_rules
 from jaxamp.jaxpr_policy.interpreter import RewriteCache
+from jaxamp.jaxpr_policy.recorder import current_session
 from jaxamp.jaxpr_policy.registry import find
 from jaxamp.jaxpr_policy.rules import RULES_BY_NAME, follow_rule, is_floating, widened_rule
 from jaxamp.jaxpr_policy.table import higher_order_rules, resolve, rules_table
@@ -311,7 +312,12 @@ def make_autocast(
             return [*pins, *call.state_output_dtypes(module_states), *changed]
 
         outputs, module_states, attribute_changes = rewrites.call(
-            call.run, call.leaves, call.static_key, trace_dtypes=narrowed, output_dtypes=output_dtypes
+            call.run,
+            call.leaves,
+            call.static_key,
+            trace_dtypes=narrowed,
+            output_dtypes=output_dtypes,
+            session=current_session(),
         )
         call.write_back(module_states, attribute_changes)
         return outputs

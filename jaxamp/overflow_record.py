@@ -1,0 +1,184 @@
+"""Where a step overflowed: the largest magnitude of each matmul and convolution, forward and backward.
+
+An `OverflowRecord` is what `jaxamp.scaled_value_and_grad(...,
+record_overflow=True)` returns beside the gradients (and
+`jaxamp.diagnostics.record_overflow` for a forward pass alone): per matrix
+multiplication and convolution that `jaxamp.autocast` or
+`jaxamp.apply_policy` ran, in program order, the largest magnitude (amax)
+of its output in the forward pass and of its operands' cotangents (the
+outputs of its two backward matmuls) in the backward pass. An inf or a NaN
+among them is an overflow. The record is a small pytree (two float32
+vectors) that a jitted step returns; the sites (module path or source line,
+primitive, dtype, shape) are static metadata.
+
+`first_overflow` names the first op that overflowed in the order the step
+ran it: the first site, in program order, whose forward amax is not finite;
+else the *last* site, in program order, whose backward amax is not finite
+(the backward pass runs the program in reverse, and an overflow spreads to
+every site it reaches after).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxamp.nonfinite_grads import host_value
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowSite:
+    """One matmul or convolution a record watches.
+
+    Attributes:
+        name: the op's path in the name stack: the Flax module path
+            (``MLP/Dense_2``), the ``jax.named_scope``s around it
+            (Equinox's ``eqx.nn.Linear``, a user's own); where the name stack
+            holds none (NNX, plain JAX), its source line. A second op of the
+            same name is numbered (``Attention [2]``).
+        source: the user's source line of the op (``model.py:41
+            (Block.__call__)``), outside JAX and the libraries.
+        primitive: ``dot_general`` or ``conv_general_dilated``.
+        dtype: the dtype the op ran in (its output's), e.g. ``float16``.
+        shape: its output's shape.
+    """
+
+    name: str
+    source: str
+    primitive: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def dtype_max(self) -> float:
+        """The largest finite value of the op's dtype (65504 for float16)."""
+        return float(jnp.finfo(self.dtype).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstOverflow:
+    """The first op that overflowed in a step (host-side, from `OverflowRecord.first_overflow`).
+
+    Attributes:
+        site: the op.
+        pass_: ``"forward"`` or ``"backward"``.
+        amax: its largest magnitude there (inf or NaN).
+        index: its position among the record's sites.
+    """
+
+    site: OverflowSite
+    pass_: str
+    amax: float
+    index: int
+
+    def __str__(self) -> str:
+        where = (
+            self.site.name
+            if self.site.name == self.site.source
+            else f"{self.site.name} at {self.site.source}"
+        )
+        return (
+            f"{self.pass_} overflow first in {where} ({self.site.primitive}, {self.site.dtype}, "
+            f"amax {self.amax:g}; the dtype's max is {self.site.dtype_max:g})"
+        )
+
+
+@struct.dataclass
+class OverflowRecord:
+    """The largest magnitude of each matmul and convolution of a step, forward and backward.
+
+    Attributes:
+        forward_amax: float32, one per site: the largest magnitude of the
+            op's output.
+        backward_amax: float32, one per site: the largest magnitude of the
+            cotangents of its output and of its operands (the backward
+            matmuls' outputs), as the backward pass computed them, loss
+            scale included (an inf wins over a NaN); zeros where the
+            backward pass was not recorded.
+        sites: the ops, in program order (static metadata).
+        unrecorded: matmuls and convolutions the record does not watch
+            (inside loops, conditionals, ``jax.checkpoint`` blocks or custom
+            derivative rules) (static).
+        backward_recorded: whether `backward_amax` was recorded (static).
+    """
+
+    forward_amax: jax.Array
+    backward_amax: jax.Array
+    sites: tuple[OverflowSite, ...] = struct.field(pytree_node=False)
+    unrecorded: int = struct.field(pytree_node=False, default=0)
+    backward_recorded: bool = struct.field(pytree_node=False, default=False)
+
+    @property
+    def overflowed(self) -> jax.Array:
+        """Whether any site overflowed, forward or backward (a scalar bool; jit-safe)."""
+        return jnp.logical_not(
+            jnp.all(jnp.isfinite(self.forward_amax)) & jnp.all(jnp.isfinite(self.backward_amax))
+        )
+
+    def first_overflow(self) -> FirstOverflow | None:
+        """The first op that overflowed, in the order the step ran it, or None (host)."""
+        forward = np.asarray(host_value(self.forward_amax), np.float64)
+        backward = np.asarray(host_value(self.backward_amax), np.float64)
+        for index in range(len(self.sites)):
+            if not np.isfinite(forward[index]):
+                return FirstOverflow(self.sites[index], "forward", float(forward[index]), index)
+        for index in reversed(range(len(self.sites))):
+            if not np.isfinite(backward[index]):
+                return FirstOverflow(self.sites[index], "backward", float(backward[index]), index)
+        return None
+
+    def summary(self) -> str:
+        """One line: the first overflow, or that there was none among the sites watched (host)."""
+        first = self.first_overflow()
+        watched = f"{len(self.sites)} matmuls and convolutions watched"
+        if self.unrecorded:
+            watched += f", {self.unrecorded} not (inside loops, conditionals, checkpoints or custom rules)"
+        passes = "forward and backward" if self.backward_recorded else "forward only"
+        if first is None:
+            return f"no overflow ({watched}, {passes})"
+        return f"{first} ({watched}, {passes})"
+
+    def table(self) -> str:
+        """A Markdown table: one row per site with its dtype and both amaxes (host)."""
+        forward = np.asarray(host_value(self.forward_amax), np.float64)
+        backward = np.asarray(host_value(self.backward_amax), np.float64)
+        rows = [
+            "| # | op | primitive | dtype | forward amax | backward amax |",
+            "|---:|---|---|---|---:|---:|",
+        ]
+        for index, site in enumerate(self.sites):
+            back = f"{backward[index]:.4g}" if self.backward_recorded else "-"
+            rows.append(
+                f"| {index} | {site.name} | {site.primitive} | {site.dtype} | {forward[index]:.4g} | {back} |"
+            )
+        return "\n".join(rows)
+
+    @classmethod
+    def concatenate(cls, records: list[OverflowRecord]) -> OverflowRecord:
+        """The records of several calls, in the order they ran, as one."""
+        if not records:
+            empty = jnp.zeros([0], jnp.float32)
+            return cls(empty, empty, (), 0, False)
+        return cls(
+            jnp.concatenate([record.forward_amax for record in records]),
+            jnp.concatenate([record.backward_amax for record in records]),
+            tuple(site for record in records for site in record.sites),
+            sum(record.unrecorded for record in records),
+            all(record.backward_recorded for record in records),
+        )
+
+
+def amax(value: Any) -> jax.Array:
+    """The largest magnitude of `value` in float32: inf if it holds an inf, else NaN if it holds
+    a NaN (an overflow's inf turns into NaNs where it meets its own negative or a zero); 0 if
+    it is empty."""
+    if value.size == 0:
+        return jnp.zeros([], jnp.float32)
+    magnitude = jnp.abs(value)
+    largest = jnp.max(magnitude).astype(jnp.float32)
+    return jnp.where(jnp.any(jnp.isinf(magnitude)), jnp.inf, largest)

@@ -1,0 +1,270 @@
+"""Why was the step skipped: the gradient leaves, the layer, the pass.
+
+A 4-layer MLP in float16 under a loss scale of 2**15, made to overflow in its
+third layer in two ways:
+
+* backward only: a loss term on layer 3's output whose cotangent (4 x 2**15)
+  is beyond float16's 65504, while every forward value stays finite;
+* forward: layer 3's weights scaled so that its output is beyond 65504.
+
+The step must be skipped, `NonFiniteGradients` must name exactly the leaves
+the inf reached, and the `OverflowRecord` must name layer 3 and the pass.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+from fresh_processes import FreshProcess, xla_flags
+from overflow_mlp import MODEL, SCALE, WIDTH, init_params, new_state
+
+import jaxamp
+from jaxamp.diagnostics import NonFiniteGradients, OverflowRecord, nonfinite_grads_of, record_overflow
+
+LAYER_3_TERM = 4.0  # its cotangent, times SCALE, is 131072 > 65504
+
+
+def loss_fn(params, x, y, layer_3_term):
+    out, layer_3 = MODEL(params, x)
+    return jnp.mean((out - y) ** 2) + layer_3_term * jnp.sum(layer_3), out
+
+
+@jax.jit
+def train_step(state, x, y, layer_3_term):
+    _, grads, grads_finite, record = jaxamp.scaled_value_and_grad(
+        loss_fn, state.loss_scale, has_aux=True, record_overflow=True
+    )(state.params, x, y, layer_3_term)
+    return state.apply_gradients(grads=grads, grads_finite=grads_finite), record
+
+
+def batch(key=1):
+    x = jax.random.normal(jax.random.key(key), (4, WIDTH))
+    return x, jnp.zeros((4, WIDTH))
+
+
+def leaves_of_layers(*layers):
+    return [f"{layer - 1}/{name}" for layer in layers for name in ("bias", "kernel")]
+
+
+@pytest.fixture(scope="module")
+def backward_overflow():
+    state = new_state(init_params(jax.random.key(0)))
+    before = state
+    state, record = train_step(state, *batch(), LAYER_3_TERM)
+    return before, state, record
+
+
+def test_a_backward_only_overflow_skips_the_step(backward_overflow):
+    before, state, record = backward_overflow
+    assert int(state.skipped_steps) == 1 and int(state.step) == 0
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), before.params, state.params))
+    assert np.all(np.isfinite(np.asarray(record.forward_amax))), "the forward pass stays finite"
+
+
+def test_the_gradient_attribution_names_the_leaves_of_layers_1_to_3_and_none_of_layer_4(backward_overflow):
+    _, state, _ = backward_overflow
+    record = state.nonfinite_grads
+    assert sorted(record.nonfinite_paths()) == sorted(leaves_of_layers(1, 2, 3))
+    assert int(record.skipped_at) == 0
+    assert record.summary().startswith("step 1 skipped: non-finite grads in 6 of 8 leaves: 0/bias")
+
+
+def test_the_backward_attribution_names_layer_3_and_the_backward_pass(backward_overflow):
+    _, _, record = backward_overflow
+    first = record.first_overflow()
+    assert first is not None
+    assert (first.site.name, first.pass_, first.site.dtype) == ("layer_3", "backward", "float16")
+    assert not np.isfinite(first.amax)
+    assert [site.name for site in record.sites] == ["layer_1", "layer_2", "layer_3", "layer_4"]
+    assert np.isfinite(float(record.backward_amax[3])), "layer 4's backward stays finite"
+    assert "backward overflow first in layer_3 at overflow_mlp.py:" in record.summary()
+    assert "(mlp) (dot_general, float16, amax inf; the dtype's max is 65504)" in record.summary()
+
+
+def test_a_finite_step_after_the_skip_keeps_the_attribution_of_the_skipped_one(backward_overflow):
+    _, state, _ = backward_overflow
+    state, record = train_step(state, *batch(), 0.0)
+    assert int(state.step) == 1 and int(state.skipped_steps) == 1
+    assert record.first_overflow() is None
+    assert int(state.nonfinite_grads.skipped_at) == 0
+    assert int(state.nonfinite_grads.steps_taken) == 2
+    assert sorted(state.nonfinite_grads.nonfinite_paths()) == sorted(leaves_of_layers(1, 2, 3))
+
+
+def test_a_forward_overflow_names_layer_3_and_the_forward_pass_first():
+    params = init_params(jax.random.key(0))
+    params[2] = {"kernel": params[2]["kernel"] * 1e6, "bias": params[2]["bias"]}
+    state, record = train_step(new_state(params), *batch(), 0.0)
+    assert int(state.skipped_steps) == 1
+    first = record.first_overflow()
+    assert (first.site.name, first.pass_) == ("layer_3", "forward")
+    assert np.isfinite(float(record.forward_amax[1])), "layer 2's output stays finite"
+
+
+def test_loss_scaling_keeps_the_same_attribution_without_a_train_state():
+    params = init_params(jax.random.key(0))
+    tx = jaxamp.loss_scaling(optax.sgd(0.1), jaxamp.StaticLossScale(SCALE))
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state):
+        (_, _), grads, finite = jaxamp.scaled_value_and_grad(
+            loss_fn, jaxamp.loss_scale_of(opt_state), has_aux=True
+        )(params, *batch(), LAYER_3_TERM)
+        updates, opt_state = tx.update(grads, opt_state, params, grads_finite=finite)
+        return optax.apply_updates(params, updates), opt_state
+
+    _, opt_state = step(params, opt_state)
+    record = nonfinite_grads_of(opt_state)
+    assert sorted(record.nonfinite_paths()) == sorted(leaves_of_layers(1, 2, 3))
+
+
+def test_the_overflow_guard_names_the_leaves():
+    state = new_state(init_params(jax.random.key(0)))
+    for _ in range(2):
+        state, _ = train_step(state, *batch(), LAYER_3_TERM)
+    with pytest.raises(jaxamp.LossScaleStuckError, match=r"non-finite gradients: 6 leaves: 0/bias") as raised:
+        jaxamp.OverflowGuard(max_consecutive_skips=2).check(state)
+    assert sorted(raised.value.nonfinite_paths) == sorted(leaves_of_layers(1, 2, 3))
+
+
+def test_a_resumed_run_reads_the_same_attribution(backward_overflow, tmp_path):
+    _, state, _ = backward_overflow
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "state", state)
+    checkpointer.wait_until_finished()
+    fresh = new_state(init_params(jax.random.key(5)))
+    restored = checkpointer.restore(tmp_path / "state", fresh)
+    assert restored.nonfinite_grads.nonfinite_paths() == state.nonfinite_grads.nonfinite_paths()
+    assert restored.nonfinite_grads.summary() == state.nonfinite_grads.summary()
+    assert int(restored.nonfinite_grads.steps_taken) == 1
+
+
+def test_gradients_of_another_structure_are_refused_with_the_params_named():
+    record = NonFiniteGradients.for_params({"a": jnp.zeros(2), "b": jnp.zeros(3)})
+    with pytest.raises(ValueError, match=r"gradients have 3 leaves.*params with 2 \(a, b"):
+        record.after_step(jnp.ones([3], bool), jnp.array(False))
+
+
+def test_no_session_no_record_and_no_change_to_the_program():
+    params, (x, _) = init_params(jax.random.key(0)), batch()
+    plain = jax.make_jaxpr(MODEL)(params, x)
+    assert "custom_vjp" not in str(plain) and "reduce_max" not in str(plain)
+    outputs, record = record_overflow(MODEL)(params, x)
+    np.testing.assert_array_equal(outputs[0], MODEL(params, x)[0])
+    assert not record.backward_recorded and len(record.sites) == 4
+
+
+# Models nobody here wrote the layers of: Flax linen, NNX and Equinox, through autocast.
+
+
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for index in range(4):
+            x = nn.Dense(WIDTH)(x)
+            x = jnp.tanh(x) if index < 3 else x
+        return x
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.layer1 = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.layer2 = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.layer3 = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.layer4 = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x):
+        x = jnp.tanh(self.layer1(x))
+        x = jnp.tanh(self.layer2(x))
+        x = jnp.tanh(self.layer3(x))
+        return self.layer4(x)
+
+
+class EqxMLP(eqx.Module):
+    layers: list
+
+    def __init__(self, key):
+        self.layers = [eqx.nn.Linear(WIDTH, WIDTH, key=k) for k in jax.random.split(key, 4)]
+
+    def __call__(self, x):
+        x = jnp.tanh(self.layers[0](x))
+        x = jnp.tanh(self.layers[1](x))
+        x = jnp.tanh(self.layers[2](x))
+        return self.layers[3](x)
+
+
+def line_of(cls, text):
+    source, first = inspect.getsourcelines(cls.__call__)
+    return first + next(index for index, line in enumerate(source) if text in line)
+
+
+def forward_overflow_site(fun, *args):
+    _, record = record_overflow(fun)(*args)
+    first = record.first_overflow()
+    assert first is not None and first.pass_ == "forward"
+    return first
+
+
+def test_linen_names_the_module_path():
+    x, _ = batch()
+    model = LinenMLP()
+    variables = model.init(jax.random.key(0), x)
+    kernel = variables["params"]["Dense_2"]["kernel"]
+    variables["params"]["Dense_2"]["kernel"] = kernel * 1e6
+    site = forward_overflow_site(jaxamp.autocast(model.apply, "mixed_float16"), variables, x)
+    assert site.site.name == "LinenMLP/Dense_2"
+    site = forward_overflow_site(jaxamp.apply_policy(model, "mixed_float16").apply, variables, x)
+    assert site.site.name == "Dense_2", "under apply_policy, the path inside its wrapper: the params' path"
+
+
+def test_nnx_names_the_users_source_line():
+    model = NnxMLP(nnx.Rngs(0))
+    model.layer3.kernel[...] = model.layer3.kernel[...] * 1e6
+    x, _ = batch()
+    site = forward_overflow_site(jaxamp.autocast(lambda m, x: m(x), "mixed_float16"), model, x)
+    assert site.site.name.startswith(f"test_overflow_attribution.py:{line_of(NnxMLP, 'self.layer3(')} ")
+    assert site.site.name.endswith("(NnxMLP.__call__)")
+
+
+def test_equinox_names_the_users_source_line():
+    model = EqxMLP(jax.random.key(0))
+    model = eqx.tree_at(lambda m: m.layers[2].weight, model, model.layers[2].weight * 1e6)
+    x, _ = batch()
+    site = forward_overflow_site(jaxamp.autocast(jax.vmap(model), "mixed_float16"), x)
+    assert site.site.name == "eqx.nn.Linear [3]", "Equinox names its layers' scopes; the third one"
+    assert site.site.source.startswith(f"test_overflow_attribution.py:{line_of(EqxMLP, 'self.layers[2](')} ")
+
+
+def test_an_overflow_record_is_a_pytree_a_jitted_step_returns():
+    record = OverflowRecord(jnp.array([1.0, jnp.inf]), jnp.zeros(2), (), 0, True)
+    assert len(jax.tree.leaves(record)) == 2
+    assert bool(jax.jit(lambda r: r.overflowed)(record))
+
+
+SHARDED = FreshProcess(
+    "overflow_sharded_findings", "-m", "tests.overflow_sharded_checks",
+    env={"XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")}, timeout=600,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def overflow_sharded_findings():
+    return SHARDED.last_json_line()
+
+
+@pytest.mark.parametrize("run", ["jit", "shard_map"])
+def test_over_8_devices_an_overflow_on_one_device_is_named_once(overflow_sharded_findings, run):
+    finding = overflow_sharded_findings[run]
+    assert finding["skipped"] == 1
+    assert finding["nonfinite_paths"] == sorted(leaves_of_layers(1, 2, 3))
+    assert finding["first_overflow"] == ["layer_3", "backward"]
