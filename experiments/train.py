@@ -589,13 +589,14 @@ def _run_epoch(run: _Run, state, epoch: int, resumed_at: Position | None):
     record["skipped_steps"] = int(host_value(state.skipped_steps))
     skipped_line = skipped_steps_line(state, record["skipped_steps"] - previous.get("skipped_steps", 0))
     if skipped_line:
-        run.log(f"epoch {epoch}: {skipped_line}")
         record["last_skipped_step"] = skipped_line
     record["injected_nonfinite"] = previous.get("injected_nonfinite", 0) + int(sums["injected"])
     record["state_finite"] = state_finite(state)
     record["state_checksum"] = state_checksum(state)
     run.results["epochs"].append(record)
     run.log(format_epoch(record, config.epochs))
+    if skipped_line:
+        run.log(f"  {skipped_line}")
     if config.out and run.data_parallel.is_main_process:
         write_json_atomically(config.out, run.results)
     run.guard.check(state)

@@ -328,9 +328,7 @@ def train_and_evaluate(
         if skipped_line:
             entry["last_skipped_step"] = skipped_line
         results["evaluations"].append(entry)
-        lines = [format_evaluation(entry, config.steps)] + (
-            [f"step {step}: {skipped_line}"] if skipped_line else []
-        )
+        lines = [format_evaluation(entry, config.steps)] + ([f"  {skipped_line}"] if skipped_line else [])
         for line in lines:
             if progress is None:
                 log(line)

@@ -35,6 +35,7 @@ from jaxamp.jaxpr_policy.recorder import (
     Recorder,
     active_recorder,
     count_sites,
+    differentiated_leaves,
     no_session,
     recording,
 )
@@ -479,11 +480,11 @@ class RewriteCache:
         if trace_dtypes is None:
             trace_dtypes = (None,) * len(leaves)
         trace_key = tuple(None if dtype is None else str(dtype) for dtype in trace_dtypes)
-        recording = session is not None
+        differentiated = None if session is None else differentiated_leaves(leaves)
         key = (
             None
             if static_key is None
-            else (static_key, tuple(_aval_key(aval) for aval in avals), trace_key, recording)
+            else (static_key, tuple(_aval_key(aval) for aval in avals), trace_key, differentiated)
         )
         try:
             entry = None if key is None else self._entries.get(key)
@@ -493,14 +494,14 @@ class RewriteCache:
             trace_avals = [
                 aval if dtype is None else with_dtype(aval, dtype) for aval, dtype in zip(avals, trace_dtypes)
             ]
-            entry, cacheable = self._build(fun, avals, trace_avals, output_dtypes, recording)
+            entry, cacheable = self._build(fun, avals, trace_avals, output_dtypes, differentiated)
             if key is not None and cacheable:
                 self._entries[key] = entry
                 if len(self._entries) > self._max_entries:
                     self._entries.popitem(last=False)
         else:
             self._entries.move_to_end(key)
-        if recording:
+        if differentiated is not None:
             probe = session.take(entry.sites_size)
             *results, forward_amax = jaxpr_as_fun(entry.rewritten)(probe, *leaves)
             session.records.append(
@@ -516,7 +517,9 @@ class RewriteCache:
             [statics[index] if index in statics else next(outvals) for index in range(num_outputs)],
         )
 
-    def _build(self, fun, avals, trace_avals, output_dtypes, recording_overflow: bool) -> tuple[_Entry, bool]:
+    def _build(
+        self, fun, avals, trace_avals, output_dtypes, differentiated: tuple[bool, ...] | None
+    ) -> tuple[_Entry, bool]:
         self.traces += 1
         out_tree, static_outputs, pinned = None, [], []
 
@@ -546,22 +549,27 @@ class RewriteCache:
                 aval.dtype if dtype is None else dtype
                 for aval, dtype in zip(traced.out_avals, pinned, strict=True)
             ]
-            if recording_overflow:
-                return self._build_recording(context, traced, avals, out_dtypes, out_tree, static_outputs)
+            if differentiated is not None:
+                return self._build_recording(
+                    context, traced, avals, out_dtypes, out_tree, static_outputs, differentiated
+                )
             rewritten = rewrite_jaxpr(context, traced, avals, out_dtypes)
         cacheable = not any(isinstance(const, jax.core.Tracer) for const in traced.consts)
         return _Entry(rewritten, out_tree, tuple(static_outputs)), cacheable
 
     def _build_recording(
-        self, context, traced, avals, out_dtypes, out_tree, static_outputs
+        self, context, traced, avals, out_dtypes, out_tree, static_outputs, differentiated
     ) -> tuple[_Entry, bool]:
         """The rewrite of `traced` with its sites recorded: inputs ``(probe, *leaves)``, outputs
-        ``(*outputs, forward_amax)`` (`jaxamp.jaxpr_policy.recorder`)."""
+        ``(*outputs, forward_amax)`` (`jaxamp.jaxpr_policy.recorder`); the leaves nobody
+        differentiates are not tapped."""
         sites_size, unrecorded = count_sites(traced.jaxpr)
         recorded: list = []
 
         def evaluate(probe, *args):
-            recorder = Recorder(probe)
+            recorder = Recorder(
+                probe, [arg for arg, grad in zip(args, differentiated, strict=True) if not grad]
+            )
             with recording(recorder):
                 outvals = interpret(context, traced.jaxpr, traced.consts, args)
             recorded[:] = recorder.sites

@@ -52,6 +52,14 @@ try:
 except ImportError:  # pragma: no cover - a JAX release that moved it
     _source_info_util = None
 
+try:  # the tracers of an enclosing jax.grad (JVP, or linearize from JAX 0.5 on)
+    from jax._src.interpreters.ad import JVPTracer as _JVPTracer
+    from jax._src.interpreters.ad import LinearizeTracer as _LinearizeTracer
+
+    _DIFFERENTIATED_TRACERS: tuple = (_JVPTracer, _LinearizeTracer)
+except ImportError:  # pragma: no cover - a JAX release that moved them: every input counts
+    _DIFFERENTIATED_TRACERS = ()
+
 SITE_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 """The primitives a record watches."""
 
@@ -164,11 +172,32 @@ def current_session() -> OverflowSession | None:
     return _SESSION.get()
 
 
-class Recorder:
-    """Taps and amaxes of the sites of one recording rewrite (see the module docstring)."""
+def differentiated_leaves(leaves: Sequence[Any]) -> tuple[bool, ...]:
+    """Per leaf of an `autocast` call, whether an enclosing ``jax.grad`` differentiates it.
 
-    def __init__(self, probe: jax.Array):
+    A recording rewrite taps no operand that is an input nobody differentiates
+    (the data): its cotangent would be computed for the tap alone (the first
+    layer's input gradient, a whole matmul). Where JAX's tracer classes
+    cannot be read, every leaf counts as differentiated (each operand is
+    tapped).
+    """
+    if not _DIFFERENTIATED_TRACERS:
+        return (True,) * len(leaves)
+    return tuple(isinstance(leaf, _DIFFERENTIATED_TRACERS) for leaf in leaves)
+
+
+class Recorder:
+    """Taps and amaxes of the sites of one recording rewrite (see the module docstring).
+
+    Args:
+        probe: the rewrite's probe rows.
+        constant_inputs: the rewrite's inputs that nobody differentiates;
+            an operand that is one of them is not tapped.
+    """
+
+    def __init__(self, probe: jax.Array, constant_inputs: Sequence[Any] = ()):
         self.probe = probe
+        self._constant_inputs = {id(value) for value in constant_inputs}
         self.sites: list[OverflowSite] = []
         self.forward: list[jax.Array] = []
         self._prefixes: list[str] = []
@@ -178,7 +207,9 @@ class Recorder:
         """The operands of the next site, tapped for the backward pass."""
         index = len(self.sites)
         return [
-            _tap(value, self.probe[index, slot]) if slot < 2 and _is_traced_floating(value) else value
+            _tap(value, self.probe[index, slot])
+            if slot < 2 and _is_traced_floating(value) and id(value) not in self._constant_inputs
+            else value
             for slot, value in enumerate(invals)
         ]
 
