@@ -59,14 +59,21 @@ def _gemma():
     return gemma_transformer.Transformer(config), config.num_embed
 
 
-def train(route: str, steps: int, batch: int = 4, length: int = 32) -> tuple[list[float], int, float]:
-    """Losses, skipped steps and the final loss scale of `steps` Adam steps by `route`."""
+def model_and_batch(batch: int = 4, length: int = 32):
+    """The tiny Gemma, its initial params and one fixed batch of random tokens:
+    ``(model, params, (inputs, positions, mask), targets)``."""
     model, vocab = _gemma()
     tokens = jax.random.randint(jax.random.key(0), (batch, length + 1), 0, vocab)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))
     params = model.init(jax.random.key(1), inputs, positions, None, mask)["params"]
+    return model, params, (inputs, positions, mask), targets
+
+
+def train(route: str, steps: int) -> tuple[list[float], int, float]:
+    """Losses, skipped steps and the final loss scale of `steps` Adam steps by `route`."""
+    model, params, (inputs, positions, mask), targets = model_and_batch()
     if route == "float32":
         apply_fn, loss_scale = model.apply, jaxamp.NoOpLossScale()
     elif route == "apply_policy":

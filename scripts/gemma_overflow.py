@@ -32,18 +32,13 @@ import jax.numpy as jnp
 import optax
 
 import jaxamp
-from scripts.gemma_float16 import _gemma
+from scripts.gemma_float16 import model_and_batch
 
 
-def run(steps: int, embed_scale: float, norm_in_float16: bool, batch: int = 4, length: int = 32):
+def run(steps: int, embed_scale: float, norm_in_float16: bool):
     from gemma import layers
 
-    model, vocab = _gemma()
-    tokens = jax.random.randint(jax.random.key(0), (batch, length + 1), 0, vocab)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))
-    params = model.init(jax.random.key(1), inputs, positions, None, mask)["params"]
+    model, params, (inputs, positions, mask), targets = model_and_batch()
     params = jax.tree_util.tree_map_with_path(
         lambda path, leaf: leaf * embed_scale if "embedder" in jax.tree_util.keystr(path) else leaf, params
     )
