@@ -13,6 +13,11 @@ load it). One module per job:
 * `fp8_stats`: `fp8_quantization_stats`, how FP8 operands quantized;
 * `gpu_targets`: `GPU_TARGETS`, `GpuSpec`, `gpu_target_device`,
   `on_device`: deviceless compilation for NVIDIA GPUs;
+* `roofline`: `kernel_roofline`, a compiled program's bound on a
+  GPU summed kernel by kernel, beside the global one;
+* `fp8_payoff`: `fp8_matmul_cost`, whether FP8 pays for one matmul's shape
+  on a GPU, and `fp8_target`, the GPU that decides where ``mixed_float8``
+  runs FP8;
 * `collectives`: the collectives of a partitioned program and their bytes.
 
 Examples:
@@ -31,6 +36,7 @@ from jaxamp.diagnostics.collectives import (
 )
 from jaxamp.diagnostics.compiled_report import hlo_precision_report
 from jaxamp.diagnostics.fp8_check import Fp8NotUsedWarning, check_fp8
+from jaxamp.diagnostics.fp8_payoff import Fp8MatmulCost, fp8_matmul_cost, fp8_target
 from jaxamp.diagnostics.fp8_stats import Fp8QuantizationStats, Fp8TensorStats, fp8_quantization_stats
 from jaxamp.diagnostics.gpu_targets import (
     GPU_TARGETS,
@@ -43,6 +49,7 @@ from jaxamp.diagnostics.gpu_targets import (
     spec_for_device_kind,
 )
 from jaxamp.diagnostics.hlo_report import bytes_accessed, heavy_ops, lowered_hlo_text
+from jaxamp.diagnostics.roofline import KernelBound, KernelRoofline, kernel_roofline
 from jaxamp.fp8 import FP8_FALLBACK_REASONS
 
 __all__ = [
@@ -50,10 +57,13 @@ __all__ = [
     "GPU_TARGETS",
     "Collective",
     "CollectiveTotal",
+    "Fp8MatmulCost",
     "Fp8NotUsedWarning",
     "Fp8QuantizationStats",
     "Fp8TensorStats",
     "GpuSpec",
+    "KernelBound",
+    "KernelRoofline",
     "allow_compiling_without_gpu",
     "bytes_accessed",
     "check_fp8",
@@ -61,11 +71,14 @@ __all__ = [
     "collectives",
     "compile_with_partitioned_hlo",
     "cuda_plugin_available",
+    "fp8_matmul_cost",
     "fp8_quantization_stats",
+    "fp8_target",
     "gpu_spec",
     "gpu_target_device",
     "heavy_ops",
     "hlo_precision_report",
+    "kernel_roofline",
     "lowered_hlo_text",
     "on_device",
     "spec_for_device_kind",
