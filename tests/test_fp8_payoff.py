@@ -60,12 +60,16 @@ def test_bad_targets_and_sizes_are_refused_with_the_choices():
         jaxamp.diagnostics.fp8_matmul_cost(1024, 1024, 1024, "a100")
     with pytest.raises(ValueError, match=r"positive sizes; got m, k, n = 0, 16, 16"):
         jaxamp.diagnostics.fp8_matmul_cost(0, 16, 16, "h200")
-    with pytest.raises(ValueError, match=r"'h300'.*b200.*Or 'everywhere'"):
-        with jaxamp.diagnostics.fp8_target("h300"):
-            pass
-    with pytest.raises(ValueError, match=r"fp8_target\('v100'\).*no FP8 tensor cores.*'everywhere'"):
-        with jaxamp.diagnostics.fp8_target("v100"):
-            pass
+    with (
+        pytest.raises(ValueError, match=r"'h300'.*b200.*Or 'everywhere'"),
+        jaxamp.diagnostics.fp8_target("h300"),
+    ):
+        pass
+    with (
+        pytest.raises(ValueError, match=r"fp8_target\('v100'\).*no FP8 tensor cores.*'everywhere'"),
+        jaxamp.diagnostics.fp8_target("v100"),
+    ):
+        pass
 
 
 def test_the_target_is_the_blocks_inside_it_and_nothing_on_a_cpu_outside():
