@@ -66,7 +66,9 @@ class Fp8MatmulCost:
     """One matmul's training pass on paper, in FP8 and in its compute dtype.
 
     Attributes:
-        m, k, n: the product's rows, contracted size and columns.
+        m: the product's rows.
+        k: its contracted size.
+        n: its columns.
         target: the GPU's description.
         fp8_s: FP8 GEMMs plus the quantization passes, seconds.
         compute_dtype_s: the same three GEMMs in the compute dtype, seconds.
@@ -114,7 +116,9 @@ def fp8_matmul_cost(
         1.68
 
     Args:
-        m, k, n: the product's rows, contracted size and columns.
+        m: the product's rows (the lhs free dims).
+        k: its contracted size.
+        n: its columns (the rhs free dims).
         target: a name of `GPU_TARGETS` (or a `GpuSpec`) with FP8 peaks.
         operand_bytes: bytes per element of ``x`` and ``w`` as they reach
             the matmul (4 for float32 params read as such).
