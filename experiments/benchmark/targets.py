@@ -306,7 +306,14 @@ def _compile_and_record(
         workload.is_fp8_precision(precision)
         and "float8_e4m3fn" not in jaxamp.diagnostics.gpu_spec(target).peak_flops
     ):
-        budget.skip(work, f"the {target} has no FP8 tensor cores (Hopper and later have them: h100, h200)")
+        with_fp8 = [
+            name
+            for name, spec in jaxamp.diagnostics.GPU_TARGETS.items()
+            if "float8_e4m3fn" in spec.peak_flops
+        ]
+        budget.skip(
+            work, f"the {target} has no FP8 tensor cores (Hopper and later have them: {', '.join(with_fp8)})"
+        )
         return 0.0
     try:
         budget.require(work, compile_estimate)

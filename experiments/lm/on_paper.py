@@ -64,10 +64,12 @@ def gpt_size(name: str, d_model: int | None = None, layers: int | None = None) -
     """
     size = model_lib.SIZES[name]
     if d_model is not None:
-        if d_model % 64:
-            raise ValueError(f"--d-model {d_model} is not a multiple of 64 (heads of 64 dims).")
+        if d_model < 64 or d_model % 64:
+            raise ValueError(f"--d-model {d_model} is not a positive multiple of 64 (heads of 64 dims).")
         size = dataclasses.replace(size, d_model=d_model, num_heads=d_model // 64)
     if layers is not None:
+        if layers < 1:
+            raise ValueError(f"--layers {layers} is below 1.")
         size = dataclasses.replace(size, num_layers=layers)
     return size
 
@@ -315,9 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", default="gpt2", choices=list(model_lib.SIZES), help="model size")
     parser.add_argument(
-        "--d-model", type=int, default=None, help="width instead of the size's own (heads of 64 dims)"
+        "--d-model", type=int, default=None, help="width, heads of 64 dims (default: the model size's own)"
     )
-    parser.add_argument("--layers", type=int, default=None, help="depth instead of the size's own")
+    parser.add_argument("--layers", type=int, default=None, help="depth (default: the model size's own)")
     parser.add_argument(
         "--fp8-where",
         default="pays",
@@ -346,7 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     fp8_wheres = args.fp8_where.split(",")
     if any(where not in targets.FP8_WHERE for where in fp8_wheres):
         parser.error(f"--fp8-where {args.fp8_where!r}: choose from {', '.join(targets.FP8_WHERE)}")
-    size = gpt_size(args.model, args.d_model, args.layers)
+    try:
+        size = gpt_size(args.model, args.d_model, args.layers)
+    except ValueError as error:
+        parser.error(str(error))
     out_dir = args.out_dir or new_out_dir()
     command = "python -m experiments.lm.on_paper " + " ".join(sys.argv[1:] if argv is None else argv)
     entries = []
