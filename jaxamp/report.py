@@ -251,7 +251,7 @@ class PrecisionReport:
         if rows:
             lines += [
                 "",
-                f"{'FP8':<18} {'pass':<8} {'operands':<19} {'as':<24} {'ops':>4} {'GFLOPs':>9} {'share':>7}  why",
+                f"{'FP8':<18} {'pass':<8} {'operands':<19} {'as':<24} {'ops':>4} {'GFLOPs':>9} {'share':>7}  reason",
             ]
             for row in rows:
                 operands = " x ".join(dtype.removeprefix("float8_") for dtype in row.operand_dtypes)
