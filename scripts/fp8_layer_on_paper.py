@@ -39,14 +39,18 @@ from experiments.lm import on_paper
 VARIANTS = (("mixed_bf16", "pays"), ("mixed_float8", "pays"), ("mixed_float8", "everywhere"))
 
 
-def compile_layer(target: str, precision: str, fp8_where: str, d_model, heads, batch, sequence) -> dict:
+def compile_layer(
+    target: str, precision: str, fp8_where: str, d_model, heads, batch, sequence, attention="einsum"
+) -> dict:
     """The layer's train step compiled for `target`, with its bounds on paper."""
     spec = jaxamp.diagnostics.gpu_spec(target)
     device = jaxamp.diagnostics.gpu_target_device(spec)
-    layer = model_lib.Block(heads, "einsum", 1.0)
+    layer = model_lib.Block(heads, attention, 1.0)
+    # The params are the same for every attention; cuDNN's takes half operands only: init with einsum.
+    init_layer = model_lib.Block(heads, "einsum", 1.0)
     x = jax.ShapeDtypeStruct((batch, sequence, d_model), jnp.bfloat16)
     params = jax.eval_shape(
-        lambda: layer.init(jax.random.key(0), jnp.zeros((1, sequence, d_model)))["params"]
+        lambda: init_layer.init(jax.random.key(0), jnp.zeros((1, sequence, d_model)))["params"]
     )
     tx = optax.adamw(1e-4, b1=0.9, b2=0.95, weight_decay=0.1)
     opt_state = jax.eval_shape(tx.init, params)
@@ -83,6 +87,7 @@ def compile_layer(target: str, precision: str, fp8_where: str, d_model, heads, b
         "global_s": kernels.global_s,
         "per_kernel_s": kernels.per_kernel_s,
         "per_kernel_by_class_s": on_paper.kernel_classes(kernels),
+        "cudnn_attention_calls": text.count("__cudnn$fmha"),
     }
 
 
@@ -130,16 +135,22 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--sequence", type=int, default=2048)
+    parser.add_argument(
+        "--attention",
+        default="einsum",
+        choices=["einsum", "cudnn"],
+        help="einsum (default), or cudnn's fused attention (needs libcudnn importable)",
+    )
     args = parser.parse_args()
     shape = (
         f"d_model {args.d_model}, {args.heads} heads, FFN {4 * args.d_model}, sequence {args.sequence}, "
-        f"batch {args.batch}, one layer, einsum attention, AdamW, through autocast"
+        f"batch {args.batch}, one layer, {args.attention} attention, AdamW, through autocast"
     )
     command = "python " + " ".join(sys.argv)
     entries = []
     for precision, where in VARIANTS:
         entry = compile_layer(
-            args.target, precision, where, args.d_model, args.heads, args.batch, args.sequence
+            args.target, precision, where, args.d_model, args.heads, args.batch, args.sequence, args.attention
         )
         entries.append(entry)
         print({key: entry[key] for key in ("precision", "fp8_where", "global_s", "per_kernel_s")}, flush=True)
