@@ -82,6 +82,26 @@ def test_the_target_is_the_blocks_inside_it_and_nothing_on_a_cpu_outside():
     assert fp8_payoff.current_fp8_target() is None and not fp8_payoff.target_was_set()
 
 
+class _FakeDevice:
+    def __init__(self, platform, device_kind):
+        self.platform, self.device_kind = platform, device_kind
+
+
+@pytest.mark.parametrize(
+    "platform, device_kind, target",
+    [("gpu", "NVIDIA H200", "h200"), ("gpu", "NVIDIA B200", "b200"), ("gpu", "NVIDIA A100-SXM4-80GB", None),
+     ("gpu", "NVIDIA GeForce RTX 4090", None), ("tpu", "TPU v5 lite", None)],
+)  # fmt: skip
+def test_outside_a_block_the_target_is_the_default_devices_gpu_if_it_has_fp8(
+    monkeypatch, platform, device_kind, target
+):
+    """On an H200 or a B200 the device decides; a GPU without FP8 peaks, one jaxamp does not
+    know, or no GPU leaves FP8 everywhere. Fails if the device were not read."""
+    monkeypatch.setattr(jax, "devices", lambda *args: [_FakeDevice(platform, device_kind)])
+    expected = jaxamp.diagnostics.GPU_TARGETS[target] if target else None
+    assert fp8_payoff.current_fp8_target() is expected
+
+
 def _loss(x, w):
     return jnp.sum(jnp.square((x @ w).astype(jnp.float32)))
 
