@@ -65,6 +65,9 @@ FP8_BACKWARD_DTYPE = jnp.dtype(jnp.float8_e5m2)
 FP8_SCOPE_NAME = "jaxamp_fp8"
 """The `jax.named_scope` every FP8 GEMM is traced under (it names the op in compiled HLO)."""
 
+FP8_PAYS_SCOPE_NAME = "jaxamp_fp8_pays"
+"""An FP8 matmul that a target GPU judged faster in FP8 is traced under this scope too."""
+
 FP8_FALLBACK_SCOPE_PREFIX = "jaxamp_fp8_fallback_"
 """A fallback runs under ``jax.named_scope(FP8_FALLBACK_SCOPE_PREFIX + reason)``."""
 
@@ -90,6 +93,12 @@ FP8_FALLBACK_REASONS: Mapping[str, str] = types.MappingProxyType({
         "in bfloat16 on the saved FP8 operands."
     ),
     "ragged_dot": "a ragged (grouped) dot, which has no FP8 form here.",
+    "too_small_to_pay": (
+        "for its shape, the FP8 GEMMs plus their quantization passes are slower on paper than the "
+        "same GEMMs in the compute dtype on the target GPU (jaxamp.diagnostics.fp8_matmul_cost; the "
+        "target is jaxamp.diagnostics.fp8_target's, else the GPU run on). "
+        "fp8_target('everywhere') runs it in FP8 anyway."
+    ),
 })
 """Why an eligible-looking matmul or convolution did not run in FP8, by slug.
 

@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 
 _FP8_SCOPES = re.compile(r"(?<![\w])jaxamp_fp8(?:_fallback_(\w+))?(?![\w])")
+# jaxamp.fp8.FP8_PAYS_SCOPE_NAME: an FP8 matmul that a target GPU judged faster in FP8.
+_FP8_PAYS_SCOPE = re.compile(r"(?<![\w])jaxamp_fp8_pays(?![\w])")
 
 
 def fp8_scope(op_name: str) -> tuple[bool, str | None]:
@@ -101,6 +103,14 @@ class OpRecord:
         return fp8_scope(self.op_name)[1]
 
     @property
+    def fp8_reason(self) -> str:
+        """Why FP8 ran or not: a fallback's reason slug; ``pays`` for an FP8 op that a
+        target GPU judged faster in FP8 (`jaxamp.diagnostics.fp8_target`); else ``""``."""
+        if self.fallback_reason is not None:
+            return self.fallback_reason
+        return FP8_PAYS if self.is_fp8 and _FP8_PAYS_SCOPE.search(self.op_name) else ""
+
+    @property
     def fp8_status(self) -> str | None:
         """What happened to FP8 here, or None where FP8 was never in question.
 
@@ -120,6 +130,7 @@ class OpRecord:
 FP8_RAN = "fp8"
 FP8_FALLBACK = "fallback"
 FP8_MISSED = "requested, not fp8"
+FP8_PAYS = "pays"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +143,9 @@ class Fp8Row:
         operand_dtypes: dtypes of the two operands.
         primitive: the HLO opcode or library call
             (``__cublas$lt$matmul$f8``, ``__cudnn$convForwardGraph``, ``dot``).
-        reason: a fallback's reason slug (``shape_not_multiple_of_16``), else "".
+        reason: a fallback's reason slug (``shape_not_multiple_of_16``,
+            ``too_small_to_pay``); ``pays`` for FP8 that a target GPU judged
+            faster on paper (`OpRecord.fp8_reason`); else "".
         ops: how many ops.
         flops: their FLOPs.
     """
@@ -144,6 +157,14 @@ class Fp8Row:
     reason: str
     ops: int
     flops: int
+
+    @property
+    def why(self) -> str:
+        """The reason in words: ``kept in bfloat16: too small to pay``, ``pays on paper``, or ""."""
+        if self.status == FP8_FALLBACK:
+            dtype = max(self.operand_dtypes, key=lambda name: np.dtype(name).itemsize)
+            return f"kept in {dtype}: {self.reason.replace('_', ' ')}"
+        return "pays on paper" if self.reason == FP8_PAYS else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,11 +179,15 @@ class PrecisionReport:
             `jaxamp.autocast` has no rule for, and so runs in the dtypes
             they were traced with (empty for a report made from HLO text
             alone).
+        roofline: compiled for a GPU that jaxamp knows, the program's
+            bound on it kernel by kernel and as a whole
+            (`jaxamp.diagnostics.KernelRoofline`); else None.
     """
 
     ops: tuple[OpRecord, ...]
     compiled: bool = False
     without_rule: tuple[str, ...] = ()
+    roofline: Any = None
 
     def flops_by_dtype(self) -> dict[str, int]:
         """FLOPs of matmuls and convolutions per compute dtype."""
@@ -193,7 +218,7 @@ class PrecisionReport:
         groups: dict[tuple, list[OpRecord]] = collections.defaultdict(list)
         for op in self.ops:
             if op.fp8_status is not None:
-                key = (op.fp8_status, op.direction, op.operand_dtypes, op.primitive, op.fallback_reason or "")
+                key = (op.fp8_status, op.direction, op.operand_dtypes, op.primitive, op.fp8_reason)
                 groups[key].append(op)
         order = {FP8_RAN: 0, FP8_MISSED: 1, FP8_FALLBACK: 2}
         return tuple(
@@ -232,8 +257,16 @@ class PrecisionReport:
                 operands = " x ".join(dtype.removeprefix("float8_") for dtype in row.operand_dtypes)
                 lines.append(
                     f"{row.status:<18} {row.direction:<8} {operands:<19} {row.primitive:<24} {row.ops:>4} "
-                    f"{row.flops / 1e9:>9.4f} {row.flops / total:>7.1%}  {row.reason}".rstrip()
+                    f"{row.flops / 1e9:>9.4f} {row.flops / total:>7.1%}  {row.why}".rstrip()
                 )
+        if self.roofline is not None:
+            lines += [
+                "",
+                (
+                    f"on paper on {self.roofline.target}: {self.roofline.per_kernel_s * 1e3:.4g} ms summed "
+                    f"kernel by kernel, {self.roofline.global_s * 1e3:.4g} ms as one kernel (global roofline)"
+                ),
+            ]
         if self.without_rule:
             lines += ["", f"no autocast rule (run as traced): {', '.join(self.without_rule)}"]
         return "\n".join(lines)

@@ -94,6 +94,11 @@ def precision_report(
       float32 and this mode says so; for a GPU, even one compiled for without
       a GPU (`jaxamp.diagnostics.gpu_targets`), it shows the half-precision cuDNN calls,
       and the FP8 ones (`PrecisionReport.fp8_rows`, `jaxamp.diagnostics.check_fp8`).
+      Compiled for a GPU that jaxamp knows (`jaxamp.diagnostics.GPU_TARGETS`),
+      that GPU decides where ``mixed_float8`` runs FP8 (unless
+      `jaxamp.diagnostics.fp8_target` says otherwise around the call), and
+      the report carries the program's roofline kernel by kernel
+      (`PrecisionReport.roofline`).
 
     Pass a training step (or ``jax.value_and_grad`` of a loss) to see the
     backward pass too.
@@ -119,12 +124,17 @@ def precision_report(
     """
     # Keyword arguments are bound statically: flags such as ``train=False``
     # must stay Python values, not tracers.
+    if compiled:
+        from jaxamp.diagnostics import compiled_report
+
+        spec = compiled_report.gpu_spec_of(args)
+        with compiled_report.deciding_fp8_for(spec):
+            traced = jax.jit(functools.partial(fun, **kwargs)).trace(*args)
+        without_rule = primitives_without_rule(traced.jaxpr.jaxpr, rules_table())
+        report = compiled_report.compiled_precision_report(traced.lower(), spec)
+        return dataclasses.replace(report, without_rule=without_rule)
     traced = jax.jit(functools.partial(fun, **kwargs)).trace(*args)
     without_rule = primitives_without_rule(traced.jaxpr.jaxpr, rules_table())
-    if compiled:
-        from jaxamp.diagnostics.compiled_report import compiled_precision_report
-
-        return dataclasses.replace(compiled_precision_report(traced.lower()), without_rule=without_rule)
     records: list[OpRecord] = []
     _walk(traced.jaxpr.jaxpr, records)
     return PrecisionReport(tuple(records), without_rule=without_rule)

@@ -63,9 +63,11 @@ def test_compiled_for_an_h200_every_gemm_of_a_flax_mlp_under_mixed_float8_is_a_c
     x = jax.ShapeDtypeStruct((M, K), jnp.float32)
     variables = jax.eval_shape(model.init, jax.random.key(1), x)
     step = jax.value_and_grad(lambda variables, x: jnp.mean(model.apply(variables, x) ** 2))
-    report = jaxamp.precision_report(
-        step, *jaxamp.diagnostics.on_device((variables, x), device), compiled=True
-    )
+    # So small GEMMs do not pay on an H200: FP8 is forced to prove every call.
+    with jaxamp.diagnostics.fp8_target("everywhere"):
+        report = jaxamp.precision_report(
+            step, *jaxamp.diagnostics.on_device((variables, x), device), compiled=True
+        )
 
     gemms = [op for op in report.ops if op.primitive.startswith("__cublas")]
     assert len(gemms) == 5, report

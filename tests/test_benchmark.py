@@ -347,7 +347,9 @@ def test_a_half_precision_is_compiled_for_a_target_by_both_routes_with_memory_tr
         bytes_ratio = entry["bytes_accessed_per_step"] / fp32["bytes_accessed_per_step"]
         assert entry["bytes_ratio_to_fp32"] == bytes_ratio
         assert entry["roofline_epoch_s"] > 0
+        assert entry["roofline_per_kernel_epoch_s"] > 0
     table = "\n".join(targets.table_rows(results.data["targets"]))
+    assert "| epoch s bound on paper | epoch s bound per kernel |" in table
     assert "| NVIDIA H200 | resnet_tiny | mixed | autocast |" in table
     assert "| NVIDIA H200 | resnet_tiny | mixed | apply_policy |" in table
 
@@ -382,7 +384,7 @@ def test_bad_settings_are_refused_with_the_flag_to_change():
 
 @pytest.mark.parametrize(
     "flags, targets_compiled",
-    [(["--target", "h200"], ["h200"]), (["--target", "all"], ["v100", "a100", "h100", "h200"])],
+    [(["--target", "h200"], ["h200"]), (["--target", "all"], ["v100", "a100", "h100", "h200", "b200"])],
 )
 def test_the_target_flag_alone_compiles_for_those_gpus_and_runs_nothing_else(flags, targets_compiled):
     settings = resolve_settings(build_parser().parse_args(flags))

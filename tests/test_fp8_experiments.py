@@ -155,7 +155,7 @@ def test_fp8_gemms_are_bounded_at_the_fp8_peak_and_gpus_without_fp8_are_skipped_
     budget = Budget()
     results = Results(str(tmp_path), {"environment": {}})
     targets.run(["a100"], ["resnet_tiny"], ["mixed_float8"], 4, budget, results)
-    reason = "the a100 has no FP8 tensor cores (Hopper and later have them: h100, h200)"
+    reason = "the a100 has no FP8 tensor cores (Hopper and later have them: h100, h200, b200)"
     assert budget.skipped == [
         {"work": "target a100 resnet_tiny mixed_float8", "reason": reason},
         {"work": "target a100 resnet_tiny mixed_float8 autocast", "reason": reason},

@@ -235,7 +235,7 @@ def test_a_fallback_under_its_scope_is_a_row_with_its_reason_and_no_warning():
         assert jaxamp.diagnostics.check_fp8(report) == ()
     (row,) = report.fp8_rows()
     assert (row.status, row.reason, row.direction) == ("fallback", "shape_not_multiple_of_16", "forward")
-    assert str(report).endswith("100.0%  shape_not_multiple_of_16")
+    assert str(report).endswith("100.0%  kept in bfloat16: shape not multiple of 16")
 
 
 # ---- compiled for an H200 (needs the CUDA plugin) -------------------------------------------------
@@ -451,7 +451,8 @@ def test_compiled_for_an_h200_autocast_mixed_float8_proves_every_gemm_of_an_mlp_
     hidden activation's gradient (e4m3 with the e5m2 cotangent): five
     cuBLASLt FP8 calls, all of the matmul FLOPs, and no warning. Fails if
     autocast's FP8 scope stopped reaching the compiled program (no FP8 rows)
-    or if any GEMM ran wider (check_fp8 raises)."""
+    or if any GEMM ran wider (check_fp8 raises). Such small GEMMs would stay
+    bfloat16 on an H200 (too small to pay): FP8 is forced everywhere."""
 
     def loss(params, x):
         hidden = jax.nn.gelu(x @ params["w1"])
@@ -460,7 +461,8 @@ def test_compiled_for_an_h200_autocast_mixed_float8_proves_every_gemm_of_an_mlp_
     m, k, h, n = 32, 64, 128, 32
     params = {"w1": jax.ShapeDtypeStruct((k, h), jnp.float32), "w2": jax.ShapeDtypeStruct((h, n), jnp.float32)}
     args = jaxamp.diagnostics.on_device((params, jax.ShapeDtypeStruct((m, k), jnp.float32)), _h200())
-    report = jaxamp.precision_report(jax.grad(jaxamp.autocast(loss, "mixed_float8")), *args, compiled=True)
+    with jaxamp.diagnostics.fp8_target("everywhere"):
+        report = jaxamp.precision_report(jax.grad(jaxamp.autocast(loss, "mixed_float8")), *args, compiled=True)
     rows = {(row.status, row.direction, row.operand_dtypes): row.flops for row in report.fp8_rows()}
     assert rows == {
         ("fp8", "forward", ("float8_e4m3fn", "float8_e4m3fn")): 2 * m * k * h + 2 * m * h * n,

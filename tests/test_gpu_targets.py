@@ -37,6 +37,7 @@ def test_an_unknown_target_is_refused_with_the_valid_choices():
     [
         ("NVIDIA H100 80GB HBM3", "h100"),
         ("NVIDIA H200", "h200"),
+        ("NVIDIA B200", "b200"),
         ("Tesla V100-SXM2-16GB", "v100"),
         ("NVIDIA A100-SXM4-80GB", "a100"),
         ("cpu", None),

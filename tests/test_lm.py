@@ -286,6 +286,30 @@ def test_the_step_compiled_for_an_h200_runs_its_matmuls_in_bfloat16_with_a_roofl
     assert set(entry["matmul_flops_by_dtype"]) == {"bfloat16"}
     assert entry["memory"]["temp_bytes"] > 0 and entry["bytes_accessed_per_step"] > 0
     assert entry["roofline_step_s"] == max(entry["roofline_compute_s"], entry["roofline_memory_s"]) > 0
+    # The per-kernel bound, split by kind of kernel: no FP8 kernel under mixed_bf16.
+    by_class = entry["roofline_per_kernel_by_class_s"]
+    assert set(by_class) == {"other GEMMs", "other"}
+    assert entry["roofline_per_kernel_s"] > 0
+    assert sum(by_class.values()) == pytest.approx(entry["roofline_per_kernel_s"])
+
+
+def test_the_on_paper_table_sets_each_per_kernel_bound_against_mixed_bf16_of_the_same_model():
+    """No compile: two entries as `compile_for` writes them. Fails if the per-kernel
+    column or its speed-up over mixed_bf16 is missing, or FP8 everywhere is not named."""
+    from experiments.lm import on_paper
+
+    common = {
+        "model": "gpt2", "route": "autocast", "attention": "einsum", "memory": {"temp_bytes": 2**30},
+        "bytes_accessed_per_step": 1e9, "flops_per_step": 1e12, "matmul_flops_by_dtype": {"bfloat16": 1e12},
+        "fp8_share": 0.0, "roofline_step_s": 0.01, "roofline_compute_s": 0.005, "roofline_memory_s": 0.01,
+        "roofline_tokens_per_s": 1.0,
+    }  # fmt: skip
+    bf16 = {**common, "precision": "mixed_bf16", "roofline_per_kernel_s": 0.018}
+    fp8 = {**common, "precision": "mixed_float8", "fp8_where": "everywhere", "roofline_per_kernel_s": 0.012}
+    table = on_paper.markdown([bf16, fp8], "python -m experiments.lm.on_paper")
+    assert "| per-kernel ms/step | per kernel vs mixed_bf16 |" in table
+    assert "| gpt2 | mixed_bf16 | autocast |" in table and "| 18.00 | 1.00x |" in table
+    assert "| gpt2 | mixed_float8 (FP8 everywhere) | autocast |" in table and "| 12.00 | 1.50x |" in table
 
 
 @pytest.mark.parametrize("route", ["apply_policy", "autocast"])

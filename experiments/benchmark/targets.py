@@ -99,6 +99,8 @@ class CompiledStep:
         bytes_accessed: the step's memory traffic (`jaxamp.diagnostics.bytes_accessed`).
         bound: the roofline (`roofline.roofline`) at the target's peaks.
         compile_s: seconds the lowering and compilation took.
+        kernels: the same program's roofline kernel by kernel
+            (`jaxamp.diagnostics.kernel_roofline`).
     """
 
     compiled: Any
@@ -108,9 +110,14 @@ class CompiledStep:
     bytes_accessed: float
     bound: dict
     compile_s: float
+    kernels: Any = None
 
 
-def compile_step(step, arguments, precision: str, context, spec) -> CompiledStep:
+FP8_WHERE = ("pays", "everywhere")
+"""Where an FP8 precision runs FP8: only where the target says it pays (the default), or at every eligible matmul."""
+
+
+def compile_step(step, arguments, precision: str, context, spec, fp8_where: str = "pays") -> CompiledStep:
     """`step` (donating its first argument) compiled for `arguments` placed on a GPU target.
 
     Args:
@@ -119,8 +126,14 @@ def compile_step(step, arguments, precision: str, context, spec) -> CompiledStep
         precision: ``fp32``, ``tf32`` or a policy name: which peak each FLOP runs at.
         context: the precision's matmul-precision context manager.
         spec: the target's `jaxamp.diagnostics.GpuSpec`.
+        fp8_where: under an FP8 policy, ``pays`` (each matmul in FP8 only where it
+            pays on `spec`, as on that GPU) or ``everywhere``.
     """
-    with context:
+    if fp8_where not in FP8_WHERE:
+        raise ValueError(f"fp8_where={fp8_where!r}; choose one of {', '.join(FP8_WHERE)}.")
+    has_fp8 = "float8_e4m3fn" in spec.peak_flops
+    deciding = jaxamp.diagnostics.fp8_target(spec if fp8_where == "pays" and has_fp8 else "everywhere")
+    with context, deciding:
         start = time.perf_counter()
         lowered = jax.jit(step, donate_argnums=0).lower(*arguments)
         compiled = lowered.compile()
@@ -137,7 +150,13 @@ def compile_step(step, arguments, precision: str, context, spec) -> CompiledStep
     bound = roofline.roofline(
         roofline.flops_by_peak(precision, heavy_flops, total_flops), bytes_accessed, spec
     )
-    return CompiledStep(compiled, text, report, total_flops, bytes_accessed, bound, compile_s)
+    float32_peak = "float32" if precision == "fp32" else "tf32"
+    kernels = (
+        jaxamp.diagnostics.kernel_roofline(text, spec, float32_peak=float32_peak)
+        if has_fp8 or not report.fp8_fraction()
+        else None  # FP8 GEMMs on a GPU without FP8 peaks: no per-kernel bound
+    )
+    return CompiledStep(compiled, text, report, total_flops, bytes_accessed, bound, compile_s, kernels)
 
 
 def compile_for(
@@ -200,6 +219,9 @@ def compile_for(
         "roofline_memory_s": bound["memory_s"],
         "roofline_epoch_s": roofline.epoch_bound(bound["bound_s"], batch_size),
     }
+    if step.kernels is not None:
+        entry["roofline_per_kernel_s"] = step.kernels.per_kernel_s
+        entry["roofline_per_kernel_epoch_s"] = roofline.epoch_bound(step.kernels.per_kernel_s, batch_size)
     if fp8:
         entry["fp8"] = fp8_summary(report)
     return entry
@@ -284,7 +306,14 @@ def _compile_and_record(
         workload.is_fp8_precision(precision)
         and "float8_e4m3fn" not in jaxamp.diagnostics.gpu_spec(target).peak_flops
     ):
-        budget.skip(work, f"the {target} has no FP8 tensor cores (Hopper and later have them: h100, h200)")
+        with_fp8 = [
+            name
+            for name, spec in jaxamp.diagnostics.GPU_TARGETS.items()
+            if "float8_e4m3fn" in spec.peak_flops
+        ]
+        budget.skip(
+            work, f"the {target} has no FP8 tensor cores (Hopper and later have them: {', '.join(with_fp8)})"
+        )
         return 0.0
     try:
         budget.require(work, compile_estimate)
@@ -331,9 +360,9 @@ def table_rows(targets: dict) -> list[str]:
         (
             "| target | model | precision | route | temp MB | temp vs fp32 | bytes moved GB | bytes vs fp32 "
             "| half share of conv+matmul FLOPs | temp+arg+out MB | convolutions and matmuls by dtype "
-            "| cuDNN convolutions | compile s | epoch s bound on paper |"
+            "| cuDNN convolutions | compile s | epoch s bound on paper | epoch s bound per kernel |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for models in targets.values():
         for model, variants in models.items():
@@ -357,6 +386,7 @@ def table_rows(targets: dict) -> list[str]:
                     str(entry["cudnn_convolutions"]),
                     f"{entry['compile_s']:.1f}",
                     f"{entry['roofline_epoch_s']:.3f}",
+                    _fmt(entry.get("roofline_per_kernel_epoch_s"), ".3f"),
                 ]
                 rows.append("| " + " | ".join(cells) + " |")
     rows += [
@@ -365,7 +395,9 @@ def table_rows(targets: dict) -> list[str]:
             "Route: how the policy reaches the model (`apply_policy`, the recipe's, or `jaxamp.autocast` of "
             "the plain model's apply). Bytes moved: estimated from the optimized program's kernels "
             "(XLA's cost analysis is empty without the GPU); it includes one read of the whole uint8 "
-            "training set per step (the gather's operand), alike in every route."
+            "training set per step (the gather's operand), alike in every route. Epoch bound on paper: "
+            "the global roofline, max(FLOPs at peak, bytes at bandwidth) of the whole step; per kernel: "
+            "the sum of each kernel's own max (`jaxamp.diagnostics.kernel_roofline`), the tighter bound."
         ),
     ]
     return rows

@@ -57,16 +57,59 @@ HAND_CAST = "hand_cast"  # the anchor: params cast to bfloat16 at the step's ent
 GPT2_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64, as nanoGPT does
 
 
-def compile_for(target: str, config: LMConfig, vocab_size: int) -> dict[str, Any]:
-    """Compiles one train step for `target` and describes what it would run."""
+def gpt_size(name: str, d_model: int | None = None, layers: int | None = None) -> model_lib.GPTSize:
+    """A named size of `model_lib.SIZES`, its width and depth changed where given.
+
+    The heads keep GPT-2's 64 dims each (``d_model / 64`` heads).
+    """
+    size = model_lib.SIZES[name]
+    if d_model is not None:
+        if d_model < 64 or d_model % 64:
+            raise ValueError(f"--d-model {d_model} is not a positive multiple of 64 (heads of 64 dims).")
+        size = dataclasses.replace(size, d_model=d_model, num_heads=d_model // 64)
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"--layers {layers} is below 1.")
+        size = dataclasses.replace(size, num_layers=layers)
+    return size
+
+
+def size_label(name: str, size: model_lib.GPTSize) -> str:
+    """``gpt2`` for a named size as it is, else ``gpt2 d2048 l4``."""
+    if size == model_lib.SIZES[name]:
+        return name
+    return f"{name} d{size.d_model} l{size.num_layers}"
+
+
+def compile_for(
+    target: str,
+    config: LMConfig,
+    vocab_size: int,
+    size: model_lib.GPTSize | None = None,
+    fp8_where: str = "pays",
+) -> dict[str, Any]:
+    """Compiles one train step for `target` and describes what it would run.
+
+    Args:
+        target: a name of `jaxamp.diagnostics.GPU_TARGETS`.
+        config: the run's settings (its model names the size).
+        vocab_size: the vocabulary.
+        size: the model's shape, if not ``config.model``'s own (`gpt_size`).
+        fp8_where: under ``mixed_float8``, ``pays`` (FP8 where it pays on the
+            target, the default) or ``everywhere``.
+    """
     spec = jaxamp.diagnostics.gpu_spec(target)
     device = jaxamp.diagnostics.gpu_target_device(spec)
     precision = resolve_precision(config.precision)
-    context = config.sequence_length
+    size = size or model_lib.SIZES[config.model]
+    context = config.context or size.context
     hand_cast = config.route == HAND_CAST
     if hand_cast:  # the plain model, as the autocast route builds it
         config = dataclasses.replace(config, route="autocast")
     model, attention = train.create_model(config, precision, vocab_size, "gpu")
+    if size != model_lib.SIZES[config.model]:
+        plain = model_lib.GPT(vocab_size=vocab_size, size=size, attention=attention)
+        model = jaxamp.apply_policy(plain, precision.policy) if config.route == "apply_policy" else plain
     tx = train.create_optimizer(config)
     state = jax.eval_shape(lambda: train.create_train_state(config, precision, model, context, tx))
     windows = jax.ShapeDtypeStruct((config.batch_size, context + 1), jnp.int32)
@@ -76,7 +119,9 @@ def compile_for(target: str, config: LMConfig, vocab_size: int) -> dict[str, Any
     else:
         loss_fn = train.make_loss_fn(model.apply, config.route, precision.policy)
     step = train.make_train_step(loss_fn)
-    compiled_step = targets.compile_step(step, arguments, config.precision, precision.context(), spec)
+    compiled_step = targets.compile_step(
+        step, arguments, config.precision, precision.context(), spec, fp8_where=fp8_where
+    )
     compiled, text, compile_s = compiled_step.compiled, compiled_step.text, compiled_step.compile_s
     heavy_flops = compiled_step.report.flops_by_dtype()
     total_flops, bytes_accessed, bound = (
@@ -86,17 +131,21 @@ def compile_for(target: str, config: LMConfig, vocab_size: int) -> dict[str, Any
     )
     tokens = config.batch_size * context
     report = compiled_step.report
+    kernels = compiled_step.kernels
     return {
         "target": target,
         "device_kind": device.device_kind,
-        "model": config.model,
+        "model": size_label(config.model, size),
+        "d_model": size.d_model,
+        "num_layers": size.num_layers,
         "precision": config.precision,
+        "fp8_where": fp8_where if precision.policy.fp8_matmuls else None,
         "route": HAND_CAST if hand_cast else config.route,
         "attention": attention,
         "batch_size": config.batch_size,
         "context": context,
         "vocab_size": vocab_size,
-        "num_params": model_lib.num_params(model_lib.SIZES[config.model], vocab_size),
+        "num_params": model_lib.num_params(size, vocab_size),
         "compile_s": compile_s,
         "memory": memory_of(compiled),
         "matmul_flops_by_dtype": heavy_flops,
@@ -108,14 +157,37 @@ def compile_for(target: str, config: LMConfig, vocab_size: int) -> dict[str, Any
         "fp8_rows": [dataclasses.asdict(row) for row in report.fp8_rows()],
         "cudnn_attention_calls": text.count("__cudnn$fmha"),
         "flops_per_step": total_flops,
-        "analytic_flops_per_step": tokens
-        * model_lib.model_flops_per_token(model_lib.SIZES[config.model], vocab_size, context),
+        "analytic_flops_per_step": tokens * model_lib.model_flops_per_token(size, vocab_size, context),
         "bytes_accessed_per_step": bytes_accessed,
         "roofline_step_s": bound["bound_s"],
         "roofline_compute_s": bound["compute_s"],
         "roofline_memory_s": bound["memory_s"],
         "roofline_tokens_per_s": tokens / bound["bound_s"],
+        # The sum of each kernel's own bound (jaxamp.diagnostics.kernel_roofline), by kind of kernel.
+        "roofline_per_kernel_s": kernels.per_kernel_s,
+        "roofline_per_kernel_by_class_s": kernel_classes(kernels),
+        "gemm_flops_fp8_share": report.fp8_fraction(),
     }
+
+
+def kernel_class(kernel) -> str:
+    """``FP8 GEMMs``, ``other GEMMs``, ``FP8 quantization`` (kernels traced under
+    jaxamp's ``jaxamp_fp8`` scope outside a fallback: amaxes, scales, casts to
+    FP8, transposes of FP8 values) or ``other``."""
+    if kernel.flops:
+        return "FP8 GEMMs" if any(key.startswith("float8_") for key in kernel.flops) else "other GEMMs"
+    if "jaxamp_fp8" in kernel.op_name and "jaxamp_fp8_fallback" not in kernel.op_name:
+        return "FP8 quantization"
+    return "other"
+
+
+def kernel_classes(kernels) -> dict[str, float]:
+    """Seconds of the per-kernel bound by `kernel_class`."""
+    totals: dict[str, float] = {}
+    for kernel in kernels.kernels:
+        key = kernel_class(kernel)
+        totals[key] = totals.get(key, 0.0) + kernel.bound_s
+    return totals
 
 
 def hand_cast_loss(apply_fn, compute_dtype):
@@ -144,30 +216,54 @@ def markdown(entries: list[dict[str, Any]], command: str) -> str:
         f"Command: `{command}`",
         "",
         (
-            "| precision | route | attention | temp GiB | GB moved/step | GFLOP/step "
+            "| model | precision | route | attention | temp GiB | GB moved/step | GFLOP/step "
             "| half share of matmul FLOPs | FP8 share (fwd, bwd) | roofline ms/step (compute, memory) "
-            "| tokens/s bound |"
+            "| tokens/s bound | per-kernel ms/step | per kernel vs mixed_bf16 |"
         ),
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    baselines = {
+        (entry.get("model"), entry["route"]): entry["roofline_per_kernel_s"]
+        for entry in entries
+        if entry.get("precision") == "mixed_bf16" and "roofline_per_kernel_s" in entry
+    }
     for entry in entries:
         if "error" in entry:
             lines.append(
-                f"| {entry['precision']} | {entry['route']} | | compile failed: {entry['error']} | | | | | | |"
+                f"| {entry.get('model', '')} | {entry['precision']} | {entry['route']} | "
+                f"| compile failed: {entry['error']} | | | | | | | | |"
             )
             continue
         matmul = entry["matmul_flops_by_dtype"]
         half = sum(flops for dtype, flops in matmul.items() if dtype in ("float16", "bfloat16"))
         attention = entry["attention"] + (" (cudnn not compilable here)" if "attention_note" in entry else "")
+        per_kernel = entry.get("roofline_per_kernel_s")
+        baseline = baselines.get((entry.get("model"), entry["route"]))
         lines.append(
-            f"| {entry['precision']} | {entry['route']} | {attention} "
+            f"| {entry.get('model', '')} | {precision_label(entry)} | {entry['route']} | {attention} "
             f"| {entry['memory']['temp_bytes'] / 2**30:.2f} | {entry['bytes_accessed_per_step'] / 1e9:.1f} "
             f"| {entry['flops_per_step'] / 1e9:,.0f} | {half / max(1, sum(matmul.values())):.0%} "
             f"| {fp8_share(entry)} "
             f"| {entry['roofline_step_s'] * 1e3:.1f} ({entry['roofline_compute_s'] * 1e3:.1f}, "
-            f"{entry['roofline_memory_s'] * 1e3:.1f}) | {entry['roofline_tokens_per_s']:,.0f} |"
+            f"{entry['roofline_memory_s'] * 1e3:.1f}) | {entry['roofline_tokens_per_s']:,.0f} "
+            f"| {'' if per_kernel is None else f'{per_kernel * 1e3:.2f}'} "
+            f"| {'' if per_kernel is None or baseline is None else f'{baseline / per_kernel:.2f}x'} |"
         )
+    lines += [
+        "",
+        (
+            "Roofline: the global bound, max(FLOPs at peak, bytes at bandwidth) over the whole step. Per kernel: "
+            "the sum over the optimized program's kernels of each one's max (`jaxamp.diagnostics.kernel_roofline`; "
+            "matmul FLOPs only, element-wise arithmetic counted by its bytes). Per kernel vs mixed_bf16: the "
+            "speed-up on paper over the same model and route in mixed_bf16, above 1 where faster."
+        ),
+    ]
     return "\n".join(lines) + "\n" + fp8_lines(entries)
+
+
+def precision_label(entry: dict[str, Any]) -> str:
+    """The precision, with ``(FP8 everywhere)`` where FP8 was forced at every eligible matmul."""
+    return entry["precision"] + (" (FP8 everywhere)" if entry.get("fp8_where") == "everywhere" else "")
 
 
 def fp8_share(entry: dict[str, Any]) -> str:
@@ -185,9 +281,10 @@ def fp8_lines(entries: list[dict[str, Any]]) -> str:
     for entry in entries:
         for row in entry.get("fp8_rows", []):
             operands = " x ".join(dtype.removeprefix("float8_") for dtype in row["operand_dtypes"])
-            reason = f" ({row['reason']})" if row["reason"] else ""
+            reason = f" ({row['reason'].replace('_', ' ')})" if row["reason"] else ""
             lines.append(
-                f"| {entry['precision']} | {entry['route']} | {row['status']}{reason} | {row['direction']} "
+                f"| {entry.get('model', '')} | {precision_label(entry)} | {entry['route']} "
+                f"| {row['status']}{reason} | {row['direction']} "
                 f"| {operands} | `{row['primitive']}` | {row['ops']} | {row['flops'] / 1e9:,.1f} |"
             )
     if not lines:
@@ -199,8 +296,8 @@ def fp8_lines(entries: list[dict[str, Any]]) -> str:
             "compiled program):"
         ),
         "",
-        "| precision | route | outcome | pass | operands | as | ops | GFLOP/step |",
-        "|---|---|---|---|---|---|---:|---:|",
+        "| model | precision | route | outcome | pass | operands | as | ops | GFLOP/step |",
+        "|---|---|---|---|---|---|---|---:|---:|",
     ]
     return "\n".join(header + lines) + "\n"
 
@@ -219,6 +316,15 @@ def main(argv: list[str] | None = None) -> int:
         help="the GPU to compile for",
     )
     parser.add_argument("--model", default="gpt2", choices=list(model_lib.SIZES), help="model size")
+    parser.add_argument(
+        "--d-model", type=int, default=None, help="width, heads of 64 dims (default: the model size's own)"
+    )
+    parser.add_argument("--layers", type=int, default=None, help="depth (default: the model size's own)")
+    parser.add_argument(
+        "--fp8-where",
+        default="pays",
+        help="comma-separated, for mixed_float8: pays (FP8 only where it pays on the target) and/or everywhere",
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     parser.add_argument("--vocab-size", type=int, default=GPT2_VOCAB, help="vocabulary size (GPT-2's)")
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated precisions")
@@ -239,6 +345,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from experiments.lm.__main__ import new_out_dir
 
+    fp8_wheres = args.fp8_where.split(",")
+    if any(where not in targets.FP8_WHERE for where in fp8_wheres):
+        parser.error(f"--fp8-where {args.fp8_where!r}: choose from {', '.join(targets.FP8_WHERE)}")
+    try:
+        size = gpt_size(args.model, args.d_model, args.layers)
+    except ValueError as error:
+        parser.error(str(error))
     out_dir = args.out_dir or new_out_dir()
     command = "python -m experiments.lm.on_paper " + " ".join(sys.argv[1:] if argv is None else argv)
     entries = []
@@ -247,23 +360,37 @@ def main(argv: list[str] | None = None) -> int:
             if route == HAND_CAST and resolve_precision(precision).policy.compute_dtype == jnp.float32:
                 continue  # nothing to cast: the plain float32 step
             config = LMConfig(model=args.model, precision=precision, route=route, batch_size=args.batch_size)
-            try:
+            wheres = fp8_wheres if resolve_precision(precision).policy.fp8_matmuls else ["pays"]
+            for where in wheres:
                 try:
-                    entry = compile_for(args.target, config, args.vocab_size)
-                except RuntimeError as error:
-                    if "cuDNN" not in str(error):
-                        raise
-                    einsum = dataclasses.replace(config, attention="einsum")
-                    entry = compile_for(args.target, einsum, args.vocab_size)
-                    entry["attention_note"] = f"cudnn attention not compilable without cuDNN ({error})"
-            except Exception as error:  # noqa: BLE001 (a compile failure is a finding to record, not a crash)
-                entry = {"precision": precision, "route": route, "error": str(error).splitlines()[0][:200]}
-            entries.append(entry)
-            shown = ("precision", "route", "attention", "roofline_step_s", "error")
-            print({key: entry.get(key) for key in shown}, flush=True)
-            output.write_json(out_dir, {"command": command, "entries": entries})
-            table = markdown(entries, command)
-            write_text_atomically(f"{out_dir}/table.md", table)
+                    try:
+                        entry = compile_for(args.target, config, args.vocab_size, size, where)
+                    except RuntimeError as error:
+                        if "cuDNN" not in str(error):
+                            raise
+                        einsum = dataclasses.replace(config, attention="einsum")
+                        entry = compile_for(args.target, einsum, args.vocab_size, size, where)
+                        entry["attention_note"] = f"cudnn attention not compilable without cuDNN ({error})"
+                except Exception as error:  # noqa: BLE001 (a compile failure is a finding to record, not a crash)
+                    entry = {
+                        "model": size_label(args.model, size),
+                        "precision": precision,
+                        "route": route,
+                        "error": str(error).splitlines()[0][:200],
+                    }
+                entries.append(entry)
+                shown = (
+                    "precision",
+                    "route",
+                    "attention",
+                    "roofline_step_s",
+                    "roofline_per_kernel_s",
+                    "error",
+                )
+                print({key: entry.get(key) for key in shown}, flush=True)
+                output.write_json(out_dir, {"command": command, "entries": entries})
+                table = markdown(entries, command)
+                write_text_atomically(f"{out_dir}/table.md", table)
     print(table)
     print(f"results written to {out_dir}")
     return 0

@@ -13,10 +13,15 @@ load it). One module per job:
 * `fp8_stats`: `fp8_quantization_stats`, how FP8 operands quantized;
 * `gpu_targets`: `GPU_TARGETS`, `GpuSpec`, `gpu_target_device`,
   `on_device`: deviceless compilation for NVIDIA GPUs;
-* `collectives`: the collectives of a partitioned program and their bytes;
 * `overflow`: why a step was skipped: `NonFiniteGradients` (the gradient
   leaves), `OverflowRecord` (the first matmul or convolution that
-  overflowed, forward or backward), `record_overflow`.
+  overflowed, forward or backward), `record_overflow`;
+* `roofline`: `kernel_roofline`, a compiled program's bound on a
+  GPU summed kernel by kernel, beside the global one;
+* `fp8_payoff`: `fp8_matmul_cost`, whether FP8 pays for one matmul's shape
+  on a GPU, and `fp8_target`, the GPU that decides where ``mixed_float8``
+  runs FP8;
+* `collectives`: the collectives of a partitioned program and their bytes.
 
 Examples:
     >>> device = jaxamp.diagnostics.gpu_target_device("h200")
@@ -34,6 +39,7 @@ from jaxamp.diagnostics.collectives import (
 )
 from jaxamp.diagnostics.compiled_report import hlo_precision_report
 from jaxamp.diagnostics.fp8_check import Fp8NotUsedWarning, check_fp8
+from jaxamp.diagnostics.fp8_payoff import Fp8MatmulCost, fp8_matmul_cost, fp8_target
 from jaxamp.diagnostics.fp8_stats import Fp8QuantizationStats, Fp8TensorStats, fp8_quantization_stats
 from jaxamp.diagnostics.gpu_targets import (
     GPU_TARGETS,
@@ -54,6 +60,7 @@ from jaxamp.diagnostics.overflow import (
     nonfinite_grads_of,
     record_overflow,
 )
+from jaxamp.diagnostics.roofline import KernelBound, KernelRoofline, kernel_roofline
 from jaxamp.fp8 import FP8_FALLBACK_REASONS
 
 __all__ = [
@@ -62,10 +69,13 @@ __all__ = [
     "Collective",
     "CollectiveTotal",
     "FirstOverflow",
+    "Fp8MatmulCost",
     "Fp8NotUsedWarning",
     "Fp8QuantizationStats",
     "Fp8TensorStats",
     "GpuSpec",
+    "KernelBound",
+    "KernelRoofline",
     "NonFiniteGradients",
     "OverflowRecord",
     "OverflowSite",
@@ -76,11 +86,14 @@ __all__ = [
     "collectives",
     "compile_with_partitioned_hlo",
     "cuda_plugin_available",
+    "fp8_matmul_cost",
     "fp8_quantization_stats",
+    "fp8_target",
     "gpu_spec",
     "gpu_target_device",
     "heavy_ops",
     "hlo_precision_report",
+    "kernel_roofline",
     "lowered_hlo_text",
     "nonfinite_grads_of",
     "on_device",

@@ -11,16 +11,51 @@ that shows the half-precision cuDNN calls and the FP8 ones
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
-from jaxamp.diagnostics import hlo_report
+import jax
+
+from jaxamp.diagnostics import fp8_payoff, hlo_report
+from jaxamp.diagnostics.gpu_targets import GpuSpec, spec_for_device_kind
+from jaxamp.diagnostics.roofline import kernel_roofline
 from jaxamp.report import OpRecord, PrecisionReport, fp8_scope
 
 
-def compiled_precision_report(lowered: Any) -> PrecisionReport:
-    """The `PrecisionReport` of a lowered program, compiled (``jax.jit(f).lower(*args)``)."""
-    return hlo_precision_report(lowered.compile().as_text(), hlo_report.lowered_hlo_text(lowered))
+def gpu_spec_of(args: Any) -> GpuSpec | None:
+    """The `GpuSpec` of the GPU the first placed leaf of `args` is on, if jaxamp knows it."""
+    for leaf in jax.tree.leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None:
+            continue
+        device = next(iter(sharding.device_set))
+        return spec_for_device_kind(device.device_kind) if device.platform == "gpu" else None
+    return None
+
+
+@contextlib.contextmanager
+def deciding_fp8_for(spec: GpuSpec | None) -> Iterator[None]:
+    """`fp8_payoff.fp8_target(spec)` inside the block, unless the caller set a target or `spec` has no FP8."""
+    if spec is None or fp8_payoff.target_was_set() or "float8_e4m3fn" not in spec.peak_flops:
+        yield
+        return
+    with fp8_payoff.fp8_target(spec):
+        yield
+
+
+def compiled_precision_report(lowered: Any, spec: GpuSpec | None = None) -> PrecisionReport:
+    """The `PrecisionReport` of a lowered program, compiled (``jax.jit(f).lower(*args)``).
+
+    With `spec`, the report's `roofline` is the program's on that GPU
+    (`jaxamp.diagnostics.kernel_roofline`).
+    """
+    text = lowered.compile().as_text()
+    report = hlo_precision_report(text, hlo_report.lowered_hlo_text(lowered))
+    if spec is None:
+        return report
+    return dataclasses.replace(report, roofline=kernel_roofline(text, spec))
 
 
 def hlo_precision_report(hlo_text: str, lowered_hlo_text: str | None = None) -> PrecisionReport:

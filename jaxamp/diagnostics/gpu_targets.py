@@ -60,9 +60,9 @@ _CUDA_VERSION = (12, 8)
 class GpuSpec:
     """Published facts about one NVIDIA GPU.
 
-    Sources: NVIDIA's V100 (SXM2 32 GB), A100 (SXM4 40 GB), H100 (SXM5 80 GB)
-    and H200 (SXM 141 GB) datasheets and the CUDA C Programming Guide's table
-    of compute capabilities. Peak rates are dense (no structured sparsity),
+    Sources: NVIDIA's V100 (SXM2 32 GB), A100 (SXM4 40 GB), H100 (SXM5 80 GB),
+    H200 (SXM 141 GB) and B200 (HGX B200) datasheets and the CUDA C
+    Programming Guide's table of compute capabilities. Peak rates are dense (no structured sparsity),
     at boost clock; ``float32`` means the CUDA cores, ``tf32`` the tensor
     cores on float32 inputs.
 
@@ -195,12 +195,39 @@ GPU_TARGETS: Mapping[str, GpuSpec] = types.MappingProxyType({
     "h200": dataclasses.replace(
         _H100, description="NVIDIA H200", memory_bytes=141 * 10**9, memory_bandwidth=4.8e12
     ),
+    # Blackwell, one GPU of an HGX B200 board. NVIDIA's B200 datasheet (the HGX B200
+    # table) gives the 8-GPU board's tensor-core rates with sparsity: FP8 72 PFLOP/s,
+    # FP16/BF16 36 PFLOP/s, TF32 18 PFLOP/s, and FP32 600 TFLOP/s, 1.4 TB of HBM3e at
+    # 64 TB/s. Per GPU and dense (half the sparse rate): FP8 4.5, BF16 2.25, TF32 1.125
+    # PFLOP/s; FP32 75 TFLOP/s; 180 GB at 8 TB/s. Compute capability 10.0 and the
+    # per-SM figures from the CUDA C Programming Guide; 148 SMs, the boost clock and
+    # the L2 as CUDA's device query reports them for a B200.
+    "b200": GpuSpec(
+        description="NVIDIA B200",
+        compute_capability=(10, 0),
+        sm_count=148,
+        fp32_cores_per_sm=128,
+        boost_clock_ghz=1.965,
+        memory_bytes=180 * 10**9,
+        memory_bandwidth=8e12,
+        l2_cache_bytes=126 * _MIB,
+        shared_memory_per_sm=228 * 1024,
+        shared_memory_per_block_optin=227 * 1024,
+        peak_flops={
+            "float32": 75 * _TERA,
+            "tf32": 1125 * _TERA,
+            "float16": 2250 * _TERA,
+            "bfloat16": 2250 * _TERA,
+            "float8_e4m3fn": 4500 * _TERA,
+            "float8_e5m2": 4500 * _TERA,
+        },
+    ),
 })
 """The GPUs jaxamp describes, by target name (read-only)."""
 
 
 def gpu_spec(name: str) -> GpuSpec:
-    """The `GpuSpec` of a target name (``v100``, ``a100``, ``h100``, ``h200``)."""
+    """The `GpuSpec` of a target name (``v100``, ``a100``, ``h100``, ``h200``, ``b200``)."""
     key = name.strip().lower()
     if key not in GPU_TARGETS:
         raise ValueError(
@@ -213,7 +240,7 @@ def gpu_spec(name: str) -> GpuSpec:
 def spec_for_device_kind(device_kind: str) -> GpuSpec | None:
     """The `GpuSpec` whose GPU a real device's ``device_kind`` names, if known.
 
-    Matches on the model (``V100``, ``A100``, ``H100``, ``H200``) in the name,
+    Matches on the model (``V100``, ``A100``, ``H100``, ``H200``, ``B200``) in the name,
     so ``NVIDIA H100 80GB HBM3`` and ``NVIDIA H100 PCIe`` both find the H100
     (whose SXM figures then bound the PCIe card from above).
     """

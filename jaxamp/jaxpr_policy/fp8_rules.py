@@ -13,10 +13,19 @@ convolution runs in the compute dtype (the compute rule) under
 ``jax.named_scope("jaxamp_fp8_fallback_<reason>")``, with the reason one of
 `FP8_FALLBACK_REASONS`; so the compiled program names each op that was not
 FP8 and why. Integer dots run as traced (their scope says so too).
+
+FP8 only where it pays: where a target GPU decides (`jaxamp.diagnostics.fp8_target`
+around the trace, else the GPU the program runs on), an eligible
+``dot_general`` runs in FP8 only if `jaxamp.diagnostics.fp8_matmul_cost` says
+that its FP8 training pass, quantization included, is faster on paper than
+the compute dtype's; it is then traced under ``jaxamp_fp8_pays`` too, and
+otherwise falls back with the reason ``too_small_to_pay``. Without a target
+(a CPU, or ``fp8_target("everywhere")``) every eligible matmul runs in FP8.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +35,7 @@ import numpy as np
 from jaxamp.fp8 import (
     FP8_FALLBACK_REASONS,
     FP8_FALLBACK_SCOPE_PREFIX,
+    FP8_PAYS_SCOPE_NAME,
     fp8_convolution,
     fp8_dot_general,
 )
@@ -39,20 +49,61 @@ def _product(shape: Sequence[int], dims: Sequence[int]) -> int:
     return int(np.prod([shape[dim] for dim in dims], dtype=np.int64))
 
 
+def _matmul_sizes(equation) -> tuple[int, int, int]:
+    """``(M, N, K)`` of a ``dot_general`` without batch dims: lhs free, rhs free, contracted."""
+    (lhs_contract, rhs_contract), _ = equation.params["dimension_numbers"]
+    lhs_shape, rhs_shape = (atom.aval.shape for atom in equation.invars)
+    lhs_free = [dim for dim in range(len(lhs_shape)) if dim not in lhs_contract]
+    rhs_free = [dim for dim in range(len(rhs_shape)) if dim not in rhs_contract]
+    return _product(lhs_shape, lhs_free), _product(rhs_shape, rhs_free), _product(lhs_shape, lhs_contract)
+
+
 def dot_fallback_reason(equation) -> str | None:
     """Why `equation` (a ``dot_general``) cannot run as an FP8 dot, or None if it can."""
     if not all(is_floating(dtype) for dtype in traced_dtypes(equation.invars)):
         return "integer_operands"
-    (lhs_contract, rhs_contract), (lhs_batch, _) = equation.params["dimension_numbers"]
+    (_, (lhs_batch, _)) = equation.params["dimension_numbers"]
     if lhs_batch:
         return "batch_dims"
-    lhs_shape, rhs_shape = (atom.aval.shape for atom in equation.invars)
-    lhs_free = [dim for dim in range(len(lhs_shape)) if dim not in lhs_contract]
-    rhs_free = [dim for dim in range(len(rhs_shape)) if dim not in rhs_contract]
-    sizes = (_product(lhs_shape, lhs_free), _product(rhs_shape, rhs_free), _product(lhs_shape, lhs_contract))
-    if any(size % _MULTIPLE for size in sizes):
+    if any(size % _MULTIPLE for size in _matmul_sizes(equation)):
         return "shape_not_multiple_of_16"
     return None
+
+
+def fp8_payoff(equation, invals: Sequence[Any], compute_dtype) -> bool | None:
+    """Whether FP8 pays for an eligible `equation` on the current target; None without a target.
+
+    The target is `jaxamp.diagnostics.fp8_target`'s or the device's
+    (`jaxamp.diagnostics.fp8_payoff.current_fp8_target`); the cost,
+    `jaxamp.diagnostics.fp8_matmul_cost` of the matmul's sizes and its
+    operands' bytes per element as they reach it.
+    """
+    # Imported here: the diagnostics load only when an FP8 matmul is traced. The module
+    # itself, not the package, which imports the engine.
+    from jaxamp.diagnostics.fp8_payoff import (  # pylint: disable=import-outside-toplevel
+        current_fp8_target,
+        fp8_matmul_cost,
+    )
+
+    target = current_fp8_target()
+    if target is None:
+        return None
+    m, n, k = _matmul_sizes(equation)
+    operand_bytes = [np.dtype(value.dtype).itemsize for value in invals]
+    cost = fp8_matmul_cost(
+        m, k, n, target, operand_bytes=operand_bytes, compute_dtype=np.dtype(compute_dtype).name
+    )
+    return cost.pays
+
+
+def fp8_decision_key() -> str:
+    """What decides FP8 by shape now (the target's name, or "everywhere"): part of the
+    rewrite cache's key of an FP8 policy, so that a function traced under one target is
+    not reused under another."""
+    from jaxamp.diagnostics.fp8_payoff import current_fp8_target  # pylint: disable=import-outside-toplevel
+
+    target = current_fp8_target()
+    return "everywhere" if target is None else target.description
 
 
 def conv_fallback_reason(equation) -> str | None:
@@ -114,17 +165,21 @@ def fp8_dot_rule(observer: Callable | None = None) -> Rule:
 
     def rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
         reason = dot_fallback_reason(equation)
+        pays = None if reason is not None else fp8_payoff(equation, invals, context.compute_dtype)
+        if pays is False:
+            reason = "too_small_to_pay"
         if reason is not None:
             return _in_fallback_scope(reason, compute_rule)(context, equation, invals)
         lhs, rhs = invals
         # fp8_dot_general traces itself under the jaxamp_fp8 scope.
-        out = fp8_dot_general(
-            lhs,
-            rhs,
-            equation.params["dimension_numbers"],
-            preferred_element_type=context.compute_dtype,
-            _observer=observer,
-        )
+        with jax.named_scope(FP8_PAYS_SCOPE_NAME) if pays else contextlib.nullcontext():
+            out = fp8_dot_general(
+                lhs,
+                rhs,
+                equation.params["dimension_numbers"],
+                preferred_element_type=context.compute_dtype,
+                _observer=observer,
+            )
         return [out]
 
     return rule

@@ -16,7 +16,7 @@ from jax.extend.core import Primitive
 
 from jaxamp.jaxpr_policy.arguments import LeafOrigin, split_call
 from jaxamp.jaxpr_policy.context import Rule
-from jaxamp.jaxpr_policy.fp8_rules import fp8_rules
+from jaxamp.jaxpr_policy.fp8_rules import fp8_decision_key, fp8_rules
 from jaxamp.jaxpr_policy.interpreter import RewriteCache
 from jaxamp.jaxpr_policy.recorder import current_session
 from jaxamp.jaxpr_policy.registry import find
@@ -311,10 +311,13 @@ def make_autocast(
             changed = [None] * len(_arrays(attribute_changes))
             return [*pins, *call.state_output_dtypes(module_states), *changed]
 
+        static_key = call.static_key
+        if policy.fp8_matmuls and static_key is not None:
+            static_key = (static_key, fp8_decision_key())
         outputs, module_states, attribute_changes = rewrites.call(
             call.run,
             call.leaves,
-            call.static_key,
+            static_key,
             trace_dtypes=narrowed,
             output_dtypes=output_dtypes,
             session=current_session(),
