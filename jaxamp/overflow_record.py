@@ -173,12 +173,24 @@ class OverflowRecord:
         )
 
 
+_NAN_MARK = float(np.finfo(np.float32).max)
+
+
 def amax(value: Any) -> jax.Array:
     """The largest magnitude of `value` in float32: inf if it holds an inf, else NaN if it holds
     a NaN (an overflow's inf turns into NaNs where it meets its own negative or a zero); 0 if
-    it is empty."""
+    it is empty.
+
+    One reduction, which reads `value` once:
+
+    ```python
+    magnitude = abs(value) in float32, with each NaN replaced by float32's largest value
+    largest = max(magnitude)          # inf beats the mark, the mark beats any half value
+    amax = NaN if largest == mark else largest
+    ```
+    """
     if value.size == 0:
         return jnp.zeros([], jnp.float32)
-    magnitude = jnp.abs(value)
-    largest = jnp.max(magnitude).astype(jnp.float32)
-    return jnp.where(jnp.any(jnp.isinf(magnitude)), jnp.inf, largest)
+    magnitude = jnp.abs(value.astype(jnp.float32))
+    largest = jnp.max(jnp.where(jnp.isnan(magnitude), _NAN_MARK, magnitude))
+    return jnp.where(largest == _NAN_MARK, jnp.nan, largest)
