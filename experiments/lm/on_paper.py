@@ -38,18 +38,10 @@ import dataclasses
 import sys
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
-import jaxamp
-from experiments.benchmark import targets
-from experiments.benchmark.workload import memory_of
-from experiments.flags import HelpFormatter, output_directory
-from experiments.lm import model as model_lib
-from experiments.lm import output, train
-from experiments.lm.config import LMConfig
-from experiments.results import write_text_atomically
-from experiments.train import resolve_precision
+# Nothing heavy here: the flags are parsed before JAX or Flax load (in `main`, and in `compile_for`,
+# which imports them on use), so a mistyped flag is answered at once.
+from experiments.flags import GPU_TARGET_NAMES, HelpFormatter, output_directory
+from experiments.lm.config import SIZES, LMConfig
 
 PRECISIONS = ("fp32", "tf32", "mixed_bf16", "mixed", "mixed_float8")
 ROUTES = ("apply_policy", "autocast", "hand_cast")
@@ -59,6 +51,16 @@ GPT2_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64, as nanoGP
 
 def compile_for(target: str, config: LMConfig, vocab_size: int) -> dict[str, Any]:
     """Compiles one train step for `target` and describes what it would run."""
+    import jax  # pylint: disable=import-outside-toplevel  # on use: see the imports above
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+    import jaxamp  # pylint: disable=import-outside-toplevel
+    from experiments.benchmark import targets  # pylint: disable=import-outside-toplevel
+    from experiments.benchmark.workload import memory_of  # pylint: disable=import-outside-toplevel
+    from experiments.lm import model as model_lib  # pylint: disable=import-outside-toplevel
+    from experiments.lm import train  # pylint: disable=import-outside-toplevel
+    from experiments.train import resolve_precision  # pylint: disable=import-outside-toplevel
+
     spec = jaxamp.diagnostics.gpu_spec(target)
     device = jaxamp.diagnostics.gpu_target_device(spec)
     precision = resolve_precision(config.precision)
@@ -120,6 +122,9 @@ def compile_for(target: str, config: LMConfig, vocab_size: int) -> dict[str, Any
 
 def hand_cast_loss(apply_fn, compute_dtype):
     """The anchor's loss: float32 params cast to `compute_dtype` at entry, the plain model on them."""
+    import jax  # pylint: disable=import-outside-toplevel  # on use: see the imports above
+
+    from experiments.lm import train  # pylint: disable=import-outside-toplevel
 
     def loss_fn(params, windows):
         half = jax.tree.map(lambda param: param.astype(compute_dtype), params)
@@ -205,7 +210,16 @@ def fp8_lines(entries: list[dict[str, Any]]) -> str:
     return "\n".join(header + lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
+    """Runs the command with `argv` (default: the command line); returns the exit status.
+
+    Args:
+        argv: the flags.
+        entry_point: run as ``python -m experiments.lm.on_paper``: once the
+            flags are parsed, and before JAX starts, let the CUDA plugin
+            register quietly where no GPU is visible
+            (`jaxamp.diagnostics.allow_compiling_without_gpu`).
+    """
     parser = argparse.ArgumentParser(
         prog="python -m experiments.lm.on_paper",
         description="Compile the language model's train step for a GPU without one; write memory, "
@@ -215,10 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--target",
         default="h200",
-        choices=list(jaxamp.diagnostics.GPU_TARGETS),
+        choices=list(GPU_TARGET_NAMES),
         help="the GPU to compile for",
     )
-    parser.add_argument("--model", default="gpt2", choices=list(model_lib.SIZES), help="model size")
+    parser.add_argument("--model", default="gpt2", choices=list(SIZES), help="model size")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     parser.add_argument("--vocab-size", type=int, default=GPT2_VOCAB, help="vocabulary size (GPT-2's)")
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated precisions")
@@ -230,6 +244,16 @@ def main(argv: list[str] | None = None) -> int:
         help="where results.json and table.md go (default: runs/)",
     )
     args = parser.parse_args(argv)
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel  # after the flags: see the imports above
+
+    import jaxamp  # pylint: disable=import-outside-toplevel
+    from experiments.lm import output  # pylint: disable=import-outside-toplevel
+    from experiments.lm.__main__ import new_out_dir  # pylint: disable=import-outside-toplevel
+    from experiments.results import write_text_atomically  # pylint: disable=import-outside-toplevel
+    from experiments.train import resolve_precision  # pylint: disable=import-outside-toplevel
+
+    if entry_point:
+        jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
     if not jaxamp.diagnostics.cuda_plugin_available():
         print(
             "error: compiling for a GPU target needs the CUDA PJRT plugin of the installed JAX: "
@@ -237,8 +261,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    from experiments.lm.__main__ import new_out_dir
-
     out_dir = args.out_dir or new_out_dir()
     command = "python -m experiments.lm.on_paper " + " ".join(sys.argv[1:] if argv is None else argv)
     entries = []
@@ -270,5 +292,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
-    sys.exit(main())
+    sys.exit(main(entry_point=True))
