@@ -190,3 +190,17 @@ def test_a_model_or_part_already_under_a_policy_is_refused_naming_where_it_is(ma
         jaxamp.apply_policy(make(policied), "mixed_bfloat16")
 
     assert str(raised.value) == f"This NNX {where} {ALREADY}policy with overrides."
+
+
+def test_a_model_without_call_is_refused_naming_its_class():
+    class Encoder(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(4, 4, rngs=rngs)
+
+        def encode(self, x):
+            return self.dense(x)
+
+    with pytest.raises(TypeError) as raised:
+        jaxamp.apply_policy(Encoder(nnx.Rngs(0)), "mixed_float16")
+
+    assert str(raised.value) == "apply_policy needs an NNX model with a __call__ method; Encoder has none."
