@@ -154,6 +154,8 @@ def test_the_policy_model_and_its_scoped_layers_read_as_the_users_classes():
             original.__module__,
         )
     assert type(model).__qualname__.endswith("<locals>.LocalModel")
+    # Only the model and the layers whose policy differs from their holder's get a class of their own.
+    assert type(model.block.dense) is nnx.Linear and type(model.block.stack) is nnx.List
 
 
 class Holder(nnx.Module):
@@ -204,3 +206,23 @@ def test_a_model_without_call_is_refused_naming_its_class():
         jaxamp.apply_policy(Encoder(nnx.Rngs(0)), "mixed_float16")
 
     assert str(raised.value) == "apply_policy needs an NNX model with a __call__ method; Encoder has none."
+
+
+class WithStatistic(nnx.Module):
+    """A layer beside a float32 statistic of the module's own (not a normalization layer's)."""
+
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 4, rngs=rngs)
+        self.mean = nnx.BatchStat(jnp.zeros((4,)))
+
+    def __call__(self, x):
+        return self.dense(x) - self.mean[...]
+
+
+def test_only_params_take_the_param_dtype_and_the_modules_other_state_keeps_its_own():
+    """Fails if every floating variable is cast by its owner's policy: under ``bfloat16`` the
+    module's float32 running statistic would become bfloat16."""
+    model = jaxamp.apply_policy(WithStatistic(nnx.Rngs(0)), "bfloat16")
+
+    assert kernel_dtypes(model) == {"dense": BF16}
+    assert model.mean[...].dtype == F32
