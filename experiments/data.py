@@ -3,9 +3,9 @@
 Everything a training run needs from its data lives here, in two halves:
 
 * Host side, run once per run: `load_dataset` returns a `Dataset` of whole
-  uint8 numpy arrays, from TFDS (CIFAR-10), from the Debian IDX files
-  (Fashion-MNIST), or generated at random (`synthetic_dataset`, for timing and
-  offline runs).
+  uint8 numpy arrays, from TFDS (CIFAR-10; without TensorFlow, from its binary
+  archive), from the Debian IDX files (Fashion-MNIST), or generated at random
+  (`synthetic_dataset`, for timing and offline runs).
 * Device side, pure jax and jittable: `epoch_batches` shuffles indices,
   `augment` crops and flips uint8 images, `normalize` turns them into float32.
 
@@ -25,9 +25,14 @@ import contextlib
 import dataclasses
 import glob
 import gzip
+import hashlib
+import importlib.util
 import logging
 import os
+import shutil
 import socket
+import sys
+import tarfile
 import urllib.parse
 import urllib.request
 import zlib
@@ -49,6 +54,16 @@ _IMAGE_SHAPE = (32, 32, 3)
 
 _CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
 _CIFAR10_ARCHIVE = "cifar-10-binary.tar.gz"
+# The binary archive: per split, files of records of a label byte and the image's 1024 red,
+# 1024 green and 1024 blue bytes, row by row.
+_CIFAR10_FILES = {"train": tuple(f"data_batch_{n}.bin" for n in range(1, 6)), "test": ("test_batch.bin",)}
+_CIFAR10_RECORD_BYTES = 1 + 32 * 32 * 3
+# The archive's size and SHA-256, as TFDS registered them for _CIFAR10_URL (a test checks they agree).
+_CIFAR10_SIZE = 170_052_171
+_CIFAR10_SHA256 = "c4a38c50a1bc5f3a1c5537f2155ab9d68f9f25eb1ed8d9ddda3db29a59bca1dd"
+_DOWNLOAD_TIMEOUT_S = 60.0
+# The dependency group with TensorFlow, which TFDS needs to extract, prepare and read CIFAR-10.
+_TENSORFLOW_GROUP = "pip install --group tensorflow"
 _CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 _CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 _NETWORK_PROBE_TIMEOUT_S = 5.0
@@ -187,7 +202,13 @@ def synthetic_dataset(
 
 
 def _load_cifar10_tfds(data_dir: str | None) -> Dataset:
-    """Prepares CIFAR-10 with TFDS if needed, then reads both splits whole."""
+    """Prepares CIFAR-10 with TFDS if needed, then reads both splits whole.
+
+    Without TensorFlow, which TFDS needs for this, reads the binary archive
+    instead (`_load_cifar10_archive`).
+    """
+    if not tensorflow_installed():
+        return _load_cifar10_archive(data_dir)
     try:
         import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
     except ImportError as err:
@@ -270,15 +291,7 @@ def _prepare_cifar10(builder, manual_dir: str) -> None:
         builder.download_and_prepare(download_config=config)
     except tfds.download.download_manager.NonMatchingChecksumError as err:
         checked = archive if os.path.exists(archive) else "The downloaded archive"
-        raise DataUnavailableError(
-            f"{checked} is not the CIFAR-10 archive TFDS expects: its size or"
-            " checksum differs from the ones TFDS registered for"
-            f" {_CIFAR10_URL} (an interrupted download, or another file).\n"
-            "Ways forward:\n"
-            f"  1. Download {_CIFAR10_URL} again, replace the file, and rerun.\n"
-            "  2. Delete the file and run with network access; TFDS downloads it.\n"
-            "  3. Pass `--data synthetic` for timing or offline runs."
-        ) from err
+        raise DataUnavailableError(_wrong_archive_message(checked, by_tfds=True)) from err
     except Exception as err:  # pylint: disable=broad-except
         # TFDS reports a failed download through many exception types (requests,
         # urllib3, its own DownloadError, OSError); all mean the same to a user.
@@ -341,6 +354,154 @@ def _read_tfds_split(builder, split: str) -> tuple[np.ndarray, np.ndarray]:
 
     images, labels = tfds.as_numpy(builder.as_dataset(split=split, batch_size=-1, as_supervised=True))
     return images.astype(np.uint8), labels.astype(np.int32)
+
+
+def tensorflow_installed() -> bool:
+    """Whether TensorFlow can be imported here (checked without importing it).
+
+    TFDS needs it to extract CIFAR-10's archive, to encode its images while
+    preparing it, and to read the TFRecord files it prepares; it comes with
+    the experiments' ``tensorflow`` dependency group.
+    """
+    return importlib.util.find_spec("tensorflow") is not None
+
+
+def _load_cifar10_archive(data_dir: str | None) -> Dataset:
+    """CIFAR-10 read straight from its binary archive, where TensorFlow is not installed.
+
+    The data folder is TFDS's (`data_dir`, else ``$TFDS_DATA_DIR``, else
+    ``~/tensorflow_datasets``). The archive is the one placed in its
+    ``downloads/manual/``, or one an earlier run left in TFDS's download
+    cache; without either it is downloaded into ``downloads/manual/`` (after
+    a quick check that the host is reachable). Its size and SHA-256 must be
+    the ones TFDS registered. Nothing is prepared or written besides the
+    downloaded archive, and neither TensorFlow nor TFDS is imported.
+    """
+    if data_dir is not None:
+        _check_readable_folder(data_dir, "CIFAR-10", writable=True)
+    root = data_dir or os.environ.get("TFDS_DATA_DIR") or os.path.expanduser("~/tensorflow_datasets")
+    manual_dir = os.path.join(root, "downloads", "manual")
+    archive = _cifar10_archive_on_disk(root, manual_dir)
+    if archive is None and glob.glob(os.path.join(root, "cifar10", "*", "dataset_info.json")):
+        raise DataUnavailableError(
+            f"CIFAR-10 is prepared in the TFDS data dir {root} as TFRecord files, which"
+            " only TensorFlow reads, and TensorFlow is not installed.\n"
+            "Ways forward:\n"
+            f"  1. Install it (pip >= 25.1): {_TENSORFLOW_GROUP}\n"
+            f"  2. Download {_CIFAR10_URL}, place {_CIFAR10_ARCHIVE} in {manual_dir}, and rerun"
+            " (read without TensorFlow).\n"
+            "  3. Pass `--data synthetic` for timing or offline runs."
+        )
+    if archive is None:
+        archive = _download_cifar10(manual_dir)
+    _check_cifar10_archive(archive)
+    (train_images, train_labels), (test_images, test_labels) = _read_cifar10_archive(archive)
+    return Dataset(
+        name="cifar10",
+        train_images=train_images,
+        train_labels=train_labels,
+        test_images=test_images,
+        test_labels=test_labels,
+        num_classes=10,
+        mean=_CIFAR10_MEAN,
+        std=_CIFAR10_STD,
+    )
+
+
+def _cifar10_archive_on_disk(root: str, manual_dir: str) -> str | None:
+    """The archive placed in `manual_dir`, else the one in TFDS's download cache under `root`, else None."""
+    placed = os.path.join(manual_dir, _CIFAR10_ARCHIVE)
+    if os.path.isfile(placed):
+        return placed
+    cached = sorted(
+        path
+        for path in glob.glob(os.path.join(root, "downloads", "*cifar-10-binary*"))
+        if os.path.isfile(path) and not path.endswith(".INFO")
+    )
+    return cached[0] if cached else None
+
+
+def _download_cifar10(manual_dir: str) -> str:
+    """Downloads the archive to `manual_dir` (through a ``.part`` file, removed if it fails)."""
+    unreachable_reason = _unreachable_reason(_CIFAR10_URL)
+    if unreachable_reason:
+        raise DataUnavailableError(_cifar10_not_downloaded_message(manual_dir, unreachable_reason))
+    archive = os.path.join(manual_dir, _CIFAR10_ARCHIVE)
+    partial = archive + ".part"
+    print(f"Downloading {_CIFAR10_URL} (162 MiB) to {archive}", file=sys.stderr, flush=True)
+    try:
+        os.makedirs(manual_dir, exist_ok=True)
+        with (
+            urllib.request.urlopen(_CIFAR10_URL, timeout=_DOWNLOAD_TIMEOUT_S) as response,
+            open(partial, "wb") as out,
+        ):
+            shutil.copyfileobj(response, out, 1 << 20)
+    except OSError as err:  # urllib's URLError and HTTPError are OSErrors
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        reason = f"{type(err).__name__}: {_first_line(err)}"
+        raise DataUnavailableError(_cifar10_not_downloaded_message(manual_dir, reason)) from err
+    os.replace(partial, archive)
+    return archive
+
+
+def _cifar10_not_downloaded_message(manual_dir: str, reason: str) -> str:
+    archive = os.path.join(manual_dir, _CIFAR10_ARCHIVE)
+    return (
+        f"CIFAR-10 is not in {manual_dir} and could not be downloaded ({reason}).\n"
+        "Ways forward:\n"
+        f"  1. Run once with network access; CIFAR-10's archive (162 MiB) is downloaded to {archive}"
+        " and read from there.\n"
+        f"  2. Download {_CIFAR10_URL} elsewhere, place {_CIFAR10_ARCHIVE} in {manual_dir}, and rerun"
+        " (its checksum is checked).\n"
+        "  3. Pass `--data synthetic` for timing or offline runs (random images; accuracy means nothing)."
+    )
+
+
+def _wrong_archive_message(checked: str, *, by_tfds: bool) -> str:
+    """Advice for an archive of another size or checksum, found by TFDS or by `_check_cifar10_archive`."""
+    return (
+        f"{checked} is not the CIFAR-10 archive {'TFDS' if by_tfds else 'this project'} expects: its size or"
+        " checksum differs from the ones TFDS registered for"
+        f" {_CIFAR10_URL} (an interrupted download, or another file).\n"
+        "Ways forward:\n"
+        f"  1. Download {_CIFAR10_URL} again, replace the file, and rerun.\n"
+        f"  2. Delete the file and run with network access; {'TFDS downloads it' if by_tfds else 'it is downloaded'}.\n"
+        "  3. Pass `--data synthetic` for timing or offline runs."
+    )
+
+
+def _check_cifar10_archive(archive: str) -> None:
+    """Raises DataUnavailableError unless `archive` has the size and SHA-256 TFDS registered."""
+    digest = hashlib.sha256()
+    with open(archive, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    if os.path.getsize(archive) != _CIFAR10_SIZE or digest.hexdigest() != _CIFAR10_SHA256:
+        raise DataUnavailableError(_wrong_archive_message(archive, by_tfds=False))
+
+
+def _read_cifar10_archive(archive: str) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """((train images, labels), (test images, labels)) of the archive, HWC uint8 and int32, in file order."""
+    splits = []
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            members = {
+                os.path.basename(member.name): member for member in tar.getmembers() if member.isfile()
+            }
+            for files in _CIFAR10_FILES.values():
+                content = b"".join(tar.extractfile(members[name]).read() for name in files)
+                if not content or len(content) % _CIFAR10_RECORD_BYTES:
+                    raise ValueError(f"{len(content)} bytes, not whole records of {_CIFAR10_RECORD_BYTES}")
+                records = np.frombuffer(content, np.uint8).reshape(-1, _CIFAR10_RECORD_BYTES)
+                images = records[:, 1:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+                splits.append((np.ascontiguousarray(images), records[:, 0].astype(np.int32)))
+    except (OSError, EOFError, KeyError, ValueError, tarfile.TarError, zlib.error) as err:
+        raise DataUnavailableError(
+            f"{archive} cannot be read as CIFAR-10's archive ({type(err).__name__}: {_first_line(err)}). "
+            f"Download {_CIFAR10_URL} again, replace the file, and rerun; or pass `--data synthetic`."
+        ) from err
+    return tuple(splits)
 
 
 def _load_fashion_mnist(data_dir: str) -> Dataset:

@@ -17,6 +17,10 @@ import math
 import os
 from collections.abc import Callable
 
+# The keys of jaxamp.diagnostics.GPU_TARGETS, for the flags that name a GPU to compile for
+# (tests/test_command_startup.py checks they agree): importing jaxamp would load JAX first.
+GPU_TARGET_NAMES = ("v100", "a100", "h100", "h200", "b200")
+
 # What this process may do (also after seteuid), not what its real user may.
 _EFFECTIVE_IDS = os.access in os.supports_effective_ids
 

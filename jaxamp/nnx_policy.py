@@ -172,7 +172,7 @@ def apply_nnx_policy(module: nnx.Module, module_policies: ModulePolicies) -> nnx
     )
     for path, submodule in modules.items():
         policy, holder_policy = policies[path]
-        if path and policy != holder_policy:
+        if policy != holder_policy:  # the root's too, when its own class is overridden
             submodule.__class__ = _scoped_class(type(submodule), scope_of(policy))
     model.__class__ = _root_class(type(model), module_policies)
     return model

@@ -103,3 +103,16 @@ def needs_tensorflow_datasets():
     carrying only JAX, Flax and optax has none.
     """
     return pytest.importorskip("tensorflow_datasets", reason="preparing CIFAR-10 needs the experiments group")
+
+
+@pytest.fixture
+def needs_tensorflow(needs_tensorflow_datasets):
+    """Skips a test of TFDS preparing CIFAR-10 where TensorFlow, which TFDS needs for it, is absent.
+
+    It comes with the optional `tensorflow` dependency group, which CI installs; without it
+    CIFAR-10 is read from its archive (tests/test_data_without_tensorflow.py).
+    """
+    pytest.importorskip(
+        "tensorflow", reason="TFDS prepares CIFAR-10 with TensorFlow: pip install --group tensorflow"
+    )
+    return needs_tensorflow_datasets

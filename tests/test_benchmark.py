@@ -19,12 +19,12 @@ from experiments.benchmark import checks, loss_scale, output, roofline, targets,
 from experiments.benchmark.__main__ import (
     build_parser,
     resolve_settings,
-    run_sections,
 )
 from experiments.benchmark.__main__ import (
     main as benchmark_main,
 )
 from experiments.benchmark.results import Results
+from experiments.benchmark.sections import run_sections
 from experiments.models import create_model
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,13 +85,11 @@ def test_a_tiny_run_of_every_section_writes_its_fields_table_plots_and_exits_0_w
 @pytest.fixture
 def a_run_that_misses_a_timing_target(monkeypatch):
     """The benchmark with its sections stubbed out and one timed target missed."""
-    from experiments.benchmark import __main__ as benchmark_module
+    from experiments.benchmark import sections
 
-    monkeypatch.setattr(benchmark_module, "run_sections", lambda settings, budget, results: None)
+    monkeypatch.setattr(sections, "run_sections", lambda settings, budget, results: None)
     missed = {"check": "mlp: DynamicLossScale / NoOpLossScale", "value": 1.2, "target": "<= 1.10"}
-    monkeypatch.setattr(
-        benchmark_module.checks, "all_checks", lambda *args: [{**missed, "met": False, "timed": True}]
-    )
+    monkeypatch.setattr(checks, "all_checks", lambda *args: [{**missed, "met": False, "timed": True}])
 
 
 @pytest.mark.parametrize("flags, exit_code", [([], 0), (["--check"], 1)])

@@ -151,7 +151,7 @@ def write_fashion_mnist(directory, num_train=4, num_test=3, seed=0):
 
 
 def test_cifar10_archive_placed_by_hand_is_prepared_offline_and_read_exactly(
-    tmp_path, monkeypatch, offline, needs_tensorflow_datasets
+    tmp_path, monkeypatch, offline, needs_tensorflow
 ):
     manual_archive = tmp_path / "downloads" / "manual" / "cifar-10-binary.tar.gz"
     (train_images, train_labels), (test_images, test_labels) = write_cifar10_archive(manual_archive)
@@ -183,7 +183,7 @@ def test_cifar10_archive_placed_by_hand_is_prepared_offline_and_read_exactly(
 
 
 def test_cifar10_archive_left_in_the_download_cache_is_prepared_offline(
-    tmp_path, monkeypatch, offline, needs_tensorflow_datasets
+    tmp_path, monkeypatch, offline, needs_tensorflow
 ):
     # What an earlier run leaves when it downloads the archive and then stops
     # before preparing: the file under its TFDS cache name, with an INFO file.
@@ -480,7 +480,7 @@ def test_epoch_batches_rejects_impossible_batch_size(batch_size):
         data.epoch_batches(jax.random.key(0), 103, batch_size)
 
 
-def test_cifar10_without_tensorflow_datasets_says_how_to_get_it(monkeypatch):
+def test_cifar10_without_tensorflow_datasets_says_how_to_get_it(monkeypatch, needs_tensorflow):
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # makes the import fail
 
     with pytest.raises(data.DataUnavailableError, match="pip install -e . --group experiments") as error:

@@ -333,3 +333,35 @@ def test_the_summary_reads_the_cumulative_skip_counts_of_the_last_epoch_not_thei
     summary = summarize(epochs)
     assert summary["skipped_steps"] == 9 and summary["injected_nonfinite"] == 6
     assert summary["epochs"] == 3 and summary["final_state_checksum"] == "c3"
+
+
+def test_the_summary_is_the_median_of_each_figure_and_the_last_tested_epochs_accuracy():
+    """Four epochs, the last three tested (``--eval-every`` aside, as after a resume): times and
+    rates are medians (the train time over all four, the test time over the three tested), the
+    accuracy and loss the last ones recorded. Read whole, so that a key renamed, a median over the
+    wrong epochs or the accuracy of another epoch fails."""
+    epochs = [
+        {"epoch": 1, "train_time_s": 4.0, "images_per_s": 100.0, "train_loss": 2.3, "skipped_steps": 1},
+        {"epoch": 2, "train_time_s": 1.0, "images_per_s": 400.0, "train_loss": 1.9, "skipped_steps": 1,
+         "test_time_s": 0.5, "test_accuracy": 0.31},
+        {"epoch": 3, "train_time_s": 2.0, "images_per_s": 200.0, "train_loss": 1.5, "skipped_steps": 2,
+         "test_time_s": 0.6, "test_accuracy": 0.45},
+        {"epoch": 4, "train_time_s": 3.0, "images_per_s": 300.0, "train_loss": 1.2, "skipped_steps": 2,
+         "test_time_s": 0.9, "test_accuracy": 0.52},
+    ]  # fmt: skip
+
+    assert summarize(epochs) == {
+        "train_time_s": 2.5,
+        "test_time_s": 0.6,
+        "images_per_s": 250.0,
+        "final_test_accuracy": 0.52,
+        "final_train_loss": 1.2,
+        "skipped_steps": 2,
+        "injected_nonfinite": 0,
+        "final_state_checksum": None,
+        "epochs": 4,
+    }
+    untested = summarize(epochs[:1])
+    assert untested["test_time_s"] is None and untested["final_test_accuracy"] is None
+    assert untested["train_time_s"] == 4.0
+    assert summarize([]) == {}

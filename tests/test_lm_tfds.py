@@ -7,6 +7,8 @@ data set prepared on another machine and copied over: by name, from the
 files in ``--data-dir``.
 """
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -161,6 +163,28 @@ def test_a_registered_data_set_that_is_not_prepared_says_how_to_prepare_it(tmp_p
     assert "tfds:tiny_shakespeare: the data set is not prepared in the TFDS data dir" in error
     assert "tfds build tiny_shakespeare --data_dir DIR" in error and "never downloads" in error
     assert not (tmp_path / "downloads").exists()
+
+
+def test_a_tfrecord_data_set_without_tensorflow_exits_1_naming_the_group_and_the_array_record_way(
+    tmp_path, capsys, monkeypatch, needs_tensorflow
+):
+    """TFRecord files need TensorFlow, an optional group; ArrayRecord ones are read without it."""
+    data_dir = str(tmp_path / "tensorflow_datasets")
+    LmTestStory(data_dir=data_dir, file_format="tfrecord").download_and_prepare()
+    capsys.readouterr()  # TFDS's progress bars
+    # An import of TensorFlow fails, as where it is not installed.
+    monkeypatch.setitem(sys.modules, "tensorflow", None)
+    argv = ["--model", "tiny", "--data", "tfds:lm_test_story", "--data-dir", data_dir,
+            "--out-dir", str(tmp_path / "o")]  # fmt: skip
+
+    assert lm_cli.main([*argv, "--no-progress"]) == 1
+
+    error = capsys.readouterr().err
+    assert "--data tfds:lm_test_story: the data set is prepared in " in error
+    assert "as TFRecord files, which only TensorFlow reads" in error
+    assert "pip install --group tensorflow" in error
+    assert "tfds build lm_test_story --file_format=array_record --data_dir DIR" in error
+    assert "Traceback" not in error and len(error.strip().splitlines()) == 1
 
 
 def test_the_vocabulary_of_a_tfds_data_set_is_bytes():

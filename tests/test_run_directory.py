@@ -58,6 +58,29 @@ def test_files_written_atomically_are_readable_by_others_as_open_would_write_the
     assert mode(path) == mode(tmp_path / "plain.txt") == 0o644
 
 
+def test_an_atomic_write_is_renamed_from_beside_its_file_and_a_failed_one_leaves_the_old_file_alone(
+    tmp_path, monkeypatch
+):
+    """The temporary file is made in the target's folder (a rename is atomic only within one file
+    system), and a write that fails mid-way raises its own error, leaves the previous file as it
+    was and no temporary file behind."""
+    path = tmp_path / "results" / "results.json"
+    write_text_atomically(str(path), "old\n")
+    renamed = []
+    real_replace = os.replace
+    monkeypatch.setattr(
+        os, "replace", lambda source, target: renamed.append(source) or real_replace(source, target)
+    )
+
+    write_text_atomically(str(path), "new\n")
+    with pytest.raises(UnicodeEncodeError):
+        write_text_atomically(str(path), "half \udc80 written\n")  # a lone surrogate cannot be encoded
+
+    assert [os.path.dirname(source) for source in renamed] == [str(path.parent)]
+    assert path.read_text() == "new\n"
+    assert os.listdir(path.parent) == ["results.json"]
+
+
 def test_runs_are_ignored_by_git():
     ignored = subprocess.run(
         ["git", "check-ignore", "-q", "runs/compare-20261201-083000/results.json"], check=False, cwd=REPO_ROOT

@@ -9,25 +9,17 @@ import shlex
 import sys
 import time
 
-import jax
-
-import jaxamp
-from experiments import train
-from experiments.benchmark import (
-    checks,
-    loss_scale,
-    output,
-    pipeline,
-    targets,
-    throughput,
-    torch_amp,
-    workload,
+# Nothing heavy here: the flags are parsed before JAX, Flax or PyTorch load (in `main`), so a
+# mistyped flag is answered at once.
+from experiments.config import MODEL_NAMES
+from experiments.flags import (
+    GPU_TARGET_NAMES,
+    HelpFormatter,
+    comma_list,
+    output_directory,
+    positive_float,
+    positive_int,
 )
-from experiments.benchmark.budget import Budget, SkipWork
-from experiments.benchmark.results import Results
-from experiments.flags import HelpFormatter, comma_list, output_directory, positive_float, positive_int
-from experiments.models import MODELS
-from experiments.results import run_directory, write_text_atomically
 
 SECTIONS = ("throughput", "loss_scale", "pipeline", "torch", "targets")
 PRECISIONS = ("fp32", "tf32", "mixed", "mixed_bf16")
@@ -46,7 +38,6 @@ QUICK = {
 }
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.benchmark",
@@ -54,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         "input pipeline, PyTorch AMP, GPU targets compiled without a GPU.",
         formatter_class=HelpFormatter,
     )
-    models = sorted(MODELS)
+    models = list(MODEL_NAMES)
 
     def default(key: str, full: object) -> str:
         return f"(default: {full}; with --quick: {QUICK[key]})"
@@ -118,9 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--target",
-        type=comma_list([*jaxamp.diagnostics.GPU_TARGETS, "all"]),
+        type=comma_list([*GPU_TARGET_NAMES, "all"]),
         default=None,
-        help=f"GPU targets to compile for without a GPU: {', '.join(jaxamp.diagnostics.GPU_TARGETS)} or all "
+        help=f"GPU targets to compile for without a GPU: {', '.join(GPU_TARGET_NAMES)} or all "
         "(default: none; h200 when --sections names targets)",
     )
     parser.add_argument(
@@ -170,7 +161,7 @@ def resolve_settings(args: argparse.Namespace) -> dict:
             value = [item.strip() for item in default.split(",")]
         settings[key] = default if value is None else value
     settings["targets"] = (
-        list(jaxamp.diagnostics.GPU_TARGETS) if args.target and "all" in args.target else (args.target or [])
+        list(GPU_TARGET_NAMES) if args.target and "all" in args.target else (args.target or [])
     )
     if args.sections:
         settings["sections"] = args.sections
@@ -194,6 +185,8 @@ def resolve_settings(args: argparse.Namespace) -> dict:
 
 def default_out_dir(args: argparse.Namespace, settings: dict) -> str:
     """A new run directory named for the kind of run: ``runs/benchmark-quick-<time>``, ..."""
+    from experiments.results import run_directory  # pylint: disable=import-outside-toplevel
+
     if settings["sections"] == ["targets"]:
         run = "targets-" + "-".join(settings["targets"])
     else:
@@ -201,130 +194,33 @@ def default_out_dir(args: argparse.Namespace, settings: dict) -> str:
     return run_directory(f"benchmark-{run}")
 
 
-class SectionRunner:
-    """Runs the chosen sections in the order given (most important first), under the budget."""
+def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
+    """Runs the benchmark with `argv` (default: the command line); returns the exit status.
 
-    def __init__(self, settings: dict, budget: Budget, results: Results):
-        self.settings, self.budget, self.results = settings, budget, results
-        self.data = None
-        self.built: dict[tuple[str, str], workload.Workload] = {}
-
-    def device_data(self) -> workload.DeviceSet:
-        if self.data is None:
-            self.data = workload.device_set(self.settings["num_train"])
-        return self.data
-
-    def pipeline_workload_key(self) -> tuple[str, str]:
-        precisions = self.settings["precisions"]
-        return self.settings["models"][0], "mixed" if "mixed" in precisions else precisions[0]
-
-    def throughput(self) -> None:
-        settings = self.settings
-        only_one = len(settings["models"]) == 1 and len(settings["precisions"]) == 1
-        estimate = 0.0
-        for model in settings["models"]:
-            estimate, built = throughput.run_model(
-                model,
-                settings["precisions"],
-                settings["batch_size"],
-                self.device_data(),
-                settings["rounds"],
-                settings["steps"],
-                self.budget,
-                self.results,
-                estimate,
-                only_workload_of_process=only_one,
-            )
-            key = self.pipeline_workload_key()
-            if model == key[0] and key[1] in built:
-                self.built[key] = built[key[1]]  # kept for the pipeline section; the others are freed
-
-    def _each_model(self, section: str, models: list[str], measure) -> None:
-        """Records ``measure(model)`` under ``results[section][model]`` while the budget lasts."""
-        for model in models:
-            _guarded(
-                self.budget,
-                f"{section} {model}",
-                lambda model=model: self.results.put((section, model), measure(model)),
-            )
-
-    def loss_scale(self) -> None:
-        settings = self.settings
-        self._each_model(
-            "loss_scale",
-            settings["loss_scale_models"],
-            lambda model: loss_scale.measure(
-                model, settings["loss_scale_batch_size"], settings["rounds"], settings["steps"]
-            ),
-        )
-
-    def pipeline(self) -> None:
-        model, precision = key = self.pipeline_workload_key()
-
-        def measure():
-            data = self.device_data()
-            item = self.built.get(key) or workload.build(model, precision, self.settings["batch_size"], data)
-            self.results.put(
-                ("pipeline",), pipeline.measure(item, data, self.settings["rounds"], self.settings["steps"])
-            )
-
-        _guarded(self.budget, f"pipeline {model} {precision}", measure)
-
-    def torch(self) -> None:
-        settings = self.settings
-        if not torch_amp.torch_available():
-            self.budget.skip("torch", "PyTorch is not installed here (it is optional)")
-            return
-        precisions = [p for p in settings["precisions"] if p in PRECISIONS]
-        num_train = min(settings["num_train"], 10_000)
-        self._each_model(
-            "torch",
-            settings["torch_models"],
-            lambda model: torch_amp.measure(
-                model, precisions, settings["batch_size"], settings["rounds"], settings["steps"], num_train
-            ),
-        )
-
-    def targets(self) -> None:
-        settings = self.settings
-        if not jaxamp.diagnostics.cuda_plugin_available():
-            self.budget.skip(
-                "targets", "the CUDA PJRT plugin is not installed (pip install 'jaxamp[gpu-aot]')"
-            )
-            return
-        targets.run(
-            settings["targets"],
-            settings["models"],
-            settings["precisions"],
-            settings["batch_size"],
-            self.budget,
-            self.results,
-        )
-
-
-def run_sections(settings: dict, budget: Budget, results: Results) -> None:
-    """Runs ``settings["sections"]`` in their order."""
-    runner = SectionRunner(settings, budget, results)
-    for section in settings["sections"]:
-        getattr(runner, section)()
-
-
-def _guarded(budget: Budget, work: str, fn) -> None:
-    """Runs `fn` if any budget is left; a section that runs out midway is listed as skipped."""
-    try:
-        budget.require(work, 0.0 if budget.remaining() > 0 else 1.0)
-        fn()
-    except SkipWork as skip:
-        budget.skip(work, str(skip))
-
-
-def main(argv: list[str] | None = None) -> int:
+    Args:
+        argv: the flags.
+        entry_point: run as ``python -m experiments.benchmark``: once the flags
+            are parsed, and before JAX starts, let the CUDA plugin register
+            quietly where no GPU is visible
+            (`jaxamp.diagnostics.allow_compiling_without_gpu`).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         settings = resolve_settings(args)
     except ValueError as err:
         parser.error(str(err))
+    import jax  # pylint: disable=import-outside-toplevel  # after the flags: see the imports above
+
+    import jaxamp  # pylint: disable=import-outside-toplevel
+    from experiments import train  # pylint: disable=import-outside-toplevel
+    from experiments.benchmark import checks, output, sections  # pylint: disable=import-outside-toplevel
+    from experiments.benchmark.budget import Budget  # pylint: disable=import-outside-toplevel
+    from experiments.benchmark.results import Results  # pylint: disable=import-outside-toplevel
+    from experiments.results import write_text_atomically  # pylint: disable=import-outside-toplevel
+
+    if entry_point:
+        jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
     for precision in settings["precisions"]:
         try:
             train.resolve_precision(precision)
@@ -359,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     try:
-        run_sections(settings, budget, results)
+        sections.run_sections(settings, budget, results)
     finally:
         results.put(("environment", "load_average_at_end"), os.getloadavg()[0])
         results.put(("environment", "wall_s"), time.monotonic() - budget.start)
@@ -384,5 +280,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
-    sys.exit(main())
+    sys.exit(main(entry_point=True))

@@ -24,6 +24,8 @@ import numpy as np
 
 from experiments.benchmark import timing
 
+# The precisions above, each with its PyTorch recipe; the torch section runs these of --precisions.
+PRECISIONS = ("fp32", "tf32", "mixed", "mixed_bf16")
 _UNIFORM_MEAN, _UNIFORM_STD = 0.5, 0.2898  # of uniform uint8 pixels, as experiments.data's synthetic set
 
 

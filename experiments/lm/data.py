@@ -228,7 +228,8 @@ def load_tfds_corpus(
     (training then reads the first 95%). Each split's examples are cut
     evenly between the processes (`tfds_share`) and each process reads only
     its part, with `tfds.data_source` where the files are ArrayRecord (no
-    TensorFlow needed) and `tfds.as_numpy` otherwise. The text feature of
+    TensorFlow needed) and `tfds.as_numpy` otherwise (TFRecord files, which
+    need TensorFlow: without it, an error says so first). The text feature of
     its examples, encoded as UTF-8 where TFDS returns str, is joined with
     newlines.
 
@@ -246,7 +247,10 @@ def load_tfds_corpus(
             "Install the experiments' dependencies (pip install -e . --group experiments), or use "
             "--data stdlib, which needs nothing."
         ) from error
-    from experiments.data import _without_tfds_unprepared_warnings  # pylint: disable=g-import-not-at-top
+    from experiments.data import (  # pylint: disable=g-import-not-at-top
+        _without_tfds_unprepared_warnings,
+        tensorflow_installed,
+    )
 
     where = (
         f"the TFDS data dir {data_dir!r}" if data_dir else "TFDS's default data dir (~/tensorflow_datasets)"
@@ -268,6 +272,13 @@ def load_tfds_corpus(
             raise DataUnavailableError(
                 f"--data tfds:{source.name}: the data set is not prepared in {where} (looked in "
                 f"{builder.data_dir}). {prepare}"
+            )
+        if builder.info.file_format != tfds.core.FileFormat.ARRAY_RECORD and not tensorflow_installed():
+            raise DataUnavailableError(
+                f"--data tfds:{source.name}: the data set is prepared in {builder.data_dir} as TFRecord "
+                "files, which only TensorFlow reads, and TensorFlow is not installed. Install it (pip "
+                "install --group tensorflow), or prepare the data set as ArrayRecord files, read without "
+                f"it (tfds build {source.name.split(':')[0]} --file_format=array_record --data_dir DIR)."
             )
     feature = _text_feature(builder, source, tfds)
     splits = builder.info.splits

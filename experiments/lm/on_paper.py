@@ -38,31 +38,24 @@ import dataclasses
 import sys
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
-import jaxamp
-from experiments.benchmark import targets
-from experiments.benchmark.workload import memory_of
-from experiments.flags import HelpFormatter, output_directory
-from experiments.lm import model as model_lib
-from experiments.lm import output, train
-from experiments.lm.config import LMConfig
-from experiments.results import write_text_atomically
-from experiments.train import resolve_precision
+# Nothing heavy here: the flags are parsed before JAX or Flax load (in `main`, and in `compile_for`,
+# which imports them on use), so a mistyped flag is answered at once.
+from experiments.flags import GPU_TARGET_NAMES, HelpFormatter, output_directory
+from experiments.lm.config import SIZES, GPTSize, LMConfig
 
 PRECISIONS = ("fp32", "tf32", "mixed_bf16", "mixed", "mixed_float8")
 ROUTES = ("apply_policy", "autocast", "hand_cast")
 HAND_CAST = "hand_cast"  # the anchor: params cast to bfloat16 at the step's entry
+FP8_WHERE = ("pays", "everywhere")  # experiments.benchmark.targets.FP8_WHERE, without its imports
 GPT2_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64, as nanoGPT does
 
 
-def gpt_size(name: str, d_model: int | None = None, layers: int | None = None) -> model_lib.GPTSize:
-    """A named size of `model_lib.SIZES`, its width and depth changed where given.
+def gpt_size(name: str, d_model: int | None = None, layers: int | None = None) -> GPTSize:
+    """A named size of `SIZES`, its width and depth changed where given.
 
     The heads keep GPT-2's 64 dims each (``d_model / 64`` heads).
     """
-    size = model_lib.SIZES[name]
+    size = SIZES[name]
     if d_model is not None:
         if d_model < 64 or d_model % 64:
             raise ValueError(f"--d-model {d_model} is not a positive multiple of 64 (heads of 64 dims).")
@@ -74,9 +67,9 @@ def gpt_size(name: str, d_model: int | None = None, layers: int | None = None) -
     return size
 
 
-def size_label(name: str, size: model_lib.GPTSize) -> str:
+def size_label(name: str, size: GPTSize) -> str:
     """``gpt2`` for a named size as it is, else ``gpt2 d2048 l4``."""
-    if size == model_lib.SIZES[name]:
+    if size == SIZES[name]:
         return name
     return f"{name} d{size.d_model} l{size.num_layers}"
 
@@ -85,7 +78,7 @@ def compile_for(
     target: str,
     config: LMConfig,
     vocab_size: int,
-    size: model_lib.GPTSize | None = None,
+    size: GPTSize | None = None,
     fp8_where: str = "pays",
 ) -> dict[str, Any]:
     """Compiles one train step for `target` and describes what it would run.
@@ -98,6 +91,16 @@ def compile_for(
         fp8_where: under ``mixed_float8``, ``pays`` (FP8 where it pays on the
             target, the default) or ``everywhere``.
     """
+    import jax  # pylint: disable=import-outside-toplevel  # on use: see the imports above
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+    import jaxamp  # pylint: disable=import-outside-toplevel
+    from experiments.benchmark import targets  # pylint: disable=import-outside-toplevel
+    from experiments.benchmark.workload import memory_of  # pylint: disable=import-outside-toplevel
+    from experiments.lm import model as model_lib  # pylint: disable=import-outside-toplevel
+    from experiments.lm import train  # pylint: disable=import-outside-toplevel
+    from experiments.train import resolve_precision  # pylint: disable=import-outside-toplevel
+
     spec = jaxamp.diagnostics.gpu_spec(target)
     device = jaxamp.diagnostics.gpu_target_device(spec)
     precision = resolve_precision(config.precision)
@@ -192,6 +195,9 @@ def kernel_classes(kernels) -> dict[str, float]:
 
 def hand_cast_loss(apply_fn, compute_dtype):
     """The anchor's loss: float32 params cast to `compute_dtype` at entry, the plain model on them."""
+    import jax  # pylint: disable=import-outside-toplevel  # on use: see the imports above
+
+    from experiments.lm import train  # pylint: disable=import-outside-toplevel
 
     def loss_fn(params, windows):
         half = jax.tree.map(lambda param: param.astype(compute_dtype), params)
@@ -302,7 +308,16 @@ def fp8_lines(entries: list[dict[str, Any]]) -> str:
     return "\n".join(header + lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
+    """Runs the command with `argv` (default: the command line); returns the exit status.
+
+    Args:
+        argv: the flags.
+        entry_point: run as ``python -m experiments.lm.on_paper``: once the
+            flags are parsed, and before JAX starts, let the CUDA plugin
+            register quietly where no GPU is visible
+            (`jaxamp.diagnostics.allow_compiling_without_gpu`).
+    """
     parser = argparse.ArgumentParser(
         prog="python -m experiments.lm.on_paper",
         description="Compile the language model's train step for a GPU without one; write memory, "
@@ -312,10 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--target",
         default="h200",
-        choices=list(jaxamp.diagnostics.GPU_TARGETS),
+        choices=list(GPU_TARGET_NAMES),
         help="the GPU to compile for",
     )
-    parser.add_argument("--model", default="gpt2", choices=list(model_lib.SIZES), help="model size")
+    parser.add_argument("--model", default="gpt2", choices=list(SIZES), help="model size")
     parser.add_argument(
         "--d-model", type=int, default=None, help="width, heads of 64 dims (default: the model size's own)"
     )
@@ -336,6 +351,16 @@ def main(argv: list[str] | None = None) -> int:
         help="where results.json and table.md go (default: runs/)",
     )
     args = parser.parse_args(argv)
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel  # after the flags: see the imports above
+
+    import jaxamp  # pylint: disable=import-outside-toplevel
+    from experiments.lm import output  # pylint: disable=import-outside-toplevel
+    from experiments.lm.__main__ import new_out_dir  # pylint: disable=import-outside-toplevel
+    from experiments.results import write_text_atomically  # pylint: disable=import-outside-toplevel
+    from experiments.train import resolve_precision  # pylint: disable=import-outside-toplevel
+
+    if entry_point:
+        jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
     if not jaxamp.diagnostics.cuda_plugin_available():
         print(
             "error: compiling for a GPU target needs the CUDA PJRT plugin of the installed JAX: "
@@ -343,11 +368,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    from experiments.lm.__main__ import new_out_dir
-
     fp8_wheres = args.fp8_where.split(",")
-    if any(where not in targets.FP8_WHERE for where in fp8_wheres):
-        parser.error(f"--fp8-where {args.fp8_where!r}: choose from {', '.join(targets.FP8_WHERE)}")
+    if any(where not in FP8_WHERE for where in fp8_wheres):
+        parser.error(f"--fp8-where {args.fp8_where!r}: choose from {', '.join(FP8_WHERE)}")
     try:
         size = gpt_size(args.model, args.d_model, args.layers)
     except ValueError as error:
@@ -397,5 +420,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
-    sys.exit(main())
+    sys.exit(main(entry_point=True))

@@ -1,0 +1,77 @@
+"""`apply_policy` on a linen model: every entry point Flax offers works under the policy.
+
+Written against mutants of `jaxamp/linen_policy.py` that passed the rest of
+the suite (docs/dev/fault-classes.md): ``init_with_output`` had no test at
+all, and a method named by ``method=`` lost its keyword arguments.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+
+F16, F32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
+X = jnp.linspace(-1.0, 1.0, 8 * 4, dtype=jnp.float32).reshape(8, 4)
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = nn.Dense(8, name="hidden")(x)
+        x = nn.BatchNorm(use_running_average=not train, name="norm")(x)
+        x = nn.Dropout(0.5, deterministic=not train)(nn.relu(x))
+        return nn.Dense(4, name="head")(x)
+
+    def encode(self, x, scale=1.0):
+        return scale * self.__call__(x)
+
+
+def dtypes(tree):
+    return jax.tree.map(lambda leaf: jnp.dtype(leaf.dtype), tree)
+
+
+KEY, DROPOUT_KEY = jax.random.key(0), jax.random.key(1)
+
+
+@pytest.mark.parametrize(
+    "rngs, apply_rngs",
+    [
+        (KEY, {"params": KEY}),
+        ({"params": KEY, "dropout": DROPOUT_KEY}, {"params": KEY, "dropout": DROPOUT_KEY}),
+    ],
+    ids=["a key", "a dict of keys"],
+)
+@pytest.mark.parametrize("policy, output_dtype", [("mixed_float16", F32), ("float16", F16)])
+def test_init_with_output_gives_the_policys_params_and_the_outputs_apply_gives(
+    rngs, apply_rngs, policy, output_dtype
+):
+    """In training mode, with dropout and a mutable collection named. Fails if ``init_with_output``
+    returns the wrapped model's own (float32) params, computes its outputs outside the policy, or
+    loses on the way its keys (a single key is the ``params`` stream, as in Flax), its keyword
+    arguments (``train``) or its ``mutable``."""
+    model = jaxamp.apply_policy(Net(), policy)
+
+    outputs, variables = model.init_with_output(rngs, X, train=True, mutable=["params", "batch_stats"])
+
+    param_dtype = jaxamp.get_policy(policy).param_dtype
+    assert set(jax.tree.leaves(dtypes(variables["params"]))) == {param_dtype}
+    assert set(jax.tree.leaves(dtypes(variables["batch_stats"]))) == {F32}
+    expected, _ = model.apply(variables, X, train=True, rngs=apply_rngs, mutable=["batch_stats"])
+    assert outputs.dtype == output_dtype
+    np.testing.assert_array_equal(outputs, expected)
+    assert np.count_nonzero(outputs == 0) < outputs.size  # dropout kept some units
+
+
+def test_a_method_named_by_method_gets_its_keyword_arguments():
+    """Fails if ``apply(..., method="encode", scale=...)`` drops ``scale`` on its way to the method."""
+    model = jaxamp.apply_policy(Net(), "mixed_float16")
+    variables = model.init(jax.random.key(0), X)
+
+    once = model.apply(variables, X, method="encode")
+    doubled = model.apply(variables, X, method="encode", scale=2.0)
+
+    assert once.dtype == doubled.dtype == F32
+    np.testing.assert_array_equal(doubled, 2.0 * once)
