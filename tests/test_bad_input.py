@@ -133,9 +133,9 @@ UPDATE_ROUNDINGS_NAMED = "Valid: nearest, stochastic, kahan"
     "main, argv",
     [
         (cifar.main, ["--precision", "p=bf16,update=sr"]),
-        (compare.main, ["--precisions", "fp32,p=bf16,update=sr"]),
-        (lm.main, ["--precisions", "fp32,p=bf16,update=sr"]),
-        (benchmark.main, ["--precisions", "fp32,p=bf16,update=sr"]),
+        (compare.main, ["--precisions", "fp32,update=sr"]),  # the list splits at commas
+        (lm.main, ["--precisions", "fp32,update=sr"]),  # the list splits at commas
+        (benchmark.main, ["--precisions", "fp32,update=sr"]),  # the list splits at commas
     ],
     ids=["cifar", "compare", "lm", "benchmark"],
 )
