@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -114,8 +115,9 @@ def memory(args) -> str:
                 "attention": step["attention"],
             }
         )
-        print(f"{name}: compiled in {rows[-1]['compile_s']:.0f} s", file=sys.stderr, flush=True)
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # each row as soon as it is measured
     base = rows[0]
+    xla_flags = f"XLA_FLAGS={os.environ['XLA_FLAGS']} " if os.environ.get("XLA_FLAGS") else ""
     lines = [
         (
             f"# bfloat16 master weights and AdamW state: the `{args.model}` LM ({base['num_params'] / 1e6:.1f}M "
@@ -124,7 +126,7 @@ def memory(args) -> str:
         ),
         "",
         (
-            f"Command: `JAX_PLATFORMS=cpu python scripts/bf16_optimizer_lm_cost.py memory "
+            f"Command: `{xla_flags}JAX_PLATFORMS=cpu python scripts/bf16_optimizer_lm_cost.py memory "
             f"--model {args.model} --target {args.target} --batch-size {args.batch_size} "
             f"--recipes {','.join(args.recipes)}`"
         ),
