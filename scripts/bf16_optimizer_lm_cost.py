@@ -116,13 +116,18 @@ def memory(args) -> str:
             }
         )
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # each row as soon as it is measured
+    return memory_table(rows, args, device.device_kind)
+
+
+def memory_table(rows: list[dict], args, device_kind: str) -> str:
+    """The memory part's Markdown, from its rows (as `memory` measures them, or read back from their JSON)."""
     base = rows[0]
     xla_flags = f"XLA_FLAGS={os.environ['XLA_FLAGS']} " if os.environ.get("XLA_FLAGS") else ""
     lines = [
         (
             f"# bfloat16 master weights and AdamW state: the `{args.model}` LM ({base['num_params'] / 1e6:.1f}M "
             "params) compiled "
-            f"for {device.device_kind}, on paper"
+            f"for {device_kind}, on paper"
         ),
         "",
         (
@@ -149,17 +154,14 @@ def memory(args) -> str:
         (
             "| recipe | params B/param | state B/param | params + state B/param | vs float32 master "
             "| + grads B/param | step arguments GiB | step temp GiB | step outputs GiB | step total GiB "
-            "| step GB moved | optimizer GB moved | optimizer vs nearest |"
+            "| step GB moved | optimizer GB moved | optimizer bytes vs float32 master |"
         ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    nearest = next((row for row in rows if row["name"] == "bfloat16_nearest"), None)
     for row in rows:
         n = row["num_params"]
         kept = (row["params"] + row["opt_state"]) / n
-        relative = (
-            f"{row['optimizer_bytes_moved'] / nearest['optimizer_bytes_moved']:.2f}x" if nearest else "n/a"
-        )
+        relative = row["optimizer_bytes_moved"] / base["optimizer_bytes_moved"]
         lines.append(
             f"| {RECIPES.get(row['name'], row['name'])} (`{row['name']}`) | {row['params'] / n:.2f} "
             f"| {row['opt_state'] / n:.2f} | {kept:.2f} "
@@ -167,7 +169,7 @@ def memory(args) -> str:
             f"| {(row['params'] + row['opt_state'] + row['grads']) / n:.2f} "
             f"| {row['step']['argument_bytes'] / GIB:.2f} | {row['step']['temp_bytes'] / GIB:.2f} "
             f"| {row['step']['output_bytes'] / GIB:.2f} | {row['step']['total_bytes'] / GIB:.2f} "
-            f"| {row['step_bytes_moved'] / 1e9:.1f} | {row['optimizer_bytes_moved'] / 1e9:.2f} | {relative} |"
+            f"| {row['step_bytes_moved'] / 1e9:.1f} | {row['optimizer_bytes_moved'] / 1e9:.2f} | {relative:.2f}x |"
         )
     lines += [
         "",
@@ -247,8 +249,17 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="gpt2", help="the experiments.lm model size (memory)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (memory)")
     parser.add_argument("--rounds", type=int, default=40, help="timing rounds (cpu-time)")
+    parser.add_argument(
+        "--rows", default=None, help="memory: write the table of these JSON rows, compile nothing"
+    )
     args = parser.parse_args(argv)
     args.recipes = args.recipes.split(",")
+    if args.rows:  # the table of rows measured by an earlier `memory` run (its stderr's JSON lines)
+        with open(args.rows, encoding="utf-8") as file:
+            rows = [json.loads(line) for line in file if line.startswith("{")]
+        args.recipes = [row["name"] for row in rows]
+        print(memory_table(rows, args, "NVIDIA H200" if args.target == "h200" else args.target), end="")
+        return 0
     print(memory(args) if args.part == "memory" else cpu_time(args), end="")
     return 0
 
