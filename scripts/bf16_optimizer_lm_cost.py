@@ -239,9 +239,39 @@ def cpu_time(args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def count(args) -> str:
+    """Bytes per parameter of params and optimizer state, from the abstract train state alone (no compile)."""
+    lines = [
+        (
+            f"Counted, not compiled: `JAX_PLATFORMS=cpu python scripts/bf16_optimizer_lm_cost.py count --model "
+            f"{args.model} --recipes {','.join(args.recipes)}` (`jax.eval_shape` of the recipe's train state)."
+        ),
+        "",
+        "| recipe | params B/param | state B/param | params + state B/param | vs float32 master |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    base = None
+    for name in args.recipes:
+        config = LMConfig(model=args.model, precision=name, batch_size=args.batch_size)
+        precision = resolve_precision(name)
+        model, _ = train.create_model(config, precision, on_paper.GPT2_VOCAB, "cpu")
+        tx = train.create_optimizer(config)
+        state = jax.eval_shape(
+            lambda: train.create_train_state(config, precision, model, config.sequence_length, tx)  # noqa: B023
+        )
+        n = sum(leaf.size for leaf in jax.tree.leaves(state.params))
+        kept = (tree_bytes(state.params) + tree_bytes(state.opt_state)) / n
+        base = base or kept
+        lines.append(
+            f"| `{name}` | {tree_bytes(state.params) / n:.2f} | {tree_bytes(state.opt_state) / n:.2f} "
+            f"| {kept:.2f} | {kept / base:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["memory", "cpu-time"])
+    parser.add_argument("part", choices=["memory", "cpu-time", "count"])
     parser.add_argument(
         "--recipes", default=",".join(RECIPES), help="comma-separated experiments.lm precisions"
     )
@@ -260,7 +290,8 @@ def main(argv=None) -> int:
         args.recipes = [row["name"] for row in rows]
         print(memory_table(rows, args, "NVIDIA H200" if args.target == "h200" else args.target), end="")
         return 0
-    print(memory(args) if args.part == "memory" else cpu_time(args), end="")
+    parts = {"memory": memory, "cpu-time": cpu_time, "count": count}
+    print(parts[args.part](args), end="")
     return 0
 
 
