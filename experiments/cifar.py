@@ -189,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=precision_arg,
         default="mixed",
         help="fp32 (true float32), tf32 (float32 at JAX's default matmul precision), or any jaxamp policy: "
-        "mixed, mixed_bf16, mixed_float8, bf16, 'p=f32,c=f16,o=f32', ... (default: %(default)s)",
+        "mixed, mixed_bf16, mixed_float8, bf16, bfloat16_kahan (bfloat16 params and optimizer state, "
+        "updates by Kahan summation; or _stochastic, _nearest), 'p=f32,c=f16,o=f32', ... (default: %(default)s)",
     )
     parser.add_argument(
         "--route",

@@ -27,6 +27,7 @@ KNOWN_PRECISIONS = (
     *FLOAT32_PRECISIONS,
     "float32", "mixed", "mixed_float16", "mixed_fp16", "mixed_bfloat16", "mixed_bf16",
     "float16", "fp16", "bfloat16", "bf16", "mixed_float8", "mixed_fp8",
+    "bfloat16_nearest", "bfloat16_stochastic", "bfloat16_kahan", "bf16_nearest", "bf16_stochastic", "bf16_kahan",
 )  # fmt: skip
 
 

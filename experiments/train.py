@@ -8,7 +8,9 @@ Read top to bottom, this is the whole recipe:
    `jaxamp.apply_policy` (or, with ``--route autocast``, `jaxamp.autocast`
    of the plain model's ``apply``: `resolve_route`) and builds a
    `jaxamp.TrainState` with SGD (Nesterov momentum, weight decay, warm-up
-   and cosine decay) and the policy's loss scale.
+   and cosine decay) and the policy's loss scale; a policy that names an
+   update rounding (``bfloat16_kahan``) keeps params and momentum in bfloat16
+   through `jaxamp.low_precision_optimizer`.
 3. `train_step` gathers, augments and normalizes a batch on the device,
    differentiates through the loss scale with
    `jaxamp.scaled_value_and_grad` (over ``--grad-accum`` micro-batches), and
@@ -59,6 +61,7 @@ from experiments.results import (  # also re-exported from here for compare and 
     summarize,
     write_json_atomically,
 )
+from jaxamp.low_precision_optimizer import optimizer_for_policy
 
 # TrainConfig, ROUTES, parse_loss_scale and validate_rate live in experiments.config (no JAX), so
 # the command answers a bad flag before JAX loads; callers may still take them from here.
@@ -208,10 +211,13 @@ def create_train_state(
         apply_fn = model.apply
     sample = jnp.zeros((1, 32, 32, 3), jnp.float32)
     variables = jax.jit(lambda rng: model.init(rng, sample, train=False))(jax.random.key(config.seed))
+    params = variables["params"]
+    if precision.policy.update_rounding is not None:  # the wrapper stores params in the policy's dtype
+        params = precision.policy.cast_to_param(params)
     return jaxamp.TrainState.create(
         apply_fn=apply_fn,
-        params=variables["params"],
-        tx=create_optimizer(config, steps_per_epoch),
+        params=params,
+        tx=optimizer_for_policy(create_optimizer(config, steps_per_epoch), precision.policy, key=config.seed),
         loss_scale=resolve_loss_scale(config.loss_scale, precision.policy),
         batch_stats=variables.get("batch_stats"),
     )

@@ -26,6 +26,10 @@ Examples:
     >>> opt_state = tx.init(params)
     >>> updates, opt_state = tx.update(grads, opt_state, params)
     >>> params = optax.apply_updates(params, updates)
+
+A precision policy can name the rounding (``"bfloat16_kahan"``, or the
+grammar key ``update=kahan``); `optimizer_for_policy` builds the optimizer it
+asks for.
 """
 
 from __future__ import annotations
@@ -38,9 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp.policy import is_floating_array
+from jaxamp.policy import UPDATE_ROUNDINGS, PolicySpec, get_policy, is_floating_array
 
-ROUNDINGS = ("nearest", "stochastic", "kahan")
+ROUNDINGS = UPDATE_ROUNDINGS
 
 StateDtype = Any  # a dtype, a Mapping[str, dtype] or a Callable[[KeyPath, leaf], dtype | None]
 
@@ -356,3 +360,47 @@ def low_precision_optimizer(
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def optimizer_for_policy(
+    inner: optax.GradientTransformation, policy: PolicySpec, *, key: jax.Array | int | None = None
+) -> optax.GradientTransformation:
+    """The optimizer a precision policy asks for: `inner`, or `inner` wrapped by its update rounding.
+
+    A policy without an update rounding (``"mixed_bf16"``, ``"bfloat16"``)
+    returns `inner` itself: optax applies its updates as usual. One with an
+    update rounding (``"bfloat16_kahan"``, ``"p=bf16,c=bf16,update=stochastic"``)
+    returns::
+
+        low_precision_optimizer(inner, param_dtype=policy.param_dtype,
+                                state_dtype=policy.param_dtype,
+                                rounding=policy.update_rounding, key=key)
+
+    so params and the optimizer's state are stored in the policy's param
+    dtype, and each update lands by the rounding the policy names.
+
+    Examples:
+        >>> tx = optimizer_for_policy(optax.adamw(1e-3), "bfloat16_kahan", key=0)  # Kahan around AdamW
+        >>> sgd = optax.sgd(0.1)
+        >>> optimizer_for_policy(sgd, "mixed_bf16") is sgd
+        True
+
+    Args:
+        inner: any optax optimizer.
+        policy: a `jaxamp.Policy` or anything `jaxamp.get_policy` reads.
+        key: the PRNG key or int seed of stochastic rounding (see
+            `low_precision_optimizer`).
+
+    Returns:
+        `inner`, or the `low_precision_optimizer` around it.
+    """
+    policy = get_policy(policy)
+    if policy.update_rounding is None:
+        return inner
+    return low_precision_optimizer(
+        inner,
+        param_dtype=policy.param_dtype,
+        state_dtype=policy.param_dtype,
+        rounding=policy.update_rounding,
+        key=key,
+    )

@@ -7,7 +7,10 @@ Policies are usually named by a string, so that they fit a command-line flag or
 a config file. `get_policy` accepts short names (``"mixed"``, ``"bf16"``) and
 jmp's grammar (``"params=float32,compute=float16,output=float32"``), with one
 key of jaxamp's own: ``matmul=float8`` runs the eligible matrix
-multiplications in FP8 under `jaxamp.autocast` (``"mixed_float8"``).
+multiplications in FP8 under `jaxamp.autocast` (``"mixed_float8"``), and
+``update=nearest|stochastic|kahan`` names how the optimizer lands each update
+on low-precision params (``"bfloat16_kahan"``; read by
+`jaxamp.low_precision_optimizer.optimizer_for_policy`, not by autocast).
 """
 
 from __future__ import annotations
@@ -71,6 +74,14 @@ _NAMED_FP8_POLICIES: dict[str, tuple[Any, Any, Any]] = {
     "mixed_fp8": (_F32, _BF16, _F32),
 }
 
+# How an update lands on the params (`jaxamp.low_precision_optimizer`): named
+# policies keep params and optimizer state in bfloat16 and say the rounding.
+UPDATE_ROUNDINGS = ("nearest", "stochastic", "kahan")
+
+_NAMED_UPDATE_POLICIES: dict[str, str] = {
+    f"{prefix}_{rounding}": rounding for prefix in ("bfloat16", "bf16") for rounding in UPDATE_ROUNDINGS
+}
+
 _GRAMMAR_KEYS = {
     "p": "param_dtype",
     "params": "param_dtype",
@@ -80,6 +91,8 @@ _GRAMMAR_KEYS = {
     "output": "output_dtype",
     "m": "matmul_dtype",
     "matmul": "matmul_dtype",
+    "u": "update_rounding",
+    "update": "update_rounding",
 }
 
 
@@ -143,6 +156,20 @@ def _canonical_matmul_dtype(dtype: Any) -> np.dtype | None:
         f"({', '.join(_MATMUL_DTYPE_ALIASES)}, or jnp.float8_e4m3fn); got {dtype!r}. "
         "FP8 matmuls take float8_e4m3fn operands forward and a float8_e5m2 cotangent "
         "backward; the policy names them by the forward dtype."
+    )
+
+
+def _canonical_update_rounding(rounding: Any) -> str | None:
+    """None (the optimizer's own update) or one of `UPDATE_ROUNDINGS`."""
+    if rounding is None:
+        return None
+    key = rounding.strip().lower() if isinstance(rounding, str) else None
+    if key in UPDATE_ROUNDINGS:
+        return key
+    raise ValueError(
+        f"Policy update_rounding must be None (the optimizer's update as optax applies it) or one of "
+        f"{', '.join(UPDATE_ROUNDINGS)} (how jaxamp.low_precision_optimizer lands each update on the "
+        f"params); got {rounding!r}."
     )
 
 
@@ -234,17 +261,25 @@ class Policy:
             ``dot_general`` runs as `jaxamp.fp8_dot_general` (operands
             float8_e4m3fn, cotangent float8_e5m2, result in ``compute_dtype``).
             Accepts the strings ``float8``, ``fp8``, ``f8``.
+        update_rounding: None (the optimizer as it is), or ``nearest``,
+            ``stochastic`` or ``kahan``: how the optimizer lands each update
+            on the params, with params and optimizer state stored in
+            ``param_dtype``. Autocast does not read it; the optimizer does,
+            through `jaxamp.low_precision_optimizer.optimizer_for_policy`
+            (``get_policy("bfloat16_kahan")``).
     """
 
     param_dtype: np.dtype
     compute_dtype: np.dtype
     output_dtype: np.dtype
     matmul_dtype: np.dtype | None = None
+    update_rounding: str | None = None
 
     def __post_init__(self):
         for name in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, name, parse_dtype(getattr(self, name), f"Policy {name}"))
         object.__setattr__(self, "matmul_dtype", _canonical_matmul_dtype(self.matmul_dtype))
+        object.__setattr__(self, "update_rounding", _canonical_update_rounding(self.update_rounding))
 
     @property
     def fp8_matmuls(self) -> bool:
@@ -273,7 +308,7 @@ class Policy:
         return jnp.finfo(self.compute_dtype).bits < jnp.finfo(self.param_dtype).bits
 
     def to_jmp(self) -> jmp.Policy:
-        """Returns the equivalent `jmp.Policy` (jmp has no FP8 matmuls: `matmul_dtype` is dropped)."""
+        """Returns the equivalent `jmp.Policy` (jmp has neither FP8 matmuls nor update roundings: both are dropped)."""
         return jmp.Policy(self.param_dtype, self.compute_dtype, self.output_dtype)
 
     def __str__(self) -> str:
@@ -281,7 +316,8 @@ class Policy:
             f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
             f"output={self.output_dtype.name}"
         )
-        return text + (",matmul=float8" if self.fp8_matmuls else "")
+        text += ",matmul=float8" if self.fp8_matmuls else ""
+        return text + (f",update={self.update_rounding}" if self.update_rounding else "")
 
 
 PolicySpec = Policy | jmp.Policy | str
@@ -298,7 +334,7 @@ def _parse_grammar(spec: str) -> Policy:
     dtypes = {
         name: parse_dtype(value, f"The {name.removesuffix('_dtype')} dtype {value!r} of precision policy {spec!r}")
         for name, value in fields.items()
-        if name != "matmul_dtype"
+        if name not in ("matmul_dtype", "update_rounding")
     }
     matmul = fields.get("matmul_dtype")
     if matmul is not None and matmul not in _MATMUL_DTYPE_ALIASES:
@@ -307,10 +343,17 @@ def _parse_grammar(spec: str) -> Policy:
             f"{', '.join(_MATMUL_DTYPE_ALIASES)} (FP8 matmuls under jaxamp.autocast); leave "
             "the key out for matmuls in the compute dtype."
         )
+    update = fields.get("update_rounding")
+    if update is not None and update not in UPDATE_ROUNDINGS:
+        raise ValueError(
+            f"Unknown update rounding {update!r} in precision policy {spec!r}. Valid: "
+            f"{', '.join(UPDATE_ROUNDINGS)} (how jaxamp.low_precision_optimizer lands each update on the "
+            "params); leave the key out for the optimizer's own update."
+        )
     param_dtype = dtypes.get("param_dtype", jnp.float32)
     compute_dtype = dtypes.get("compute_dtype", param_dtype)
     output_dtype = dtypes.get("output_dtype", compute_dtype)
-    return Policy(param_dtype, compute_dtype, output_dtype, matmul)
+    return Policy(param_dtype, compute_dtype, output_dtype, matmul, update)
 
 
 def get_policy(spec: PolicySpec) -> Policy:
@@ -327,7 +370,11 @@ def get_policy(spec: PolicySpec) -> Policy:
               float32); ``float16``/``fp16`` and ``bfloat16``/``bf16`` (all
               three in that dtype); ``mixed_float8``/``mixed_fp8`` (as
               ``mixed_bfloat16``, plus the eligible matmuls in FP8 under
-              `jaxamp.autocast`);
+              `jaxamp.autocast`); ``bfloat16_nearest``/``bf16_nearest``,
+              ``bfloat16_stochastic``/``bf16_stochastic`` and
+              ``bfloat16_kahan``/``bf16_kahan`` (all three dtypes bfloat16,
+              params and optimizer state too, updates landed by that rounding
+              of `jaxamp.low_precision_optimizer`);
             * a single dtype alias such as ``f16`` or ``half`` (all three);
             * jmp's grammar, e.g. ``params=float32,compute=float16,output=float32``
               with keys ``p``/``params``, ``c``/``compute``, ``o``/``output``
@@ -335,7 +382,9 @@ def get_policy(spec: PolicySpec) -> Policy:
               ``float16``, ``bf16``/``bfloat16`` and ``half`` (bfloat16 on TPU,
               float16 elsewhere). Missing keys take jmp's defaults. One key
               jmp does not have: ``m``/``matmul`` with ``float8``/``fp8``/
-              ``f8`` (FP8 matmuls; e.g. ``p=f32,c=bf16,o=f32,matmul=float8``).
+              ``f8`` (FP8 matmuls; e.g. ``p=f32,c=bf16,o=f32,matmul=float8``);
+              and ``u``/``update`` with ``nearest``/``stochastic``/``kahan``
+              (the update rounding; e.g. ``p=bf16,update=kahan``).
 
     Returns:
         The policy.
@@ -361,12 +410,15 @@ def get_policy(spec: PolicySpec) -> Policy:
         return Policy(*_NAMED_POLICIES[normalized])
     if normalized in _NAMED_FP8_POLICIES:
         return Policy(*_NAMED_FP8_POLICIES[normalized], matmul_dtype=jnp.float8_e4m3fn)
+    if normalized in _NAMED_UPDATE_POLICIES:
+        return Policy(_BF16, _BF16, _BF16, update_rounding=_NAMED_UPDATE_POLICIES[normalized])
     if normalized in DTYPE_NAMES:
         dtype = parse_dtype(normalized, "A policy's dtype")
         return Policy(dtype, dtype, dtype)
     raise ValueError(
         f"Unknown precision policy {spec!r}. Valid names: "
-        f"{', '.join([*_NAMED_POLICIES, *_NAMED_FP8_POLICIES])}; a dtype alias "
+        f"{', '.join([*_NAMED_POLICIES, *_NAMED_FP8_POLICIES, *_NAMED_UPDATE_POLICIES])}; a dtype alias "
         f"({', '.join(DTYPE_NAMES)}); or jmp's grammar such as "
-        "'params=float32,compute=float16,output=float32' (add ',matmul=float8' for FP8 matmuls)."
+        "'params=float32,compute=float16,output=float32' (add ',matmul=float8' for FP8 matmuls, "
+        "',update=kahan' for an update rounding)."
     )

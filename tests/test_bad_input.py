@@ -126,6 +126,28 @@ def test_a_bad_number_for_the_benchmark_exits_2_before_any_work(argv, expected, 
     assert expected in error and "Traceback" not in error
 
 
+UPDATE_ROUNDINGS_NAMED = "Valid: nearest, stochastic, kahan"
+
+
+@pytest.mark.parametrize(
+    "main, argv",
+    [
+        (cifar.main, ["--precision", "p=bf16,update=sr"]),
+        (compare.main, ["--precisions", "fp32,update=sr"]),  # the list splits at commas
+        (lm.main, ["--precisions", "fp32,update=sr"]),  # the list splits at commas
+        (benchmark.main, ["--precisions", "fp32,update=sr"]),  # the list splits at commas
+    ],
+    ids=["cifar", "compare", "lm", "benchmark"],
+)
+def test_a_bad_update_rounding_exits_2_naming_the_valid_ones(main, argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "Unknown update rounding 'sr'" in error and UPDATE_ROUNDINGS_NAMED in error
+    assert "Traceback" not in error
+
+
 COMMANDS = {"cifar": cifar.main, "compare": compare.main, "benchmark": benchmark.main,
             "lm": lm.main, "lm.on_paper": on_paper.main}  # fmt: skip
 

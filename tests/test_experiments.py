@@ -14,6 +14,7 @@ import jaxamp
 from experiments import cifar, compare, train
 from experiments import data as data_lib
 from experiments.models import MODELS
+from jaxamp.low_precision_optimizer import LowPrecisionState
 
 QUICK_RUN = ["--model", "resnet_tiny", "--data", "synthetic", "--steps-per-epoch", "2", "--no-progress"]
 
@@ -67,6 +68,32 @@ def test_every_model_trains_in_half_precision_with_float32_params_and_logits(mod
     # Every convolution and matmul, forward and backward, runs in the compute dtype.
     report = jaxamp.precision_report(step, state, *batch)
     assert report.fraction(jaxamp.get_policy(precision).compute_dtype) == 1.0
+
+
+@pytest.mark.parametrize("route", ["apply_policy", "autocast"])
+@pytest.mark.parametrize("precision", ["bfloat16_kahan", "bfloat16_stochastic", "bfloat16_nearest"])
+def test_a_precision_naming_an_update_rounding_trains_bfloat16_params_and_momentum_by_it(precision, route):
+    """The update rounding of ``--precision`` reaches the optimizer: fails if the step keeps optax's own
+    update (float32 momentum, no compensation buffer) or float32 params."""
+    dataset = tiny_dataset()
+    config = train.TrainConfig(model="resnet_tiny", precision=precision, route=route, batch_size=2)
+    resolved = train.resolve_precision(precision)
+    state = jax.eval_shape(lambda: train.create_train_state(config, resolved, 10, steps_per_epoch=1))
+    step = jax.jit(train.make_train_step(config, dataset))
+    images = jax.ShapeDtypeStruct(dataset.train_images.shape, jnp.uint8)
+    labels = jax.ShapeDtypeStruct(dataset.train_labels.shape, jnp.int32)
+    indices = jax.ShapeDtypeStruct((2,), jnp.int32)
+    rng = jax.eval_shape(lambda: jax.random.key(0))
+    new_state, _ = jax.eval_shape(step, state, images, labels, indices, rng)
+    opt_state = new_state.opt_state
+    assert isinstance(opt_state, LowPrecisionState)
+    bfloat16 = {jnp.dtype(jnp.bfloat16)}
+    momentum = [leaf for leaf in jax.tree.leaves(opt_state.inner_state) if leaf.ndim > 0]
+    assert momentum and {leaf.dtype for leaf in momentum} == bfloat16
+    assert {leaf.dtype for leaf in jax.tree.leaves(new_state.params)} == bfloat16
+    assert (opt_state.compensation is not None) == (precision == "bfloat16_kahan")
+    if opt_state.compensation is not None:
+        assert {leaf.dtype for leaf in jax.tree.leaves(opt_state.compensation)} == bfloat16
 
 
 @pytest.mark.parametrize("precision", ["mixed_float16", "mixed_bfloat16"])

@@ -22,6 +22,7 @@ from experiments.lm import data as data_lib
 from experiments.lm import model as model_lib
 from experiments.lm import train
 from experiments.train import resolve_loss_scale, resolve_precision
+from jaxamp.low_precision_optimizer import LowPrecisionState
 
 TINY_RUN = ["--model", "tiny", "--context", "16", "--batch-size", "4", "--eval-batches", "1", "--no-progress"]
 
@@ -162,6 +163,26 @@ def test_the_processes_shares_of_a_split_are_disjoint_contiguous_and_cover_it(st
     assert all(shares[index][1] == shares[index + 1][0] for index in range(process_count - 1))
     sizes = [last - first for first, last in shares]
     assert sum(sizes) == size and max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("route", ["apply_policy", "autocast"])
+@pytest.mark.parametrize("precision", ["bfloat16_kahan", "bf16_stochastic", "bfloat16_nearest"])
+def test_a_precision_naming_an_update_rounding_keeps_params_and_adamw_state_in_bfloat16(precision, route):
+    """--precisions bfloat16_kahan reaches AdamW: fails if the step keeps float32 moments or params,
+    or optax's own update (no compensation buffer under Kahan)."""
+    config = config_lib.LMConfig(model="tiny", precision=precision, route=route, context=16, batch_size=2)
+    resolved = resolve_precision(precision)
+    model, _ = train.create_model(config, resolved, 256, "cpu")
+    tx = train.create_optimizer(config)
+    state = jax.eval_shape(lambda: train.create_train_state(config, resolved, model, 16, tx))
+    step = train.make_train_step(train.make_loss_fn(model.apply, route, resolved.policy))
+    new_state, _ = jax.eval_shape(step, state, jax.ShapeDtypeStruct((2, 17), jnp.int32))
+    opt_state = new_state.opt_state
+    assert isinstance(opt_state, LowPrecisionState)
+    bfloat16 = {jnp.dtype(jnp.bfloat16)}
+    adam = opt_state.inner_state[1][0]  # chain(clip, adamw): adamw's ScaleByAdamState
+    assert {leaf.dtype for leaf in jax.tree.leaves((adam.mu, adam.nu, new_state.params))} == bfloat16
+    assert (opt_state.compensation is not None) == precision.endswith("kahan")
 
 
 @pytest.mark.parametrize("precision", ["mixed", "mixed_bf16"])

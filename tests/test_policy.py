@@ -289,6 +289,79 @@ def test_with_output_dtype_returns_a_new_policy_and_leaves_the_old_one_alone():
         mixed.with_output_dtype(jnp.int8)
 
 
+# --- the update rounding ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, expected_dtypes, rounding",
+    [
+        ("bfloat16_nearest", (BF16, BF16, BF16), "nearest"),
+        ("bfloat16_stochastic", (BF16, BF16, BF16), "stochastic"),
+        ("bfloat16_kahan", (BF16, BF16, BF16), "kahan"),
+        ("BF16_Kahan", (BF16, BF16, BF16), "kahan"),
+        ("bf16_stochastic", (BF16, BF16, BF16), "stochastic"),
+        ("p=bf16,update=kahan", (BF16, BF16, BF16), "kahan"),
+        ("p=bf16,c=bf16,o=f32,u=Stochastic", (BF16, BF16, F32), "stochastic"),
+        ("params=float16, update = nearest", (F16, F16, F16), "nearest"),
+        ("bfloat16", (BF16, BF16, BF16), None),
+        ("mixed_bf16", (F32, BF16, F32), None),
+    ],
+)
+def test_a_policy_names_how_updates_land_and_round_trips_through_its_string(spec, expected_dtypes, rounding):
+    policy = jaxamp.get_policy(spec)
+    assert dtypes(policy) == expected_dtypes
+    assert policy.update_rounding == rounding
+    assert str(policy).endswith(f",update={rounding}") == (rounding is not None)
+    assert jaxamp.get_policy(str(policy)) == policy
+    # jmp has no update rounding: the dtypes survive, the rounding is dropped.
+    assert jmp_dtypes(policy.to_jmp()) == expected_dtypes
+
+
+def test_a_policy_with_an_update_rounding_differs_from_the_one_without_and_autocasts_alike():
+    kahan, plain = jaxamp.get_policy("bfloat16_kahan"), jaxamp.get_policy("bfloat16")
+    assert kahan != plain
+    assert dataclasses.replace(kahan, update_rounding=None) == plain
+    tree = {"w": jnp.ones(3), "step": jnp.int32(2)}
+    for method in ("cast_to_param", "cast_to_compute", "cast_to_output"):
+        assert jax.tree.map(lambda leaf: leaf.dtype, getattr(kahan, method)(tree)) == jax.tree.map(
+            lambda leaf: leaf.dtype, getattr(plain, method)(tree)
+        )
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda: jaxamp.get_policy("p=bf16,update=round"),
+            ("Unknown update rounding 'round' in precision policy 'p=bf16,update=round'. Valid: nearest, "
+             "stochastic, kahan (how jaxamp.low_precision_optimizer lands each update on the params); leave "
+             "the key out for the optimizer's own update."),
+        ),
+        (
+            lambda: jaxamp.Policy("bf16", "bf16", "bf16", update_rounding="Kahn"),
+            ("Policy update_rounding must be None (the optimizer's update as optax applies it) or one of "
+             "nearest, stochastic, kahan (how jaxamp.low_precision_optimizer lands each update on the "
+             "params); got 'Kahn'."),
+        ),
+        (
+            lambda: jaxamp.Policy("bf16", "bf16", "bf16", update_rounding=1),
+            ("Policy update_rounding must be None (the optimizer's update as optax applies it) or one of "
+             "nearest, stochastic, kahan (how jaxamp.low_precision_optimizer lands each update on the "
+             "params); got 1."),
+        ),
+    ],
+    ids=["grammar", "field", "not_a_string"],
+)  # fmt: skip
+def test_a_bad_update_rounding_names_the_valid_ones(make, message):
+    with pytest.raises(ValueError) as raised:
+        make()
+    assert str(raised.value) == message
+
+
+def test_the_policy_field_reads_its_rounding_case_insensitively():
+    assert jaxamp.Policy("bf16", "bf16", "bf16", update_rounding=" KAHAN ").update_rounding == "kahan"
+
+
 # --- casting ------------------------------------------------------------------
 
 SHAPES = st.sampled_from([(), (3,), (2, 2)])
@@ -401,9 +474,10 @@ _ALIASES = "bf16, bfloat16, f16, f32, f64, float16, float32, float64, fp16, fp32
 _GRAMMAR_EXAMPLE = "'params=float32,compute=float16,output=float32'"
 _UNKNOWN_NAME = (
     "Unknown precision policy {spec!r}. Valid names: float32, fp32, full, mixed, mixed_float16, "
-    "mixed_fp16, mixed_bfloat16, mixed_bf16, float16, fp16, bfloat16, bf16, mixed_float8, mixed_fp8; "
+    "mixed_fp16, mixed_bfloat16, mixed_bf16, float16, fp16, bfloat16, bf16, mixed_float8, mixed_fp8, "
+    "bfloat16_nearest, bfloat16_stochastic, bfloat16_kahan, bf16_nearest, bf16_stochastic, bf16_kahan; "
     f"a dtype alias ({_ALIASES}); or jmp's grammar such as {_GRAMMAR_EXAMPLE} (add ',matmul=float8' "
-    "for FP8 matmuls)."
+    "for FP8 matmuls, ',update=kahan' for an update rounding)."
 )
 
 
@@ -433,7 +507,7 @@ _UNKNOWN_NAME = (
             lambda: jaxamp.get_policy("p=f32,x=f16"),
             ValueError,
             ("Unknown key 'x' in precision policy 'p=f32,x=f16'. Valid keys: p, params, c, compute, o, output, "
-             f"m, matmul; e.g. {_GRAMMAR_EXAMPLE}."),
+             f"m, matmul, u, update; e.g. {_GRAMMAR_EXAMPLE}."),
         ),
         (
             lambda: jaxamp.get_policy("p=f32,c"),

@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="fp32,mixed_bf16,mixed",
         help="comma-separated: fp32 (float32, matmuls at highest precision), tf32 (float32 at the default "
         "precision), mixed_bf16 (bfloat16 compute, no loss scale), mixed (float16 compute, dynamic loss "
-        "scale), mixed_float8 (mixed_bf16 with FP8 matmuls), or any jaxamp policy",
+        "scale), mixed_float8 (mixed_bf16 with FP8 matmuls), bfloat16_nearest/_stochastic/_kahan (bfloat16 "
+        "params and AdamW state, each update rounded that way), or any jaxamp policy",
     )
     parser.add_argument(
         "--route",

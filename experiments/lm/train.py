@@ -44,6 +44,7 @@ from experiments.lm.sharding import Sharding
 from experiments.progress import Progress
 from experiments.results import skipped_steps_line, state_checksum, state_finite
 from experiments.train import Precision, resolve_loss_scale, resolve_precision
+from jaxamp.low_precision_optimizer import optimizer_for_policy
 
 
 def create_model(config: LMConfig, precision: Precision, vocab_size: int, platform: str):
@@ -61,7 +62,8 @@ def create_optimizer(config: LMConfig) -> optax.GradientTransformation:
     """AdamW (beta2 0.95, as GPT-2 reproductions use), warm-up then cosine to a tenth, clipped.
 
     Weight decay applies to matrices only (kernels, embeddings), not to
-    biases and LayerNorm scales.
+    biases and LayerNorm scales. A precision that names an update rounding
+    (``bfloat16_kahan``) wraps it in `jaxamp.low_precision_optimizer`.
     """
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
@@ -70,7 +72,7 @@ def create_optimizer(config: LMConfig) -> optax.GradientTransformation:
         decay_steps=config.steps,
         end_value=config.lr / 10,
     )
-    return optax.chain(
+    adamw = optax.chain(
         optax.clip_by_global_norm(config.clip_norm),
         optax.adamw(
             schedule,
@@ -80,6 +82,7 @@ def create_optimizer(config: LMConfig) -> optax.GradientTransformation:
             mask=lambda params: jax.tree.map(lambda param: param.ndim >= 2, params),
         ),
     )
+    return optimizer_for_policy(adamw, resolve_precision(config.precision).policy, key=config.seed)
 
 
 def model_for_init(model):
@@ -103,6 +106,8 @@ def create_train_state(
     """Initializes params from ``config.seed`` and builds the `jaxamp.TrainState` around `tx`."""
     sample = jnp.zeros((1, context), jnp.int32)
     params = model_for_init(model).init(jax.random.key(config.seed), sample)["params"]
+    if precision.policy.update_rounding is not None:  # the wrapper stores params in the policy's dtype
+        params = precision.policy.cast_to_param(params)
     return jaxamp.TrainState.create(
         apply_fn=model.apply,
         params=params,
