@@ -370,11 +370,13 @@ def optimizer_for_policy(
     A policy without an update rounding (``"mixed_bf16"``, ``"bfloat16"``)
     returns `inner` itself: optax applies its updates as usual. One with an
     update rounding (``"bfloat16_kahan"``, ``"p=bf16,c=bf16,update=stochastic"``)
-    returns::
+    returns:
 
-        low_precision_optimizer(inner, param_dtype=policy.param_dtype,
-                                state_dtype=policy.param_dtype,
-                                rounding=policy.update_rounding, key=key)
+    ```python
+    low_precision_optimizer(inner, param_dtype=policy.param_dtype,
+                            state_dtype=policy.param_dtype,
+                            rounding=policy.update_rounding, key=key)
+    ```
 
     so params and the optimizer's state are stored in the policy's param
     dtype, and each update lands by the rounding the policy names.
