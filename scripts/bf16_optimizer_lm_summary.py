@@ -1,4 +1,4 @@
-"""The bfloat16-optimizer parity runs of `experiments.lm`, summarized against the issue's targets.
+"""The bfloat16-optimizer parity runs of `experiments.lm`, summarized against their parity targets.
 
     python scripts/bf16_optimizer_lm_summary.py results/cpu/lm/bf16_optimizer_low_lr > .../summary.md
 
