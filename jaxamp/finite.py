@@ -16,12 +16,29 @@ import numpy as np
 T = TypeVar("T")
 
 
+def leaf_finite_flags(tree) -> jax.Array:
+    """One bool per leaf of `tree` (``jax.tree.leaves`` order): whether all its values are finite.
+
+    Integer, bool and non-array leaves are finite by definition. These are the
+    per-leaf reductions `all_finite` combines, and the ones
+    `jaxamp.diagnostics.NonFiniteGradients` keeps, so XLA computes each once.
+    """
+    flags = [
+        jnp.all(jnp.isfinite(leaf))
+        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(leaf.dtype, jnp.inexact)
+        else jnp.array(True)
+        for leaf in jax.tree.leaves(tree)
+    ]
+    return jnp.stack(flags) if flags else jnp.zeros([0], bool)
+
+
 def all_finite(tree) -> jax.Array:
     """Returns whether every floating-point value in `tree` is finite.
 
     Integer and bool leaves are finite by definition and are skipped; so are
-    non-array leaves. Each leaf is reduced on its own and the per-leaf flags are
-    combined, which XLA fuses with whatever produced the leaves.
+    non-array leaves. Each leaf is reduced on its own (`leaf_finite_flags`)
+    and the per-leaf flags are combined, which XLA fuses with whatever
+    produced the leaves.
 
     Args:
         tree: a pytree of arrays (gradients, usually).
@@ -29,14 +46,7 @@ def all_finite(tree) -> jax.Array:
     Returns:
         A scalar bool array; ``True`` for a tree with no floating leaves.
     """
-    leaf_flags = [
-        jnp.all(jnp.isfinite(leaf))
-        for leaf in jax.tree.leaves(tree)
-        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(leaf.dtype, jnp.inexact)
-    ]
-    if not leaf_flags:
-        return jnp.array(True)
-    return jnp.all(jnp.stack(leaf_flags))
+    return jnp.all(leaf_finite_flags(tree))
 
 
 def select_tree(pred: jax.Array, on_true: T, on_false: T) -> T:

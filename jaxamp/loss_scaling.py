@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxamp.finite import select_tree
+from jaxamp.finite import leaf_finite_flags, select_tree
 from jaxamp.loss_scale import LossScale
-from jaxamp.nonfinite_grads import NonFiniteGradients, leaf_finite_flags
+from jaxamp.nonfinite_grads import NonFiniteGradients
 
 
 class LossScalingState(NamedTuple):

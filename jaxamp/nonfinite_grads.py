@@ -15,8 +15,9 @@ if not grads_finite:                                      # this step is skipped
 ```
 
 The per-leaf reductions are those `jaxamp.all_finite` computes before it
-combines them (XLA computes each once), the record is a few bytes per leaf,
-and nothing leaves the device in the step. On the host, `nonfinite_paths`
+combines them (`jaxamp.finite.leaf_finite_flags`; XLA computes each once),
+the record is a few bytes per leaf, and nothing leaves the device in the
+step. On the host, `nonfinite_paths`
 and `summary` name the leaves by their paths in the params
 (``encoder/layers_3/mlp/Dense_1/kernel``). The paths are static metadata of
 the record (part of its tree structure, fixed when the params are), so a
@@ -46,19 +47,6 @@ def leaf_path(path: tuple) -> str:
         else:
             names.append(str(key))
     return "/".join(names)
-
-
-def _is_floating_array(leaf: Any) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(leaf.dtype, jnp.inexact)
-
-
-def leaf_finite_flags(tree: Any) -> jax.Array:
-    """One bool per leaf of `tree`: whether all its values are finite (True for non-floating leaves)."""
-    flags = [
-        jnp.all(jnp.isfinite(leaf)) if _is_floating_array(leaf) else jnp.array(True)
-        for leaf in jax.tree.leaves(tree)
-    ]
-    return jnp.stack(flags) if flags else jnp.zeros([0], bool)
 
 
 @struct.dataclass
@@ -98,7 +86,8 @@ class NonFiniteGradients:
         """The record after one step: rewritten where the step is skipped (jit-safe, no host sync).
 
         Args:
-            leaf_finite: bool, one per leaf (`leaf_finite_flags` of the grads).
+            leaf_finite: bool, one per leaf (`jaxamp.finite.leaf_finite_flags`
+                of the grads).
             grads_finite: scalar bool: whether the step's update is applied.
 
         Raises:
