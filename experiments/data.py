@@ -226,15 +226,18 @@ def _load_cifar10_tfds(data_dir: str | None) -> Dataset:
         data_dir_root = os.fspath(builder.data_dir_root)
         manual_dir = os.path.join(data_dir_root, "downloads", "manual")
         _prepare_cifar10(builder, manual_dir)
-    train_images, train_labels = _read_tfds_split(builder, "train")
-    test_images, test_labels = _read_tfds_split(builder, "test")
+    return _cifar10_dataset(_read_tfds_split(builder, "train"), _read_tfds_split(builder, "test"))
+
+
+def _cifar10_dataset(train: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray]) -> Dataset:
+    """CIFAR-10 from its ``(images, labels)`` splits, however they were read."""
     return Dataset(
         name="cifar10",
-        train_images=train_images,
-        train_labels=train_labels,
-        test_images=test_images,
-        test_labels=test_labels,
-        num_classes=builder.info.features["label"].num_classes,
+        train_images=train[0],
+        train_labels=train[1],
+        test_images=test[0],
+        test_labels=test[1],
+        num_classes=10,
         mean=_CIFAR10_MEAN,
         std=_CIFAR10_STD,
     )
@@ -395,17 +398,7 @@ def _load_cifar10_archive(data_dir: str | None) -> Dataset:
     if archive is None:
         archive = _download_cifar10(manual_dir)
     _check_cifar10_archive(archive)
-    (train_images, train_labels), (test_images, test_labels) = _read_cifar10_archive(archive)
-    return Dataset(
-        name="cifar10",
-        train_images=train_images,
-        train_labels=train_labels,
-        test_images=test_images,
-        test_labels=test_labels,
-        num_classes=10,
-        mean=_CIFAR10_MEAN,
-        std=_CIFAR10_STD,
-    )
+    return _cifar10_dataset(*_read_cifar10_archive(archive))
 
 
 def _cifar10_archive_on_disk(root: str, manual_dir: str) -> str | None:
