@@ -7,7 +7,8 @@ leaves the previous checkpoint the latest):
 * ``state``: params, optimizer state, batch statistics, the loss scale with
   all its counters (the skip counters included: ``state.skipped_steps`` is
   the loss scale's, so it is restored with it and no second copy can
-  disagree) and ``step``;
+  disagree), ``step``, and the last skipped step's attribution
+  (``nonfinite_grads``, ``overflow_record``);
 * ``meta`` (JSON): the run's `signature`, the `Position` (epoch, steps of it
   done, the run's RNG key, the sums of the epoch's metrics so far) and the
   results of the finished epochs.
@@ -53,6 +54,7 @@ SIGNATURE_FIELDS = {
     "label_smoothing": "--label-smoothing",
     "seed": "--seed",
     "inject_nonfinite": "--inject-nonfinite",
+    "record_overflow": "--record-overflow",
 }
 _STEP_FOLDER = re.compile(r"^\d+$")
 _ORBAX_TEMPORARY = re.compile(r"^\d+\.orbax-checkpoint-tmp")
@@ -199,9 +201,7 @@ class Checkpointer:
             )
             self._manager.wait_until_finished()
 
-    def restore_latest(
-        self, state: jaxamp.TrainState
-    ) -> tuple[jaxamp.TrainState, Position, dict[str, Any]]:
+    def restore_latest(self, state: jaxamp.TrainState) -> tuple[jaxamp.TrainState, Position, dict[str, Any]]:
         """Restores the latest checkpoint into `state`'s structure and shardings.
 
         Returns:
@@ -303,11 +303,20 @@ def _cause(error: Exception) -> str:
 
 
 def saved_parts(state: jaxamp.TrainState) -> dict[str, Any]:
-    """The parts of the state that change: everything but apply_fn and tx."""
-    return {
+    """The parts of the state that change: everything but apply_fn and tx.
+
+    The last skipped step's attribution (``nonfinite_grads``, and the
+    ``overflow_record`` of a run with ``--record-overflow``) is saved with
+    the rest, so a resumed run names the same layers.
+    """
+    parts = {
         "step": state.step,
         "params": state.params,
         "opt_state": state.opt_state,
         "batch_stats": state.batch_stats,
         "loss_scale": state.loss_scale,
     }
+    for name in ("nonfinite_grads", "overflow_record"):
+        if getattr(state, name, None) is not None:
+            parts[name] = getattr(state, name)
+    return parts

@@ -168,6 +168,13 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         help="test hook: make the gradients of a seeded random RATE share of steps inf or NaN",
     )
     parser.add_argument(
+        "--record-overflow",
+        action="store_true",
+        help="record each matmul's and convolution's largest magnitude, forward and backward, so that a "
+        "skipped step's report names the layer and pass that overflowed first (its measured cost: "
+        "docs/guides/why-was-my-step-skipped.md)",
+    )
+    parser.add_argument(
         "--no-progress",
         action="store_true",
         help="no progress bar inside epochs (never drawn off a terminal anyway)",
@@ -256,6 +263,7 @@ def config_from_args(args: argparse.Namespace, **overrides) -> config_lib.TrainC
         "max_consecutive_skips": args.max_consecutive_skips,
         "max_overflows_at_min_scale": args.max_overflows_at_min_scale,
         "inject_nonfinite": args.inject_nonfinite,
+        "record_overflow": args.record_overflow,
     }
     fields.update(overrides)
     return config_lib.TrainConfig(**fields)
@@ -335,7 +343,9 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
         if config.out:
             print(f"results written to {config.out}")
         else:
-            print("results not written: add --out FILE to keep them (per-epoch results and the environment, JSON)")
+            print(
+                "results not written: add --out FILE to keep them (per-epoch results and the environment, JSON)"
+            )
     return 0
 
 

@@ -62,6 +62,7 @@ class TrainConfig:
     max_overflows_at_min_scale: int = 0
     inject_nonfinite: float = 0.0
     route: str = "auto"
+    record_overflow: bool = False
 
 
 def check_precision(name: str) -> str:

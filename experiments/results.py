@@ -81,7 +81,11 @@ def state_checksum(state: jaxamp.TrainState) -> str:
 
 
 def state_finite(state: jaxamp.TrainState) -> bool:
-    """Whether every floating leaf of the whole state is finite."""
+    """Whether every floating leaf of the state is finite: params, optimizer state, batch
+    statistics, loss scale; not the overflow record (``--record-overflow``), whose amaxes hold
+    the skipped step's inf by design."""
+    if getattr(state, "overflow_record", None) is not None:
+        state = state.replace(overflow_record=None)
     return all(
         bool(np.all(np.isfinite(host_value(leaf))))
         for leaf in jax.tree.leaves(state)
@@ -91,7 +95,9 @@ def state_finite(state: jaxamp.TrainState) -> bool:
 
 def skipped_steps_line(state: Any, newly_skipped: int) -> str | None:
     """One line for the steps skipped since the last report, naming the last one's non-finite
-    gradient leaves (`jaxamp.diagnostics.NonFiniteGradients`); None when none was skipped.
+    gradient leaves (`jaxamp.diagnostics.NonFiniteGradients`) and, where the state keeps its
+    overflow record (``--record-overflow``), the op that overflowed first; None when none was
+    skipped.
 
     Read at a report (an epoch's end, an evaluation), so at most one line per
     report and no read inside a step.
@@ -99,7 +105,15 @@ def skipped_steps_line(state: Any, newly_skipped: int) -> str | None:
     if newly_skipped <= 0:
         return None
     record = getattr(state, "nonfinite_grads", None)
-    last = "" if record is None else f"; the last: {record.summary()}"
+    overflow = getattr(state, "overflow_record", None)
+    first = None if overflow is None else overflow.first_overflow()
+    if overflow is None:
+        cause = None
+    elif first is None:  # e.g. an injected fault, or an op the record does not watch
+        cause = f"no overflow in the {len(overflow.sites)} matmuls and convolutions recorded"
+    else:
+        cause = str(first)
+    last = "" if record is None else f"; the last: {record.summary(cause=cause)}"
     return f"{newly_skipped} step{'s' if newly_skipped > 1 else ''} skipped since the last report{last}"
 
 

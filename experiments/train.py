@@ -241,7 +241,10 @@ def make_train_step(
     are accumulated (`experiments.grad_accumulation`). With `data_parallel`
     every micro-batch is sharded over its mesh's ``data`` axis. With
     ``config.inject_nonfinite`` a seeded share of steps get inf or NaN
-    gradients (`experiments.fault_injection`).
+    gradients (`experiments.fault_injection`). With ``config.record_overflow``
+    each micro-batch's `jaxamp.diagnostics.OverflowRecord` is taken, the
+    worst of them kept for the step, and the state keeps the last skipped
+    step's (``state.overflow_record``).
 
     The metrics are the loss (mean over the batch), the number of correct
     predictions and whether the step was injected.
@@ -271,10 +274,12 @@ def make_train_step(
                 loss = cross_entropy(logits, batch_labels, dataset.num_classes, config.label_smoothing)
                 return loss, (logits, updates["batch_stats"])
 
-            (loss, (logits, new_batch_stats)), grads, grads_finite = jaxamp.scaled_value_and_grad(
-                loss_fn, state.loss_scale, has_aux=True
+            (loss, (logits, new_batch_stats)), grads, grads_finite, *record = jaxamp.scaled_value_and_grad(
+                loss_fn, state.loss_scale, has_aux=True, record_overflow=config.record_overflow
             )(params)
             metrics = {"loss": loss, "correct": jnp.sum(jnp.argmax(logits, -1) == batch_labels)}
+            if record:
+                metrics["overflow_record"] = record[0]
             return (metrics, new_batch_stats), grads, grads_finite
 
         new_batch_stats, grads, grads_finite, metrics = accumulate_gradients(
@@ -283,7 +288,12 @@ def make_train_step(
         grads, injected = inject_nonfinite(grads, rng, config.inject_nonfinite)
         if config.inject_nonfinite:
             grads_finite = grads_finite & jaxamp.all_finite(grads)
-        state = state.apply_gradients(grads=grads, grads_finite=grads_finite, batch_stats=new_batch_stats)
+        state = state.apply_gradients(
+            grads=grads,
+            grads_finite=grads_finite,
+            batch_stats=new_batch_stats,
+            overflow_record=metrics.get("overflow_record"),
+        )
         metrics = {
             "loss": metrics["loss"] / num_micro_batches,
             "correct": metrics["correct"],
@@ -292,6 +302,26 @@ def make_train_step(
         return state, metrics
 
     return train_step
+
+
+def with_overflow_record(state, train_step: Callable, device_data, batch_size: int):
+    """`state` holding a cleared overflow record of `train_step`'s shape (``--record-overflow``).
+
+    The step keeps the last skipped step's record in ``state.overflow_record``
+    (`jaxamp.TrainState.apply_gradients`); starting from a cleared one of the
+    same sites (found by tracing the step once, without running it) keeps
+    the state's structure fixed, so the step compiled ahead of time takes
+    every later state, and a checkpoint restores into it.
+    """
+    stepped, _ = jax.eval_shape(
+        train_step,
+        state,
+        device_data.train_images,
+        device_data.train_labels,
+        jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+        jax.eval_shape(lambda: jax.random.key(0)),
+    )
+    return state.replace(overflow_record=stepped.overflow_record.cleared())
 
 
 def make_eval_step(dataset: data_lib.Dataset) -> Callable:
@@ -468,9 +498,12 @@ def train_and_evaluate(
         log = lambda line: process_log(f"[process {jax.process_index()}] {line}")
 
     with precision.context():
-        state = data_parallel.replicate(
-            create_train_state(config, precision, dataset.num_classes, steps_per_epoch)
-        )
+        state = create_train_state(config, precision, dataset.num_classes, steps_per_epoch)
+        if config.record_overflow:
+            state = with_overflow_record(
+                state, make_train_step(config, dataset), device_data, config.batch_size
+            )
+        state = data_parallel.replicate(state)
         results: dict[str, Any] = {
             "config": dataclasses.asdict(config),
             "environment": {
@@ -641,9 +674,7 @@ def _compile(config, dataset, state, device_data, steps_per_epoch, data_parallel
         .compile()
     )
     train_step = (
-        jax.jit(
-            make_train_step(config, dataset, data_parallel), donate_argnums=0, out_shardings=replicated
-        )
+        jax.jit(make_train_step(config, dataset, data_parallel), donate_argnums=0, out_shardings=replicated)
         .lower(state, device_data.train_images, device_data.train_labels, batch_indices, rng)
         .compile()
     )

@@ -112,9 +112,14 @@ class NonFiniteGradients:
         flags = np.asarray(host_value(self.nonfinite))
         return [path for path, flag in zip(self.paths, flags, strict=True) if flag]
 
-    def summary(self, limit: int = 4) -> str:
+    def summary(self, limit: int = 4, cause: str | None = None) -> str:
         """One line: the last skipped step (counted from 1) and the first `limit` leaves it found
         non-finite (host).
+
+        Args:
+            limit: how many leaves to name.
+            cause: what overflowed first, put before the leaves (the
+                `jaxamp.diagnostics.FirstOverflow` of the step's record, as text).
 
         Examples:
             >>> state.nonfinite_grads.summary()
@@ -122,12 +127,12 @@ class NonFiniteGradients:
         """
         if int(host_value(self.skipped_at)) == _NEVER:
             return "no step skipped"
-        skipped_at = int(host_value(self.skipped_at)) + 1
+        skipped = f"step {int(host_value(self.skipped_at)) + 1} skipped: " + (f"{cause}; " if cause else "")
         paths = self.nonfinite_paths()
         if not paths:
-            return f"step {skipped_at} skipped: every gradient leaf finite (the step was skipped for another reason)"
+            return skipped + "every gradient leaf finite (the step was skipped for another reason)"
         shown = ", ".join(paths[:limit]) + (", ..." if len(paths) > limit else "")
-        return f"step {skipped_at} skipped: non-finite grads in {len(paths)} of {len(self.paths)} leaves: {shown}"
+        return skipped + f"non-finite grads in {len(paths)} of {len(self.paths)} leaves: {shown}"
 
 
 def host_value(value: Any) -> np.ndarray:

@@ -158,6 +158,34 @@ class OverflowRecord:
             )
         return "\n".join(rows)
 
+    def cleared(self) -> OverflowRecord:
+        """The same sites with every amax 0: the record of a step in which nothing overflowed.
+
+        What a `jaxamp.TrainState` starts from to keep the last skipped
+        step's record (``overflow_record=``), and the identity of `worst`.
+        """
+        return self.replace(
+            forward_amax=jnp.zeros(self.forward_amax.shape, jnp.float32),
+            backward_amax=jnp.zeros(self.backward_amax.shape, jnp.float32),
+        )
+
+    def worst(self, other: OverflowRecord) -> OverflowRecord:
+        """Site by site, the worse of two records of the same program (jit-safe).
+
+        For gradient accumulation: the record of a step of K micro-batches is
+        the worst of their K records. Worse means, as in `amax`: an inf beats
+        a NaN, and a NaN beats any finite value; between finite values the
+        larger wins.
+
+        Raises:
+            ValueError: the records watch different sites (different programs).
+        """
+        _require_same_sites(self, other, "OverflowRecord.worst")
+        return self.replace(
+            forward_amax=_worse(self.forward_amax, other.forward_amax),
+            backward_amax=_worse(self.backward_amax, other.backward_amax),
+        )
+
     @classmethod
     def concatenate(cls, records: list[OverflowRecord]) -> OverflowRecord:
         """The records of several calls, in the order they ran, as one."""
@@ -174,6 +202,29 @@ class OverflowRecord:
 
 
 _NAN_MARK = float(np.finfo(np.float32).max)
+
+
+def _require_same_sites(record: OverflowRecord, other: OverflowRecord, where: str) -> None:
+    if record.sites != other.sites or record.backward_recorded != other.backward_recorded:
+        raise ValueError(
+            f"{where} needs two records of the same program; one watches {len(record.sites)} "
+            f"sites, the other {len(other.sites)}, or their sites differ. Combine only the records "
+            "of one step function (the micro-batches of one step, the steps of one run)."
+        )
+
+
+def _badness(value: jax.Array) -> jax.Array:
+    """2 for an inf, 1 for a NaN, 0 for a finite amax: the order in which `worst` ranks them."""
+    return jnp.where(jnp.isinf(value), 2, jnp.where(jnp.isnan(value), 1, 0))
+
+
+def _worse(first: jax.Array, second: jax.Array) -> jax.Array:
+    first_badness, second_badness = _badness(first), _badness(second)
+    return jnp.where(
+        first_badness == second_badness,
+        jnp.fmax(first, second),  # both finite (the larger), both inf, or both NaN
+        jnp.where(first_badness > second_badness, first, second),
+    )
 
 
 def amax(value: Any) -> jax.Array:

@@ -20,10 +20,21 @@ from jaxamp.finite import all_finite, select_tree
 from jaxamp.loss_scale import LossScale, NoOpLossScale
 from jaxamp.loss_scaling import LossScalingState, loss_scaling, require_skip_counting
 from jaxamp.nonfinite_grads import NonFiniteGradients
+from jaxamp.overflow_record import OverflowRecord
 
 # Fields that apply_gradients itself manages; callers cannot pass them as updates.
 _MANAGED_FIELDS = frozenset(
-    {"step", "params", "opt_state", "loss_scale", "nonfinite_grads", "skipped_steps", "apply_fn", "tx"}
+    {
+        "step",
+        "params",
+        "opt_state",
+        "loss_scale",
+        "nonfinite_grads",
+        "overflow_record",
+        "skipped_steps",
+        "apply_fn",
+        "tx",
+    }
 )
 
 
@@ -55,6 +66,11 @@ class TrainState(train_state.TrainState):
             skipped step, and its index
             (`jaxamp.diagnostics.NonFiniteGradients`: ``.summary()`` on the
             host names them); None in a state built without `create`.
+        overflow_record: the `jaxamp.diagnostics.OverflowRecord` of the last
+            skipped step (each matmul's and convolution's amax, forward and
+            backward: ``.summary()`` names the first overflow), kept when the
+            step passes ``overflow_record=`` to `apply_gradients`; None until
+            then. All zeros until a step is skipped.
         skipped_steps: steps skipped because their gradients were not finite
             (int32): read from ``loss_scale.skipped_steps``, not stored twice.
     """
@@ -62,6 +78,7 @@ class TrainState(train_state.TrainState):
     loss_scale: Any = struct.field(default_factory=NoOpLossScale)
     batch_stats: Any = None
     nonfinite_grads: NonFiniteGradients | None = None
+    overflow_record: OverflowRecord | None = None
 
     @property
     def skipped_steps(self) -> jax.Array:
@@ -120,7 +137,14 @@ class TrainState(train_state.TrainState):
             **kwargs,
         )
 
-    def apply_gradients(self, *, grads, grads_finite: jax.Array | None = None, **updates) -> TrainState:
+    def apply_gradients(
+        self,
+        *,
+        grads,
+        grads_finite: jax.Array | None = None,
+        overflow_record: OverflowRecord | None = None,
+        **updates,
+    ) -> TrainState:
         """Applies the optax update if the gradients are finite, else skips it.
 
         Where `grads_finite` is true: params and optimizer state take the
@@ -128,8 +152,9 @@ class TrainState(train_state.TrainState):
         takes its new value, and ``step`` increments. Where it is false, all of
         those stay bit-identical, the loss scale counts the skipped step
         (``skipped_steps``) and ``nonfinite_grads`` records which gradient
-        leaves were not finite. In both cases the loss scale is adjusted (grown
-        or backed off). In steps:
+        leaves were not finite, and ``overflow_record`` (when given) keeps the
+        step's record. In both cases the loss scale is adjusted (grown or
+        backed off). In steps:
 
         ```python
         param_updates, (loss_scale, opt_state) = loss_scaling(tx, loss_scale).update(
@@ -138,7 +163,8 @@ class TrainState(train_state.TrainState):
         if grads_finite:
             step, params = step + 1, params + param_updates
             fields = updates                 # batch_stats=..., a subclass's own
-        # else: step, params and fields stay as they were
+        else:                                # step, params and fields stay as they were
+            kept_record = overflow_record    # when given
         ```
 
         Both outcomes are computed and one is selected with ``jnp.where``, which
@@ -149,6 +175,14 @@ class TrainState(train_state.TrainState):
             grads: gradients with the structure of ``params``, already unscaled.
             grads_finite: scalar bool; computed with `jaxamp.all_finite` when
                 None.
+            overflow_record: this step's `jaxamp.diagnostics.OverflowRecord`
+                (from ``jaxamp.scaled_value_and_grad(..., record_overflow=True)``),
+                kept in ``state.overflow_record`` if the step is skipped. The
+                first call on a state without one starts it from
+                ``overflow_record.cleared()``, so that call's jitted step
+                returns a state of a new structure (one retrace); give
+                `create` or ``state.replace`` a cleared record of the step's
+                shape to avoid it.
             **updates: other fields to update only on a finite step.
 
         Returns:
@@ -196,4 +230,23 @@ class TrainState(train_state.TrainState):
             opt_state=scaling_state.inner_state,
             loss_scale=scaling_state.loss_scale,
             nonfinite_grads=scaling_state.nonfinite_grads,
+            overflow_record=self._kept_record(overflow_record, grads_finite),
         )
+
+    def _kept_record(self, record: OverflowRecord | None, grads_finite: jax.Array) -> OverflowRecord | None:
+        """The state's record after a step: this step's if it was skipped, else the one kept before."""
+        if record is None:
+            return self.overflow_record
+        if not isinstance(record, OverflowRecord):
+            raise TypeError(
+                "apply_gradients(overflow_record=...) takes the jaxamp.diagnostics.OverflowRecord that "
+                f"jaxamp.scaled_value_and_grad(..., record_overflow=True) returns; got {type(record).__name__}."
+            )
+        kept = record.cleared() if self.overflow_record is None else self.overflow_record
+        if kept.sites != record.sites:
+            raise ValueError(
+                f"apply_gradients got an overflow record of {len(record.sites)} sites, but the state keeps "
+                f"one of {len(kept.sites)} other sites: records of different step functions. Keep the "
+                "records of one step function in a state (or replace overflow_record=None first)."
+            )
+        return select_tree(grads_finite, kept, record)

@@ -1,7 +1,9 @@
 """The experiments keep three promises that a wrong line breaks silently.
 
-* Gradient accumulation adds nothing of a micro-batch whose gradients are
-  not all finite: not its inf or NaN leaves, and not its finite ones either.
+* Gradient accumulation adds no finite value of a micro-batch whose
+  gradients are not all finite (its finite leaves are left out too); its inf
+  and NaN values are kept, so the step's gradients name the leaves that
+  overflowed.
 * Evaluation sees the test images as they are: never cropped, flipped or
   drawn at random, and every test image once.
 * A run's summary reports the skipped and injected steps of the whole run
@@ -58,20 +60,29 @@ def micro_batches(num, bad_index=None, bad_value=jnp.inf, bad_leaf="w"):
 @pytest.mark.parametrize("num", [2, 4])
 @pytest.mark.parametrize("bad_value", [jnp.inf, -jnp.inf, jnp.nan], ids=["inf", "-inf", "nan"])
 @pytest.mark.parametrize("bad_leaf", ["w", "b"])
-def test_a_non_finite_micro_batch_adds_none_of_its_gradients_wherever_it_falls(num, bad_value, bad_leaf):
-    """Fails if the accumulator adds the bad micro-batch's gradients (all of them, finite leaves too)."""
+def test_a_non_finite_micro_batch_adds_none_of_its_finite_gradients_wherever_it_falls(
+    num, bad_value, bad_leaf
+):
+    """Fails if the accumulator adds the bad micro-batch's finite gradients (of either leaf), or
+    drops its non-finite value (then the step's gradients would not show which leaf overflowed)."""
     for bad_index in range(num):
         batches = micro_batches(num, bad_index, bad_value, bad_leaf)
         carry, grads, grads_finite, _ = jax.jit(accumulate_gradients, static_argnums=0)(
             micro_batch_grads, PARAMS, jnp.int32(0), batches
         )
         keep = np.arange(num) != bad_index
-        expected_w = np.asarray(batches["w"])[keep].sum(axis=0) / num
-        expected_b = np.asarray(batches["b"])[keep].sum() / num
+        expected = {
+            "w": np.asarray(batches["w"])[keep].sum(axis=0) / num,
+            "b": np.float32(np.asarray(batches["b"])[keep].sum() / num),
+        }
+        if bad_leaf == "w":
+            expected["w"][1] = bad_value / num
+        else:
+            expected["b"] = np.float32(bad_value / num)
         assert not bool(grads_finite)
         assert int(carry) == num
-        np.testing.assert_array_equal(grads["w"], expected_w)
-        np.testing.assert_array_equal(grads["b"], expected_b)
+        np.testing.assert_array_equal(grads["w"], expected["w"])
+        np.testing.assert_array_equal(grads["b"], expected["b"])
 
 
 def test_clean_micro_batches_average_to_the_mean_gradient():
@@ -88,13 +99,22 @@ def test_two_non_finite_micro_batches_of_four_leave_the_other_two():
     batches["b"] = batches["b"].at[2].set(jnp.nan)
     _, grads, grads_finite, _ = accumulate_gradients(micro_batch_grads, PARAMS, jnp.int32(0), batches)
     assert not bool(grads_finite)
-    np.testing.assert_array_equal(grads["w"], np.asarray(batches["w"])[[1, 3]].sum(axis=0) / 4)
-    np.testing.assert_array_equal(grads["b"], np.asarray(batches["b"])[[1, 3]].sum() / 4)
+    expected_w = np.asarray(batches["w"])[[1, 3]].sum(axis=0) / 4
+    expected_w[1] = np.inf  # micro-batch 0's inf
+    np.testing.assert_array_equal(grads["w"], expected_w)
+    assert np.isnan(grads["b"]), "micro-batch 2's NaN"
 
 
 # --- evaluation sees the test images as they are -----------------------------------------------------
 
-RANDOM_PRIMITIVES = {"random_bits", "random_seed", "random_wrap", "random_split", "random_fold_in", "threefry2x32"}
+RANDOM_PRIMITIVES = {
+    "random_bits",
+    "random_seed",
+    "random_wrap",
+    "random_split",
+    "random_fold_in",
+    "threefry2x32",
+}
 
 
 def all_primitive_names(jaxpr):
@@ -226,7 +246,10 @@ def test_no_step_is_compiled_inside_a_timed_epoch_the_first_included(monkeypatch
     def recorded_epoch(run, state, epoch, resumed_at):
         before = len(log.compiled)
         epochs.append(
-            {name: isinstance(getattr(run, name), jax.stages.Compiled) for name in ("train_step", "eval_step")}
+            {
+                name: isinstance(getattr(run, name), jax.stages.Compiled)
+                for name in ("train_step", "eval_step")
+            }
         )
         epochs[-1]["start"] = before
         state = run_epoch(run, state, epoch, resumed_at)
@@ -254,7 +277,11 @@ def test_micro_batches_that_are_one_array_count_along_its_leading_axis():
     """A tree of one leaf: K comes from that leaf (a mutant reading a second leaf has none)."""
 
     def grad_fn(params, carry, micro_batch):
-        return ({"loss": jnp.sum(micro_batch)}, carry), {"w": micro_batch, "b": micro_batch[0]}, jnp.array(True)
+        return (
+            ({"loss": jnp.sum(micro_batch)}, carry),
+            {"w": micro_batch, "b": micro_batch[0]},
+            jnp.array(True),
+        )
 
     batches = jnp.arange(12.0).reshape(4, 3)
     _, grads, grads_finite, _ = accumulate_gradients(grad_fn, PARAMS, jnp.int32(0), batches)
@@ -302,7 +329,10 @@ def test_the_synthetic_dataset_is_chosen_by_name_whatever_the_source_and_keeps_i
 
 def test_synthetic_pixels_and_labels_cover_their_whole_ranges():
     dataset = data_lib.synthetic_dataset(num_train=64, num_test=256, num_classes=10, seed=0)
-    for images, labels in ((dataset.train_images, dataset.train_labels), (dataset.test_images, dataset.test_labels)):
+    for images, labels in (
+        (dataset.train_images, dataset.train_labels),
+        (dataset.test_images, dataset.test_labels),
+    ):
         assert (images.min(), images.max()) == (0, 255)
         assert labels.dtype == np.int32
     assert set(dataset.test_labels.tolist()) == set(range(10))

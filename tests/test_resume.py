@@ -65,6 +65,9 @@ def test_a_restored_checkpoint_holds_every_loss_scale_field_skipped_steps_and_st
     assert all(jax.tree.leaves(equal))
     assert train.state_checksum(restored) == train.state_checksum(state)
     assert restored_position == position()
+    # The last skipped step (the 4th, NaN) and its leaf, as the state had them.
+    assert restored.nonfinite_grads.summary() == state.nonfinite_grads.summary()
+    assert restored.nonfinite_grads.summary() == "step 4 skipped: non-finite grads in 1 of 1 leaves: w"
 
 
 @pytest.mark.parametrize(

@@ -159,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: TFDS's, ~/tensorflow_datasets)",
     )
     parser.add_argument(
-        "--vocab-size", type=integer_at_least(2, "an integer >= 2"), default=None,
+        "--vocab-size",
+        type=integer_at_least(2, "an integer >= 2"),
+        default=None,
         help="token ids (default 256: bytes); other values need --data synthetic",
     )
     parser.add_argument(
@@ -186,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=output_directory,
         default=None,
         help="where results.json, table.md and the plots go (default: a new directory under runs/)",
+    )
+    parser.add_argument(
+        "--record-overflow",
+        action="store_true",
+        help="record each matmul's largest magnitude, forward and backward, so that a skipped step's "
+        "report names the layer and pass that overflowed first (it reads the attention scores and logits "
+        "once more: see docs/guides/why-was-my-step-skipped.md)",
     )
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bar (never drawn off a terminal)"
@@ -229,6 +238,7 @@ def configs_from_args(args: argparse.Namespace) -> list[config_lib.LMConfig]:
         gather_dtype=args.gather_dtype,
         reduce_dtype=args.reduce_dtype,
         progress=not args.no_progress,
+        record_overflow=args.record_overflow,
     )
     return [
         dataclasses.replace(base, precision=precision, route=route, seed=seed)
@@ -303,6 +313,7 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
         payload: dict[str, Any] = {"command": command, "environment": environment(), "runs": []}
 
         for config in configs:
+
             def save(run, payload=payload):
                 if main_process:
                     output.write_json(out_dir, {**payload, "runs": [*payload["runs"], run]})

@@ -74,6 +74,7 @@ class LMConfig:
     gather_dtype: str | None = None  # None (and reduce_dtype None): plain jit with shardings
     reduce_dtype: str | None = None
     progress: bool = True
+    record_overflow: bool = False  # keep the last skipped step's OverflowRecord in the state
 
     @property
     def communicates_explicitly(self) -> bool:

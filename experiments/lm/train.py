@@ -136,13 +136,22 @@ def make_loss_fn(apply_fn: Callable, route: str, policy: jaxamp.Policy) -> Calla
     return jaxamp.autocast(loss_fn, policy) if route == "autocast" else loss_fn
 
 
-def make_train_step(loss_fn: Callable) -> Callable:
-    """Returns ``train_step(state, windows)`` → ``(state, loss)``."""
+def make_train_step(loss_fn: Callable, record_overflow: bool = False) -> Callable:
+    """Returns ``train_step(state, windows)`` → ``(state, loss)``.
+
+    With `record_overflow` the step takes its `jaxamp.diagnostics.OverflowRecord`
+    and the state keeps the last skipped step's (``state.overflow_record``).
+    """
 
     def train_step(state, windows):
-        value_and_grad = jaxamp.scaled_value_and_grad(loss_fn, state.loss_scale)
-        loss, grads, grads_finite = value_and_grad(state.params, windows)
-        return state.apply_gradients(grads=grads, grads_finite=grads_finite), loss
+        value_and_grad = jaxamp.scaled_value_and_grad(
+            loss_fn, state.loss_scale, record_overflow=record_overflow
+        )
+        loss, grads, grads_finite, *record = value_and_grad(state.params, windows)
+        state = state.apply_gradients(
+            grads=grads, grads_finite=grads_finite, overflow_record=record[0] if record else None
+        )
+        return state, loss
 
     return train_step
 
@@ -167,6 +176,24 @@ class Compiled:
     train_step_program: str  # the train step as lowered, before XLA partitions and optimizes it
 
 
+def initial_state_fn(config, precision, model, context: int, tx, train_step: Callable, windows) -> Callable:
+    """The function that creates the run's first state.
+
+    With ``config.record_overflow`` the state holds a cleared overflow record
+    of the step's sites (found by tracing `train_step` once, without running
+    it), so the state keeps one structure from the first step on.
+    """
+
+    def create():
+        return create_train_state(config, precision, model, context, tx)
+
+    if not config.record_overflow:
+        return create
+    stepped, _ = jax.eval_shape(train_step, jax.eval_shape(create), windows)
+    cleared = stepped.overflow_record.cleared()
+    return lambda: create().replace(overflow_record=cleared)
+
+
 def compile_steps(config, precision, model, sharding: Sharding, context: int) -> Compiled:
     """Compiles state creation, the train step and the eval step ahead of time.
 
@@ -175,14 +202,7 @@ def compile_steps(config, precision, model, sharding: Sharding, context: int) ->
     (``donate`` reuses the old state's memory).
     """
     tx = create_optimizer(config)  # one instance: the state's tree structure includes it
-    abstract_state = jax.eval_shape(lambda: create_train_state(config, precision, model, context, tx))
-    state_sharding = sharding.state(abstract_state)
     windows = jax.ShapeDtypeStruct((config.batch_size, context + 1), jnp.int32, sharding=sharding.batch)
-    state_arg = jax.tree.map(
-        lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
-        abstract_state,
-        state_sharding,
-    )
     loss_fn = make_loss_fn(model.apply, config.route, precision.policy)
     if config.communicates_explicitly:
         # Gathers and gradient sums in the stated dtypes, written into the
@@ -190,21 +210,24 @@ def compile_steps(config, precision, model, sharding: Sharding, context: int) ->
         loss_fn = jaxamp.fsdp.fsdp_loss(
             loss_fn, sharding.mesh, communication_policy(config, precision.policy)
         )
+    train_step_fn = make_train_step(loss_fn, config.record_overflow)
+    with precision.context():
+        initial_state = initial_state_fn(config, precision, model, context, tx, train_step_fn, windows)
+    abstract_state = jax.eval_shape(initial_state)
+    state_sharding = sharding.state(abstract_state)
+    state_arg = jax.tree.map(
+        lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
+        abstract_state,
+        state_sharding,
+    )
     times = {}
     with precision.context():
         start = time.perf_counter()
-        init = (
-            jax.jit(
-                lambda: create_train_state(config, precision, model, context, tx),
-                out_shardings=state_sharding,
-            )
-            .lower()
-            .compile()
-        )
+        init = jax.jit(initial_state, out_shardings=state_sharding).lower().compile()
         times["init"] = time.perf_counter() - start
         start = time.perf_counter()
         lowered = jax.jit(
-            make_train_step(loss_fn), out_shardings=(state_sharding, sharding.replicated), donate_argnums=0
+            train_step_fn, out_shardings=(state_sharding, sharding.replicated), donate_argnums=0
         ).lower(state_arg, windows)
         train_step = lowered.compile()
         times["train_step"] = time.perf_counter() - start
