@@ -71,11 +71,17 @@ def test_a_tiny_run_of_every_section_writes_its_fields_table_plots_and_exits_0_w
     )
     assert set(results["loss_scale"]["mlp"]) == set(loss_scale.VARIANTS)
     assert results["loss_scale"]["mlp"]["plain"]["ratio_to_plain"] == 1.0
+    assert set(results["attribution"]["step_time"]["mlp"]) == {"none", "leaves", "leaves+record"}
+    assert results["attribution"]["step_time"]["mlp"]["none"]["ratio_to_none"] == 1.0
     assert 0 < results["pipeline"]["share"]
     if torch_amp.torch_available():
         assert results["torch"]["resnet_tiny"]["mixed"]["autocast_dtype"] == "bfloat16"  # on CPU
     table = (tmp_path / "table.md").read_text()
     assert "## Throughput" in table and "## What loss scaling costs" in table and "## Targets" in table
+    assert (
+        "## What overflow attribution costs" in table
+        and "| mlp: step time, attribution leaves / none |" in table
+    )
     for plot in ("throughput.png", "memory.png", "overhead.png"):
         assert (tmp_path / plot).stat().st_size > 0
     assert exit_code == 0  # it ran; a missed target is in the table, and fails only under --check
@@ -101,9 +107,10 @@ def test_a_missed_timing_target_is_reported_and_fails_the_run_only_under_check(
 
     log = capsys.readouterr().out
     assert "missed 1 target(s): mlp: DynamicLossScale / NoOpLossScale" in log
-    assert "| mlp: DynamicLossScale / NoOpLossScale | 1.200 | <= 1.10 | **missed** |" in (
-        tmp_path / "table.md"
-    ).read_text()
+    assert (
+        "| mlp: DynamicLossScale / NoOpLossScale | 1.200 | <= 1.10 | **missed** |"
+        in (tmp_path / "table.md").read_text()
+    )
 
 
 @pytest.mark.parametrize(
@@ -239,6 +246,62 @@ def test_every_anchor_recipe_skips_an_injected_overflow_the_way_its_library_does
             assert int(skipped[1].notfinite_count) == 1
         applied, _ = step(state, images, labels)  # a clean step moves every recipe's params
         assert not unchanged(params_of(name, state), params_of(name, applied)), name
+
+
+def test_the_attribution_versions_skip_alike_and_differ_only_in_what_they_record():
+    """Inf images: every version skips the step; `leaves` and `leaves+record` name the same leaves,
+    and only `leaves+record` keeps the record, which names the first layer's forward pass."""
+    model, images, labels = loss_scale.make_problem("mlp", batch_size=4)
+    overflowing = jnp.full_like(images, jnp.inf)
+    variants = loss_scale.build_variants(model, images, loss_scale.ATTRIBUTION_VARIANTS)
+    skipped = {name: jax.jit(step)(state, overflowing, labels)[0] for name, (step, state) in variants.items()}
+    assert all(int(state.skipped_steps) == 1 and int(state.step) == 0 for state in skipped.values())
+    none, leaves, record = (skipped[name] for name in loss_scale.ATTRIBUTION_VARIANTS)
+    assert none.nonfinite_grads is None and none.overflow_record is None
+    assert leaves.nonfinite_grads.nonfinite_paths() == record.nonfinite_grads.nonfinite_paths()
+    assert "Dense_0/kernel" in leaves.nonfinite_grads.nonfinite_paths() and leaves.overflow_record is None
+    first = record.overflow_record.first_overflow()
+    assert (first.site.name, first.pass_) == ("Dense_0", "forward")
+
+
+def test_the_attribution_versions_compiled_for_a_target_differ_only_in_the_state_they_keep():
+    """What `attribution.compile_on_target` lowers, on this CPU's device (no compile)."""
+    from experiments.benchmark import attribution
+
+    device = jax.devices()[0]
+    steps = {
+        version: attribution._abstract_step(version, "resnet_tiny", 4, device)
+        for version in attribution.VERSIONS
+    }
+    states = {version: arguments[0] for version, (_, arguments) in steps.items()}
+    assert states["none"].nonfinite_grads is None and states["none"].overflow_record is None
+    assert states["leaves"].nonfinite_grads is not None and states["leaves"].overflow_record is None
+    record = states["leaves+record"].overflow_record
+    assert record.sites[-1].name == "Dense_0" and record.backward_recorded
+    assert all(leaf.shape == (len(record.sites),) for leaf in jax.tree.leaves(record))
+
+
+def test_attribution_checks_hold_each_version_to_its_own_target():
+    measured = {
+        "step_time": {"mlp": {"leaves": {"ratio_to_none": 1.02}, "leaves+record": {"ratio_to_none": 1.12}}},
+        "targets": {
+            "h200": {
+                "resnet18": {
+                    "leaves": {"bytes_accessed_per_step_ratio_to_none": 1.0},
+                    "leaves+record": {"bytes_accessed_per_step_ratio_to_none": 1.06},
+                }
+            }
+        },
+    }
+    verdicts = {
+        check["check"]: (check["met"], check["timed"]) for check in checks.attribution_checks(measured)
+    }
+    assert verdicts == {
+        "mlp: step time, attribution leaves / none": (True, True),  # 1.02 <= 1.03
+        "mlp: step time, attribution leaves+record / none": (False, True),  # 1.12 > 1.10
+        "h200 resnet18: bytes moved, attribution leaves / none": (True, False),
+        "h200 resnet18: bytes moved, attribution leaves+record / none": (False, False),  # 1.06 > 1.05
+    }
 
 
 def test_checks_say_met_and_missed_against_the_projects_targets():

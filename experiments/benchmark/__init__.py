@@ -19,11 +19,15 @@ lists what it skipped):
    FLOPs per image, achieved TFLOP/s, share of peak and the roofline bound.
 2. ``loss_scale`` (`experiments.benchmark.loss_scale`): what loss scaling
    costs, against flax's, jmp's and optax's own recipes.
-3. ``pipeline`` (`experiments.benchmark.pipeline`): the on-device input
+3. ``attribution`` (`experiments.benchmark.attribution`): what overflow
+   attribution costs (the gradient leaves a train state keeps, and the
+   per-layer record of ``record_overflow=True``): step time here and, for
+   each ``--target``, bytes moved by the compiled step.
+4. ``pipeline`` (`experiments.benchmark.pipeline`): the on-device input
    pipeline's share of a train step.
-4. ``torch`` (`experiments.benchmark.torch_amp`): PyTorch AMP on the same
+5. ``torch`` (`experiments.benchmark.torch_amp`): PyTorch AMP on the same
    device, same models and batch, when ``torch`` is importable.
-5. ``targets`` (`experiments.benchmark.targets`): the train step compiled
+6. ``targets`` (`experiments.benchmark.targets`): the train step compiled
    for GPU targets without a GPU (needs the CUDA PJRT plugin): memory,
    bytes moved, dtypes of every convolution and matmul, compile time,
    roofline bound; each half precision by both routes a policy can take

@@ -21,7 +21,7 @@ from experiments.flags import (
     positive_int,
 )
 
-SECTIONS = ("throughput", "loss_scale", "pipeline", "torch", "targets")
+SECTIONS = ("throughput", "loss_scale", "attribution", "pipeline", "torch", "targets")
 PRECISIONS = ("fp32", "tf32", "mixed", "mixed_bf16")
 STUDY_MODELS = "resnet18,resnet50,resnet101,mobilenetv2"
 # --quick: a reduced set that runs in minutes on a 2-core CPU.
@@ -56,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--sections",
         type=comma_list(SECTIONS),
         default=None,
-        help="comma-separated, run in the order given (default: throughput,loss_scale,pipeline,"
-        "torch; only targets when --target is given)",
+        help="comma-separated, run in the order given (default: throughput,loss_scale,attribution,"
+        "pipeline,torch; only targets when --target is given; attribution compiles for --target too)",
     )
     parser.add_argument(
         "--models",
@@ -93,13 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--loss-scale-models",
         type=comma_list(["mlp", *models]),
         default=None,
-        help="models of the loss_scale section " + default("loss_scale_models", "mlp,resnet18"),
+        help="models of the loss_scale and attribution sections "
+        + default("loss_scale_models", "mlp,resnet18"),
     )
     parser.add_argument(
         "--loss-scale-batch-size",
         type=positive_int,
         default=None,
-        help="batch size of the loss_scale section " + default("loss_scale_batch_size", 128),
+        help="batch size of the loss_scale and attribution sections " + default("loss_scale_batch_size", 128),
     )
     parser.add_argument(
         "--torch-models",

@@ -16,6 +16,9 @@ LOSS_SCALE_OVERHEAD = {"mlp": 1.10, "resnet18": 1.03}
 PIPELINE_SHARE = 0.02
 ANCHORS = ("flax_dynamic_scale", "jmp_dynamic", "optax_apply_if_finite")
 TARGET_TEMP_RATIO = 0.55
+# Overflow attribution's cost allowed over the step without it: step time here, bytes moved on a GPU target.
+ATTRIBUTION_STEP_TIME = {"leaves": 1.03, "leaves+record": 1.10}
+ATTRIBUTION_BYTES = {"leaves": 1.01, "leaves+record": 1.05}
 
 
 def _check(name: str, value: float, target: str, met: bool, timed: bool = True) -> dict[str, Any]:
@@ -117,8 +120,39 @@ def target_checks(targets: dict) -> list[dict]:
     return checks
 
 
+def attribution_checks(attribution: dict) -> list[dict]:
+    """The cost targets of the gradient attribution (``leaves``) and of the overflow record."""
+    checks = []
+    for model, versions in attribution.get("step_time", {}).items():
+        for version, allowed in ATTRIBUTION_STEP_TIME.items():
+            value = versions[version]["ratio_to_none"]
+            checks.append(
+                _check(
+                    f"{model}: step time, attribution {version} / none",
+                    value,
+                    f"<= {allowed:.2f}",
+                    value <= allowed,
+                )
+            )
+    for target, models in attribution.get("targets", {}).items():
+        for model, versions in models.items():
+            for version, allowed in ATTRIBUTION_BYTES.items():
+                value = versions[version]["bytes_accessed_per_step_ratio_to_none"]
+                checks.append(
+                    _check(
+                        f"{target} {model}: bytes moved, attribution {version} / none",
+                        value,
+                        f"<= {allowed:.2f}",
+                        value <= allowed,
+                        timed=False,
+                    )
+                )
+    return checks
+
+
 def all_checks(results: dict, on_gpu: bool) -> list[dict]:
     checks = loss_scale_checks(results.get("loss_scale", {}))
+    checks += attribution_checks(results.get("attribution", {}))
     pipeline = results.get("pipeline")
     if pipeline:
         checks.append(

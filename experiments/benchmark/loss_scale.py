@@ -18,6 +18,14 @@ interleaved (ratios to ``plain``):
 * ``optax_apply_if_finite``: ``optax.apply_if_finite`` around the optimizer
   (no loss scale: it only skips non-finite updates).
 
+Two more, which the ``attribution`` section times against ``jaxamp_dynamic``
+(`experiments.benchmark.attribution`):
+
+* ``jaxamp_no_attribution``: ``jaxamp_dynamic`` without the gradient
+  attribution the train state keeps by default (``nonfinite_grads=None``);
+* ``jaxamp_record_overflow``: ``jaxamp_dynamic`` with
+  ``record_overflow=True``, the record kept in the state.
+
 Each recipe skips an overflowed step the way its library does
 (``tests/test_benchmark.py`` injects one), so the comparison is fair.
 """
@@ -48,6 +56,7 @@ VARIANTS = (
     "jmp_dynamic",
     "optax_apply_if_finite",
 )
+ATTRIBUTION_VARIANTS = ("jaxamp_no_attribution", "jaxamp_dynamic", "jaxamp_record_overflow")
 _MAX_CONSECUTIVE_ERRORS = 5
 
 
@@ -121,11 +130,22 @@ def build_variants(model: nn.Module, images, variants=VARIANTS) -> dict[str, tup
         )
         return (*update(params, opt_state, grads), new_stats), loss
 
-    def jaxamp_step(state, images, labels):
-        (loss, new_stats), grads, grads_finite = jaxamp.scaled_value_and_grad(
-            lambda p: loss_fn(p, state.batch_stats, images, labels), state.loss_scale, has_aux=True
+    def jaxamp_step(state, images, labels, record_overflow=False):
+        (loss, new_stats), grads, grads_finite, *record = jaxamp.scaled_value_and_grad(
+            lambda p: loss_fn(p, state.batch_stats, images, labels),
+            state.loss_scale,
+            has_aux=True,
+            record_overflow=record_overflow,
         )(state.params)
-        return state.apply_gradients(grads=grads, grads_finite=grads_finite, batch_stats=new_stats), loss
+        state = state.apply_gradients(
+            grads=grads,
+            grads_finite=grads_finite,
+            batch_stats=new_stats,
+            overflow_record=record[0] if record else None,
+        )
+        return state, loss
+
+    recording_step = functools.partial(jaxamp_step, record_overflow=True)
 
     def flax_step(state, images, labels):
         params, opt_state, batch_stats, scale = state
@@ -170,10 +190,20 @@ def build_variants(model: nn.Module, images, variants=VARIANTS) -> dict[str, tup
             batch_stats=own(batch_stats),
         )
 
+    def recording_state():
+        state = jaxamp_state(jaxamp.DynamicLossScale())
+        stepped, _ = jax.eval_shape(recording_step, state, images, jnp.zeros(len(images), jnp.int32))
+        return state.replace(overflow_record=stepped.overflow_record.cleared())
+
     builders = {
         "plain": lambda: (plain, (own(params), tx.init(params), own(batch_stats))),
         "jaxamp_dynamic": lambda: (jaxamp_step, jaxamp_state(jaxamp.DynamicLossScale())),
         "jaxamp_noop": lambda: (jaxamp_step, jaxamp_state(jaxamp.NoOpLossScale())),
+        "jaxamp_no_attribution": lambda: (
+            jaxamp_step,
+            jaxamp_state(jaxamp.DynamicLossScale()).replace(nonfinite_grads=None),
+        ),
+        "jaxamp_record_overflow": lambda: (recording_step, recording_state()),
         "flax_dynamic_scale": lambda: (
             flax_step,
             (own(params), tx.init(params), own(batch_stats), flax_dynamic_scale.DynamicScale()),
@@ -189,20 +219,34 @@ def build_variants(model: nn.Module, images, variants=VARIANTS) -> dict[str, tup
     }
     unknown = set(variants) - set(builders)
     if unknown:
-        raise ValueError(f"Unknown loss-scale variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}.")
+        raise ValueError(f"Unknown loss-scale variants {sorted(unknown)}; choose from {', '.join(builders)}.")
     return {name: builders[name]() for name in variants}
 
 
-def measure(model_name: str, batch_size: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
-    """Median ms per step of every variant, and its ratio to ``plain``."""
+def measure(
+    model_name: str,
+    batch_size: int,
+    rounds: int,
+    steps: int,
+    variants: tuple[str, ...] = VARIANTS,
+    baseline: str = "plain",
+) -> dict[str, dict[str, float]]:
+    """Median ms per step of each of `variants`, timed interleaved, and its ratio to `baseline`'s.
+
+    The ratio's key is ``ratio_to_<baseline>`` (``ratio_to_plain`` by default).
+    """
+    if baseline not in variants:
+        raise ValueError(
+            f"The baseline {baseline!r} must be among the variants timed: {', '.join(variants)}."
+        )
     model, images, labels = make_problem(model_name, batch_size)
     steps_by_variant = {}
-    for name, (step, state) in build_variants(model, images).items():
+    for name, (step, state) in build_variants(model, images, variants).items():
         steps_by_variant[name] = timing.StatefulStep(
             jax.jit(step, donate_argnums=0), state, [(images, labels)]
         )
     medians = timing.interleaved_medians(steps_by_variant, rounds, steps)
     return {
-        name: {"ms_per_step": 1e3 * seconds, "ratio_to_plain": seconds / medians["plain"]}
+        name: {"ms_per_step": 1e3 * seconds, f"ratio_to_{baseline}": seconds / medians[baseline]}
         for name, seconds in medians.items()
     }

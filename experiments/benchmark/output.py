@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from experiments.benchmark import targets
+from experiments.benchmark import attribution, targets
 from experiments.results import write_text_atomically
 
 _MB = 1e6
@@ -112,6 +112,7 @@ def load_sentence(load_at_start: float, load_at_end: float, cpu_count: int | Non
 _SECTION_TITLES = {
     "throughput": "throughput and memory",
     "loss_scale": "loss scaling's cost",
+    "attribution": "overflow attribution's cost",
     "pipeline": "input pipeline",
     "torch": "PyTorch AMP",
 }
@@ -119,7 +120,11 @@ _SECTION_TITLES = {
 
 def title(settings: dict) -> str:
     """The page's heading: what the run measured (its sections, the GPUs it compiled for)."""
-    parts = [_SECTION_TITLES.get(section, section) for section in settings.get("sections", []) if section != "targets"]
+    parts = [
+        _SECTION_TITLES.get(section, section)
+        for section in settings.get("sections", [])
+        if section != "targets"
+    ]
     if settings.get("targets"):
         parts.append("compiled for " + ", ".join(target.upper() for target in settings["targets"]))
     return "# Benchmark: " + (", ".join(parts) or "nothing run")
@@ -176,6 +181,13 @@ def table(results: dict) -> str:
     for title, key, render in sections:
         if results.get(key):
             lines += ["", f"## {title}", "", *render(results[key])]
+    if results.get("attribution"):
+        lines += [
+            "",
+            "## What overflow attribution costs (mixed_float16 step)",
+            "",
+            *attribution.table_rows(results["attribution"]),
+        ]
     if results.get("throughput"):
         lines += [
             "",

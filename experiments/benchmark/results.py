@@ -43,4 +43,3 @@ class Results:
 
     def write(self) -> None:
         write_text_atomically(self.path, json.dumps(self.data, indent=2, sort_keys=False) + "\n")
-

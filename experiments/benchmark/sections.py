@@ -9,7 +9,7 @@ data once and keeps the workload the pipeline section reuses.
 from __future__ import annotations
 
 import jaxamp
-from experiments.benchmark import loss_scale, pipeline, targets, throughput, torch_amp, workload
+from experiments.benchmark import attribution, loss_scale, pipeline, targets, throughput, torch_amp, workload
 from experiments.benchmark.budget import Budget, SkipWork
 from experiments.benchmark.results import Results
 
@@ -70,6 +70,37 @@ class SectionRunner:
                 model, settings["loss_scale_batch_size"], settings["rounds"], settings["steps"]
             ),
         )
+
+    def attribution(self) -> None:
+        """Overflow attribution's cost: step time here, then bytes moved on each GPU target."""
+        settings = self.settings
+        for model in settings["loss_scale_models"]:
+            _guarded(
+                self.budget,
+                f"attribution {model}",
+                lambda model=model: self.results.put(
+                    ("attribution", "step_time", model),
+                    attribution.measure(
+                        model, settings["loss_scale_batch_size"], settings["rounds"], settings["steps"]
+                    ),
+                ),
+            )
+        if settings["targets"] and not jaxamp.diagnostics.cuda_plugin_available():
+            self.budget.skip(
+                "attribution on GPU targets",
+                "the CUDA PJRT plugin is not installed (pip install 'jaxamp[gpu-aot]')",
+            )
+            return
+        for target in settings["targets"]:
+            for model in settings["models"]:
+                _guarded(
+                    self.budget,
+                    f"attribution {target} {model}",
+                    lambda target=target, model=model: self.results.put(
+                        ("attribution", "targets", target, model),
+                        attribution.compile_on_target(target, model, settings["batch_size"]),
+                    ),
+                )
 
     def pipeline(self) -> None:
         model, precision = key = self.pipeline_workload_key()

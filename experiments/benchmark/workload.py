@@ -65,9 +65,7 @@ def abstract_train_state(
     return apply_route(state, config.model, precision.policy, route, num_classes)
 
 
-def apply_route(
-    state: Any, model: str, policy: jaxamp.Policy, route: str, num_classes: int = 10
-) -> Any:
+def apply_route(state: Any, model: str, policy: jaxamp.Policy, route: str, num_classes: int = 10) -> Any:
     """`state` with its model applied by `route` (one of `ROUTES`).
 
     ``apply_policy`` returns the recipe's state unchanged. ``autocast``
