@@ -122,32 +122,31 @@ def target_checks(targets: dict) -> list[dict]:
 
 def attribution_checks(attribution: dict) -> list[dict]:
     """The cost targets of the gradient attribution (``leaves``) and of the overflow record."""
-    checks = []
-    for model, versions in attribution.get("step_time", {}).items():
-        for version, allowed in ATTRIBUTION_STEP_TIME.items():
-            value = versions[version]["ratio_to_none"]
-            checks.append(
-                _check(
-                    f"{model}: step time, attribution {version} / none",
-                    value,
-                    f"<= {allowed:.2f}",
-                    value <= allowed,
-                )
-            )
-    for target, models in attribution.get("targets", {}).items():
-        for model, versions in models.items():
-            for version, allowed in ATTRIBUTION_BYTES.items():
-                value = versions[version]["bytes_accessed_per_step_ratio_to_none"]
-                checks.append(
-                    _check(
-                        f"{target} {model}: bytes moved, attribution {version} / none",
-                        value,
-                        f"<= {allowed:.2f}",
-                        value <= allowed,
-                        timed=False,
-                    )
-                )
-    return checks
+    measured = [
+        (f"{model}: step time", versions, "ratio_to_none", ATTRIBUTION_STEP_TIME, True)
+        for model, versions in attribution.get("step_time", {}).items()
+    ] + [
+        (
+            f"{target} {model}: bytes moved",
+            versions,
+            "bytes_accessed_per_step_ratio_to_none",
+            ATTRIBUTION_BYTES,
+            False,
+        )
+        for target, models in attribution.get("targets", {}).items()
+        for model, versions in models.items()
+    ]
+    return [
+        _check(
+            f"{what}, attribution {version} / none",
+            versions[version][ratio],
+            f"<= {allowed:.2f}",
+            versions[version][ratio] <= allowed,
+            timed=timed,
+        )
+        for what, versions, ratio, limits, timed in measured
+        for version, allowed in limits.items()
+    ]
 
 
 def all_checks(results: dict, on_gpu: bool) -> list[dict]:
