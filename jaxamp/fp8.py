@@ -38,6 +38,18 @@ the presets are refused, so a plain ``dot_general`` of the FP8 operands runs:
 the same FP8 products with float32 accumulation, and no speed-up.
 `lax.platform_dependent` picks the branch when the program is lowered.
 
+Delayed scaling (TransformerEngine's recipe) is an option, public here:
+`Fp8History` (the amax window a train step carries), `init_fp8_history`,
+`delayed_value_and_grad` (the step helper) and `delayed_scaling` (the
+context it opens). Inside it, each FP8 site scales from the history's amax
+(``scale = fp8.max / amax_in``), so the cast does not wait for the amax of
+the tensor now, which is computed beside it and sent out of the step
+through a probe's gradient (`jaxamp.fp8_sites`); the NaN rule above still
+holds. Whether XLA reads the tensor once for both is its fusion's choice:
+compiled for an H200 it fuses the cast into the transpose that cuBLASLt's
+FP8 GEMM needs and keeps the amax a reduction of its own. Before the history's
+first step is recorded the sites use current scaling.
+
 `jaxamp.diagnostics.fp8_quantization_stats` reads how many values
 underflowed (nonzero values that quantize to zero), saturated and were not
 finite, through the kernel's `observer` hook, without changing what
@@ -89,37 +101,35 @@ FP8_PAYS_SCOPE_NAME = "jaxamp_fp8_pays"
 FP8_FALLBACK_SCOPE_PREFIX = "jaxamp_fp8_fallback_"
 """A fallback runs under ``jax.named_scope(FP8_FALLBACK_SCOPE_PREFIX + reason)``."""
 
-FP8_FALLBACK_REASONS: Mapping[str, str] = types.MappingProxyType(
-    {
-        "shape_not_multiple_of_16": (
-            "a dot's M, N or K (the product of the lhs free dims, of the rhs free dims, of the "
-            "contracting dims), or a convolution's input or output features, is not a multiple of 16, the FP8 GEMM granularity of cuBLASLt and TransformerEngine. "
-            "XLA would pad such an op and still run FP8; jaxamp keeps it in bfloat16 instead, since "
-            "such matmuls are small (a classifier head, a projection to a few outputs) and sit where "
-            "precision matters most."
-        ),
-        "batch_dims": (
-            "the dot has batch dimensions: an attention core (queries times keys, probabilities "
-            "times values) or another batched matmul; FP8 attention needs its own scaling of the "
-            "softmax probabilities, so it stays bfloat16."
-        ),
-        "integer_operands": "an integer dot (int8 matmuls); runs as traced.",
-        "grouped_conv": "a grouped or depthwise convolution (feature or batch groups), kept in bfloat16.",
-        "transposed_conv": "a transposed convolution (lhs dilation), kept in bfloat16.",
-        "conv_backward": (
-            "the two backward convolutions (input and kernel gradients) of an FP8 forward "
-            "convolution: XLA rewrites only forward convolutions into cuDNN FP8 graphs, so these run "
-            "in bfloat16 on the saved FP8 operands."
-        ),
-        "ragged_dot": "a ragged (grouped) dot, which has no FP8 form here.",
-        "too_small_to_pay": (
-            "for its shape, the FP8 GEMMs plus their quantization passes are slower on paper than the "
-            "same GEMMs in the compute dtype on the target GPU (jaxamp.diagnostics.fp8_matmul_cost; the "
-            "target is jaxamp.diagnostics.fp8_target's, else the GPU run on). "
-            "fp8_target('everywhere') runs it in FP8 anyway."
-        ),
-    }
-)
+FP8_FALLBACK_REASONS: Mapping[str, str] = types.MappingProxyType({
+    "shape_not_multiple_of_16": (
+        "a dot's M, N or K (the product of the lhs free dims, of the rhs free dims, of the "
+        "contracting dims), or a convolution's input or output features, is not a multiple of 16, the FP8 GEMM granularity of cuBLASLt and TransformerEngine. "
+        "XLA would pad such an op and still run FP8; jaxamp keeps it in bfloat16 instead, since "
+        "such matmuls are small (a classifier head, a projection to a few outputs) and sit where "
+        "precision matters most."
+    ),
+    "batch_dims": (
+        "the dot has batch dimensions: an attention core (queries times keys, probabilities "
+        "times values) or another batched matmul; FP8 attention needs its own scaling of the "
+        "softmax probabilities, so it stays bfloat16."
+    ),
+    "integer_operands": "an integer dot (int8 matmuls); runs as traced.",
+    "grouped_conv": "a grouped or depthwise convolution (feature or batch groups), kept in bfloat16.",
+    "transposed_conv": "a transposed convolution (lhs dilation), kept in bfloat16.",
+    "conv_backward": (
+        "the two backward convolutions (input and kernel gradients) of an FP8 forward "
+        "convolution: XLA rewrites only forward convolutions into cuDNN FP8 graphs, so these run "
+        "in bfloat16 on the saved FP8 operands."
+    ),
+    "ragged_dot": "a ragged (grouped) dot, which has no FP8 form here.",
+    "too_small_to_pay": (
+        "for its shape, the FP8 GEMMs plus their quantization passes are slower on paper than the "
+        "same GEMMs in the compute dtype on the target GPU (jaxamp.diagnostics.fp8_matmul_cost; the "
+        "target is jaxamp.diagnostics.fp8_target's, else the GPU run on). "
+        "fp8_target('everywhere') runs it in FP8 anyway."
+    ),
+})
 """Why an eligible-looking matmul or convolution did not run in FP8, by slug.
 
 The slug is what the compiled program's op names carry
@@ -161,9 +171,10 @@ def quantize(x: jax.Array, dtype: Any = FP8_FORWARD_DTYPE) -> Quantized:
 def _quantize(x: jax.Array, dtype: Any, scale_amax: jax.Array | None = None) -> tuple[Quantized, jax.Array]:
     """`x` in FP8, scaled by `scale_amax` (delayed) or by its own amax (current); and its amax.
 
-    With `scale_amax` given, the scale is known before the pass, so XLA reads
-    `x` once: the cast and the amax (which only the history and the NaN flag
-    read) are one fusion. Current scaling must finish the amax first.
+    With `scale_amax` given, the scale is known before the cast, and the amax
+    (which only the history and the NaN flag read) can be computed in the same
+    pass over `x` where XLA fuses the two; current scaling must finish the
+    amax first.
     """
     fp8_max = float(jnp.finfo(dtype).max)
     x32 = x.astype(jnp.float32)

@@ -8,7 +8,7 @@ probe row, the amaxes of the tensors it quantized:
 
 ```text
 row i = sites.take(1)                    # (amax_in[i], probe[i]), in trace order
-forward:  q_lhs, amax_lhs = quantize(lhs, scale from amax_in[i, 0])   # one pass
+forward:  q_lhs, amax_lhs = quantize(lhs, scale from amax_in[i, 0])   # scale known first
           q_rhs, amax_rhs = quantize(rhs, scale from amax_in[i, 1])
 backward: q_g,   amax_g   = quantize(g,   scale from amax_in[i, 2])
           d probe[i] = (amax_lhs, amax_rhs, amax_g)

@@ -56,6 +56,7 @@ def test_the_history_rolls_newest_in_oldest_out_and_keeps_its_length_under_jit()
     np.testing.assert_array_equal(history.amax_history[0], [[4.0, 3.0, 2.0]] * 3)
     np.testing.assert_array_equal(history.amax(), [[4.0, 4.0, 4.0]])
     assert history.recorded and jax.tree.map(lambda leaf: leaf, history).recorded
+    assert jax.jit(lambda history: history.amax()).lower(history).compile()(history).shape == (1, 3)
 
 
 @pytest.mark.parametrize(
@@ -153,6 +154,44 @@ def test_apply_policy_under_mixed_float8_takes_its_rows_and_sends_every_amax_out
     assert bool(jnp.all(history.amax_history[:, :, :2] > 0)) and bool(
         jnp.all(history.amax_history[:, :, 2:] == 0)
     )
+
+
+def test_an_fp8_convolution_sends_its_operands_amaxes_and_no_cotangent_amax():
+    """The backward convolutions run in bfloat16 on the saved FP8 operands (nothing quantized):
+    the cotangent's slot stays zero. Fails if a convolution took no row or sent a wrong amax."""
+    x, kernel = gaussian(0, 2, 8, 8, 16), gaussian(1, 3, 3, 16, 16)
+
+    def convolution(lhs, rhs):
+        return jax.lax.conv_general_dilated(
+            lhs,
+            rhs,
+            (1, 1),
+            "SAME",
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            preferred_element_type=jnp.bfloat16,
+        )
+
+    def loss_fn(kernel, x):
+        return jnp.sum(fp8.fp8_convolution(x, kernel, convolution).astype(jnp.float32))
+
+    history = fp8.init_fp8_history(loss_fn, kernel, x, length=2)
+    _, _, grads_finite, history = fp8.delayed_value_and_grad(loss_fn)(history, kernel, x)
+    assert bool(grads_finite)
+    np.testing.assert_array_equal(
+        history.amax_history[0, :, 0], [jnp.max(jnp.abs(x)), jnp.max(jnp.abs(kernel)), 0.0]
+    )
+
+
+def test_recording_overflows_inside_delayed_scaling_is_refused_naming_both():
+    model = jaxamp.autocast(lambda w, x: jnp.sum(x @ w), "mixed_float8")
+    w, x = jnp.ones((16, 16)), jnp.ones((16, 16))
+    history = fp8.init_fp8_history(model, w, x, length=2)
+
+    def recorded(w, x):
+        return jaxamp.scaled_value_and_grad(model, jaxamp.NoOpLossScale(), record_overflow=True)(w, x)[0]
+
+    with pytest.raises(NotImplementedError, match=r"record_overflow.*delayed scaling"):
+        fp8.delayed_value_and_grad(recorded)(history, w, x)
 
 
 # --- non-finite steps ----------------------------------------------------------------------------
