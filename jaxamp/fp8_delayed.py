@@ -53,6 +53,9 @@ def delayed_scaling(history: Fp8History, probe: jax.Array | None = None) -> Iter
     FP8 matmuls of `jaxamp.autocast` / `jaxamp.apply_policy` under
     ``"mixed_float8"`` called inside, taking history rows in the order they
     are traced. Before `history` is recorded the sites use current scaling.
+    A direct `fp8_dot_general` call must not sit inside a loop body
+    (``lax.scan``, ``fori_loop``): its row's gradient would sum the amaxes
+    of the iterations (`autocast` keeps such matmuls on current scaling).
     The lower-level form of `delayed_value_and_grad`, for a step written by hand:
 
     Examples:
