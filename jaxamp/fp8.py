@@ -38,6 +38,18 @@ the presets are refused, so a plain ``dot_general`` of the FP8 operands runs:
 the same FP8 products with float32 accumulation, and no speed-up.
 `lax.platform_dependent` picks the branch when the program is lowered.
 
+Delayed scaling (TransformerEngine's recipe) is an option, public here:
+`Fp8History` (the amax window a train step carries), `init_fp8_history`,
+`delayed_value_and_grad` (the step helper) and `delayed_scaling` (the
+context it opens). Inside it, each FP8 site scales from the history's amax
+(``scale = fp8.max / amax_in``), so the cast does not wait for the amax of
+the tensor now, which is computed beside it and sent out of the step
+through a probe's gradient (`jaxamp.fp8_sites`); the NaN rule above still
+holds. Whether XLA reads the tensor once for both is its fusion's choice:
+compiled for an H200 it fuses the cast into the transpose that cuBLASLt's
+FP8 GEMM needs and keeps the amax a reduction of its own. Before the history's
+first step is recorded the sites use current scaling.
+
 `jaxamp.diagnostics.fp8_quantization_stats` reads how many values
 underflowed (nonzero values that quantize to zero), saturated and were not
 finite, through the kernel's `observer` hook, without changing what
@@ -55,6 +67,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxamp.fp8_delayed import delayed_scaling, delayed_value_and_grad, init_fp8_history
+from jaxamp.fp8_history import Fp8History
+from jaxamp.fp8_sites import current_fp8_sites
+
+__all__ = [
+    "FP8_BACKWARD_DTYPE",
+    "FP8_FALLBACK_REASONS",
+    "FP8_FORWARD_DTYPE",
+    "Fp8History",
+    "Quantized",
+    "delayed_scaling",
+    "delayed_value_and_grad",
+    "fp8_convolution",
+    "fp8_dot_general",
+    "init_fp8_history",
+    "quantize",
+]
 
 FP8_FORWARD_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 """Operands of the forward GEMM: 3 mantissa bits, largest value 448."""
@@ -135,15 +165,27 @@ def quantize(x: jax.Array, dtype: Any = FP8_FORWARD_DTYPE) -> Quantized:
         The FP8 values and the inverse scale (see the module docstring for
         the algorithm, zeros and non-finite values).
     """
+    return _quantize(x, dtype)[0]
+
+
+def _quantize(x: jax.Array, dtype: Any, scale_amax: jax.Array | None = None) -> tuple[Quantized, jax.Array]:
+    """`x` in FP8, scaled by `scale_amax` (delayed) or by its own amax (current); and its amax.
+
+    With `scale_amax` given, the scale is known before the cast, and the amax
+    (which only the history and the NaN flag read) can be computed in the same
+    pass over `x` where XLA fuses the two; current scaling must finish the
+    amax first.
+    """
     fp8_max = float(jnp.finfo(dtype).max)
     x32 = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x32))
-    usable = jnp.isfinite(amax) & (amax > 0)
-    scale = jnp.where(usable, fp8_max / jnp.where(usable, amax, 1.0), 1.0)
+    basis = amax if scale_amax is None else scale_amax.astype(jnp.float32)
+    usable = jnp.isfinite(basis) & (basis > 0)
+    scale = jnp.where(usable, fp8_max / jnp.where(usable, basis, 1.0), 1.0)
     values = jnp.clip(x32 * scale, -fp8_max, fp8_max).astype(dtype)
     # The NaN scale is what carries an inf or NaN through: see the module docstring.
     scale_inv = jnp.where(jnp.isfinite(amax), 1.0 / scale, jnp.nan).astype(jnp.float32)
-    return Quantized(values, scale_inv)
+    return Quantized(values, scale_inv), amax
 
 
 def _scaled_dot(
@@ -165,7 +207,11 @@ def _scaled_dot(
 
     def scaled(lhs_values, rhs_values, lhs_scale_inv, rhs_scale_inv, *, precision):
         product = lax.dot_general(
-            lhs_values, rhs_values, dimension_numbers, precision=precision, preferred_element_type=product_dtype
+            lhs_values,
+            rhs_values,
+            dimension_numbers,
+            precision=precision,
+            preferred_element_type=product_dtype,
         )
         # Inside each branch, so that XLA fuses the scales into the cuBLASLt call.
         return (product * (lhs_scale_inv * rhs_scale_inv).astype(product_dtype)).astype(result_dtype)
@@ -263,38 +309,59 @@ def _observe(observer: Callable | None, role: str, x: jax.Array, quantized: Quan
     jax.debug.callback(functools.partial(observer, role, tuple(x.shape), dtype.name), counts)
 
 
-def _quantize_operands(lhs, rhs, observer: Callable | None) -> tuple[Quantized, Quantized]:
-    """Both forward operands in ``float8_e4m3fn``, their counts sent to `observer`."""
-    q_lhs, q_rhs = quantize(lhs, FP8_FORWARD_DTYPE), quantize(rhs, FP8_FORWARD_DTYPE)
+def _quantize_operands(lhs, rhs, scale_amax, observer: Callable | None) -> tuple:
+    """Both forward operands in ``float8_e4m3fn``, their counts sent to `observer`; and their amaxes.
+
+    `scale_amax` is the site's row of delayed amaxes (lhs, rhs, cotangent), or None for current scaling.
+    """
+    lhs_amax, rhs_amax = (None, None) if scale_amax is None else (scale_amax[0], scale_amax[1])
+    q_lhs, amax_lhs = _quantize(lhs, FP8_FORWARD_DTYPE, lhs_amax)
+    q_rhs, amax_rhs = _quantize(rhs, FP8_FORWARD_DTYPE, rhs_amax)
     _observe(observer, "lhs", lhs, q_lhs)
     _observe(observer, "rhs", rhs, q_rhs)
-    return q_lhs, q_rhs
+    return q_lhs, q_rhs, jnp.stack([amax_lhs, amax_rhs])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _fp8_dot(lhs, rhs, dimension_numbers, result_dtype, observer):
-    return _fp8_dot_forward(lhs, rhs, dimension_numbers, result_dtype, observer)[0]
+def _delayed_residuals(scale_amax, probe, forward_amax) -> tuple:
+    """What the backward needs of delayed scaling: the cotangent's amax to scale by (None: current
+    scaling) and the forward amaxes to send out (None: no probe, nothing sent)."""
+    return (None if scale_amax is None else scale_amax[2], None if probe is None else forward_amax)
 
 
-def _fp8_dot_forward(lhs, rhs, dimension_numbers, result_dtype, observer):
+def _probe_gradient(forward_amax, cotangent_amax) -> jax.Array | None:
+    """The derivative of a site's probe row: its amaxes (lhs, rhs, cotangent); None without a probe."""
+    if forward_amax is None:
+        return None
+    return jnp.concatenate([forward_amax, jnp.reshape(cotangent_amax, (1,))]).astype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fp8_dot(lhs, rhs, scale_amax, probe, dimension_numbers, result_dtype, observer):
+    return _fp8_dot_forward(lhs, rhs, scale_amax, probe, dimension_numbers, result_dtype, observer)[0]
+
+
+def _fp8_dot_forward(lhs, rhs, scale_amax, probe, dimension_numbers, result_dtype, observer):
     with jax.named_scope(FP8_SCOPE_NAME):
-        q_lhs, q_rhs = _quantize_operands(lhs, rhs, observer)
+        q_lhs, q_rhs, forward_amax = _quantize_operands(lhs, rhs, scale_amax, observer)
         out = _scaled_dot(q_lhs, q_rhs, dimension_numbers, _FORWARD_PRESET, result_dtype)
-    # Only the FP8 values, their scales and the operands' dtypes are kept.
+    # Only the FP8 values, their scales and the operands' dtypes are kept (and delayed scaling's amaxes).
     dtypes = (np.zeros((), lhs.dtype), np.zeros((), rhs.dtype))
-    return out, (q_lhs, q_rhs, dtypes)
+    return out, (q_lhs, q_rhs, dtypes, _delayed_residuals(scale_amax, probe, forward_amax))
 
 
 def _fp8_dot_backward(dimension_numbers, result_dtype, observer, residuals, cotangent):
-    q_lhs, q_rhs, (lhs_dtype, rhs_dtype) = residuals
+    q_lhs, q_rhs, (lhs_dtype, rhs_dtype), (cotangent_scale_amax, forward_amax) = residuals
     with jax.named_scope(FP8_SCOPE_NAME):
-        q_cotangent = quantize(cotangent, FP8_BACKWARD_DTYPE)
+        q_cotangent, cotangent_amax = _quantize(cotangent, FP8_BACKWARD_DTYPE, cotangent_scale_amax)
         _observe(observer, "cotangent", cotangent, q_cotangent)
         (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
         rhs_first = ((rhs_contract, lhs_contract), (rhs_batch, lhs_batch))
-        d_lhs = _operand_gradient(q_cotangent, q_rhs, q_lhs.values.ndim, dimension_numbers, True, lhs_dtype.dtype)
+        d_lhs = _operand_gradient(
+            q_cotangent, q_rhs, q_lhs.values.ndim, dimension_numbers, True, lhs_dtype.dtype
+        )
         d_rhs = _operand_gradient(q_cotangent, q_lhs, q_rhs.values.ndim, rhs_first, False, rhs_dtype.dtype)
-    return d_lhs, d_rhs
+    # The history's amaxes are not differentiated: their cotangent is zero (None).
+    return d_lhs, d_rhs, None, _probe_gradient(forward_amax, cotangent_amax)
 
 
 _fp8_dot.defvjp(_fp8_dot_forward, _fp8_dot_backward)
@@ -304,33 +371,44 @@ def _dequantize(quantized: Quantized, dtype: Any) -> jax.Array:
     return quantized.values.astype(dtype) * quantized.scale_inv.astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _fp8_convolution(lhs, rhs, convolution, result_dtype, observer):
-    return _fp8_convolution_forward(lhs, rhs, convolution, result_dtype, observer)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fp8_convolution(lhs, rhs, scale_amax, probe, convolution, result_dtype, observer):
+    return _fp8_convolution_forward(lhs, rhs, scale_amax, probe, convolution, result_dtype, observer)[0]
 
 
-def _fp8_convolution_forward(lhs, rhs, convolution, result_dtype, observer):
+def _fp8_convolution_forward(lhs, rhs, scale_amax, probe, convolution, result_dtype, observer):
     with jax.named_scope(FP8_SCOPE_NAME):
-        q_lhs, q_rhs = _quantize_operands(lhs, rhs, observer)
+        q_lhs, q_rhs, forward_amax = _quantize_operands(lhs, rhs, scale_amax, observer)
         # convert(f8) times a scalar scale on both operands: the pattern that XLA
         # rewrites into a cuDNN FP8 convolution graph.
         out = convolution(_dequantize(q_lhs, result_dtype), _dequantize(q_rhs, result_dtype))
     dtypes = (np.zeros((), lhs.dtype), np.zeros((), rhs.dtype))
-    return out, (q_lhs, q_rhs, dtypes)
+    return out, (q_lhs, q_rhs, dtypes, None if probe is None else forward_amax)
 
 
 def _fp8_convolution_backward(convolution, result_dtype, observer, residuals, cotangent):
-    q_lhs, q_rhs, (lhs_dtype, rhs_dtype) = residuals
+    q_lhs, q_rhs, (lhs_dtype, rhs_dtype), forward_amax = residuals
     with jax.named_scope(FP8_FALLBACK_SCOPE_PREFIX + "conv_backward"):
         lhs, rhs = _dequantize(q_lhs, result_dtype), _dequantize(q_rhs, result_dtype)
         cotangent = cotangent.astype(result_dtype)
         # Transposed one operand at a time: a vjp would trace the forward convolution again.
         (d_lhs,) = jax.linear_transpose(lambda lhs: convolution(lhs, rhs), lhs)(cotangent)
         (d_rhs,) = jax.linear_transpose(lambda rhs: convolution(lhs, rhs), rhs)(cotangent)
-    return d_lhs.astype(lhs_dtype.dtype), d_rhs.astype(rhs_dtype.dtype)
+    # The cotangent is not quantized (bfloat16 backward): its amax slot stays 0.
+    probe_gradient = _probe_gradient(forward_amax, jnp.zeros((), jnp.float32))
+    return d_lhs.astype(lhs_dtype.dtype), d_rhs.astype(rhs_dtype.dtype), None, probe_gradient
 
 
 _fp8_convolution.defvjp(_fp8_convolution_forward, _fp8_convolution_backward)
+
+
+def _next_site() -> tuple[jax.Array | None, jax.Array | None]:
+    """This FP8 site's row of delayed amaxes and of the probe, under `delayed_scaling`; else Nones."""
+    sites = current_fp8_sites()
+    if sites is None:
+        return None, None
+    amax, probe = sites.take(1)
+    return (None if amax is None else amax[0]), probe[0]
 
 
 def fp8_convolution(
@@ -361,7 +439,8 @@ def fp8_convolution(
     Returns:
         The convolution's result in `result_dtype`; gradients in the operands' dtypes.
     """
-    return _fp8_convolution(lhs, rhs, convolution, jnp.dtype(result_dtype), _observer)
+    scale_amax, probe = _next_site()
+    return _fp8_convolution(lhs, rhs, scale_amax, probe, convolution, jnp.dtype(result_dtype), _observer)
 
 
 def _canonical_dimension_numbers(dimension_numbers: Any, lhs_ndim: int, rhs_ndim: int) -> tuple:
@@ -448,4 +527,5 @@ def fp8_dot_general(
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     dimension_numbers = _canonical_dimension_numbers(dimension_numbers, lhs.ndim, rhs.ndim)
     result_dtype = jnp.dtype(preferred_element_type)
-    return _fp8_dot(lhs, rhs, dimension_numbers, result_dtype, _observer)
+    scale_amax, probe = _next_site()
+    return _fp8_dot(lhs, rhs, scale_amax, probe, dimension_numbers, result_dtype, _observer)

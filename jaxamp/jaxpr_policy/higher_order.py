@@ -44,6 +44,7 @@ that its rewritten body narrows.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +54,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
+from jaxamp.fp8_sites import current_fp8_sites
 from jaxamp.jaxpr_policy.context import Rewrite, Rule
 from jaxamp.jaxpr_policy.interpreter import (
     RewriteCache,
@@ -69,14 +71,15 @@ from jaxamp.jaxpr_policy.rules import bind, cast, is_floating, restore_rule, tra
 def jit_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     """A nested ``jit``: the same primitive and params around the rewritten body.
 
-    In a rewrite that records overflows (`jaxamp.jaxpr_policy.recorder`) the
-    body is inlined instead, so that its matmuls are watched too.
+    In a rewrite that records overflows (`jaxamp.jaxpr_policy.recorder`) or
+    runs FP8 delayed scaling (`jaxamp.fp8_sites`) the body is inlined
+    instead, so that its matmuls are watched (scaled from the history) too.
     """
     body_param = "jaxpr" if "jaxpr" in equation.params else "call_jaxpr"
     recorder = active_recorder()
-    if recorder is not None:
+    if recorder is not None or current_fp8_sites() is not None:
         closed = equation.params[body_param]
-        with recorder.inlined(equation):
+        with recorder.inlined(equation) if recorder is not None else contextlib.nullcontext():
             return interpret(context, closed.jaxpr, closed.consts, invals)
     body = rewrite_jaxpr(context, equation.params[body_param], [abstract(value) for value in invals])
     return bind(equation, invals, **{body_param: body})

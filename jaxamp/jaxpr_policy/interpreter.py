@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, jaxpr_as_fun
 
+from jaxamp.fp8_sites import SLOTS as FP8_SLOTS
+from jaxamp.fp8_sites import Fp8Sites, current_fp8_sites, fp8_sites
 from jaxamp.jaxpr_policy.context import Rewrite, Rule, RulesFor, carries_jaxpr
 from jaxamp.jaxpr_policy.recorder import (
     INLINED_CALLS,
@@ -91,6 +93,8 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
     and convolution is a site: its operands are tapped for the backward
     pass and its output's amax recorded; bodies other than nested ``jit``
     calls (which the jit rule inlines) are rewritten without recording.
+    Under FP8 delayed scaling (`jaxamp.fp8_sites`) the same bodies run
+    without it: their FP8 matmuls use current scaling.
     """
     recorder = active_recorder()
     env: dict[Any, Any] = {}
@@ -146,7 +150,11 @@ def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Seque
                     ]
                 elif carries_jaxpr(equation):
                     body_scopes = []
-                with _collecting_body_scopes(body_scopes), _recording_in_body(recorder, equation):
+                with (
+                    _collecting_body_scopes(body_scopes),
+                    _recording_in_body(recorder, equation),
+                    _fp8_sites_in_body(equation),
+                ):
                     outvals = rule(scoped, equation, invals)
             if site:
                 outvals = [recorder.record(equation, outvals[0]), *outvals[1:]]
@@ -172,6 +180,14 @@ def _recording_in_body(recorder: Recorder | None, equation) -> contextlib.Abstra
     if recorder is None or equation.primitive.name in INLINED_CALLS or not carries_jaxpr(equation):
         return contextlib.nullcontext()
     return recording(None)
+
+
+def _fp8_sites_in_body(equation) -> contextlib.AbstractContextManager:
+    """No FP8 delayed scaling inside the bodies of `equation` unless it is a nested call the jit
+    rule inlines: a body's amaxes cannot leave it."""
+    if current_fp8_sites() is None or equation.primitive.name in INLINED_CALLS or not carries_jaxpr(equation):
+        return contextlib.nullcontext()
+    return fp8_sites(None)
 
 
 _STATISTICS = frozenset(("reduce_sum", "reduce_prod", "reduce_max", "reduce_min"))
@@ -376,6 +392,8 @@ class _Entry:
     sites: tuple = ()
     sites_size: int = 0
     unrecorded: int = 0
+    # Under FP8 delayed scaling: the rows of amaxes and probe it takes (`jaxamp.fp8_sites`).
+    fp8_rows: int = 0
 
 
 def _is_traced_array(leaf: Any) -> bool:
@@ -481,10 +499,17 @@ class RewriteCache:
             trace_dtypes = (None,) * len(leaves)
         trace_key = tuple(None if dtype is None else str(dtype) for dtype in trace_dtypes)
         differentiated = None if session is None else differentiated_leaves(leaves)
+        sites = current_fp8_sites()
+        scaling = None if sites is None else ("current" if sites.current_scaling else "delayed")
+        if scaling is not None and differentiated is not None:
+            raise NotImplementedError(
+                "jaxamp.autocast cannot record overflows (record_overflow) and run FP8 delayed scaling "
+                "(jaxamp.fp8.delayed_scaling) in one call; record the overflows in a run without delayed scaling."
+            )
         key = (
             None
             if static_key is None
-            else (static_key, tuple(_aval_key(aval) for aval in avals), trace_key, differentiated)
+            else (static_key, tuple(_aval_key(aval) for aval in avals), trace_key, differentiated, scaling)
         )
         try:
             entry = None if key is None else self._entries.get(key)
@@ -494,7 +519,7 @@ class RewriteCache:
             trace_avals = [
                 aval if dtype is None else with_dtype(aval, dtype) for aval, dtype in zip(avals, trace_dtypes)
             ]
-            entry, cacheable = self._build(fun, avals, trace_avals, output_dtypes, differentiated)
+            entry, cacheable = self._build(fun, avals, trace_avals, output_dtypes, differentiated, scaling)
             if key is not None and cacheable:
                 self._entries[key] = entry
                 if len(self._entries) > self._max_entries:
@@ -508,6 +533,10 @@ class RewriteCache:
                 OverflowRecord(forward_amax, jnp.zeros_like(forward_amax), entry.sites, entry.unrecorded)
             )
             outvals = iter(results)
+        elif scaling is not None:
+            amax, probe = sites.take(entry.fp8_rows)
+            amax = jnp.zeros_like(probe) if amax is None else amax
+            outvals = iter(jaxpr_as_fun(entry.rewritten)(amax, probe, *leaves))
         else:
             outvals = iter(jaxpr_as_fun(entry.rewritten)(*leaves))
         statics = dict(entry.static_outputs)
@@ -518,7 +547,13 @@ class RewriteCache:
         )
 
     def _build(
-        self, fun, avals, trace_avals, output_dtypes, differentiated: tuple[bool, ...] | None
+        self,
+        fun,
+        avals,
+        trace_avals,
+        output_dtypes,
+        differentiated: tuple[bool, ...] | None,
+        scaling: str | None = None,
     ) -> tuple[_Entry, bool]:
         self.traces += 1
         out_tree, static_outputs, pinned = None, [], []
@@ -536,7 +571,7 @@ class RewriteCache:
         # custom derivative's): its outputs report to no enclosing equation.
         # Nor does it record for an overflow session: autocast calls traced
         # inside this one are part of this rewrite.
-        with _collecting_body_scopes(None), no_session(), recording(None):
+        with _collecting_body_scopes(None), no_session(), recording(None), fp8_sites(None):
             traced = _trace(array_outputs, trace_avals, avals)
             context = Rewrite(
                 self._compute_dtype,
@@ -553,9 +588,31 @@ class RewriteCache:
                 return self._build_recording(
                     context, traced, avals, out_dtypes, out_tree, static_outputs, differentiated
                 )
+            if scaling is not None:
+                return self._build_delayed(
+                    context, traced, avals, out_dtypes, out_tree, static_outputs, scaling
+                )
             rewritten = rewrite_jaxpr(context, traced, avals, out_dtypes)
         cacheable = not any(isinstance(const, jax.core.Tracer) for const in traced.consts)
         return _Entry(rewritten, out_tree, tuple(static_outputs)), cacheable
+
+    def _build_delayed(
+        self, context, traced, avals, out_dtypes, out_tree, static_outputs, scaling: str
+    ) -> tuple[_Entry, bool]:
+        """The rewrite of `traced` under FP8 delayed scaling: inputs ``(amax, probe, *leaves)``,
+        one row of each per matmul and convolution it could run in FP8 (`jaxamp.fp8_sites`);
+        the ``amax`` input is unused under current scaling (``scaling == "current"``)."""
+        rows, _ = count_sites(traced.jaxpr)
+
+        def evaluate(amax, probe, *args):
+            with fp8_sites(Fp8Sites(None if scaling == "current" else amax, probe)):
+                outvals = interpret(context, traced.jaxpr, traced.consts, args)
+            return [cast(value, dtype) for value, dtype in zip(outvals, out_dtypes, strict=True)]
+
+        rows_aval = jax.ShapeDtypeStruct((rows, FP8_SLOTS), jnp.float32)
+        rewritten = jax.make_jaxpr(evaluate)(rows_aval, rows_aval, *avals)
+        entry = _Entry(rewritten, out_tree, tuple(static_outputs), fp8_rows=rows)
+        return entry, not any(isinstance(const, jax.core.Tracer) for const in traced.consts)
 
     def _build_recording(
         self, context, traced, avals, out_dtypes, out_tree, static_outputs, differentiated
