@@ -114,7 +114,8 @@ def _communication_dtype(dtype: Any, field_name: str) -> np.dtype | None:
     try:
         parsed = parse_dtype(dtype, f"CommunicationPolicy {field_name}")
     except ValueError as error:
-        raise ValueError(f"{error} Or 'param' (or None) for each parameter's own dtype.") from None
+        fp8 = " Or float8_e4m3fn (fp8) for FP8 weight gathers." if field_name == "gather_dtype" else ""
+        raise ValueError(f"{error} Or 'param' (or None) for each parameter's own dtype.{fp8}") from None
     if jnp.finfo(parsed).bits <= 8 and parsed not in FP8_GATHER_DTYPES:
         raise ValueError(
             f"CommunicationPolicy {field_name} {parsed.name} is an 8-bit format jaxamp does not gather in; "
@@ -418,6 +419,7 @@ def fsdp_loss(
     *,
     axis: str = "data",
     has_aux: bool = False,
+    fp8_eligible: Callable[[Any, tuple[int, ...], Any, bool], bool] = fp8_gather_eligible,
 ) -> Callable[..., Any]:
     """Makes a loss function run fully sharded, communicating as `communication` says.
 
@@ -458,6 +460,11 @@ def fsdp_loss(
             if any, see the params and the batch replicated.
         has_aux: whether `loss_fn` returns ``(loss, aux)``; aux leaves must be
             floating arrays and are averaged over the devices, like the loss.
+        fp8_eligible: with an FP8 gather dtype, which parameters are
+            gathered in FP8: ``fp8_eligible(path, shape, dtype, sharded)``
+            (`fp8_gather_eligible` by default; e.g. also refuse the paths
+            of embedding tables to gather only ``Dense`` kernels in FP8, as
+            torchao does).
 
     Returns:
         ``sharded_loss(params, *batch)``. Every batch leaf with a dimension
@@ -559,7 +566,7 @@ def fsdp_loss(
                 dimension := shard_dimension(np.shape(leaf), axis_size),
                 leaf.dtype,
                 communication.fp8_gathers
-                and fp8_gather_eligible(path, np.shape(leaf), leaf.dtype, dimension is not None),
+                and fp8_eligible(path, tuple(np.shape(leaf)), leaf.dtype, dimension is not None),
             )
             for path, leaf in jax.tree_util.tree_leaves_with_path(params)
         )

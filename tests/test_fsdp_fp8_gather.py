@@ -97,6 +97,36 @@ def test_on_one_device_the_loss_sees_the_fp8_rounded_kernel_and_the_bias_in_bflo
     assert not np.array_equal(expected_params["kernel"], params["kernel"])  # it was rounded
 
 
+def test_a_leaf_the_eligibility_rule_refuses_is_gathered_unrounded():
+    """fsdp_loss(fp8_eligible=...): e.g. embedding tables kept out of FP8, as torchao does."""
+    params = {"embedding": jnp.arange(12.0).reshape(3, 4) / 7, "kernel": jnp.arange(12.0).reshape(4, 3) / 7}
+
+    def loss_fn(params, tokens):
+        return jnp.mean(params["embedding"][tokens] @ params["kernel"]), params
+
+    def kernels_only(path, shape, dtype, sharded):
+        return fp8_gather_eligible(path, shape, dtype, sharded) and path[-1].key != "embedding"
+
+    sharded = jaxamp.fsdp.fsdp_loss(
+        loss_fn, one_device_mesh(), "gather=fp8,dequantize=f32", has_aux=True, fp8_eligible=kernels_only
+    )
+    _, gathered = jax.jit(sharded)(params, jnp.array([0, 2]))
+    values, scale_inv = jaxamp.fp8.quantize(params["kernel"])
+    np.testing.assert_array_equal(gathered["embedding"], params["embedding"])
+    np.testing.assert_allclose(gathered["kernel"], values.astype(jnp.float32) * scale_inv, rtol=1e-7)
+    assert not np.array_equal(gathered["kernel"], params["kernel"])
+
+
+def test_the_language_model_dequantizes_fp8_gathers_into_its_compute_dtype():
+    from experiments.lm import config
+
+    settings = config.LMConfig(sharding="fsdp", gather_dtype="float8_e4m3fn", reduce_dtype="float32")
+    communication = config.communication_policy(settings, jaxamp.get_policy("mixed_float8"))
+    assert str(communication) == "gather=float8_e4m3fn,reduce=float32,dequantize=bfloat16"
+    float16 = config.communication_policy(settings, jaxamp.get_policy("p=f32,c=f16,o=f32"))
+    assert float16.dequantize_dtype == jnp.float16
+
+
 # --- 8 virtual CPU devices -----------------------------------------------------------
 
 # JAX_PLATFORMS=cpu: the CUDA plugin, where installed, registers without a GPU (for the H200 program).

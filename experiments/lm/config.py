@@ -188,7 +188,7 @@ def communication_policy(config: LMConfig, policy: jaxamp.Policy):
             f"--gather-dtype and --reduce-dtype need --sharding fsdp, not {config.sharding!r}: "
             "a replicated state is never gathered."
         )
-    if not hasattr(jaxamp, "CommunicationPolicy"):
+    if not hasattr(jaxamp, "fsdp"):
         raise ConfigError(
             "--gather-dtype and --reduce-dtype need jaxamp's mixed-precision communication "
             "(jaxamp.fsdp.fsdp_loss), which this jaxamp lacks; leave them out to let XLA communicate "
