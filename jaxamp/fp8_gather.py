@@ -56,7 +56,7 @@ def fp8_gather_eligible(path: Sequence[Any], shape: Sequence[int], dtype: Any, s
     multiplied, where FP8's 3 mantissa bits would show. Embedding tables are
     included: a tied embedding is the output projection's weight, and a
     table is often the largest leaf; embeddings looked up from FP8 carry
-    its rounding (about 3% relative).
+    its rounding (3 mantissa bits: up to 2**-4 relative).
 
     Args:
         path: the parameter's key path in the params pytree.

@@ -439,6 +439,10 @@ def fsdp_loss(
        reduce dtype and reduce-scatters it: each device gets the sum of its
        shard, cast back to the parameter's dtype.
 
+    With an FP8 gather dtype, step 1 of the eligible weights (`fp8_eligible`)
+    is `jaxamp.fp8_gather`'s instead: one ``pmax`` of all their amaxes, each
+    shard quantized with its weight's global scale, FP8 all-gathers, the
+    full weights dequantized into ``dequantize_dtype``; step 3 is unchanged.
     Replicated leaves (no dimension divides by the axis size) skip step 1
     and are all-reduced in step 3. The loss equals the unsharded loss of
     the whole batch when `loss_fn` returns a mean over examples, as losses
