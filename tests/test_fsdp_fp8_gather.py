@@ -125,6 +125,9 @@ def test_the_language_model_dequantizes_fp8_gathers_into_its_compute_dtype():
     assert str(communication) == "gather=float8_e4m3fn,reduce=float32,dequantize=bfloat16"
     float16 = config.communication_policy(settings, jaxamp.get_policy("p=f32,c=f16,o=f32"))
     assert float16.dequantize_dtype == jnp.float16
+    fp8_sums = config.LMConfig(sharding="fsdp", gather_dtype="float8_e4m3fn", reduce_dtype="float8_e4m3fn")
+    with pytest.raises(config.ConfigError, match="not summed in FP8"):
+        config.communication_policy(fp8_sums, jaxamp.get_policy("mixed_float8"))
 
 
 # --- 8 virtual CPU devices -----------------------------------------------------------
