@@ -40,6 +40,14 @@ Defaults: `CommunicationPolicy()` communicates in each parameter's own dtype;
 dtype and reduces in its param dtype. A reduce dtype narrower than a
 parameter's dtype is refused unless ``allow_narrow_reduce=True``.
 
+FP8 weight gathers: with ``gather_dtype="float8_e4m3fn"`` the weights of
+matmuls (`jaxamp.fp8_gather.fp8_gather_eligible`) are quantized shard by
+shard with one global scale per weight, from a single ``pmax`` of all their
+amaxes, gathered as FP8 bytes and dequantized into ``dequantize_dtype``
+(bfloat16 by default), in which the other parameters are gathered; the
+gradients are reduce-scattered as before, straight through the quantization
+(`jaxamp.fp8_gather` has the algorithm).
+
 Examples:
     >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     >>> policy = jaxamp.get_policy("mixed_bf16")
@@ -71,10 +79,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxamp.fp8_gather import FP8_GATHER_DTYPES, fp8_gather_eligible, gather_fp8
 from jaxamp.policy import PolicySpec, get_policy, parse_dtype, parse_fields
 
 __all__ = [
     "CommunicationPolicy",
+    "fp8_gather_eligible",
     "fsdp_loss",
     "fsdp_shardings",
     "get_communication_policy",
@@ -84,15 +94,38 @@ __all__ = [
 
 _OWN_DTYPE = ("param", "params", "none")  # each parameter's own dtype
 
+_FP8_NAMES = {
+    "fp8": jnp.float8_e4m3fn,
+    "f8": jnp.float8_e4m3fn,
+    "float8": jnp.float8_e4m3fn,
+    "e4m3": jnp.float8_e4m3fn,
+    "float8_e4m3fn": jnp.float8_e4m3fn,
+    "e5m2": jnp.float8_e5m2,
+    "float8_e5m2": jnp.float8_e5m2,
+}
+
 
 def _communication_dtype(dtype: Any, field_name: str) -> np.dtype | None:
-    """The floating dtype `dtype` names (`jaxamp.policy.parse_dtype`), or None for "the parameter's own"."""
+    """The floating dtype `dtype` names (`jaxamp.policy.parse_dtype`, or an FP8 name), or None for "the parameter's own"."""
     if dtype is None or (isinstance(dtype, str) and dtype.strip().lower() in _OWN_DTYPE):
         return None
+    if isinstance(dtype, str) and dtype.strip().lower() in _FP8_NAMES:
+        return jnp.dtype(_FP8_NAMES[dtype.strip().lower()])
     try:
-        return parse_dtype(dtype, f"CommunicationPolicy {field_name}")
+        parsed = parse_dtype(dtype, f"CommunicationPolicy {field_name}")
     except ValueError as error:
-        raise ValueError(f"{error} Or 'param' (or None) for each parameter's own dtype.") from None
+        fp8 = " Or float8_e4m3fn (fp8) for FP8 weight gathers." if field_name == "gather_dtype" else ""
+        raise ValueError(f"{error} Or 'param' (or None) for each parameter's own dtype.{fp8}") from None
+    if jnp.finfo(parsed).bits <= 8 and parsed not in FP8_GATHER_DTYPES:
+        raise ValueError(
+            f"CommunicationPolicy {field_name} {parsed.name} is an 8-bit format jaxamp does not gather in; "
+            "use float8_e4m3fn (or float8_e5m2)."
+        )
+    return parsed
+
+
+def _is_fp8(dtype: np.dtype | None) -> bool:
+    return dtype is not None and dtype in FP8_GATHER_DTYPES
 
 
 def is_narrower(dtype: Any, than: Any) -> bool:
@@ -123,7 +156,11 @@ class CommunicationPolicy:
     Attributes:
         gather_dtype: the dtype each parameter shard is cast to before the
             all-gather, hence the dtype of the full parameters the loss
-            function receives. None: each parameter's own dtype.
+            function receives. None: each parameter's own dtype. An FP8
+            dtype (``"float8_e4m3fn"``, or ``"fp8"``/``"e4m3"``; also
+            ``"float8_e5m2"``) gathers the weights of matmuls
+            (`fp8_gather_eligible`) in FP8 with one global scale each,
+            and the loss receives them in `dequantize_dtype`.
         reduce_dtype: the dtype local gradients are cast to before they are
             summed over the devices (reduce-scatter for sharded parameters,
             all-reduce for replicated ones); the sum is cast back to the
@@ -133,20 +170,54 @@ class CommunicationPolicy:
             parameters then also reach the loss rounded to it). Off by
             default: a bfloat16 sum over many devices keeps 8 significant
             bits.
+        dequantize_dtype: with an FP8 `gather_dtype` only: the dtype the
+            FP8 weights are dequantized into after the gather, and the
+            dtype the other floating parameters are gathered in (the compute
+            dtype; bfloat16 when not given).
     """
 
     gather_dtype: np.dtype | None = None
     reduce_dtype: np.dtype | None = None
     allow_narrow_reduce: bool = False
+    dequantize_dtype: np.dtype | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "gather_dtype", _communication_dtype(self.gather_dtype, "gather_dtype"))
-        object.__setattr__(self, "reduce_dtype", _communication_dtype(self.reduce_dtype, "reduce_dtype"))
+        gather_dtype = _communication_dtype(self.gather_dtype, "gather_dtype")
+        reduce_dtype = _communication_dtype(self.reduce_dtype, "reduce_dtype")
+        dequantize_dtype = _communication_dtype(self.dequantize_dtype, "dequantize_dtype")
+        if _is_fp8(reduce_dtype):
+            raise ValueError(
+                f"CommunicationPolicy reduce_dtype {reduce_dtype.name}: gradients are not summed in FP8 "
+                "(a sum over devices in 3 mantissa bits, with no scale per gradient). FP8 is for "
+                "gathers: pass gather_dtype='float8_e4m3fn' and reduce_dtype=None (each parameter's "
+                "own dtype) or 'float32'."
+            )
+        if _is_fp8(dequantize_dtype):
+            raise ValueError(
+                f"CommunicationPolicy dequantize_dtype {dequantize_dtype.name}: the loss receives the "
+                "gathered weights in a compute dtype; use 'bfloat16', 'float16' or 'float32'."
+            )
+        if dequantize_dtype is not None and not _is_fp8(gather_dtype):
+            raise ValueError(
+                f"CommunicationPolicy dequantize_dtype={dequantize_dtype.name} applies to FP8 gathers "
+                f"only, and gather_dtype is {'param' if gather_dtype is None else gather_dtype.name}. "
+                "Pass gather_dtype='float8_e4m3fn', or leave dequantize_dtype out."
+            )
+        if _is_fp8(gather_dtype) and dequantize_dtype is None:
+            dequantize_dtype = jnp.dtype(jnp.bfloat16)
+        object.__setattr__(self, "gather_dtype", gather_dtype)
+        object.__setattr__(self, "reduce_dtype", reduce_dtype)
+        object.__setattr__(self, "dequantize_dtype", dequantize_dtype)
         if not isinstance(self.allow_narrow_reduce, bool):
             raise TypeError(
                 "CommunicationPolicy allow_narrow_reduce must be True or False; got "
                 f"{self.allow_narrow_reduce!r}."
             )
+
+    @property
+    def fp8_gathers(self) -> bool:
+        """Whether the weights of matmuls are gathered in FP8 (`gather_dtype` is an FP8 dtype)."""
+        return _is_fp8(self.gather_dtype)
 
     @classmethod
     def from_policy(cls, policy: PolicySpec, **overrides) -> CommunicationPolicy:
@@ -157,16 +228,23 @@ class CommunicationPolicy:
         bytes and changes no matmul; gradients are summed in the dtype the
         params are stored and updated in.
 
+        With ``gather_dtype="float8_e4m3fn"`` among the overrides, the FP8
+        weights are dequantized into the compute dtype.
+
         Args:
             policy: anything `jaxamp.get_policy` accepts.
             **overrides: fields to set instead (``reduce_dtype=...``).
         """
         policy = get_policy(policy)
-        fields = {"gather_dtype": policy.compute_dtype, "reduce_dtype": policy.param_dtype, **overrides}
-        return cls(**fields)
+        fields = {"gather_dtype": policy.compute_dtype, "reduce_dtype": policy.param_dtype}
+        if _is_fp8(_communication_dtype(overrides.get("gather_dtype"), "gather_dtype")):
+            fields["dequantize_dtype"] = policy.compute_dtype
+        return cls(**{**fields, **overrides})
 
     def gather_dtype_for(self, param_dtype: Any) -> np.dtype:
-        """The dtype a floating parameter stored in `param_dtype` is gathered in."""
+        """The dtype a floating parameter stored in `param_dtype` is gathered in, if not in FP8."""
+        if self.fp8_gathers:
+            return self.dequantize_dtype
         return jnp.dtype(param_dtype) if self.gather_dtype is None else self.gather_dtype
 
     def reduce_dtype_for(self, param_dtype: Any) -> np.dtype:
@@ -177,6 +255,8 @@ class CommunicationPolicy:
         gather = "param" if self.gather_dtype is None else self.gather_dtype.name
         reduce = "param" if self.reduce_dtype is None else self.reduce_dtype.name
         text = f"gather={gather},reduce={reduce}"
+        if self.fp8_gathers:
+            text += f",dequantize={self.dequantize_dtype.name}"
         return text + (",allow_narrow_reduce" if self.allow_narrow_reduce else "")
 
 
@@ -185,6 +265,7 @@ _COMMUNICATION_KEYS = {
     "g": "gather_dtype",
     "reduce": "reduce_dtype",
     "r": "reduce_dtype",
+    "dequantize": "dequantize_dtype",
 }
 
 
@@ -194,9 +275,11 @@ def get_communication_policy(spec: CommunicationPolicy | str | None) -> Communic
     Args:
         spec: a `CommunicationPolicy` (returned as is); None or ``"param"``
             (each parameter's own dtype both ways); or a string such as
-            ``"gather=bf16,reduce=f32"`` with keys ``gather``/``g`` and
-            ``reduce``/``r``, values a dtype alias or ``param``, and the bare
-            token ``allow_narrow_reduce`` to accept a narrow reduce dtype.
+            ``"gather=bf16,reduce=f32"`` with keys ``gather``/``g``,
+            ``reduce``/``r`` and ``dequantize`` (with FP8 gathers:
+            ``"gather=fp8,reduce=f32,dequantize=bf16"``), values a dtype
+            alias or ``param``, and the bare token ``allow_narrow_reduce``
+            to accept a narrow reduce dtype.
 
     Raises:
         ValueError: the string is malformed; the message names the bad part.
@@ -336,6 +419,7 @@ def fsdp_loss(
     *,
     axis: str = "data",
     has_aux: bool = False,
+    fp8_eligible: Callable[[Any, tuple[int, ...], Any, bool], bool] = fp8_gather_eligible,
 ) -> Callable[..., Any]:
     """Makes a loss function run fully sharded, communicating as `communication` says.
 
@@ -355,6 +439,10 @@ def fsdp_loss(
        reduce dtype and reduce-scatters it: each device gets the sum of its
        shard, cast back to the parameter's dtype.
 
+    With an FP8 gather dtype, step 1 of the eligible weights (`fp8_eligible`)
+    is `jaxamp.fp8_gather`'s instead: one ``pmax`` of all their amaxes, each
+    shard quantized with its weight's global scale, FP8 all-gathers, the
+    full weights dequantized into ``dequantize_dtype``; step 3 is unchanged.
     Replicated leaves (no dimension divides by the axis size) skip step 1
     and are all-reduced in step 3. The loss equals the unsharded loss of
     the whole batch when `loss_fn` returns a mean over examples, as losses
@@ -376,6 +464,11 @@ def fsdp_loss(
             if any, see the params and the batch replicated.
         has_aux: whether `loss_fn` returns ``(loss, aux)``; aux leaves must be
             floating arrays and are averaged over the devices, like the loss.
+        fp8_eligible: with an FP8 gather dtype, which parameters are
+            gathered in FP8: ``fp8_eligible(path, shape, dtype, sharded)``
+            (`fp8_gather_eligible` by default; e.g. also refuse the paths
+            of embedding tables to gather only ``Dense`` kernels in FP8, as
+            torchao does).
 
     Returns:
         ``sharded_loss(params, *batch)``. Every batch leaf with a dimension
@@ -396,8 +489,18 @@ def fsdp_loss(
     def gather(params, layout):
         """The full params from this device's shards; `layout` from the global arrays."""
         leaves, treedef = jax.tree.flatten(params)
+        fp8_indices = [index for index, (_, _, in_fp8) in enumerate(layout) if in_fp8]
+        in_fp8 = dict(zip(fp8_indices, gather_fp8(
+            [leaves[index] for index in fp8_indices],
+            [layout[index][0] for index in fp8_indices],
+            [communication.reduce_dtype_for(layout[index][1]) for index in fp8_indices],
+            axis=axis, fp8_dtype=communication.gather_dtype, dequantize_dtype=communication.dequantize_dtype,
+        )))  # fmt: skip
         gathered = []
-        for leaf, (dimension, dtype) in zip(leaves, layout):
+        for index, (leaf, (dimension, dtype, _)) in enumerate(zip(leaves, layout)):
+            if index in in_fp8:
+                gathered.append(in_fp8[index])
+                continue
             if not jnp.issubdtype(leaf.dtype, jnp.floating):
                 # No gradient to reduce: a plain gather in the leaf's own dtype.
                 if dimension is not None:
@@ -463,7 +566,13 @@ def fsdp_loss(
                 _check_reduce_dtype(path, leaf, communication)
         param_specs = jax.tree.map(lambda leaf: _param_spec(np.shape(leaf), axis, axis_size), params)
         layout = tuple(
-            (shard_dimension(np.shape(leaf), axis_size), leaf.dtype) for leaf in jax.tree.leaves(params)
+            (
+                dimension := shard_dimension(np.shape(leaf), axis_size),
+                leaf.dtype,
+                communication.fp8_gathers
+                and fp8_eligible(path, tuple(np.shape(leaf)), leaf.dtype, dimension is not None),
+            )
+            for path, leaf in jax.tree_util.tree_leaves_with_path(params)
         )
         batch_specs = jax.tree_util.tree_map_with_path(batch_spec, batch)
         out_specs = (PartitionSpec(), PartitionSpec()) if has_aux else PartitionSpec()

@@ -15,7 +15,12 @@ and the batch split over the same axis, compiled for each setting:
 * ``fsdp_loss`` with ``CommunicationPolicy()`` (each parameter's own
   dtype, float32 both ways), with ``from_policy("mixed_bf16")``
   (bfloat16 gathers, float32 sums: the policy's default) and with
-  ``gather=bf16,reduce=bf16,allow_narrow_reduce`` (bfloat16 sums).
+  ``gather=bf16,reduce=bf16,allow_narrow_reduce`` (bfloat16 sums), and
+  with FP8 weight gathers, ``from_policy("mixed_bf16",
+  gather_dtype="float8_e4m3fn")``: the matmul weights (every leaf of two or
+  more dimensions, embeddings included) gathered in float8_e4m3fn with one
+  global scale each, from one float32 all-reduce (``pmax``) of their amaxes,
+  the vectors in bfloat16.
 
 For each, the collectives of the program as XLA's SPMD partitioner leaves
 it (what every backend receives) and of the CPU executable (XLA on CPU
@@ -23,7 +28,8 @@ widens bfloat16 collectives to float32), and with ``--gpu NAME`` of the
 program compiled for 8 such GPUs without one (the CUDA PJRT plugin
 needed). Bytes are per device and per step: for an all-gather what it
 receives (the gathered parameters), for a reduce-scatter or all-reduce what
-it hands in (the gradients to sum).
+it hands in (the gradients to sum). The last lines compare the FP8 gathers
+with the bfloat16 ones: all-gather bytes received plus the amax all-reduce.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxamp
 from jaxamp.diagnostics.collectives import collective_totals, compile_with_partitioned_hlo
-from jaxamp.fsdp import shard_dimension
+from jaxamp.fsdp import fp8_gather_eligible, shard_dimension
 
 # Programs served by a persistent compilation cache are not compiled, so XLA
 # would write no partitioned module to read.
@@ -66,7 +72,11 @@ SETTINGS = {
     "fsdp_loss gather=bf16,reduce=bf16": jaxamp.fsdp.CommunicationPolicy(
         gather_dtype="bf16", reduce_dtype="bf16", allow_narrow_reduce=True
     ),
+    "fsdp_loss gather=fp8,reduce=f32": jaxamp.fsdp.CommunicationPolicy.from_policy(
+        POLICY, gather_dtype="float8_e4m3fn"
+    ),
 }
+BF16_GATHERS, FP8_GATHERS = "fsdp_loss gather=bf16,reduce=f32", "fsdp_loss gather=fp8,reduce=f32"
 
 
 class Block(nn.Module):
@@ -144,8 +154,8 @@ def totals_as_dicts(hlo_text):
     return [vars(total) for total in collective_totals(hlo_text)]
 
 
-def measure(mesh, batch_size, *, depth=2, cpu_stages=True):
-    """Collectives per setting and HLO stage, as JSON-ready dicts."""
+def measure(mesh, batch_size, *, depth=2, cpu_stages=True, settings=None):
+    """Collectives per setting (of `SETTINGS`, or `settings`) and HLO stage, as JSON-ready dicts."""
     gpt = TinyGPT(depth=depth)
     model = jaxamp.apply_policy(gpt, POLICY)
     state, tokens = abstract_inputs(model, mesh, batch_size, gpt.context)
@@ -155,8 +165,21 @@ def measure(mesh, batch_size, *, depth=2, cpu_stages=True):
         for leaf in jax.tree.leaves(state.params)
         if shard_dimension(leaf.shape, mesh.shape[AXIS]) is not None
     )
+    fp8_param_count = sum(
+        int(np.prod(leaf.shape))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)
+        if fp8_gather_eligible(
+            path, leaf.shape, leaf.dtype, shard_dimension(leaf.shape, mesh.shape[AXIS]) is not None
+        )
+    )
+    fp8_weight_count = sum(
+        fp8_gather_eligible(
+            path, leaf.shape, leaf.dtype, shard_dimension(leaf.shape, mesh.shape[AXIS]) is not None
+        )
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)
+    )
     rows = []
-    for setting, communication in SETTINGS.items():
+    for setting, communication in (SETTINGS if settings is None else settings).items():
         lowered = jax.jit(make_step(model, communication, mesh)).lower(state, tokens)
         stages = {}
         if cpu_stages:
@@ -169,6 +192,8 @@ def measure(mesh, batch_size, *, depth=2, cpu_stages=True):
     return {
         "param_count": param_count,
         "sharded_param_count": sharded_param_count,
+        "fp8_param_count": fp8_param_count,
+        "fp8_weight_count": fp8_weight_count,
         "devices": mesh.size,
         "batch_size": batch_size,
         "rows": rows,
@@ -190,8 +215,10 @@ def format_table(report, title):
         "| all-reduce (bytes sent) |"
     )
     lines = [
-        (f"{title}: {report['param_count']:,} parameters (float32), {report['devices']} devices, "
-        f"batch {report['batch_size']}, policy {POLICY}; bytes per device per step"),
+        (
+            f"{title}: {report['param_count']:,} parameters (float32), {report['devices']} devices, "
+            f"batch {report['batch_size']}, policy {POLICY}; bytes per device per step"
+        ),
         "",
         header,
         "|---|---|---|---|---|",
@@ -202,6 +229,50 @@ def format_table(report, title):
                 f"| {row['setting']} | {stage} | {_cell(totals, {'all-gather'})} | "
                 f"{_cell(totals, {'reduce-scatter'})} | {_cell(totals, {'all-reduce'})} |"
             )
+    return "\n".join(lines)
+
+
+def gathered_bytes(report, setting, stage):
+    """All-gather bytes received plus the float32 all-reduces beyond the bfloat16-gather program's.
+
+    The extra all-reduce of FP8 gathers is the amax vector (one float32 per
+    FP8 weight); the loss and finite-flag all-reduces are in both programs.
+    """
+
+    def totals(name):
+        row = next(row for row in report["rows"] if row["setting"] == name)
+        return row["stages"][stage]
+
+    def summed(name, kind, dtype=None):
+        return sum(
+            total["result_bytes" if kind == "all-gather" else "operand_bytes"]
+            for total in totals(name)
+            if total["kind"] == kind and dtype in (None, total["dtype"])
+        )
+
+    amax = summed(setting, "all-reduce", "float32") - summed(BF16_GATHERS, "all-reduce", "float32")
+    return summed(setting, "all-gather") + amax, amax
+
+
+def format_ratio(report):
+    """The FP8 gathers' bytes against the bfloat16 gathers', per HLO stage."""
+    if not any(row["setting"] == FP8_GATHERS for row in report["rows"]):
+        return ""
+    lines = [
+        (
+            f"FP8 gathers: {report['fp8_weight_count']} weights ({report['fp8_param_count']:,} of "
+            f"{report['sharded_param_count']:,} sharded parameters) in float8_e4m3fn, the rest in bfloat16; "
+            "bytes received by the all-gathers plus the amax all-reduce, per device per step:"
+        )
+    ]
+    stages = next(row for row in report["rows"] if row["setting"] == FP8_GATHERS)["stages"]
+    for stage in stages:
+        fp8, amax = gathered_bytes(report, FP8_GATHERS, stage)
+        bf16, _ = gathered_bytes(report, BF16_GATHERS, stage)
+        lines.append(
+            f"- {stage}: FP8 {fp8:,} (amax all-reduce {amax:,}) against bfloat16 {bf16:,}: "
+            f"{fp8 / bf16:.3f}x (target at most 0.55x: {'met' if fp8 <= 0.55 * bf16 else 'missed'})"
+        )
     return "\n".join(lines)
 
 
@@ -228,16 +299,18 @@ def main(argv=None):
             f"needs {DEVICES} devices, JAX has {jax.device_count()}: run it as a script (it sets "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES} before JAX starts)."
         )
-    reports = {"cpu": measure(
-        Mesh(np.array(jax.devices()[:DEVICES]), (AXIS,)), args.batch_size, depth=args.depth
-    )}
+    reports = {
+        "cpu": measure(Mesh(np.array(jax.devices()[:DEVICES]), (AXIS,)), args.batch_size, depth=args.depth)
+    }
     print(format_table(reports["cpu"], f"{DEVICES} virtual CPU devices"))
+    print()
+    print(format_ratio(reports["cpu"]))
     if args.gpu:
-        reports[args.gpu] = measure(
-            gpu_mesh(args.gpu), args.batch_size, depth=args.depth, cpu_stages=False
-        )
+        reports[args.gpu] = measure(gpu_mesh(args.gpu), args.batch_size, depth=args.depth, cpu_stages=False)
         print()
         print(format_table(reports[args.gpu], f"{DEVICES} x {args.gpu} (compiled without a GPU)"))
+        print()
+        print(format_ratio(reports[args.gpu]))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(reports, indent=1))
     return 0

@@ -174,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--gather-dtype",
         default=None,
         help="with fsdp: gather params in this dtype (e.g. bfloat16: half float32's bytes) through "
-        "jaxamp.fsdp.fsdp_loss; 'param' for their own dtype. Neither flag (the default): XLA's partitioner chooses "
+        "jaxamp.fsdp.fsdp_loss; float8_e4m3fn: the matmul weights in FP8, one global scale each, the rest in "
+        "the compute dtype; 'param' for their own dtype. Neither flag (the default): XLA's partitioner chooses "
         "(gathers in the params' dtype)",
     )
     parser.add_argument(

@@ -172,6 +172,8 @@ def communication_policy(config: LMConfig, policy: jaxamp.Policy):
 
     A dtype left out is the parameter's own. Reducing gradients in a dtype
     narrower than the params' is refused here, before anything compiles.
+    An FP8 gather dtype (``float8_e4m3fn``) gathers the weights of matmuls in
+    FP8 and dequantizes them into the policy's compute dtype.
 
     Raises:
         ConfigError: the flags need FSDP sharding or a jaxamp with
@@ -186,7 +188,7 @@ def communication_policy(config: LMConfig, policy: jaxamp.Policy):
             f"--gather-dtype and --reduce-dtype need --sharding fsdp, not {config.sharding!r}: "
             "a replicated state is never gathered."
         )
-    if not hasattr(jaxamp, "CommunicationPolicy"):
+    if not hasattr(jaxamp, "fsdp"):
         raise ConfigError(
             "--gather-dtype and --reduce-dtype need jaxamp's mixed-precision communication "
             "(jaxamp.fsdp.fsdp_loss), which this jaxamp lacks; leave them out to let XLA communicate "
@@ -196,6 +198,9 @@ def communication_policy(config: LMConfig, policy: jaxamp.Policy):
         communication = jaxamp.fsdp.CommunicationPolicy(
             gather_dtype=config.gather_dtype or "param", reduce_dtype=config.reduce_dtype or "param"
         )
+        if communication.fp8_gathers:
+            # FP8 weights are dequantized into the dtype the model computes in.
+            communication = dataclasses.replace(communication, dequantize_dtype=policy.compute_dtype)
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None
     from jaxamp.fsdp import is_narrower
