@@ -4,6 +4,8 @@
     JAX_PLATFORMS=cpu python scripts/bf16_optimizer_lm_cost.py memory > results/cpu/lm/bf16_optimizer_cost/memory.md
     # the small model's train step on this CPU: each update rounding's step time against nearest's
     JAX_PLATFORMS=cpu python scripts/bf16_optimizer_lm_cost.py cpu-time > results/cpu/lm/bf16_optimizer_cost/cpu_time.md
+    # the optimizer's update alone, for the model's params and for its largest leaf: bytes moved per param
+    JAX_PLATFORMS=cpu python scripts/bf16_optimizer_lm_cost.py update-bytes > results/cpu/lm/bf16_optimizer_cost/update_bytes.md
 
 Each recipe is a ``--precisions`` name of ``experiments.lm``, built by the
 recipe's own code (`experiments.lm.train.create_optimizer`: AdamW, clipped,
@@ -32,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # experiments/, from any cwd
 
 import jaxamp
 from experiments.benchmark.workload import memory_of
@@ -71,15 +75,20 @@ def abstract_state_and_grads(config: LMConfig, vocab_size: int):
     return state, grads, tx
 
 
-def compile_optimizer_alone(state, grads, tx, device):
-    """The optimizer's update and its application, compiled for `device`; (memory, bytes moved)."""
+def compile_update(params, opt_state, grads, tx, device):
+    """The optimizer's update and its application, compiled for `device` (params and state donated)."""
 
     def update(params, opt_state, grads):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    arguments = jaxamp.diagnostics.on_device((state.params, state.opt_state, grads), device)
-    compiled = jax.jit(update, donate_argnums=(0, 1)).lower(*arguments).compile()
+    arguments = jaxamp.diagnostics.on_device((params, opt_state, grads), device)
+    return jax.jit(update, donate_argnums=(0, 1)).lower(*arguments).compile()
+
+
+def compile_optimizer_alone(state, grads, tx, device):
+    """The optimizer's update and its application, compiled for `device`; (memory, bytes moved)."""
+    compiled = compile_update(state.params, state.opt_state, grads, tx, device)
     return memory_of(compiled), jaxamp.diagnostics.bytes_accessed(compiled.as_text())
 
 
@@ -269,9 +278,49 @@ def count(args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def update_bytes(args) -> str:
+    """Bytes moved per parameter by the optimizer's update alone, for the model's params and for
+    one leaf of the embedding's shape, with each update's heaviest kernels (compiled for the target)."""
+    spec = jaxamp.diagnostics.gpu_spec(args.target)
+    device = jaxamp.diagnostics.gpu_target_device(spec)
+    lines = [
+        (
+            f"Command: `JAX_PLATFORMS=cpu python scripts/bf16_optimizer_lm_cost.py update-bytes --model {args.model} "
+            f"--target {args.target} --recipes {','.join(args.recipes)}` (JAX {jax.__version__}). The optimizer's "
+            "update and its application (`tx.update`, `optax.apply_updates`) compiled alone for the target, "
+            "for the model's params and the step's gradients, and for one leaf of the embedding's shape "
+            "alone; bytes moved (`jaxamp.diagnostics.bytes_accessed`) per parameter, and the three "
+            "heaviest kernels (`jaxamp.diagnostics.kernel_roofline`)."
+        ),
+        "",
+        "| recipe | params | B/param moved | heaviest kernels, B/param |",
+        "|---|---|---:|---|",
+    ]
+    for name in args.recipes:
+        config = LMConfig(model=args.model, precision=name, batch_size=args.batch_size, attention="einsum")
+        state, grads, tx = abstract_state_and_grads(config, on_paper.GPT2_VOCAB)
+        embedding = max(jax.tree.leaves(state.params), key=lambda leaf: leaf.size)
+        one_leaf = {"embedding": jax.ShapeDtypeStruct(embedding.shape, embedding.dtype)}
+        one_grad = {"embedding": jax.ShapeDtypeStruct(embedding.shape, jax.tree.leaves(grads)[0].dtype)}
+        for label, params, leaf_grads in (
+            (f"the model's ({len(jax.tree.leaves(state.params))} leaves)", state.params, grads),
+            (f"one leaf {embedding.shape}", one_leaf, one_grad),
+        ):
+            opt_state = jax.eval_shape(tx.init, params)
+            text = compile_update(params, opt_state, leaf_grads, tx, device).as_text()
+            n = sum(leaf.size for leaf in jax.tree.leaves(params))
+            kernels = sorted(jaxamp.diagnostics.kernel_roofline(text, spec).kernels, key=lambda k: -k.bytes)
+            heaviest = ", ".join(f"{kernel.name} {kernel.bytes / n:.2f}" for kernel in kernels[:3])
+            lines.append(
+                f"| `{name}` | {label} | {jaxamp.diagnostics.bytes_accessed(text) / n:.2f} | {heaviest} |"
+            )
+            print(lines[-1], file=sys.stderr, flush=True)
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["memory", "cpu-time", "count"])
+    parser.add_argument("part", choices=["memory", "cpu-time", "count", "update-bytes"])
     parser.add_argument(
         "--recipes", default=",".join(RECIPES), help="comma-separated experiments.lm precisions"
     )
@@ -290,7 +339,7 @@ def main(argv=None) -> int:
         args.recipes = [row["name"] for row in rows]
         print(memory_table(rows, args, "NVIDIA H200" if args.target == "h200" else args.target), end="")
         return 0
-    parts = {"memory": memory, "cpu-time": cpu_time, "count": count}
+    parts = {"memory": memory, "cpu-time": cpu_time, "count": count, "update-bytes": update_bytes}
     print(parts[args.part](args), end="")
     return 0
 
