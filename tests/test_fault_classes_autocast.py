@@ -834,3 +834,56 @@ def test_a_refused_primitive_carries_its_reason_and_the_table_refuses_a_primitiv
     assert rule.reason == "JAX uses it only while it linearizes"
     with pytest.raises(ValueError, match=r"^'add' has two rules in the autocast table\.$"):
         rules._table({rules.follow_rule: ("add",), rules.restore_rule: ("mul", "add")})
+
+
+# --- record_overflow: which matmuls a recording rewrite watches -----------------------------------------
+
+
+@jax.jit
+def _jitted_layer(x, w):
+    with jax.named_scope("inner"):
+        return jnp.tanh(x @ w)
+
+
+def _four_matmuls(x, w):
+    """One matmul in a nested ``jit``, one in a ``jax.checkpoint`` block, one in a ``scan`` body, one plain."""
+    with jax.named_scope("jitted"):
+        x = _jitted_layer(x, w)
+    x = jax.checkpoint(lambda x: jnp.tanh(x @ w))(x)
+    x, _ = jax.lax.scan(lambda carry, _: (jnp.tanh(carry @ w), None), x, None, length=2)
+    with jax.named_scope("head"):
+        return x @ w
+
+
+def test_a_record_watches_the_matmuls_of_nested_jits_and_counts_those_of_loops_and_checkpoints_apart():
+    """A recording rewrite inlines a nested ``jit`` and watches its matmul, named under the call's
+    scopes; a checkpoint block's and a loop body's matmuls are counted as unrecorded, and the
+    program computes what it computes without a record, forward and backward.
+
+    Fails if the nested ``jit`` is rewritten without the recorder (its matmul is then not watched,
+    and the record has fewer sites than the probe has rows), or if the bodies of other primitives
+    are rewritten with it (their taps and amaxes would be values of the body's own trace, which
+    leak out of the loop or the checkpoint).
+    """
+    from jaxamp.diagnostics import record_overflow
+
+    fun = jaxamp.autocast(_four_matmuls, "mixed_float16")
+    outputs, record = record_overflow(fun)(X, W)
+    np.testing.assert_array_equal(outputs, fun(X, W))
+    assert [(site.name, site.dtype, site.shape) for site in record.sites] == [
+        ("jitted/inner", "float16", (4, 8)),
+        ("head", "float16", (4, 8)),
+    ]
+    assert record.unrecorded == 2
+    assert record.forward_amax.shape == (2,) and bool(np.all(np.isfinite(record.forward_amax)))
+
+    def loss(w):
+        return jnp.sum(fun(X, w).astype(jnp.float32))
+
+    loss_scale = jaxamp.StaticLossScale(2.0**4)
+    _, grads, finite, record = jaxamp.scaled_value_and_grad(loss, loss_scale, record_overflow=True)(W)
+    _, expected_grads, _ = jaxamp.scaled_value_and_grad(loss, loss_scale)(W)
+    assert bool(finite) and record.backward_recorded and record.unrecorded == 2
+    assert [site.name for site in record.sites] == ["jitted/inner", "head"]
+    assert bool(np.all(record.backward_amax > 0))
+    np.testing.assert_array_equal(grads, expected_grads)
