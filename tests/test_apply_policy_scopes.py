@@ -75,10 +75,11 @@ class NormBlock(nn.Module):
 
 class Blocks(nn.Module):
     wrap: str
+    block: type = NormBlock
 
     @nn.compact
     def __call__(self, x):
-        block = {"remat": nn.remat(NormBlock), "jit": nn.jit(NormBlock), "plain": NormBlock}[self.wrap]
+        block = {"remat": nn.remat, "jit": nn.jit, "plain": lambda block: block}[self.wrap](self.block)
         h = block()(x)
         return nn.Dense(16)(h * 2.0 + 1.0)
 
@@ -98,6 +99,33 @@ def test_a_block_ending_in_a_norm_hands_on_half_precision_even_under_remat_or_ji
     assert ("mul", ["float16"], ["float16"]) in [(name, ins[:1], outs) for name, ins, outs in between], (
         equations
     )
+
+
+class TanhBlock(nn.Module):
+    """A block that ends in an op of its own (no cast, unlike a Flax norm's last ``astype``)."""
+
+    @nn.compact
+    def __call__(self, x):
+        return jnp.tanh(nn.Dense(16)(x))
+
+
+@pytest.mark.parametrize("wrap", ["plain", "remat", "jit"])
+def test_a_block_overridden_to_output_float16_hands_on_float16_even_under_remat_or_jit(wrap):
+    """A block that computes in float32 and outputs float16 (``p=f32,c=f32,o=f16``) and ends in
+    ``tanh``: its float32 result is cast to float16 where the model reads it, wrapped or not.
+
+    Fails if a nested jaxpr's outputs do not carry the scope they were made in out to the
+    equation that holds the body (under ``nn.remat`` or ``nn.jit``): the ops after the block
+    would then read its float32 ``tanh`` and run in float32.
+    """
+    model = jaxamp.apply_policy(
+        Blocks(wrap, TanhBlock), "mixed_float16", overrides={TanhBlock: "p=f32,c=f32,o=f16"}
+    )
+    variables = model.init(jax.random.key(1), X)
+    equations = _equations(model.apply, variables, X)
+    assert [(ins, outs) for name, ins, outs in equations if name == "mul"] == [
+        (["float16", "float16"], ["float16"])
+    ], equations
 
 
 class NnxBlock(nnx.Module):
