@@ -217,6 +217,47 @@ def test_a_users_first_order_primitive_without_a_rule_runs_as_traced():
     assert [equation.outvars[0].aval.dtype for equation in _equations(closed, "dot_general")] == [jnp.float16]
 
 
+def test_a_users_first_order_primitive_without_a_rule_runs_as_traced_inside_a_float32_scope():
+    """A policy scope's rewrite runs a primitive it has no rule for as traced, as the model's does.
+
+    Traced in float16, the primitive reads the float32 matmul of the scope cast back to float16.
+    Fails if the rewrites made for scopes lose the as-traced rule (the call then fails).
+    """
+    primitive = Primitive("my_first_order_op_in_a_scope")
+    primitive.def_abstract_eval(lambda x, *, scale: x)
+
+    def in_scope(x, w):
+        with jaxamp.float32_scope():
+            return primitive.bind(x @ w, scale=2.0)
+
+    with pytest.warns(jaxamp.NoAutocastRuleWarning, match="'my_first_order_op_in_a_scope'"):
+        closed = jax.make_jaxpr(jaxamp.autocast(in_scope))(X, W)
+    (equation,) = _equations(closed, "my_first_order_op_in_a_scope")
+    assert equation.invars[0].aval.dtype == jnp.float16
+    assert [equation.outvars[0].aval.dtype for equation in _equations(closed, "dot_general")] == [jnp.float32]
+
+
+_layer = jax.jit(lambda x, w: jnp.tanh(x @ w))
+
+
+def test_a_scope_that_asks_for_the_policy_in_force_shares_its_rewrites():
+    """Under a float32 policy ``float32_scope`` changes nothing: a jitted layer called inside and
+    outside it is rewritten once, so XLA compiles one body.
+
+    Fails if a scope with the compute dtype already in force gets a rewrite of its own (with its
+    own memo of rewritten bodies).
+    """
+
+    def inside_and_outside(x, w):
+        outside = _layer(x, w)
+        with jaxamp.float32_scope():
+            inside = _layer(-x, w)
+        return outside + inside
+
+    first, second = _equations(jax.make_jaxpr(jaxamp.autocast(inside_and_outside, "float32"))(X, W), "jit")
+    assert first.params["jaxpr"] is second.params["jaxpr"]
+
+
 # --- autocast's own arguments: the decorator factory, overrides and their errors ------------------------
 
 
