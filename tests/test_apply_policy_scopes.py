@@ -128,6 +128,49 @@ def test_a_block_overridden_to_output_float16_hands_on_float16_even_under_remat_
     ], equations
 
 
+class JittedNormBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.jit(NormBlock)()(x)
+
+
+class DenseAfterJittedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16)(JittedNormBlock()(x))
+
+
+def _nested_equations(jaxpr, depth=0):
+    """(depth, primitive, input dtypes) of each equation of `jaxpr`, nested jaxprs inlined after theirs."""
+    found = []
+    for equation in jaxpr.eqns:
+        found.append((depth, equation.primitive.name, [str(atom.aval.dtype) for atom in equation.invars]))
+        for value in equation.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if isinstance(inner, jax.extend.core.Jaxpr):
+                found += _nested_equations(inner, depth + 1)
+    return found
+
+
+def test_a_norm_inside_a_jitted_block_of_an_overridden_class_opens_its_scope_there():
+    """A ``mixed_float16`` model whose ``JittedNormBlock`` is overridden to ``mixed_bfloat16``: inside
+    the block's ``nn.jit`` body, the matmul runs in bfloat16 and the LayerNorm's statistics in
+    float32; the model's own Dense stays float16.
+
+    Fails if the rewrite made for a scope cannot open another scope in a body it rewrites (the
+    rewrites of scopes share one table of them).
+    """
+    model = jaxamp.apply_policy(
+        DenseAfterJittedBlock(), "mixed_float16", overrides={JittedNormBlock: "mixed_bfloat16"}
+    )
+    variables = model.init(jax.random.key(1), X)
+    equations = _nested_equations(jax.make_jaxpr(model.apply)(variables, X).jaxpr)
+    matmuls = [(depth, ins) for depth, name, ins in equations if name == "dot_general"]
+    assert matmuls == [(1, ["bfloat16", "bfloat16"]), (0, ["float16", "float16"])], equations
+    sums = [(depth, ins) for depth, name, ins in equations if name == "reduce_sum"]
+    assert sums and all(ins == ["float32"] and depth == 1 for depth, ins in sums), equations
+
+
 class NnxBlock(nnx.Module):
     def __init__(self, rngs):
         self.dense = nnx.Linear(16, 16, rngs=rngs)
