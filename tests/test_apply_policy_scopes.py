@@ -171,6 +171,31 @@ def test_a_norm_inside_a_jitted_block_of_an_overridden_class_opens_its_scope_the
     assert sums and all(ins == ["float32"] and depth == 1 for depth, ins in sums), equations
 
 
+class Head(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(32)(x)
+
+
+class DenseThenHead(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return Head()(nn.Dense(32)(x))
+
+
+def test_a_class_overridden_to_mixed_float8_runs_its_matmul_in_fp8_inside_a_bfloat16_model():
+    """Only the overridden class's matmul is FP8 (its shapes, 16 by 32 by 32, are eligible).
+
+    Fails if a policy scope loses its FP8 setting on the way to its rules (the head then runs in
+    bfloat16 like the rest of the model).
+    """
+    x = jax.random.normal(jax.random.key(2), (16, 32))
+    model = jaxamp.apply_policy(DenseThenHead(), "mixed_bfloat16", overrides={Head: "mixed_float8"})
+    variables = model.init(jax.random.key(1), x)
+    report = jaxamp.precision_report(model.apply, variables, x)
+    assert report.count_by_dtype() == {"bfloat16": 1, "float8_e4m3fn": 1}
+
+
 class NnxBlock(nnx.Module):
     def __init__(self, rngs):
         self.dense = nnx.Linear(16, 16, rngs=rngs)
