@@ -200,6 +200,25 @@ def test_an_unknown_primitive_is_an_error_wherever_its_params_hold_its_jaxprs(ki
         jax.make_jaxpr(jaxamp.autocast(lambda x: primitive.bind(x, bodies=bodies)))(X)
 
 
+def test_the_unknown_higher_order_primitive_error_lists_its_params_and_both_ways_forward():
+    """The whole message, for a primitive with two params: each named, then the two fixes.
+
+    Fails if the params are joined otherwise or the advice is reworded.
+    """
+    primitive = Primitive("my_scaled_branching_op")
+    primitive.def_abstract_eval(lambda x, *, scale, bodies: x)
+    bodies = _body_held_as("closed jaxpr")
+    message = (
+        "jaxamp.autocast has no rule for the higher-order primitive 'my_scaled_branching_op' "
+        "(params: bodies, scale), so it cannot rewrite the jaxpr it carries. Run it as traced with "
+        "autocast(..., overrides={'my_scaled_branching_op': 'restore'}) (or the primitive object itself "
+        "as the key), or wrap that code in jaxamp.float32_scope()."
+    )
+    with pytest.raises(NotImplementedError) as raised:
+        jax.make_jaxpr(jaxamp.autocast(lambda x: primitive.bind(x, scale=2.0, bodies=bodies)))(X)
+    assert str(raised.value) == message
+
+
 def test_a_users_first_order_primitive_without_a_rule_runs_as_traced():
     """No jaxpr to rewrite, so no error: its inputs are cast back to the dtypes they were traced with.
 
