@@ -5,7 +5,10 @@ policy scope around each call of a normalization layer or an overridden
 class. These scenarios are the places where a scope meets the rest of a
 real program: a loop whose carry starts from the model's input, a block
 that ends in a normalization under ``nn.remat``/``nn.jit``/``nnx.remat``
-(the scope ends inside a nested jaxpr), ``autocast(jax.grad(...))`` (the
+(the scope ends inside a nested jaxpr), the same for a block overridden to
+compute in float32 that ends without a cast of its own, a normalization
+inside a jitted block of an overridden class (a scope opened inside another
+scope's body), a class overridden to FP8, ``autocast(jax.grad(...))`` (the
 forward and backward equations of a scope carry different name stacks), a
 model under a policy inside another, and an NNX method that changes a
 plain Python attribute.

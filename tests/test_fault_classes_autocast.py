@@ -17,7 +17,11 @@ the cache keys a signature by and when a module's state is written back;
 JAX's registry of primitives (the releases a primitive is looked up in, a
 primitive registered late, what its errors advise); under ``mixed_float8``,
 each reason a matmul falls back from FP8, the compute dtype of an FP8 dot's
-result, and the quantization statistics of an FP8 convolution.
+result, and the quantization statistics of an FP8 convolution; the rewrites
+made for policy scopes (a primitive without a rule inside one, a scope that
+asks for the policy in force); which matmuls a recording rewrite watches (a
+nested ``jit``'s, not a loop's or a checkpoint's); bodies that return a
+constant.
 """
 
 from __future__ import annotations
