@@ -274,8 +274,14 @@ def test_linen_a_model_under_a_policy_inside_another_keeps_its_own_policy():
 
 
 def test_linen_a_model_under_a_policy_inside_a_plain_model_is_refused_with_the_way_out():
-    with pytest.raises(TypeError, match=r"outermost model.*overrides=\{Sub: policy\}"):
+    """The message, matched whole, names the model's class and the override that gives it its policy."""
+    with pytest.raises(TypeError) as raised:
         Outer(inner=jaxamp.apply_policy(Sub(), "mixed_float16")).init(jax.random.key(0), jnp.ones((2, 4)))
+    assert str(raised.value) == (
+        "This apply_policy model (Sub) was called as a layer of a model that runs under no policy, which "
+        "would leave it in the traced dtypes. Apply the policy to the outermost model, and give this part "
+        "a policy of its own with overrides={Sub: policy}."
+    )
 
 
 class Counting(nnx.Module):
