@@ -273,6 +273,25 @@ def test_linen_a_model_under_a_policy_inside_another_keeps_its_own_policy():
     assert set(variables["params"]) == {"Dense_0", "Dense_1", "inner"}
 
 
+def test_linen_a_model_under_a_policy_inside_another_is_out_of_reach_of_the_outer_overrides():
+    """Outer ``mixed_float16`` with ``nn.Dense`` overridden to ``mixed_bfloat16``, inner ``float16``:
+    the outer model's two Dense layers run in bfloat16, the inner model's Dense in float16 with
+    float16 params, as the inner model's own policy (which has no overrides) says.
+
+    Fails if the inner model runs with the outer model's overrides (its Dense in bfloat16), or if
+    its layers take the outer model's policy where they have no override (float32 params).
+    """
+    x = jnp.ones((2, 4))
+    inner = jaxamp.apply_policy(Sub(), "float16")
+    model = jaxamp.apply_policy(Outer(inner=inner), "mixed_float16", overrides={nn.Dense: "mixed_bfloat16"})
+    variables = model.init(jax.random.key(0), x)
+
+    assert jaxamp.precision_report(model.apply, variables, x).count_by_dtype() == {"bfloat16": 2, "float16": 1}
+    param_dtypes = jax.tree.map(lambda leaf: str(leaf.dtype), variables["params"])
+    assert param_dtypes["inner"] == {"Dense_0": {"bias": "float16", "kernel": "float16"}}
+    assert param_dtypes["Dense_0"] == param_dtypes["Dense_1"] == {"bias": "float32", "kernel": "float32"}
+
+
 def test_linen_a_model_under_a_policy_inside_a_plain_model_is_refused_with_the_way_out():
     """The message, matched whole, names the model's class and the override that gives it its policy."""
     with pytest.raises(TypeError) as raised:
