@@ -75,3 +75,19 @@ def test_a_method_named_by_method_gets_its_keyword_arguments():
 
     assert once.dtype == doubled.dtype == F32
     np.testing.assert_array_equal(doubled, 2.0 * once)
+
+
+def test_a_method_that_is_not_one_is_refused_with_the_models_name():
+    """``method=`` naming nothing callable, or neither a name nor a function: the errors, matched whole.
+
+    Fails if a missing name reaches Flax (whose error does not say it was the ``method=`` given) or
+    the messages lose the model's class or the value given.
+    """
+    model = jaxamp.apply_policy(Net(), "mixed_float16")
+    variables = model.init(jax.random.key(0), X)
+    with pytest.raises(AttributeError) as raised:
+        model.apply(variables, X, method="decode")
+    assert str(raised.value) == "Net has no method 'decode' to apply."
+    with pytest.raises(TypeError) as raised:
+        model.apply(variables, X, method=3)
+    assert str(raised.value) == "method must be a method name or a function; got 3."
