@@ -286,7 +286,8 @@ def test_linen_a_model_under_a_policy_inside_another_is_out_of_reach_of_the_oute
     model = jaxamp.apply_policy(Outer(inner=inner), "mixed_float16", overrides={nn.Dense: "mixed_bfloat16"})
     variables = model.init(jax.random.key(0), x)
 
-    assert jaxamp.precision_report(model.apply, variables, x).count_by_dtype() == {"bfloat16": 2, "float16": 1}
+    report = jaxamp.precision_report(model.apply, variables, x)
+    assert report.count_by_dtype() == {"bfloat16": 2, "float16": 1}
     param_dtypes = jax.tree.map(lambda leaf: str(leaf.dtype), variables["params"])
     assert param_dtypes["inner"] == {"Dense_0": {"bias": "float16", "kernel": "float16"}}
     assert param_dtypes["Dense_0"] == param_dtypes["Dense_1"] == {"bias": "float32", "kernel": "float32"}
