@@ -2,7 +2,9 @@
 
 Written against mutants of `jaxamp/linen_policy.py` that passed the rest of
 the suite (docs/dev/fault-classes.md): ``init_with_output`` had no test at
-all, and a method named by ``method=`` lost its keyword arguments.
+all, a method named by ``method=`` lost its keyword arguments, a ``method=``
+that is no method was refused with no test of its errors, and a
+``capture_intermediates`` filter could be replaced by Flax's default.
 """
 
 import flax.linen as nn
@@ -75,3 +77,37 @@ def test_a_method_named_by_method_gets_its_keyword_arguments():
 
     assert once.dtype == doubled.dtype == F32
     np.testing.assert_array_equal(doubled, 2.0 * once)
+
+
+def test_a_method_that_is_not_one_is_refused_with_the_models_name():
+    """``method=`` naming nothing callable, or neither a name nor a function: the errors, matched whole.
+
+    Fails if a missing name reaches Flax (whose error does not say it was the ``method=`` given) or
+    the messages lose the model's class or the value given.
+    """
+    model = jaxamp.apply_policy(Net(), "mixed_float16")
+    variables = model.init(jax.random.key(0), X)
+    with pytest.raises(AttributeError) as raised:
+        model.apply(variables, X, method="decode")
+    assert str(raised.value) == "Net has no method 'decode' to apply."
+    with pytest.raises(TypeError) as raised:
+        model.apply(variables, X, method=3)
+    assert str(raised.value) == "method must be a method name or a function; got 3."
+
+
+def test_a_capture_filter_picks_the_same_intermediates_as_on_the_plain_model():
+    """``capture_intermediates=`` given a filter: only the layers it picks are captured, in float16.
+
+    Fails if the filter is replaced by Flax's default (every method's output captured).
+    """
+    model = jaxamp.apply_policy(Net(), "mixed_float16")
+    variables = model.init(jax.random.key(0), X)
+
+    def only_dense(module, method_name):
+        return isinstance(module, nn.Dense)
+
+    _, state = model.apply(variables, X, capture_intermediates=only_dense, mutable=["intermediates"])
+    _, plain = Net().apply(variables, X, capture_intermediates=only_dense, mutable=["intermediates"])
+    assert jax.tree.structure(state) == jax.tree.structure(plain)
+    assert set(state["intermediates"]) == {"hidden", "head"}
+    assert set(jax.tree.leaves(dtypes(state))) == {F16}

@@ -5,7 +5,10 @@ policy scope around each call of a normalization layer or an overridden
 class. These scenarios are the places where a scope meets the rest of a
 real program: a loop whose carry starts from the model's input, a block
 that ends in a normalization under ``nn.remat``/``nn.jit``/``nnx.remat``
-(the scope ends inside a nested jaxpr), ``autocast(jax.grad(...))`` (the
+(the scope ends inside a nested jaxpr), the same for a block overridden to
+compute in float32 that ends without a cast of its own, a normalization
+inside a jitted block of an overridden class (a scope opened inside another
+scope's body), a class overridden to FP8, ``autocast(jax.grad(...))`` (the
 forward and backward equations of a scope carry different name stacks), a
 model under a policy inside another, and an NNX method that changes a
 plain Python attribute.
@@ -75,10 +78,11 @@ class NormBlock(nn.Module):
 
 class Blocks(nn.Module):
     wrap: str
+    block: type = NormBlock
 
     @nn.compact
     def __call__(self, x):
-        block = {"remat": nn.remat(NormBlock), "jit": nn.jit(NormBlock), "plain": NormBlock}[self.wrap]
+        block = {"remat": nn.remat, "jit": nn.jit, "plain": lambda block: block}[self.wrap](self.block)
         h = block()(x)
         return nn.Dense(16)(h * 2.0 + 1.0)
 
@@ -98,6 +102,101 @@ def test_a_block_ending_in_a_norm_hands_on_half_precision_even_under_remat_or_ji
     assert ("mul", ["float16"], ["float16"]) in [(name, ins[:1], outs) for name, ins, outs in between], (
         equations
     )
+
+
+class TanhBlock(nn.Module):
+    """A block that ends in an op of its own (no cast, unlike a Flax norm's last ``astype``)."""
+
+    @nn.compact
+    def __call__(self, x):
+        return jnp.tanh(nn.Dense(16)(x))
+
+
+@pytest.mark.parametrize("wrap", ["plain", "remat", "jit"])
+def test_a_block_overridden_to_output_float16_hands_on_float16_even_under_remat_or_jit(wrap):
+    """A block that computes in float32 and outputs float16 (``p=f32,c=f32,o=f16``) and ends in
+    ``tanh``: its float32 result is cast to float16 where the model reads it, wrapped or not.
+
+    Fails if a nested jaxpr's outputs do not carry the scope they were made in out to the
+    equation that holds the body (under ``nn.remat`` or ``nn.jit``): the ops after the block
+    would then read its float32 ``tanh`` and run in float32.
+    """
+    model = jaxamp.apply_policy(
+        Blocks(wrap, TanhBlock), "mixed_float16", overrides={TanhBlock: "p=f32,c=f32,o=f16"}
+    )
+    variables = model.init(jax.random.key(1), X)
+    equations = _equations(model.apply, variables, X)
+    assert [(ins, outs) for name, ins, outs in equations if name == "mul"] == [
+        (["float16", "float16"], ["float16"])
+    ], equations
+
+
+class JittedNormBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.jit(NormBlock)()(x)
+
+
+class DenseAfterJittedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16)(JittedNormBlock()(x))
+
+
+def _nested_equations(jaxpr, depth=0):
+    """(depth, primitive, input dtypes) of each equation of `jaxpr`, nested jaxprs inlined after theirs."""
+    found = []
+    for equation in jaxpr.eqns:
+        found.append((depth, equation.primitive.name, [str(atom.aval.dtype) for atom in equation.invars]))
+        for value in equation.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if isinstance(inner, jax.extend.core.Jaxpr):
+                found += _nested_equations(inner, depth + 1)
+    return found
+
+
+def test_a_norm_inside_a_jitted_block_of_an_overridden_class_opens_its_scope_there():
+    """A ``mixed_float16`` model whose ``JittedNormBlock`` is overridden to ``mixed_bfloat16``: inside
+    the block's ``nn.jit`` body, the matmul runs in bfloat16 and the LayerNorm's statistics in
+    float32; the model's own Dense stays float16.
+
+    Fails if the rewrite made for a scope cannot open another scope in a body it rewrites (the
+    rewrites of scopes share one table of them).
+    """
+    model = jaxamp.apply_policy(
+        DenseAfterJittedBlock(), "mixed_float16", overrides={JittedNormBlock: "mixed_bfloat16"}
+    )
+    variables = model.init(jax.random.key(1), X)
+    equations = _nested_equations(jax.make_jaxpr(model.apply)(variables, X).jaxpr)
+    matmuls = [(depth, ins) for depth, name, ins in equations if name == "dot_general"]
+    assert matmuls == [(1, ["bfloat16", "bfloat16"]), (0, ["float16", "float16"])], equations
+    sums = [(depth, ins) for depth, name, ins in equations if name == "reduce_sum"]
+    assert sums and all(ins == ["float32"] and depth == 1 for depth, ins in sums), equations
+
+
+class Head(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(32)(x)
+
+
+class DenseThenHead(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return Head()(nn.Dense(32)(x))
+
+
+def test_a_class_overridden_to_mixed_float8_runs_its_matmul_in_fp8_inside_a_bfloat16_model():
+    """Only the overridden class's matmul is FP8 (its shapes, 16 by 32 by 32, are eligible).
+
+    Fails if a policy scope loses its FP8 setting on the way to its rules (the head then runs in
+    bfloat16 like the rest of the model).
+    """
+    x = jax.random.normal(jax.random.key(2), (16, 32))
+    model = jaxamp.apply_policy(DenseThenHead(), "mixed_bfloat16", overrides={Head: "mixed_float8"})
+    variables = model.init(jax.random.key(1), x)
+    report = jaxamp.precision_report(model.apply, variables, x)
+    assert report.count_by_dtype() == {"bfloat16": 1, "float8_e4m3fn": 1}
 
 
 class NnxBlock(nnx.Module):
@@ -174,9 +273,35 @@ def test_linen_a_model_under_a_policy_inside_another_keeps_its_own_policy():
     assert set(variables["params"]) == {"Dense_0", "Dense_1", "inner"}
 
 
+def test_linen_a_model_under_a_policy_inside_another_is_out_of_reach_of_the_outer_overrides():
+    """Outer ``mixed_float16`` with ``nn.Dense`` overridden to ``mixed_bfloat16``, inner ``float16``:
+    the outer model's two Dense layers run in bfloat16, the inner model's Dense in float16 with
+    float16 params, as the inner model's own policy (which has no overrides) says.
+
+    Fails if the inner model runs with the outer model's overrides (its Dense in bfloat16), or if
+    its layers take the outer model's policy where they have no override (float32 params).
+    """
+    x = jnp.ones((2, 4))
+    inner = jaxamp.apply_policy(Sub(), "float16")
+    model = jaxamp.apply_policy(Outer(inner=inner), "mixed_float16", overrides={nn.Dense: "mixed_bfloat16"})
+    variables = model.init(jax.random.key(0), x)
+
+    report = jaxamp.precision_report(model.apply, variables, x)
+    assert report.count_by_dtype() == {"bfloat16": 2, "float16": 1}
+    param_dtypes = jax.tree.map(lambda leaf: str(leaf.dtype), variables["params"])
+    assert param_dtypes["inner"] == {"Dense_0": {"bias": "float16", "kernel": "float16"}}
+    assert param_dtypes["Dense_0"] == param_dtypes["Dense_1"] == {"bias": "float32", "kernel": "float32"}
+
+
 def test_linen_a_model_under_a_policy_inside_a_plain_model_is_refused_with_the_way_out():
-    with pytest.raises(TypeError, match=r"outermost model.*overrides=\{Sub: policy\}"):
+    """The message, matched whole, names the model's class and the override that gives it its policy."""
+    with pytest.raises(TypeError) as raised:
         Outer(inner=jaxamp.apply_policy(Sub(), "mixed_float16")).init(jax.random.key(0), jnp.ones((2, 4)))
+    assert str(raised.value) == (
+        "This apply_policy model (Sub) was called as a layer of a model that runs under no policy, which "
+        "would leave it in the traced dtypes. Apply the policy to the outermost model, and give this part "
+        "a policy of its own with overrides={Sub: policy}."
+    )
 
 
 class Counting(nnx.Module):

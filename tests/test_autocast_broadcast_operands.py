@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 from test_autocast_rule_classes import all_equations
 
@@ -116,14 +117,21 @@ def test_batchnorm_statistics_and_running_averages_stay_float32_while_its_output
         np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-3)
 
 
-def test_a_broadcast_zero_is_as_weak_as_the_literal():
-    """``lax.full_like(g, 0)`` (relu's derivative) no longer pulls a float16 select to float32."""
+@pytest.mark.parametrize("float32_argnums", [(), (0, 1)], ids=["traced in float16", "traced as given"])
+def test_a_broadcast_zero_is_as_weak_as_the_literal(float32_argnums):
+    """``lax.full_like(g, 0)`` (relu's derivative) no longer pulls a float16 select to float32.
+
+    Traced as given (``float32_argnums``), the zero is a float32 broadcast
+    while the matmul result it meets runs in float16: the interpreter must
+    remember which literal it broadcasts for the select to take it as weak.
+    """
 
     def masked(x, w):
         h = x @ w
         return lax.select(h > 0, h, lax.full_like(h, 0.0))
 
-    (select,) = equations(jaxamp.autocast(masked), X, W, primitive="select_n")
+    fun = jaxamp.autocast(masked, float32_argnums=float32_argnums)
+    (select,) = equations(fun, X, W, primitive="select_n")
     assert floating_dtypes(select.invars) == {jnp.dtype(jnp.float16)}
 
 

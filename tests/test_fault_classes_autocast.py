@@ -17,7 +17,11 @@ the cache keys a signature by and when a module's state is written back;
 JAX's registry of primitives (the releases a primitive is looked up in, a
 primitive registered late, what its errors advise); under ``mixed_float8``,
 each reason a matmul falls back from FP8, the compute dtype of an FP8 dot's
-result, and the quantization statistics of an FP8 convolution.
+result, and the quantization statistics of an FP8 convolution; the rewrites
+made for policy scopes (a primitive without a rule inside one, a scope that
+asks for the policy in force); which matmuls a recording rewrite watches (a
+nested ``jit``'s, not a loop's or a checkpoint's); bodies that return a
+constant.
 """
 
 from __future__ import annotations
@@ -200,6 +204,25 @@ def test_an_unknown_primitive_is_an_error_wherever_its_params_hold_its_jaxprs(ki
         jax.make_jaxpr(jaxamp.autocast(lambda x: primitive.bind(x, bodies=bodies)))(X)
 
 
+def test_the_unknown_higher_order_primitive_error_lists_its_params_and_both_ways_forward():
+    """The whole message, for a primitive with two params: each named, then the two fixes.
+
+    Fails if the params are joined otherwise or the advice is reworded.
+    """
+    primitive = Primitive("my_scaled_branching_op")
+    primitive.def_abstract_eval(lambda x, *, scale, bodies: x)
+    bodies = _body_held_as("closed jaxpr")
+    message = (
+        "jaxamp.autocast has no rule for the higher-order primitive 'my_scaled_branching_op' "
+        "(params: bodies, scale), so it cannot rewrite the jaxpr it carries. Run it as traced with "
+        "autocast(..., overrides={'my_scaled_branching_op': 'restore'}) (or the primitive object itself "
+        "as the key), or wrap that code in jaxamp.float32_scope()."
+    )
+    with pytest.raises(NotImplementedError) as raised:
+        jax.make_jaxpr(jaxamp.autocast(lambda x: primitive.bind(x, scale=2.0, bodies=bodies)))(X)
+    assert str(raised.value) == message
+
+
 def test_a_users_first_order_primitive_without_a_rule_runs_as_traced():
     """No jaxpr to rewrite, so no error: its inputs are cast back to the dtypes they were traced with.
 
@@ -215,6 +238,47 @@ def test_a_users_first_order_primitive_without_a_rule_runs_as_traced():
     (equation,) = _equations(closed, "my_first_order_op")
     assert equation.invars[0].aval.dtype == jnp.float32
     assert [equation.outvars[0].aval.dtype for equation in _equations(closed, "dot_general")] == [jnp.float16]
+
+
+def test_a_users_first_order_primitive_without_a_rule_runs_as_traced_inside_a_float32_scope():
+    """A policy scope's rewrite runs a primitive it has no rule for as traced, as the model's does.
+
+    Traced in float16, the primitive reads the float32 matmul of the scope cast back to float16.
+    Fails if the rewrites made for scopes lose the as-traced rule (the call then fails).
+    """
+    primitive = Primitive("my_first_order_op_in_a_scope")
+    primitive.def_abstract_eval(lambda x, *, scale: x)
+
+    def in_scope(x, w):
+        with jaxamp.float32_scope():
+            return primitive.bind(x @ w, scale=2.0)
+
+    with pytest.warns(jaxamp.NoAutocastRuleWarning, match="'my_first_order_op_in_a_scope'"):
+        closed = jax.make_jaxpr(jaxamp.autocast(in_scope))(X, W)
+    (equation,) = _equations(closed, "my_first_order_op_in_a_scope")
+    assert equation.invars[0].aval.dtype == jnp.float16
+    assert [equation.outvars[0].aval.dtype for equation in _equations(closed, "dot_general")] == [jnp.float32]
+
+
+_layer = jax.jit(lambda x, w: jnp.tanh(x @ w))
+
+
+def test_a_scope_that_asks_for_the_policy_in_force_shares_its_rewrites():
+    """Under a float32 policy ``float32_scope`` changes nothing: a jitted layer called inside and
+    outside it is rewritten once, so XLA compiles one body.
+
+    Fails if a scope with the compute dtype already in force gets a rewrite of its own (with its
+    own memo of rewritten bodies).
+    """
+
+    def inside_and_outside(x, w):
+        outside = _layer(x, w)
+        with jaxamp.float32_scope():
+            inside = _layer(-x, w)
+        return outside + inside
+
+    first, second = _equations(jax.make_jaxpr(jaxamp.autocast(inside_and_outside, "float32"))(X, W), "jit")
+    assert first.params["jaxpr"] is second.params["jaxpr"]
 
 
 # --- autocast's own arguments: the decorator factory, overrides and their errors ------------------------
@@ -834,3 +898,79 @@ def test_a_refused_primitive_carries_its_reason_and_the_table_refuses_a_primitiv
     assert rule.reason == "JAX uses it only while it linearizes"
     with pytest.raises(ValueError, match=r"^'add' has two rules in the autocast table\.$"):
         rules._table({rules.follow_rule: ("add",), rules.restore_rule: ("mul", "add")})
+
+
+# --- record_overflow: which matmuls a recording rewrite watches -----------------------------------------
+
+
+@jax.jit
+def _jitted_layer(x, w):
+    with jax.named_scope("inner"):
+        return jnp.tanh(x @ w)
+
+
+def _four_matmuls(x, w):
+    """One matmul in a nested ``jit``, one in a ``jax.checkpoint`` block, one in a ``scan`` body, one plain."""
+    with jax.named_scope("jitted"):
+        x = _jitted_layer(x, w)
+    x = jax.checkpoint(lambda x: jnp.tanh(x @ w))(x)
+    x, _ = jax.lax.scan(lambda carry, _: (jnp.tanh(carry @ w), None), x, None, length=2)
+    with jax.named_scope("head"):
+        return x @ w
+
+
+def test_a_record_watches_the_matmuls_of_nested_jits_and_counts_those_of_loops_and_checkpoints_apart():
+    """A recording rewrite inlines a nested ``jit`` and watches its matmul, named under the call's
+    scopes; a checkpoint block's and a loop body's matmuls are counted as unrecorded, and the
+    program computes what it computes without a record, forward and backward.
+
+    Fails if the nested ``jit`` is rewritten without the recorder (its matmul is then not watched,
+    and the record has fewer sites than the probe has rows), or if the bodies of other primitives
+    are rewritten with it (their taps and amaxes would be values of the body's own trace, which
+    leak out of the loop or the checkpoint).
+    """
+    from jaxamp.diagnostics import record_overflow
+
+    fun = jaxamp.autocast(_four_matmuls, "mixed_float16")
+    outputs, record = record_overflow(fun)(X, W)
+    np.testing.assert_array_equal(outputs, fun(X, W))
+    assert [(site.name, site.dtype, site.shape) for site in record.sites] == [
+        ("jitted/inner", "float16", (4, 8)),
+        ("head", "float16", (4, 8)),
+    ]
+    assert record.unrecorded == 2
+    assert record.forward_amax.shape == (2,) and bool(np.all(np.isfinite(record.forward_amax)))
+
+    def loss(w):
+        return jnp.sum(fun(X, w).astype(jnp.float32))
+
+    loss_scale = jaxamp.StaticLossScale(2.0**4)
+    _, grads, finite, record = jaxamp.scaled_value_and_grad(loss, loss_scale, record_overflow=True)(W)
+    _, expected_grads, _ = jaxamp.scaled_value_and_grad(loss, loss_scale)(W)
+    assert bool(finite) and record.backward_recorded and record.unrecorded == 2
+    assert [site.name for site in record.sites] == ["jitted/inner", "head"]
+    assert bool(np.all(record.backward_amax > 0))
+    np.testing.assert_array_equal(grads, expected_grads)
+
+
+# --- bodies whose outputs are constants -----------------------------------------------------------------
+
+
+def _jit_returning_a_constant(x, w):
+    h, zero = jax.jit(lambda x: (jnp.tanh(x @ w), 0.0))(x)
+    return h + zero
+
+
+def _scan_returning_a_constant(x, w):
+    return jax.lax.scan(lambda total, row: (total + jnp.tanh(row @ w), 1.0), jnp.zeros(8), x)
+
+
+@pytest.mark.parametrize("fun", [_jit_returning_a_constant, _scan_returning_a_constant], ids=["jit", "scan"])
+def test_a_body_that_returns_a_constant_beside_computed_values_is_rewritten(fun):
+    """A nested ``jit`` or a ``scan`` body whose jaxpr has a literal among its outputs.
+
+    Fails if the policy scopes of a body's outputs are looked up for a literal as for a variable
+    (JAX's literals have no hash).
+    """
+    got = jaxamp.autocast(fun)(X, W)
+    jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, atol=2e-2), got, fun(X, W))
