@@ -313,15 +313,13 @@ def with_overflow_record(state, train_step: Callable, device_data, batch_size: i
     the state's structure fixed, so the step compiled ahead of time takes
     every later state, and a checkpoint restores into it.
     """
-    stepped, _ = jax.eval_shape(
+    return state.with_overflow_record_of(
         train_step,
-        state,
         device_data.train_images,
         device_data.train_labels,
         jax.ShapeDtypeStruct((batch_size,), jnp.int32),
         jax.eval_shape(lambda: jax.random.key(0)),
     )
-    return state.replace(overflow_record=stepped.overflow_record.cleared())
 
 
 def make_eval_step(dataset: data_lib.Dataset) -> Callable:

@@ -180,11 +180,24 @@ class OverflowRecord:
         Raises:
             ValueError: the records watch different sites (different programs).
         """
-        _require_same_sites(self, other, "OverflowRecord.worst")
+        self.check_same_sites(other, "OverflowRecord.worst")
         return self.replace(
             forward_amax=_worse(self.forward_amax, other.forward_amax),
             backward_amax=_worse(self.backward_amax, other.backward_amax),
         )
+
+    def check_same_sites(self, other: OverflowRecord, where: str) -> None:
+        """Raises unless `other` records the same sites (the same step function) as this record.
+
+        Raises:
+            ValueError: naming `where`, both site counts and the fix.
+        """
+        if self.sites != other.sites or self.backward_recorded != other.backward_recorded:
+            raise ValueError(
+                f"{where} got records of different step functions: one watches {len(self.sites)} "
+                f"sites, the other {len(other.sites)}, or their sites differ. Combine or keep only the "
+                "records of one step function (the micro-batches of one step, the steps of one run)."
+            )
 
     @classmethod
     def concatenate(cls, records: list[OverflowRecord]) -> OverflowRecord:
@@ -202,15 +215,6 @@ class OverflowRecord:
 
 
 _NAN_MARK = float(np.finfo(np.float32).max)
-
-
-def _require_same_sites(record: OverflowRecord, other: OverflowRecord, where: str) -> None:
-    if record.sites != other.sites or record.backward_recorded != other.backward_recorded:
-        raise ValueError(
-            f"{where} needs two records of the same program; one watches {len(record.sites)} "
-            f"sites, the other {len(other.sites)}, or their sites differ. Combine only the records "
-            "of one step function (the micro-batches of one step, the steps of one run)."
-        )
 
 
 def _badness(value: jax.Array) -> jax.Array:

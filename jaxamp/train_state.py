@@ -180,9 +180,8 @@ class TrainState(train_state.TrainState):
                 kept in ``state.overflow_record`` if the step is skipped. The
                 first call on a state without one starts it from
                 ``overflow_record.cleared()``, so that call's jitted step
-                returns a state of a new structure (one retrace); give
-                `create` or ``state.replace`` a cleared record of the step's
-                shape to avoid it.
+                returns a state of a new structure (one retrace); start from
+                `with_overflow_record_of` to avoid it.
             **updates: other fields to update only on a finite step.
 
         Returns:
@@ -233,6 +232,28 @@ class TrainState(train_state.TrainState):
             overflow_record=self._kept_record(overflow_record, grads_finite),
         )
 
+    def with_overflow_record_of(self, step, *args, **kwargs) -> TrainState:
+        """This state, holding a cleared overflow record of the sites `step` records.
+
+        `step` is the train step that passes its record to `apply_gradients`
+        (``overflow_record=``): ``step(state, *args, **kwargs)`` returns the
+        new state, or a tuple whose first element is it. The step is traced
+        once, abstractly (`jax.eval_shape`: nothing runs); the record of its
+        output state, all amaxes zero, is this state's. From it on, the state
+        keeps one structure, so a jitted step traces once and a step compiled
+        ahead of time (or a checkpoint restored into the state) takes every
+        later state.
+        """
+        stepped = jax.eval_shape(step, self, *args, **kwargs)
+        stepped_state = stepped[0] if isinstance(stepped, tuple) else stepped
+        if getattr(stepped_state, "overflow_record", None) is None:
+            raise ValueError(
+                "with_overflow_record_of: the step keeps no overflow record; pass the record of "
+                "jaxamp.scaled_value_and_grad(..., record_overflow=True) to "
+                "state.apply_gradients(overflow_record=...) in the step."
+            )
+        return self.replace(overflow_record=stepped_state.overflow_record.cleared())
+
     def _kept_record(self, record: OverflowRecord | None, grads_finite: jax.Array) -> OverflowRecord | None:
         """The state's record after a step: this step's if it was skipped, else the one kept before."""
         if record is None:
@@ -243,10 +264,5 @@ class TrainState(train_state.TrainState):
                 f"jaxamp.scaled_value_and_grad(..., record_overflow=True) returns; got {type(record).__name__}."
             )
         kept = record.cleared() if self.overflow_record is None else self.overflow_record
-        if kept.sites != record.sites:
-            raise ValueError(
-                f"apply_gradients got an overflow record of {len(record.sites)} sites, but the state keeps "
-                f"one of {len(kept.sites)} other sites: records of different step functions. Keep the "
-                "records of one step function in a state (or replace overflow_record=None first)."
-            )
+        kept.check_same_sites(record, "apply_gradients(overflow_record=...)")
         return select_tree(grads_finite, kept, record)

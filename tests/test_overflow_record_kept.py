@@ -98,6 +98,31 @@ def test_a_checkpoint_holds_the_kept_record(after_a_skip_and_a_finite_step, tmp_
     assert "backward overflow first in layer_3" in restored.overflow_record.summary()
 
 
+def test_a_state_started_from_the_steps_cleared_record_keeps_one_structure():
+    """`with_overflow_record_of` traces the step abstractly; from its state, two steps trace once."""
+
+    @jax.jit
+    def step(state, x, layer_3_term):
+        return train_step.__wrapped__(state, x, layer_3_term)
+
+    fresh = new_state(init_params(jax.random.key(0))).with_overflow_record_of(step, X, 0.0)
+    assert step._cache_size() == 0, "nothing ran"
+    assert fresh.overflow_record.first_overflow() is None
+    assert [site.name for site in fresh.overflow_record.sites] == ["layer_1", "layer_2", "layer_3", "layer_4"]
+    step(step(fresh, X, LAYER_3_TERM), X, 0.0)
+    assert step._cache_size() == 1
+
+
+def test_a_step_that_keeps_no_record_is_named_as_such():
+    @jax.jit
+    def plain_step(state, x):
+        grads = jax.grad(lambda params: loss_fn(params, x, 0.0))(state.params)
+        return state.apply_gradients(grads=grads)
+
+    with pytest.raises(ValueError, match=r"the step keeps no overflow record; pass the record"):
+        new_state(init_params(jax.random.key(0))).with_overflow_record_of(plain_step, X)
+
+
 def test_a_record_of_another_step_function_is_refused():
     state = train_step(new_state(init_params(jax.random.key(0))), X, 0.0)
     other = OverflowRecord(
@@ -129,7 +154,7 @@ def test_the_worst_of_two_records_ranks_inf_above_nan_above_the_larger_finite_am
 
 
 def test_the_worst_of_records_of_different_programs_is_refused():
-    with pytest.raises(ValueError, match="the same program"):
+    with pytest.raises(ValueError, match="OverflowRecord.worst got records of different step functions"):
         _record([1.0], [1.0]).worst(_record([1.0, 2.0], [1.0, 2.0]))
 
 

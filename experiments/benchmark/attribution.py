@@ -24,8 +24,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
-
 import jaxamp
 from experiments import data as data_lib
 from experiments import train
@@ -67,8 +65,7 @@ def _abstract_step(version: str, model: str, batch_size: int, device) -> tuple[A
     if version == "none":
         state = state.replace(nonfinite_grads=None)
     elif version == "leaves+record":
-        stepped, _ = jax.eval_shape(step, state, *batch)
-        state = state.replace(overflow_record=stepped.overflow_record.cleared())
+        state = state.with_overflow_record_of(step, *batch)
     return step, jaxamp.diagnostics.on_device((state, *batch), device)
 
 

@@ -192,8 +192,7 @@ def build_variants(model: nn.Module, images, variants=VARIANTS) -> dict[str, tup
 
     def recording_state():
         state = jaxamp_state(jaxamp.DynamicLossScale())
-        stepped, _ = jax.eval_shape(recording_step, state, images, jnp.zeros(len(images), jnp.int32))
-        return state.replace(overflow_record=stepped.overflow_record.cleared())
+        return state.with_overflow_record_of(recording_step, images, jnp.zeros(len(images), jnp.int32))
 
     builders = {
         "plain": lambda: (plain, (own(params), tx.init(params), own(batch_stats))),

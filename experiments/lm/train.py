@@ -189,8 +189,7 @@ def initial_state_fn(config, precision, model, context: int, tx, train_step: Cal
 
     if not config.record_overflow:
         return create
-    stepped, _ = jax.eval_shape(train_step, jax.eval_shape(create), windows)
-    cleared = stepped.overflow_record.cleared()
+    cleared = jax.eval_shape(create).with_overflow_record_of(train_step, windows).overflow_record
     return lambda: create().replace(overflow_record=cleared)
 
 
