@@ -25,18 +25,16 @@ read.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import re
-import signal
-import threading
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
 import jaxamp
+from experiments import interrupts
 
 # Settings that change what a step computes; a checkpoint resumes only under the same ones.
 SIGNATURE_FIELDS = {
@@ -192,7 +190,7 @@ class Checkpointer:
         inside it leaves a thread that fails noisily at exit.
         """
         meta = {"signature": self._signature, "position": dataclasses.asdict(position), "results": results}
-        with _interrupts_deferred():
+        with interrupts.deferred():
             self._manager.save(
                 global_step,
                 args=ocp.args.Composite(
@@ -261,30 +259,6 @@ class Checkpointer:
                 + "; ".join(differences)
                 + ". Resume with the checkpoint's settings, or start afresh in a new folder."
             )
-
-
-@contextlib.contextmanager
-def _interrupts_deferred():
-    """Holds back the first SIGINT (Ctrl-C) until the block ends; a second one interrupts at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread may set signal handlers, and only it receives KeyboardInterrupt
-        return
-    received = []
-    previous = signal.getsignal(signal.SIGINT)
-
-    def hold(signum, frame):
-        if received:
-            signal.signal(signal.SIGINT, previous)
-            raise KeyboardInterrupt
-        received.append(signum)
-
-    signal.signal(signal.SIGINT, hold)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if received and previous is signal.default_int_handler:
-        raise KeyboardInterrupt
 
 
 _CAUSE_CHARACTERS = 300

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 # Nothing heavy here: the flags are parsed before JAX, Flax or TensorFlow load (in `main`), so a
 # mistyped flag is answered at once.
 from experiments import config as config_lib
+from experiments import interrupts
 from experiments.flags import (
     HelpFormatter,
     add_process_flags,
@@ -36,7 +37,6 @@ from experiments.flags import (
 
 if TYPE_CHECKING:
     import jaxamp
-    from experiments import train
 
 _DATASETS = ("cifar10", "fashion_mnist")
 _DATA_SOURCES = ("tfds", "synthetic")
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
         results = train.train_and_evaluate(config)
     except KeyboardInterrupt:
         print(interrupted_advice(config, sys.argv[1:] if argv is None else argv), file=sys.stderr)
-        return 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
+        return interrupts.exit_status(entry_point)
     except jaxamp.LossScaleStuckError as error:
         print(f"error: {stuck_advice(error, config)}", file=sys.stderr)
         return 1

@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 # Nothing heavy here: the flags are parsed before JAX, Flax or TensorFlow load (in `main`).
-from experiments import cifar
+from experiments import cifar, interrupts
 from experiments import config as config_lib
 from experiments.flags import HelpFormatter, comma_list, output_directory
 
@@ -194,12 +194,21 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
         "command": "python -m experiments.compare " + " ".join(argv if argv is not None else sys.argv[1:]),
         "runs": {},
     }
-    for model in args.models:
-        for precision in args.precisions:
-            print(f"\n=== {model} / {precision} ===", flush=True)
-            config = cifar.config_from_args(args, model=model, precision=precision)
-            results["runs"][f"{model}/{precision}"] = train.train_and_evaluate(config, dataset)
-            train.write_json_atomically(results_path, results)
+    try:
+        for model in args.models:
+            for precision in args.precisions:
+                print(f"\n=== {model} / {precision} ===", flush=True)
+                config = cifar.config_from_args(args, model=model, precision=precision)
+                results["runs"][f"{model}/{precision}"] = train.train_and_evaluate(config, dataset)
+                train.write_json_atomically(results_path, results)
+    except KeyboardInterrupt:
+        finished = (
+            f"the {len(results['runs'])} finished runs are in {results_path}"
+            if results["runs"]
+            else "no run had finished"
+        )
+        print(f"interrupted; {finished}. Run the command again to start afresh.", file=sys.stderr)
+        return interrupts.exit_status(entry_point)
 
     table = write_table(results, args.models, args.precisions)
     results_lib.write_text_atomically(

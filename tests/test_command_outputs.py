@@ -7,6 +7,7 @@ fail only when first written, after an epoch of training.
 """
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -161,6 +162,44 @@ def test_ctrl_c_in_lm_says_where_the_finished_evaluations_are(tmp_path, monkeypa
         "runs keep no checkpoints: run the command again to start afresh, with fewer --steps or "
         "--precisions for a shorter run."
     )
+
+
+def test_ctrl_c_in_compare_says_where_the_finished_runs_are(tmp_path, monkeypatch, capsys):
+    """Exit status 130 and one line naming the results file; it was a KeyboardInterrupt traceback."""
+    finished = []
+
+    def second_run_interrupted(config, dataset):
+        if finished:
+            raise KeyboardInterrupt
+        finished.append(config.precision)
+        return {"config": {"precision": config.precision}}
+
+    monkeypatch.setattr(train, "train_and_evaluate", second_run_interrupted)
+    out_dir = tmp_path / "compare"
+    argv = ["--models", "resnet_tiny", "--precisions", "fp32,mixed", "--data", "synthetic", "--no-progress",
+            "--out-dir", str(out_dir)]  # fmt: skip
+    assert compare.main(argv) == 130
+    assert capsys.readouterr().err.strip() == (
+        f"interrupted; the 1 finished runs are in {out_dir / 'results.json'}. Run the command again to "
+        "start afresh."
+    )
+    assert list(json.loads((out_dir / "results.json").read_text())["runs"]) == ["resnet_tiny/fp32"]
+
+
+def test_ctrl_c_in_the_benchmark_writes_what_finished_and_exits_130(tmp_path, monkeypatch, capsys):
+    """The sections run so far are written (table and results), then one line, no traceback."""
+    from experiments.benchmark import sections
+
+    def interrupted(settings, budget, results):
+        results.put(("memory",), {"note": "finished before the interrupt"})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sections, "run_sections", interrupted)
+    out_dir = tmp_path / "benchmark"
+    argv = ["--models", "resnet_tiny", "--precisions", "mixed", "--no-plots", "--out-dir", str(out_dir)]
+    assert benchmark.main(argv) == 130
+    assert capsys.readouterr().err.strip() == f"interrupted; what had finished is in {out_dir}"
+    assert (out_dir / "table.md").exists()
 
 
 def test_cifar_with_missing_data_leaves_no_checkpoint_folder(tmp_path, capsys):

@@ -8,6 +8,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import jax
@@ -217,12 +218,49 @@ def test_ctrl_c_names_the_last_checkpoint_and_the_command_that_resumes(tmp_path)
     assert not [name for name in os.listdir(checkpoints) if not name.isdigit()], "a save left unfinished"
 
 
+def test_ctrl_c_while_the_train_step_compiles_exits_130_with_the_message_not_a_crash(tmp_path):
+    """SIGINT while XLA compiles: jaxlib raises KeyboardInterrupt in the waiting thread while the
+    compilation goes on in XLA's, and the interpreter's teardown under it crashed (exit status -11,
+    a segmentation fault, after the message). The command ends at once instead, with 130."""
+    checkpoints = tmp_path / "checkpoints"
+    argv = [*KILLED_RUN, "--checkpoint-dir", str(checkpoints)]
+    # The signal is sent 0.1 s into the train step's compilation, which takes seconds.
+    interrupted_while_compiling = textwrap.dedent(f"""
+        import os, runpy, signal, sys, threading
+        import jax
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        compile_program = jax.stages.Lowered.compile
+
+        def compile_and_interrupt(lowered, *args, **kwargs):
+            if "jit_train_step" in lowered.as_text().split("\\n", 1)[0]:
+                threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+            return compile_program(lowered, *args, **kwargs)
+
+        jax.stages.Lowered.compile = compile_and_interrupt
+        sys.argv = ["experiments.cifar", *{argv!r}]
+        runpy.run_module("experiments.cifar", run_name="__main__")
+    """)
+    process = subprocess.run(
+        [sys.executable, "-c", interrupted_while_compiling],
+        check=False, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        timeout=300, env={**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"},
+    )  # fmt: skip
+    messages = [line for line in process.stderr.splitlines() if not line.startswith(("WARNING", "I0000"))]
+    assert process.returncode == 130, process.stderr
+    assert messages == [
+        (
+            f"interrupted before the first checkpoint in {checkpoints}; nothing to resume. Run the same "
+            "command again to start afresh."
+        )
+    ], process.stderr
+
+
 @pytest.mark.parametrize(
     "extra, expected",
     [
         ([], "interrupted; no checkpoint was kept (no --checkpoint-dir). To be able to resume"),
-        (["--checkpoint-dir", "{tmp}/empty"], "interrupted before the first checkpoint in {tmp}/empty; "
-                                              "nothing to resume. Run the same command again"),
+        (["--checkpoint-dir", "{tmp}/empty"], ("interrupted before the first checkpoint in {tmp}/empty; "
+                                               "nothing to resume. Run the same command again")),
     ],
 )  # fmt: skip
 def test_ctrl_c_before_any_checkpoint_says_there_is_nothing_to_resume(

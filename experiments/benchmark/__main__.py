@@ -11,6 +11,7 @@ import time
 
 # Nothing heavy here: the flags are parsed before JAX, Flax or PyTorch load (in `main`), so a
 # mistyped flag is answered at once.
+from experiments import interrupts
 from experiments.config import MODEL_NAMES
 from experiments.flags import (
     GPU_TARGET_NAMES,
@@ -255,8 +256,11 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
         f"writing {out_dir}",
         flush=True,
     )
+    interrupted = False
     try:
         sections.run_sections(settings, budget, results)
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
         results.put(("environment", "load_average_at_end"), os.getloadavg()[0])
         results.put(("environment", "wall_s"), time.monotonic() - budget.start)
@@ -266,6 +270,9 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
             write_text_atomically(os.path.join(out_dir, "table.md"), output.table(results.data))
         else:
             output.write(results.data, out_dir)
+    if interrupted:
+        print(f"interrupted; what had finished is in {out_dir}", file=sys.stderr)
+        return interrupts.exit_status(entry_point)
     print(output.table(results.data))
     print(f"wrote {out_dir}")
     missed = [check for check in results.data["checks"] if not check["met"]]

@@ -25,6 +25,7 @@ from typing import Any
 
 # Nothing heavy here: the flags are parsed before JAX, Flax or TensorFlow load (in `main`), so a
 # mistyped flag is answered at once.
+from experiments import interrupts
 from experiments.cifar import loss_scale_arg, precision_arg
 from experiments.flags import (
     HelpFormatter,
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
             "afresh, with fewer --steps or --precisions for a shorter run.",
             file=sys.stderr,
         )
-        return 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
+        return interrupts.exit_status(entry_point)
     except (
         data_lib.DataUnavailableError,
         distributed.DistributedSetupError,
