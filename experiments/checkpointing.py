@@ -74,6 +74,21 @@ def latest_checkpoint(directory: str) -> str | None:
     return os.path.join(directory, str(max(steps))) if steps else None
 
 
+def remove_if_left_empty(directory: str | None, existed_before: bool) -> None:
+    """Removes `directory` if this run created it and a failure left it empty.
+
+    A run that stops before its first checkpoint (Ctrl-C, a bad setting found
+    late, an overflow storm) then leaves no folder behind: `--checkpoint-dir`
+    names the same folder when the command is run again. Only an empty folder
+    is removed; anything else is left as it is.
+    """
+    if directory and not existed_before:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            pass  # not empty, already gone, or not ours to remove
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint folder cannot be used; the message says why and what to do."""
 

@@ -17,6 +17,7 @@ resumes from it.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from typing import TYPE_CHECKING
@@ -307,6 +308,7 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
         resume=args.resume,
         out=args.out,
     )
+    checkpoint_folder_existed = bool(config.checkpoint_dir) and os.path.exists(config.checkpoint_dir)
     try:
         distributed.initialize(
             args.coordinator_address,
@@ -316,9 +318,11 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
         )
         results = train.train_and_evaluate(config)
     except KeyboardInterrupt:
+        checkpointing.remove_if_left_empty(config.checkpoint_dir, checkpoint_folder_existed)
         print(interrupted_advice(config, sys.argv[1:] if argv is None else argv), file=sys.stderr)
         return interrupts.exit_status(entry_point)
     except jaxamp.LossScaleStuckError as error:
+        checkpointing.remove_if_left_empty(config.checkpoint_dir, checkpoint_folder_existed)
         print(f"error: {stuck_advice(error, config)}", file=sys.stderr)
         return 1
     except (
@@ -327,6 +331,7 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
         distributed.DistributedSetupError,
         train.ConfigError,
     ) as error:
+        checkpointing.remove_if_left_empty(config.checkpoint_dir, checkpoint_folder_existed)
         print(f"error: {error}", file=sys.stderr)
         return 1
     summary = results["summary"]
@@ -374,11 +379,10 @@ def interrupted_advice(config: config_lib.TrainConfig, argv: list[str]) -> str:
 
 def stuck_advice(error: jaxamp.LossScaleStuckError, config: config_lib.TrainConfig) -> str:
     """The one message printed when the overflow guard stops a run."""
-    kept = (
-        f" The last good checkpoint in {config.checkpoint_dir} is kept; --resume continues from it."
-        if config.checkpoint_dir
-        else ""
-    )
+    from experiments import checkpointing  # pylint: disable=import-outside-toplevel
+
+    latest = checkpointing.latest_checkpoint(config.checkpoint_dir) if config.checkpoint_dir else None
+    kept = f" The last good checkpoint, {latest}, is kept; --resume continues from it." if latest else ""
     return (
         f"stopped at step {error.steps}: {error.reason}; the loss scale is {error.loss_scale:g} and "
         f"{error.skipped_steps} steps were skipped in all.{kept} Try --precision mixed_bf16, a lower "

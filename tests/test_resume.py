@@ -157,6 +157,7 @@ def test_an_overflow_storm_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
     stopped_at = int(error.split("stopped at step ")[1].split(":")[0])
     saved = sorted(int(name) for name in os.listdir(checkpoints) if name.isdigit())
     assert saved[-1] == stopped_at - 1  # nothing saved from the step the guard fired on
+    assert f"The last good checkpoint, {checkpoints / str(saved[-1])}, is kept; --resume continues" in error
     meta = json.loads((checkpoints / str(saved[-1]) / "meta" / "metadata").read_text())
     assert meta["position"]["steps_done"] == stopped_at - 1
 
@@ -247,12 +248,32 @@ def test_ctrl_c_while_the_train_step_compiles_exits_130_with_the_message_not_a_c
     )  # fmt: skip
     messages = [line for line in process.stderr.splitlines() if not line.startswith(("WARNING", "I0000"))]
     assert process.returncode == 130, process.stderr
+    assert not checkpoints.exists()  # created for the run, left empty: removed
     assert messages == [
         (
             f"interrupted before the first checkpoint in {checkpoints}; nothing to resume. Run the same "
             "command again to start afresh."
         )
     ], process.stderr
+
+
+@pytest.mark.parametrize("existed_before", [False, True], ids=["made by the run", "made before"])
+def test_a_run_stopped_before_its_first_checkpoint_leaves_no_folder_it_made(
+    existed_before, tmp_path, monkeypatch, capsys
+):
+    """The folder the run created is removed while empty; one the user made is kept."""
+    checkpoints = tmp_path / "checkpoints"
+    if existed_before:
+        checkpoints.mkdir()
+
+    def stopped_before_the_first_checkpoint(config):
+        os.makedirs(config.checkpoint_dir, exist_ok=True)  # as the checkpoint manager does
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "train_and_evaluate", stopped_before_the_first_checkpoint)
+    assert cifar.main([*KILLED_RUN[:-4], "--checkpoint-dir", str(checkpoints)]) == 130
+    assert "interrupted before the first checkpoint" in capsys.readouterr().err
+    assert checkpoints.exists() == existed_before
 
 
 @pytest.mark.parametrize(
