@@ -27,6 +27,7 @@ constant.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -258,6 +259,52 @@ def test_a_users_first_order_primitive_without_a_rule_runs_as_traced_inside_a_fl
     (equation,) = _equations(closed, "my_first_order_op_in_a_scope")
     assert equation.invars[0].aval.dtype == jnp.float16
     assert [equation.outvars[0].aval.dtype for equation in _equations(closed, "dot_general")] == [jnp.float32]
+
+
+def _abstract_identity(name):
+    primitive = Primitive(name)
+    primitive.def_abstract_eval(lambda x: x)
+    return primitive
+
+
+def test_a_primitive_without_a_rule_is_named_in_one_warning_per_process_however_often_it_is_rewritten():
+    """Two programs rewritten with the primitive (two rewrites, each meeting it) warn once, with
+    the whole message; another such primitive gets its own warning."""
+    primitive, other = _abstract_identity("my_op_warned_once"), _abstract_identity("my_other_op_warned_once")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.make_jaxpr(jaxamp.autocast(lambda x, w: primitive.bind(x @ w)))(X, W)
+        jax.make_jaxpr(jaxamp.autocast(lambda x, w: primitive.bind(x @ w) * 2))(X, W)
+        jax.make_jaxpr(jaxamp.autocast(lambda x, w: other.bind(x @ w)))(X, W)
+
+    assert [warning.category for warning in caught] == [jaxamp.NoAutocastRuleWarning] * 2
+    assert str(caught[0].message) == (
+        "jaxamp.autocast has no rule for the primitive 'my_op_warned_once', so it runs in the dtypes "
+        "it was traced with (correct, but not in half precision where it could be). To choose its "
+        "rule, pass autocast(..., overrides={'my_op_warned_once': 'follow'}) (or 'compute', "
+        "'float32', 'restore'; the primitive object works as the key too). Shown once per primitive "
+        "and process."
+    )
+    assert "'my_other_op_warned_once'" in str(caught[1].message)
+
+
+def test_the_report_lists_each_primitive_without_a_rule_once_sorted_nested_bodies_included():
+    """One at the top level, one in a nested jit, a loop, a conditional's second branch and a
+    checkpoint (whose body is a bare jaxpr, not a closed one); sin and the matmul have rules."""
+    top, nested = _abstract_identity("zz_unruled_top"), _abstract_identity("aa_unruled_nested")
+
+    def program(x, w):
+        h = jnp.sin(top.bind(x @ w))
+        h = jax.jit(nested.bind)(h)
+        h, _ = jax.lax.scan(lambda carry, _: (nested.bind(carry), None), h, None, length=2)
+        h = jax.lax.cond(h[0, 0] > 0, lambda v: v, nested.bind, h)
+        return jax.checkpoint(nested.bind)(h)
+
+    report = jaxamp.precision_report(program, X, W)
+    assert report.without_rule == ("aa_unruled_nested", "zz_unruled_top")
+    assert "no autocast rule (run as traced): aa_unruled_nested, zz_unruled_top" in str(report)
+    checkpointed = jaxamp.precision_report(jax.checkpoint(nested.bind), X)
+    assert checkpointed.without_rule == ("aa_unruled_nested",)
 
 
 _layer = jax.jit(lambda x, w: jnp.tanh(x @ w))
