@@ -110,6 +110,39 @@ def test_a_forward_overflow_names_layer_3_and_the_forward_pass_first():
     assert np.isfinite(float(record.forward_amax[1])), "layer 2's output stays finite"
 
 
+def weight_gradient_overflow(w, x):
+    """One float16 matmul whose output (0.4) and output cotangent (100) are finite and whose
+    weight gradient (8 rows of 100 x 100: 80000) is beyond 65504."""
+    return jnp.sum(jaxamp.autocast(lambda w, x: x @ w, "mixed_float16")(w, x) * 100.0)
+
+
+W_SMALL, X_LARGE = jnp.full((4, 4), 0.001), jnp.full((8, 4), 100.0)
+
+
+def test_an_overflow_in_a_weight_gradient_alone_is_named_as_the_matmuls_backward_overflow():
+    _, grads, finite, record = jaxamp.scaled_value_and_grad(
+        weight_gradient_overflow, jaxamp.NoOpLossScale(), record_overflow=True
+    )(W_SMALL, X_LARGE)
+    assert not bool(finite) and not np.isfinite(np.asarray(grads)).any()
+    first = record.first_overflow()
+    assert first is not None and (first.pass_, first.index, first.amax) == ("backward", 0, np.inf)
+    assert float(record.forward_amax[0]) == pytest.approx(0.4, rel=1e-2)
+
+
+def test_a_record_taps_the_weights_but_computes_no_gradient_of_the_data():
+    """The data is nobody's to differentiate: its cotangent, a whole matmul, is not computed for
+    the record. One matmul forward, one for the weight gradient, as without a record."""
+
+    def matmuls(record_overflow):
+        step = jaxamp.scaled_value_and_grad(
+            weight_gradient_overflow, jaxamp.NoOpLossScale(), record_overflow=record_overflow
+        )
+        jaxpr = jax.make_jaxpr(step)(W_SMALL, X_LARGE)
+        return str(jaxpr).count("dot_general[")
+
+    assert matmuls(record_overflow=True) == matmuls(record_overflow=False) == 2
+
+
 def test_loss_scaling_keeps_the_same_attribution_without_a_train_state():
     params = init_params(jax.random.key(0))
     tx = jaxamp.loss_scaling(optax.sgd(0.1), jaxamp.StaticLossScale(SCALE))
@@ -242,6 +275,13 @@ def test_equinox_names_the_users_source_line():
     x, _ = batch()
     site = forward_overflow_site(jaxamp.autocast(jax.vmap(model), "mixed_float16"), x)
     assert site.site.name == "eqx.nn.Linear [3]", "Equinox names its layers' scopes; the third one"
+    _, record = record_overflow(jaxamp.autocast(jax.vmap(model), "mixed_float16"))(x)
+    assert [site.name for site in record.sites] == [
+        "eqx.nn.Linear",
+        "eqx.nn.Linear [2]",
+        "eqx.nn.Linear [3]",
+        "eqx.nn.Linear [4]",
+    ], "numbered from the second"
     assert site.site.source.startswith(f"test_overflow_attribution.py:{line_of(EqxMLP, 'self.layers[2](')} ")
 
 
