@@ -129,6 +129,36 @@ def test_an_overflow_in_a_weight_gradient_alone_is_named_as_the_matmuls_backward
     assert float(record.forward_amax[0]) == pytest.approx(0.4, rel=1e-2)
 
 
+def test_a_sites_backward_amax_is_the_largest_of_its_output_and_operand_cotangents():
+    """Two float16 matmuls, all finite: ``h = x @ w1`` (w1 = 0.25, so h = x) and ``y = h @ w2``
+    (w2 = 0.5), loss ``sum(y) * 100``, x all v. Layer 2's output cotangent is 100, its operands'
+    are ``dh = 4 * 100 * 0.5 = 200`` and ``dw2 = 8 * v * 100``; layer 1's output cotangent is dh
+    (200) and its weight gradient ``dw1 = 8 * v * 200`` (the data's is not computed). At v = 0.01
+    the cotangents of the outputs lead (200 and 200); at v = 10 the weight gradients (16000, 8000)."""
+
+    def loss(w1, w2, x):
+        def model(w1, w2, x):
+            return (x @ w1) @ w2
+
+        return jnp.sum(jaxamp.autocast(model, "mixed_float16")(w1, w2, x)) * 100.0
+
+    w1, w2 = jnp.full((4, 4), 0.25), jnp.full((4, 4), 0.5)
+    for v, expected in [(0.01, [200.0, 200.0]), (10.0, [16000.0, 8000.0])]:
+        _, _, finite, record = jaxamp.scaled_value_and_grad(
+            loss, jaxamp.NoOpLossScale(), argnums=(0, 1), record_overflow=True
+        )(w1, w2, jnp.full((8, 4), v))
+        assert bool(finite) and record.backward_recorded
+        np.testing.assert_allclose(np.asarray(record.backward_amax), expected, rtol=1e-2)
+
+
+def test_a_record_of_a_program_without_a_matmul_has_no_sites_and_no_amaxes():
+    outputs, record = record_overflow(jaxamp.autocast(jnp.tanh, "mixed_float16"))(jnp.ones(3))
+    np.testing.assert_allclose(outputs, np.tanh(1.0), rtol=1e-3)
+    assert record.sites == () and record.unrecorded == 0
+    assert record.forward_amax.shape == (0,) and record.forward_amax.dtype == jnp.float32
+    assert record.first_overflow() is None
+
+
 def test_a_record_taps_the_weights_but_computes_no_gradient_of_the_data():
     """The data is nobody's to differentiate: its cotangent, a whole matmul, is not computed for
     the record. One matmul forward, one for the weight gradient, as without a record."""
