@@ -1000,6 +1000,40 @@ def test_a_record_watches_the_matmuls_of_nested_jits_and_counts_those_of_loops_a
     np.testing.assert_array_equal(grads, expected_grads)
 
 
+def _matmuls_in_loops_nested_in_a_jit_and_a_loop(x, w):
+    """One watched matmul and three in loops: a scan inside a nested jit, and a scan inside a scan
+    beside the outer scan's own matmul."""
+
+    def scanned(h):
+        return jax.lax.scan(lambda carry, _: (jnp.tanh(carry @ w), None), h, None, length=2)[0]
+
+    def outer_body(carry, _):
+        return scanned(jnp.tanh(carry @ w)), None
+
+    h = jax.jit(scanned)(x @ w)
+    return jax.lax.scan(outer_body, h, None, length=2)[0]
+
+
+def test_a_record_counts_each_matmul_of_a_loop_once_inside_a_nested_jit_or_another_loop():
+    from jaxamp.diagnostics import record_overflow
+
+    outputs, record = record_overflow(jaxamp.autocast(_matmuls_in_loops_nested_in_a_jit_and_a_loop))(X, W)
+    assert len(record.sites) == 1 and record.unrecorded == 3
+    assert outputs.shape == (4, 8)
+
+
+def test_a_site_inside_a_float32_scope_is_named_by_the_users_scopes_alone():
+    """jaxamp's own scope between the user's two is left out of the site's name."""
+    from jaxamp.diagnostics import record_overflow
+
+    def program(x, w):
+        with jax.named_scope("block"), jaxamp.float32_scope(), jax.named_scope("dense"):
+            return x @ w
+
+    _, record = record_overflow(jaxamp.autocast(program, "mixed_float16"))(X, W)
+    assert [(site.name, site.dtype) for site in record.sites] == [("block/dense", "float32")]
+
+
 # --- bodies whose outputs are constants -----------------------------------------------------------------
 
 
