@@ -289,20 +289,25 @@ def test_a_primitive_without_a_rule_is_named_in_one_warning_per_process_however_
 
 
 def test_the_report_lists_each_primitive_without_a_rule_once_sorted_nested_bodies_included():
-    """One at the top level, one in a nested jit, a loop, a conditional's second branch and a
-    checkpoint (whose body is a bare jaxpr, not a closed one); sin and the matmul have rules."""
+    """One at the top level, one in a nested jit, a loop and a checkpoint (whose body is a bare
+    jaxpr, not a closed one), one in a conditional's second branch alone (the branches are a
+    tuple of jaxprs); sin and the matmul have rules."""
     top, nested = _abstract_identity("zz_unruled_top"), _abstract_identity("aa_unruled_nested")
+    in_a_branch = _abstract_identity("mm_unruled_in_a_branch")
 
     def program(x, w):
         h = jnp.sin(top.bind(x @ w))
         h = jax.jit(nested.bind)(h)
         h, _ = jax.lax.scan(lambda carry, _: (nested.bind(carry), None), h, None, length=2)
-        h = jax.lax.cond(h[0, 0] > 0, lambda v: v, nested.bind, h)
+        h = jax.lax.cond(h[0, 0] > 0, lambda v: v, in_a_branch.bind, h)
         return jax.checkpoint(nested.bind)(h)
 
     report = jaxamp.precision_report(program, X, W)
-    assert report.without_rule == ("aa_unruled_nested", "zz_unruled_top")
-    assert "no autocast rule (run as traced): aa_unruled_nested, zz_unruled_top" in str(report)
+    assert report.without_rule == ("aa_unruled_nested", "mm_unruled_in_a_branch", "zz_unruled_top")
+    assert (
+        "no autocast rule (run as traced): aa_unruled_nested, mm_unruled_in_a_branch, zz_unruled_top"
+        in str(report)
+    )
     checkpointed = jaxamp.precision_report(jax.checkpoint(nested.bind), X)
     assert checkpointed.without_rule == ("aa_unruled_nested",)
 

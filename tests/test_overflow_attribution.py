@@ -159,6 +159,27 @@ def test_a_record_of_a_program_without_a_matmul_has_no_sites_and_no_amaxes():
     assert record.first_overflow() is None
 
 
+def test_a_function_that_runs_more_matmuls_when_traced_again_is_refused_with_the_reason():
+    """`scaled_value_and_grad` sizes the probe on a first trace: a function whose second trace
+    runs two autocast calls where the first ran one cannot be recorded."""
+    traces = []
+
+    def loss(w):
+        traces.append(w)
+        h = X_LARGE / 100
+        for _ in traces:
+            h = jaxamp.autocast(lambda h, w: h @ w, "mixed_float16")(h, w)
+        return jnp.sum(h)
+
+    step = jaxamp.scaled_value_and_grad(loss, jaxamp.NoOpLossScale(), record_overflow=True)
+    with pytest.raises(RuntimeError) as refused:
+        step(W_SMALL)
+    assert str(refused.value) == (
+        "record_overflow: the function ran more matmuls under autocast than when the probe was sized; "
+        "a function recorded for overflows must run the same autocast calls every time it is traced."
+    )
+
+
 def test_a_record_taps_the_weights_but_computes_no_gradient_of_the_data():
     """The data is nobody's to differentiate: its cotangent, a whole matmul, is not computed for
     the record. One matmul forward, one for the weight gradient, as without a record."""
