@@ -27,6 +27,7 @@ constant.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -258,6 +259,57 @@ def test_a_users_first_order_primitive_without_a_rule_runs_as_traced_inside_a_fl
     (equation,) = _equations(closed, "my_first_order_op_in_a_scope")
     assert equation.invars[0].aval.dtype == jnp.float16
     assert [equation.outvars[0].aval.dtype for equation in _equations(closed, "dot_general")] == [jnp.float32]
+
+
+def _abstract_identity(name):
+    primitive = Primitive(name)
+    primitive.def_abstract_eval(lambda x: x)
+    return primitive
+
+
+def test_a_primitive_without_a_rule_is_named_in_one_warning_per_process_however_often_it_is_rewritten():
+    """Two programs rewritten with the primitive (two rewrites, each meeting it) warn once, with
+    the whole message; another such primitive gets its own warning."""
+    primitive, other = _abstract_identity("my_op_warned_once"), _abstract_identity("my_other_op_warned_once")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.make_jaxpr(jaxamp.autocast(lambda x, w: primitive.bind(x @ w)))(X, W)
+        jax.make_jaxpr(jaxamp.autocast(lambda x, w: primitive.bind(x @ w) * 2))(X, W)
+        jax.make_jaxpr(jaxamp.autocast(lambda x, w: other.bind(x @ w)))(X, W)
+
+    assert [warning.category for warning in caught] == [jaxamp.NoAutocastRuleWarning] * 2
+    assert str(caught[0].message) == (
+        "jaxamp.autocast has no rule for the primitive 'my_op_warned_once', so it runs in the dtypes "
+        "it was traced with (correct, but not in half precision where it could be). To choose its "
+        "rule, pass autocast(..., overrides={'my_op_warned_once': 'follow'}) (or 'compute', "
+        "'float32', 'restore'; the primitive object works as the key too). Shown once per primitive "
+        "and process."
+    )
+    assert "'my_other_op_warned_once'" in str(caught[1].message)
+
+
+def test_the_report_lists_each_primitive_without_a_rule_once_sorted_nested_bodies_included():
+    """One at the top level, one in a nested jit, a loop and a checkpoint (whose body is a bare
+    jaxpr, not a closed one), one in a conditional's second branch alone (the branches are a
+    tuple of jaxprs); sin and the matmul have rules."""
+    top, nested = _abstract_identity("zz_unruled_top"), _abstract_identity("aa_unruled_nested")
+    in_a_branch = _abstract_identity("mm_unruled_in_a_branch")
+
+    def program(x, w):
+        h = jnp.sin(top.bind(x @ w))
+        h = jax.jit(nested.bind)(h)
+        h, _ = jax.lax.scan(lambda carry, _: (nested.bind(carry), None), h, None, length=2)
+        h = jax.lax.cond(h[0, 0] > 0, lambda v: v, in_a_branch.bind, h)
+        return jax.checkpoint(nested.bind)(h)
+
+    report = jaxamp.precision_report(program, X, W)
+    assert report.without_rule == ("aa_unruled_nested", "mm_unruled_in_a_branch", "zz_unruled_top")
+    assert (
+        "no autocast rule (run as traced): aa_unruled_nested, mm_unruled_in_a_branch, zz_unruled_top"
+        in str(report)
+    )
+    checkpointed = jaxamp.precision_report(jax.checkpoint(nested.bind), X)
+    assert checkpointed.without_rule == ("aa_unruled_nested",)
 
 
 _layer = jax.jit(lambda x, w: jnp.tanh(x @ w))
@@ -951,6 +1003,40 @@ def test_a_record_watches_the_matmuls_of_nested_jits_and_counts_those_of_loops_a
     assert [site.name for site in record.sites] == ["jitted/inner", "head"]
     assert bool(np.all(record.backward_amax > 0))
     np.testing.assert_array_equal(grads, expected_grads)
+
+
+def _matmuls_in_loops_nested_in_a_jit_and_a_loop(x, w):
+    """One watched matmul and three in loops: a scan inside a nested jit, and a scan inside a scan
+    beside the outer scan's own matmul."""
+
+    def scanned(h):
+        return jax.lax.scan(lambda carry, _: (jnp.tanh(carry @ w), None), h, None, length=2)[0]
+
+    def outer_body(carry, _):
+        return scanned(jnp.tanh(carry @ w)), None
+
+    h = jax.jit(scanned)(x @ w)
+    return jax.lax.scan(outer_body, h, None, length=2)[0]
+
+
+def test_a_record_counts_each_matmul_of_a_loop_once_inside_a_nested_jit_or_another_loop():
+    from jaxamp.diagnostics import record_overflow
+
+    outputs, record = record_overflow(jaxamp.autocast(_matmuls_in_loops_nested_in_a_jit_and_a_loop))(X, W)
+    assert len(record.sites) == 1 and record.unrecorded == 3
+    assert outputs.shape == (4, 8)
+
+
+def test_a_site_inside_a_float32_scope_is_named_by_the_users_scopes_alone():
+    """jaxamp's own scope between the user's two is left out of the site's name."""
+    from jaxamp.diagnostics import record_overflow
+
+    def program(x, w):
+        with jax.named_scope("block"), jaxamp.float32_scope(), jax.named_scope("dense"):
+            return x @ w
+
+    _, record = record_overflow(jaxamp.autocast(program, "mixed_float16"))(X, W)
+    assert [(site.name, site.dtype) for site in record.sites] == [("block/dense", "float32")]
 
 
 # --- bodies whose outputs are constants -----------------------------------------------------------------

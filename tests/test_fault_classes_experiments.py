@@ -8,6 +8,10 @@
   drawn at random, and every test image once.
 * A run's summary reports the skipped and injected steps of the whole run
   once: the last epoch's cumulative counts, not their sum.
+* Each epoch's record says what the state is and where the run ran: the
+  checksum covers params, optimizer state, batch statistics and loss scale;
+  the state counts as finite whatever the overflow record of a skipped step
+  holds; the epoch's line and the environment are read whole.
 * A timed epoch compiles nothing: the train step, the test step and the
   epoch plan are compiled before the first epoch starts its clock. Checked
   structurally (which compilations happen inside an epoch), never by timing.
@@ -20,19 +24,27 @@ already cumulative.
 """
 
 import contextlib
+import hashlib
 import logging
+import platform
 import types
 
+import flax
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
+import optax
 import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
+import jaxamp
 from experiments import data as data_lib
-from experiments import train
+from experiments import results, train
+from experiments.config import TrainConfig
 from experiments.grad_accumulation import accumulate_gradients
 from experiments.results import summarize
+from jaxamp.diagnostics import OverflowRecord, OverflowSite
 
 # --- gradient accumulation ---------------------------------------------------------------------------
 
@@ -395,3 +407,107 @@ def test_the_summary_is_the_median_of_each_figure_and_the_last_tested_epochs_acc
     assert untested["test_time_s"] is None and untested["final_test_accuracy"] is None
     assert untested["train_time_s"] == 4.0
     assert summarize([]) == {}
+
+
+# --- what each epoch records -----------------------------------------------------------------------
+
+
+def small_state(**parts):
+    """A train state with a params tree of two leaves, momentum in its optimizer state, batch
+    statistics and a dynamic loss scale; `parts` replace fields."""
+    params = {"b": jnp.array([0.5, -1.0], jnp.float32), "w": jnp.array([[1.0, 2.0]], jnp.float32)}
+    state = jaxamp.TrainState.create(
+        apply_fn=None,
+        params=params,
+        tx=optax.sgd(0.1, momentum=0.9),
+        loss_scale=jaxamp.DynamicLossScale(2.0**10),
+        batch_stats={"mean": jnp.array([3.0], jnp.float32)},
+    )
+    return state.replace(**parts)
+
+
+def test_the_state_checksum_is_sha256_over_params_optimizer_state_statistics_and_loss_scale_in_order():
+    state = small_state()
+    digest = hashlib.sha256()
+    parts = [state.params, state.opt_state, state.batch_stats, state.loss_scale]
+    for leaf in jax.tree.leaves(parts):
+        digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+
+    assert results.state_checksum(state) == digest.hexdigest()
+    assert results.state_checksum(small_state()) == digest.hexdigest()  # a fresh, equal state
+    # Each part counts: one changed value in any of them changes the checksum; the step does not.
+    changed = [
+        small_state(params={**state.params, "b": state.params["b"].at[1].set(-2.0)}),
+        small_state(opt_state=jax.tree.map(lambda leaf: leaf + 1, state.opt_state)),
+        small_state(batch_stats={"mean": jnp.array([4.0], jnp.float32)}),
+        small_state(loss_scale=state.loss_scale.adjust(jnp.array(False))),
+    ]
+    assert len({results.state_checksum(other) for other in changed} | {digest.hexdigest()}) == 5
+    assert results.state_checksum(small_state(step=jnp.array(7, jnp.int32))) == digest.hexdigest()
+
+
+@pytest.mark.parametrize("part", ["params", "opt_state", "batch_stats"])
+@pytest.mark.parametrize("value", [np.inf, np.nan])
+def test_a_state_with_one_non_finite_value_in_any_part_is_not_finite(part, value):
+    state = small_state()
+    assert results.state_finite(state) is True
+    poisoned = jax.tree.map(lambda leaf: leaf.at[0].set(value) if leaf.ndim else leaf, getattr(state, part))
+    assert results.state_finite(state.replace(**{part: poisoned})) is False
+
+
+def test_the_overflow_records_inf_of_a_skipped_step_leaves_the_state_finite():
+    site = OverflowSite("dense", "model.py:3", "dot_general", "float16", (2, 2))
+    record = OverflowRecord(
+        forward_amax=jnp.array([np.inf], jnp.float32),
+        backward_amax=jnp.array([np.nan], jnp.float32),
+        sites=(site,),
+    )
+    state = small_state(overflow_record=record)
+    assert results.state_finite(state) is True
+    assert results.state_finite(state.replace(params={"w": jnp.array([np.nan])})) is False
+
+
+def test_the_epoch_line_shows_each_figure_as_formatted_and_the_checksums_first_12_digits():
+    record = {
+        "epoch": 3, "train_time_s": 12.3456, "train_loss": 1.234567, "test_time_s": 1.5,
+        "test_accuracy": 0.91234, "images_per_s": 12345.6, "loss_scale": 32768.0, "skipped_steps": 4,
+        "injected_nonfinite": 2, "state_checksum": "0123456789abcdef" * 4,
+    }  # fmt: skip
+    assert results.format_epoch(record, epochs=10) == (
+        "epoch   3/10 | train   12.35s loss 1.2346 | test   1.50s acc 91.23% | 12,346 img/s"
+        " | loss scale 32768 | skipped 4 (injected 2) | state 0123456789ab"
+    )
+    untested = {key: value for key, value in record.items() if key not in ("test_time_s", "test_accuracy")}
+    untested["injected_nonfinite"] = 0
+    assert results.format_epoch(untested, epochs=10) == (
+        "epoch   3/10 | train   12.35s loss 1.2346 | 12,346 img/s | loss scale 32768 | skipped 4"
+        " | state 0123456789ab"
+    )
+    del untested["injected_nonfinite"]  # a record written before --inject-nonfinite existed
+    assert results.format_epoch(untested, epochs=10).endswith("| skipped 4 | state 0123456789ab")
+
+
+def test_the_environment_names_the_machine_the_versions_the_precision_and_the_run_sizes():
+    config = TrainConfig(
+        model="resnet_tiny", batch_size=64, grad_accum=2, dataset="fashion_mnist", data="idx"
+    )
+    precision = train.resolve_precision("mixed_bfloat16")
+    device = jax.devices()[0]
+    machine = {
+        "device_kind": device.device_kind, "platform": device.platform,
+        "device_count": jax.device_count(), "process_count": jax.process_count(),
+        "python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__, "optax": optax.__version__, "jaxamp": jaxamp.__version__,
+    }  # fmt: skip
+    assert results.machine() == machine
+    assert results.environment(config, precision) == {
+        **machine,
+        "precision": "mixed_bfloat16",
+        "policy": str(jaxamp.get_policy("mixed_bfloat16")),
+        "matmul_precision": "default",
+        "model": "resnet_tiny",
+        "batch_size": 64,
+        "grad_accum": 2,
+        "dataset": "fashion_mnist",
+        "data": "idx",
+    }

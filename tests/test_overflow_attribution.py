@@ -110,6 +110,90 @@ def test_a_forward_overflow_names_layer_3_and_the_forward_pass_first():
     assert np.isfinite(float(record.forward_amax[1])), "layer 2's output stays finite"
 
 
+def weight_gradient_overflow(w, x):
+    """One float16 matmul whose output (0.4) and output cotangent (100) are finite and whose
+    weight gradient (8 rows of 100 x 100: 80000) is beyond 65504."""
+    return jnp.sum(jaxamp.autocast(lambda w, x: x @ w, "mixed_float16")(w, x) * 100.0)
+
+
+W_SMALL, X_LARGE = jnp.full((4, 4), 0.001), jnp.full((8, 4), 100.0)
+
+
+def test_an_overflow_in_a_weight_gradient_alone_is_named_as_the_matmuls_backward_overflow():
+    _, grads, finite, record = jaxamp.scaled_value_and_grad(
+        weight_gradient_overflow, jaxamp.NoOpLossScale(), record_overflow=True
+    )(W_SMALL, X_LARGE)
+    assert not bool(finite) and not np.isfinite(np.asarray(grads)).any()
+    first = record.first_overflow()
+    assert first is not None and (first.pass_, first.index, first.amax) == ("backward", 0, np.inf)
+    assert float(record.forward_amax[0]) == pytest.approx(0.4, rel=1e-2)
+
+
+def test_a_sites_backward_amax_is_the_largest_of_its_output_and_operand_cotangents():
+    """Two float16 matmuls, all finite: ``h = x @ w1`` (w1 = 0.25, so h = x) and ``y = h @ w2``
+    (w2 = 0.5), loss ``sum(y) * 100``, x all v. Layer 2's output cotangent is 100, its operands'
+    are ``dh = 4 * 100 * 0.5 = 200`` and ``dw2 = 8 * v * 100``; layer 1's output cotangent is dh
+    (200) and its weight gradient ``dw1 = 8 * v * 200`` (the data's is not computed). At v = 0.01
+    the cotangents of the outputs lead (200 and 200); at v = 10 the weight gradients (16000, 8000)."""
+
+    def loss(w1, w2, x):
+        def model(w1, w2, x):
+            return (x @ w1) @ w2
+
+        return jnp.sum(jaxamp.autocast(model, "mixed_float16")(w1, w2, x)) * 100.0
+
+    w1, w2 = jnp.full((4, 4), 0.25), jnp.full((4, 4), 0.5)
+    for v, expected in [(0.01, [200.0, 200.0]), (10.0, [16000.0, 8000.0])]:
+        _, _, finite, record = jaxamp.scaled_value_and_grad(
+            loss, jaxamp.NoOpLossScale(), argnums=(0, 1), record_overflow=True
+        )(w1, w2, jnp.full((8, 4), v))
+        assert bool(finite) and record.backward_recorded
+        np.testing.assert_allclose(np.asarray(record.backward_amax), expected, rtol=1e-2)
+
+
+def test_a_record_of_a_program_without_a_matmul_has_no_sites_and_no_amaxes():
+    outputs, record = record_overflow(jaxamp.autocast(jnp.tanh, "mixed_float16"))(jnp.ones(3))
+    np.testing.assert_allclose(outputs, np.tanh(1.0), rtol=1e-3)
+    assert record.sites == () and record.unrecorded == 0
+    assert record.forward_amax.shape == (0,) and record.forward_amax.dtype == jnp.float32
+    assert record.first_overflow() is None
+
+
+def test_a_function_that_runs_more_matmuls_when_traced_again_is_refused_with_the_reason():
+    """`scaled_value_and_grad` sizes the probe on a first trace: a function whose second trace
+    runs two autocast calls where the first ran one cannot be recorded."""
+    traces = []
+
+    def loss(w):
+        traces.append(w)
+        h = X_LARGE / 100
+        for _ in traces:
+            h = jaxamp.autocast(lambda h, w: h @ w, "mixed_float16")(h, w)
+        return jnp.sum(h)
+
+    step = jaxamp.scaled_value_and_grad(loss, jaxamp.NoOpLossScale(), record_overflow=True)
+    with pytest.raises(RuntimeError) as refused:
+        step(W_SMALL)
+    assert str(refused.value) == (
+        "record_overflow: the function ran more matmuls under autocast than when the probe was sized; "
+        "a function recorded for overflows must run the same autocast calls every time it is traced."
+    )
+
+
+def test_a_record_taps_the_weights_but_computes_no_gradient_of_the_data():
+    """The data is nobody's to differentiate: its cotangent, a whole matmul, is not computed for
+    the record. One matmul forward, one for the weight gradient, as without a record."""
+
+    def matmuls(record_overflow):
+        step = jaxamp.scaled_value_and_grad(
+            weight_gradient_overflow, jaxamp.NoOpLossScale(), record_overflow=record_overflow
+        )
+        jaxpr = jax.make_jaxpr(step)(W_SMALL, X_LARGE)
+        return str(jaxpr).count("dot_general[")
+
+    assert matmuls(record_overflow=True) == matmuls(record_overflow=False) == 2
+
+
 def test_loss_scaling_keeps_the_same_attribution_without_a_train_state():
     params = init_params(jax.random.key(0))
     tx = jaxamp.loss_scaling(optax.sgd(0.1), jaxamp.StaticLossScale(SCALE))
@@ -242,6 +326,13 @@ def test_equinox_names_the_users_source_line():
     x, _ = batch()
     site = forward_overflow_site(jaxamp.autocast(jax.vmap(model), "mixed_float16"), x)
     assert site.site.name == "eqx.nn.Linear [3]", "Equinox names its layers' scopes; the third one"
+    _, record = record_overflow(jaxamp.autocast(jax.vmap(model), "mixed_float16"))(x)
+    assert [site.name for site in record.sites] == [
+        "eqx.nn.Linear",
+        "eqx.nn.Linear [2]",
+        "eqx.nn.Linear [3]",
+        "eqx.nn.Linear [4]",
+    ], "numbered from the second"
     assert site.site.source.startswith(f"test_overflow_attribution.py:{line_of(EqxMLP, 'self.layers[2](')} ")
 
 

@@ -87,6 +87,26 @@ def test_a_step_skipped_without_a_recorded_overflow_says_so():
     )
 
 
+def test_without_a_kept_record_the_report_line_names_the_leaves_alone_and_counts_the_steps():
+    """A run without --record-overflow: no cause before the leaves; no line without a skip; a
+    state built without `create` (no gradient record) gives the count alone."""
+    state = new_state(init_params(jax.random.key(0)))
+    state = state.apply_gradients(grads=jax.tree.map(lambda leaf: jnp.full_like(leaf, jnp.nan), state.params))
+    assert state.overflow_record is None and int(state.skipped_steps) == 1
+
+    assert skipped_steps_line(state, newly_skipped=0) is None
+    leaves = "non-finite grads in 8 of 8 leaves: 0/bias, 0/kernel, 1/bias, 1/kernel, ..."
+    assert skipped_steps_line(state, newly_skipped=1) == (
+        f"1 step skipped since the last report; the last: step 1 skipped: {leaves}"
+    )
+    assert skipped_steps_line(state, newly_skipped=2) == (
+        f"2 steps skipped since the last report; the last: step 1 skipped: {leaves}"
+    )
+    assert skipped_steps_line(state.replace(nonfinite_grads=None), newly_skipped=3) == (
+        "3 steps skipped since the last report"
+    )
+
+
 def test_a_checkpoint_holds_the_kept_record(after_a_skip_and_a_finite_step, tmp_path):
     _, state = after_a_skip_and_a_finite_step
     checkpointer = ocp.StandardCheckpointer()

@@ -12,7 +12,7 @@ import pytest
 
 from experiments import compare
 from experiments.benchmark.__main__ import main as benchmark_main
-from experiments.results import run_directory, write_text_atomically
+from experiments.results import run_directory, write_json_atomically, write_text_atomically
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_COMPARE = [
@@ -78,6 +78,17 @@ def test_an_atomic_write_is_renamed_from_beside_its_file_and_a_failed_one_leaves
 
     assert [os.path.dirname(source) for source in renamed] == [str(path.parent)]
     assert path.read_text() == "new\n"
+    assert os.listdir(path.parent) == ["results.json"]
+
+
+def test_a_results_file_is_indented_json_ending_in_a_newline_and_replaces_the_old_one(tmp_path):
+    path = tmp_path / "out" / "results.json"
+    write_json_atomically(str(path), {"old": True})
+    write_json_atomically(str(path), {"epochs": [{"epoch": 1, "loss": 0.5}], "summary": None})
+
+    assert path.read_text() == (
+        '{\n  "epochs": [\n    {\n      "epoch": 1,\n      "loss": 0.5\n    }\n  ],\n  "summary": null\n}\n'
+    )
     assert os.listdir(path.parent) == ["results.json"]
 
 
