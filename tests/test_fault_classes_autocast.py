@@ -953,6 +953,24 @@ def test_a_record_watches_the_matmuls_of_nested_jits_and_counts_those_of_loops_a
     np.testing.assert_array_equal(grads, expected_grads)
 
 
+def test_a_record_reads_the_cotangent_of_the_differentiated_operand_and_not_of_the_data():
+    """``sum(x @ w)`` differentiated for ``w`` alone, with ``x`` all ones (4 x 8) and ``w`` all tens
+    (8 x 16): the cotangents are 1 (the output's), 4 (``w``'s) and 160 (``x``'s, which nobody
+    asks for). The site's backward amax is 4.
+
+    Fails if the recording rewrite taps the data too (160, and a whole matmul computed for it) or
+    taps the data instead of the parameter (160).
+    """
+    fun = jaxamp.autocast(lambda w, x: jnp.sum(x @ w), "mixed_float16")
+    w, x = jnp.full((8, 16), 10.0), jnp.ones((4, 8))
+    _, grads, finite, record = jaxamp.scaled_value_and_grad(
+        fun, jaxamp.NoOpLossScale(), record_overflow=True
+    )(w, x)
+    assert bool(finite) and [site.shape for site in record.sites] == [(4, 16)]
+    np.testing.assert_array_equal(grads, jnp.full((8, 16), 4.0))
+    np.testing.assert_array_equal(record.backward_amax, [4.0])
+
+
 # --- bodies whose outputs are constants -----------------------------------------------------------------
 
 

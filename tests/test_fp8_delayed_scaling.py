@@ -106,6 +106,34 @@ def test_the_first_step_uses_current_scaling_and_later_ones_the_histories_amax()
     np.testing.assert_allclose(delayed.astype(jnp.float32), clipped.astype(jnp.float32), rtol=0.1, atol=0.5)
 
 
+def test_autocasts_fp8_matmul_scales_from_the_history_once_recorded_and_by_the_tensor_before():
+    """The same story as `fp8_dot_general`'s, through `jaxamp.autocast` under ``"mixed_float8"``:
+    with an empty history the product is current scaling's bit for bit; with a stale one (the
+    input's amax a quarter of its own) the input saturates at that amax. Fails if autocast's
+    rewrite scaled by the history under current scaling, or by the tensor once it was recorded, or
+    if it were traced again for the same history."""
+    x, w = gaussian(0, 32, 64), gaussian(1, 64, 16)
+    product = jaxamp.autocast(lambda x, w: x @ w, "mixed_float8")
+    current = product(x, w)
+    empty = fp8.init_fp8_history(product, x, w, length=4)
+    assert empty.rows == 1
+
+    def under(history, x):
+        with fp8.delayed_scaling(history):
+            return product(x, w)
+
+    np.testing.assert_array_equal(under(empty, x), current)
+    x_amax, w_amax = float(jnp.max(jnp.abs(x))), float(jnp.max(jnp.abs(w)))
+    stale = empty.record(jnp.array([[x_amax / 4, w_amax, 1.0]]))
+    delayed = under(stale, x)
+    assert not np.array_equal(delayed, current)
+    traces = product.rewrites.traces
+    np.testing.assert_array_equal(under(stale, x), delayed)
+    assert product.rewrites.traces == traces  # the delayed scaling rewrite is kept
+    clipped = product(jnp.clip(x, -x_amax / 4, x_amax / 4), w)
+    np.testing.assert_allclose(delayed, clipped, rtol=0.1, atol=0.5)
+
+
 def test_a_history_sized_for_another_function_is_refused_naming_the_fix():
     history = fp8.Fp8History.create(rows=2, length=4)
     with pytest.raises(ValueError, match=r"ran 1 FP8 sites .* history has 2 rows.*init_fp8_history"):
