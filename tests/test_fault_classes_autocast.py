@@ -26,6 +26,7 @@ constant.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -38,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxamp
 from jaxamp.jaxpr_policy import registry
+from jaxamp.jaxpr_policy.scope import ScopePolicy, policy_scope
 
 X = jax.random.normal(jax.random.key(0), (4, 8))
 W = jax.random.normal(jax.random.key(1), (8, 8)) / 3
@@ -992,3 +994,67 @@ def test_a_body_that_returns_a_constant_beside_computed_values_is_rewritten(fun)
     """
     got = jaxamp.autocast(fun)(X, W)
     jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, atol=2e-2), got, fun(X, W))
+
+
+# --- values made inside a policy scope in a loop body or a branch ----------------------------------------
+
+_FLOAT32_OUT_FLOAT16 = ScopePolicy(np.dtype(jnp.float32), False, np.dtype(jnp.float16))
+
+
+def _scoped_layer(h, w):
+    with policy_scope(_FLOAT32_OUT_FLOAT16):
+        return jnp.tanh(h @ w)
+
+
+def _loop_of_scoped_layers(x, w):
+    def body(carry):
+        step, h = carry
+        return step + 1, _scoped_layer(h, w)
+
+    return jax.lax.while_loop(lambda carry: carry[0] < 2, body, (0, x))[1] * 2.0
+
+
+def _branch_of_a_scoped_layer(x, w):
+    # The scoped branch first: JAX lists a cond's false branch before its true one.
+    return jax.lax.cond(jnp.sum(x) > 0, lambda x: x, lambda x: _scoped_layer(x, w), x) * 2.0
+
+
+@pytest.mark.parametrize(
+    "fun", [_loop_of_scoped_layers, _branch_of_a_scoped_layer], ids=["while_loop", "cond"]
+)
+def test_a_value_made_inside_a_scope_in_a_loop_or_one_branch_leaves_it_where_the_program_reads_it(fun):
+    """A layer that computes in float32 and hands on float16 (``p=f32,c=f32,o=f16``) in a
+    ``while_loop`` body, or in one branch of a ``cond`` whose other branch returns its input. Traced
+    as given, the loop's carry and the cond's result are float32; the product after them reads
+    them as they leave the layer's scope, in float16.
+
+    Fails if the scopes of a body's outputs stop at the loop's condition (one output, the
+    predicate, before the body's), or keep only the last branch's scopes (the plain one).
+    """
+    cast = jaxamp.autocast(fun, float32_argnums=(0, 1))
+    (product,) = [eq for eq in jax.make_jaxpr(cast)(X, W).jaxpr.eqns if eq.primitive.name == "mul"]
+    assert [str(atom.aval.dtype) for atom in product.invars] == ["float16", "float16"]
+    np.testing.assert_allclose(cast(X, W), fun(X, W), atol=2e-2)
+
+
+def _two_scoped_layers(x, w, *, checkpoint: bool, block: str | None):
+    first = jax.checkpoint(_scoped_layer) if checkpoint else _scoped_layer
+    with jax.named_scope(block) if block else contextlib.nullcontext():
+        h = first(x, w)
+    return _scoped_layer(h, w)
+
+
+@pytest.mark.parametrize("block", [None, "block"], ids=["top_level", "in_a_named_scope"])
+def test_a_checkpoint_around_a_scoped_layer_leaves_what_the_next_one_reads_unchanged(block):
+    """Two layers under one policy scope (``p=f32,c=f32,o=f16``), the first at the top level or in a
+    named scope of its own. The second reads the first's result as made where it was made under
+    its own scope's name, rounded to float16 where it left a scope of another name. Wrapping the
+    first in ``jax.checkpoint`` changes neither: the results are the same to the bit.
+
+    Fails if the scopes a body's outputs were made in are not named from the equation that holds
+    the body (the checkpoint inside the named scope would then be read as made), or are named
+    from nothing (the checkpoint at the top level would then be rounded).
+    """
+    plain = jaxamp.autocast(functools.partial(_two_scoped_layers, checkpoint=False, block=block))
+    checkpointed = jaxamp.autocast(functools.partial(_two_scoped_layers, checkpoint=True, block=block))
+    np.testing.assert_array_equal(checkpointed(X, W), plain(X, W))
