@@ -120,7 +120,8 @@ def test_a_replicated_weight_meets_per_device_data_inside_shard_map(order):
     mesh axes its values vary over (``dot_general requires varying manual
     axes to match``: JAX inserts a ``pvary`` only for a typed value);
     ``autocast(shard_map(f))`` fails if the rewritten ``shard_map`` loses its
-    mesh, specs, manual axes or ``check_vma``.
+    mesh, specs, manual axes or ``check_vma``. Either way the function is traced
+    in the compute dtype: the scan's carry, ``zeros_like`` of the data, is float16.
     """
     mesh = _one_device_mesh()
     specs = {"mesh": mesh, "in_specs": (P("d"), P()), "out_specs": P()}
@@ -136,6 +137,7 @@ def test_a_replicated_weight_meets_per_device_data_inside_shard_map(order):
     assert [equation.outvars[0].aval.dtype for equation in _equations(closed, "dot_general")] == [jnp.float16]
     (scan,) = _equations(closed, "scan")
     assert [variable.aval.shape for variable in scan.params["jaxpr"].jaxpr.invars[-1:]] == [(8,)]
+    assert scan.outvars[0].aval.dtype == jnp.float16  # the carry, traced in the compute dtype
     psums = _equations(closed, "psum") or _equations(closed, "psum_invariant")
     assert [equation.invars[0].aval.dtype for equation in psums] == [jnp.float32]
     (shard_map,) = _equations(closed, "shard_map")

@@ -134,6 +134,33 @@ def test_autocasts_fp8_matmul_scales_from_the_history_once_recorded_and_by_the_t
     np.testing.assert_allclose(delayed, clipped, rtol=0.1, atol=0.5)
 
 
+def test_autocast_gives_a_history_row_to_a_nested_jits_fp8_matmul_and_none_to_a_loops():
+    """Under ``"mixed_float8"``, a matmul in a nested ``jit`` (which the rewrite inlines) and one
+    in a ``scan`` body: the history has one row, the jitted matmul's, and a stale row clips the
+    input of that matmul alone; the loop's matmul keeps current scaling.
+
+    Fails if the nested ``jit``'s body runs without the history (no site taken: the history's row
+    count is refused on exit) or the loop's body runs with it (a second site taken inside the
+    loop, beyond the history's rows).
+    """
+    x, w = gaussian(0, 32, 64), gaussian(1, 64, 64) / 8
+
+    def two_matmuls(x, w):
+        h = jax.jit(lambda x: x @ w)(x)
+        h, _ = jax.lax.scan(lambda h, _: (h @ w, None), h, None, length=1)
+        return h
+
+    fun = jaxamp.autocast(two_matmuls, "mixed_float8")
+    history = fp8.init_fp8_history(fun, x, w, length=4)
+    assert history.rows == 1
+    x_amax, w_amax = float(jnp.max(jnp.abs(x))), float(jnp.max(jnp.abs(w)))
+    with fp8.delayed_scaling(history.record(jnp.array([[x_amax / 4, w_amax, 1.0]]))):
+        delayed = fun(x, w)
+    clipped = fun(jnp.clip(x, -x_amax / 4, x_amax / 4), w)
+    assert not np.array_equal(delayed, fun(x, w))
+    np.testing.assert_allclose(delayed, clipped, rtol=0.1, atol=0.5)
+
+
 def test_a_history_sized_for_another_function_is_refused_naming_the_fix():
     history = fp8.Fp8History.create(rows=2, length=4)
     with pytest.raises(ValueError, match=r"ran 1 FP8 sites .* history has 2 rows.*init_fp8_history"):
