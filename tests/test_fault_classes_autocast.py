@@ -963,7 +963,7 @@ def test_a_record_reads_the_cotangent_of_the_differentiated_operand_and_not_of_t
     asks for). The site's backward amax is 4.
 
     Fails if the recording rewrite taps the data too (160, and a whole matmul computed for it) or
-    taps the data instead of the parameter (160).
+    taps the data instead of the parameter (160), or if it is traced again for the same call.
     """
     fun = jaxamp.autocast(lambda w, x: jnp.sum(x @ w), "mixed_float16")
     w, x = jnp.full((8, 16), 10.0), jnp.ones((4, 8))
@@ -973,6 +973,9 @@ def test_a_record_reads_the_cotangent_of_the_differentiated_operand_and_not_of_t
     assert bool(finite) and [site.shape for site in record.sites] == [(4, 16)]
     np.testing.assert_array_equal(grads, jnp.full((8, 16), 4.0))
     np.testing.assert_array_equal(record.backward_amax, [4.0])
+    traces = fun.rewrites.traces
+    jaxamp.scaled_value_and_grad(fun, jaxamp.NoOpLossScale(), record_overflow=True)(w, x)
+    assert fun.rewrites.traces == traces  # the recording rewrite is kept
 
 
 # --- bodies whose outputs are constants -----------------------------------------------------------------
