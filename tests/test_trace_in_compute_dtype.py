@@ -290,6 +290,27 @@ def test_a_layer_norms_float32_scale_is_read_in_float32_while_the_model_is_trace
     assert not np.array_equal(out, ones)
 
 
+def test_a_statistic_the_program_casts_to_another_half_dtype_than_the_compute_one_is_cast():
+    """Under ``mixed_bfloat16``, a mean of squares stays float32 through ``jnp.mean``'s own cast
+    back to bfloat16; the program then casts it to float16 on purpose, and doubles it. Only a
+    cast to the compute dtype is skipped: the doubling reads float16.
+
+    Fails if a float32 statistic skipped every cast to a narrower dtype.
+    """
+
+    def fun(x, w):
+        h = x @ w
+        return jnp.mean(h * h).astype(jnp.float16) * 2.0
+
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+    closed = jax.make_jaxpr(jaxamp.autocast(fun, "mixed_bfloat16"))(x, w)
+    (doubling,) = [
+        eq for eq in closed.jaxpr.eqns if eq.primitive.name == "mul" and not eq.outvars[0].aval.shape
+    ]
+    assert doubling.invars[0].aval.dtype == jnp.float16
+    assert float(jaxamp.autocast(fun, "mixed_bfloat16")(x, w)) == 128.0
+
+
 def test_a_function_that_refuses_half_inputs_is_traced_as_given_with_a_warning_naming_the_fix():
     """Some functions refuse half inputs while traced (JAX 0.12's LU for float16); they run as
     traced with the arguments as given, and say so. One that fails either way raises the first error."""
