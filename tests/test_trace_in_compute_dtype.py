@@ -10,6 +10,7 @@ attention without ``libcudnn``).
 
 import functools
 import importlib.util
+import os
 
 import flax.linen as nn
 import jax
@@ -313,16 +314,28 @@ def test_a_statistic_the_program_casts_to_another_half_dtype_than_the_compute_on
 
 def test_a_function_that_refuses_half_inputs_is_traced_as_given_with_a_warning_naming_the_fix():
     """Some functions refuse half inputs while traced (JAX 0.12's LU for float16); they run as
-    traced with the arguments as given, and say so. One that fails either way raises the first error."""
+    traced with the arguments as given, and say so: the warning names the error by its first line
+    (or its class, if it has no message) and points at the user's call. One that fails either way
+    raises the first error."""
 
     def float32_only(x, w):
         if x.dtype != jnp.float32:
-            raise TypeError(f"float32_only takes float32, got {x.dtype}")
+            raise TypeError(f"float32_only takes float32, got {x.dtype}\n(a second line, not repeated)")
         return jnp.tanh(x @ w)
 
     x, w = jnp.ones((4, 8)), jnp.ones((8, 8)) / 8
-    with pytest.warns(jaxamp.jaxpr_policy.interpreter.HalfTraceRefusedWarning, match="float32_argnums"):
+    with pytest.warns(jaxamp.jaxpr_policy.interpreter.HalfTraceRefusedWarning) as warned:
         out = jaxamp.autocast(float32_only)(x, w)
+    (warning,) = warned
+    assert str(warning.message) == (
+        "jaxamp.autocast traced this function with its arguments as given, since traced in the compute "
+        "dtype it raised TypeError: float32_only takes float32, got float16 Kernels and dtype checks in it "
+        "see float32. To trace those arguments as given without this warning, pass float32_argnums (or "
+        "float32_argnames) to autocast."
+    )
+    # The user's call, not a line of jaxamp. (Not `== __file__`: under mutmut, its trampolines
+    # add frames between the two.)
+    assert not warning.filename.startswith(os.path.dirname(jaxamp.__file__))
     np.testing.assert_allclose(out, float32_only(x, w), rtol=2e-3)
     assert out.dtype == F32
     # The matmul still runs in float16: only the trace was float32's.
@@ -338,3 +351,14 @@ def test_a_function_that_refuses_half_inputs_is_traced_as_given_with_a_warning_n
 
     with pytest.raises(ValueError, match="never takes float16"):
         jaxamp.autocast(never)(x)
+
+    def float32_only_without_a_message(x):
+        if x.dtype != jnp.float32:
+            raise NotImplementedError
+        return x
+
+    with pytest.warns(
+        jaxamp.jaxpr_policy.interpreter.HalfTraceRefusedWarning,
+        match="it raised NotImplementedError: NotImplementedError Kernels",
+    ):
+        jaxamp.autocast(float32_only_without_a_message)(x)
