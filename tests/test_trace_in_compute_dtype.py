@@ -312,6 +312,48 @@ def test_a_statistic_the_program_casts_to_another_half_dtype_than_the_compute_on
     assert float(jaxamp.autocast(fun, "mixed_bfloat16")(x, w)) == 128.0
 
 
+def _masked_mean(values, count):
+    """``jnp.mean``'s recipe over `count` valid entries: summed in float32, cast back."""
+    return (jnp.sum(values.astype(jnp.float32)) / count).astype(values.dtype)
+
+
+def test_a_mean_over_a_count_passed_as_an_integer_array_stays_float32_past_65504():
+    """A masked mean of squares of 100s (10000 each, 32 of them, over a count of 4: 80000) and its
+    square root. The count is an integer input, which joins the statistic as a constant does.
+
+    Fails if the integer count made the quotient no statistic: rounded to float16 it is inf.
+    """
+
+    def root_mean_square(x, w, count):
+        h = x @ w
+        return jnp.sqrt(_masked_mean(h * h, count))
+
+    x, w, count = jnp.ones((4, 8)), jnp.full((8, 8), 12.5), jnp.array(4)
+    got = jaxamp.autocast(root_mean_square)(x, w, count)
+    np.testing.assert_allclose(got, np.sqrt(80000.0), rtol=1e-3)
+
+
+def test_a_matmul_result_normalized_in_float32_by_hand_is_handed_on_in_float16():
+    """A matmul's result is an activation, not a statistic: a layer norm written by hand upcasts
+    it, normalizes it in float32 and casts it back to float16, and the ``tanh`` after it runs in
+    float16.
+
+    Fails if a matmul's result counted as a statistic (its normalization would stay float32).
+    """
+
+    def normalized(x, w):
+        h = (x @ w).astype(jnp.float32)
+        h = (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
+        return jnp.tanh(h.astype(x.dtype))
+
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 8))
+    closed = jax.make_jaxpr(jaxamp.autocast(normalized))(x, w)
+    (tanh,) = [eq for eq in all_equations(closed.jaxpr) if eq.primitive.name == "tanh"]
+    assert tanh.invars[0].aval.dtype == jnp.float16
+    np.testing.assert_allclose(jaxamp.autocast(normalized)(x, w), normalized(x, w), atol=2e-2)
+
+
 def test_a_function_that_refuses_half_inputs_is_traced_as_given_with_a_warning_naming_the_fix():
     """Some functions refuse half inputs while traced (JAX 0.12's LU for float16); they run as
     traced with the arguments as given, and say so: the warning names the error by its first line
