@@ -354,6 +354,23 @@ def test_a_matmul_result_normalized_in_float32_by_hand_is_handed_on_in_float16()
     np.testing.assert_allclose(jaxamp.autocast(normalized)(x, w), normalized(x, w), atol=2e-2)
 
 
+def test_a_float32_constant_the_program_casts_to_the_compute_dtype_is_cast_like_a_half_program():
+    """A fill of -1e9 made in float32 and cast to the activation's float16 is -inf, as in a
+    float16 program, and the select that reads it runs in float16. A constant is no statistic.
+
+    Fails if what is made of constants alone counted as a statistic (its cast would be skipped,
+    and the select would run in float32 on -1e9).
+    """
+
+    def masked(x, w):
+        h = x @ w
+        return jnp.where(h > 0, h, jnp.full(h.shape, -1e9, jnp.float32).astype(h.dtype))
+
+    closed = jax.make_jaxpr(jaxamp.autocast(masked))(jnp.ones((4, 8)), jnp.ones((8, 8)))
+    (select,) = [eq for eq in all_equations(closed.jaxpr) if eq.primitive.name == "select_n"]
+    assert [str(atom.aval.dtype) for atom in select.invars[1:]] == ["float16", "float16"]
+
+
 def test_a_function_that_refuses_half_inputs_is_traced_as_given_with_a_warning_naming_the_fix():
     """Some functions refuse half inputs while traced (JAX 0.12's LU for float16); they run as
     traced with the arguments as given, and say so: the warning names the error by its first line
