@@ -327,3 +327,34 @@ def test_nnx_a_plain_attribute_a_call_changes_is_written_back_eagerly_and_under_
     jitted(model, x)
     assert model.calls == 4
     assert model(x).dtype == jnp.float32
+
+
+class Router(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        logits = nn.Dense(4)(x)
+        return logits, jnp.argmax(logits, axis=-1)
+
+
+class RoutedLookup(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        logits, choice = Router()(x)
+        table = self.param("table", nn.initializers.normal(1.0), (4, 16))
+        return jnp.take(table, choice, axis=0) * jnp.max(logits, axis=-1, keepdims=True)
+
+
+def test_an_integer_made_inside_an_overridden_class_leaves_its_scope_as_an_integer():
+    """A router overridden to compute in float32 and hand on float16 returns its logits and its
+    choice, an int32 index the model looks a row up with. Only the logits leave the scope in
+    float16; the lookup reads the index as made.
+
+    Fails if every value leaving a scope is cast to its exit dtype, integers included (the lookup
+    would take float16 indices).
+    """
+    model = RoutedLookup()
+    variables = model.init(jax.random.key(1), X)
+    policy_model = jaxamp.apply_policy(model, "mixed_float16", overrides={Router: "p=f32,c=f32,o=f16"})
+    np.testing.assert_allclose(
+        policy_model.apply(variables, X), model.apply(variables, X), rtol=2e-2, atol=2e-2
+    )

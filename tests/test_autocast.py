@@ -441,20 +441,43 @@ def test_a_checkpoint_name_passes_the_float16_value_through():
     assert _equation_dtypes(jaxamp.autocast(fun), X, W, primitive="tanh") == [jnp.float16]
 
 
-def test_outputs_that_were_no_arrays_when_traced_come_back_as_they_were():
-    """A Python number, a string or None among the outputs is returned, not turned into an array.
+def _called(fun, x):
+    return fun(x)
 
-    Fails if autocast handed back ``3`` as a JAX array (as tracing it alone would).
+
+def _recorded(fun, x):
+    from jaxamp.diagnostics import record_overflow
+
+    return record_overflow(fun)(x)[0]
+
+
+def _under_delayed_scaling(fun, x):
+    from jaxamp import fp8
+
+    with fp8.delayed_scaling(fp8.Fp8History.create(rows=1, length=2)):  # a row for the matmul
+        return fun(x)
+
+
+@pytest.mark.parametrize(
+    "call", [_called, _recorded, _under_delayed_scaling], ids=lambda call: call.__name__[1:]
+)
+def test_outputs_that_were_no_arrays_when_traced_come_back_as_they_were(call):
+    """A Python number, a string or None among the outputs is returned, not turned into an array,
+    also by the rewrites that record overflows or take FP8 delayed scaling's rows.
+
+    Fails if autocast handed back ``3`` as a JAX array (as tracing it alone would), or if a
+    rewrite lost the outputs that are no arrays.
     """
 
     def fun(x):
         return {"doubled": x @ x, "layers": 3, "name": "mlp", "nothing": None}
 
-    outputs = jaxamp.autocast(fun)(jnp.ones((2, 2)))
+    cast = jaxamp.autocast(fun)
+    outputs = call(cast, jnp.ones((2, 2)))
     assert outputs["doubled"].dtype == jnp.float32
     assert outputs["layers"] == 3 and type(outputs["layers"]) is int
     assert outputs["name"] == "mlp" and outputs["nothing"] is None
-    assert jaxamp.autocast(fun)(jnp.ones((2, 2)))["layers"] == 3  # from the cached rewrite too
+    assert call(cast, jnp.ones((2, 2)))["layers"] == 3  # from the cached rewrite too
 
 
 def test_a_static_float_argument_of_either_sign_or_nan_traces_its_own_program():

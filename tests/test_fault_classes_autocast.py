@@ -26,6 +26,7 @@ constant.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
@@ -39,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxamp
 from jaxamp.jaxpr_policy import registry
+from jaxamp.jaxpr_policy.scope import ScopePolicy, policy_scope
 
 X = jax.random.normal(jax.random.key(0), (4, 8))
 W = jax.random.normal(jax.random.key(1), (8, 8)) / 3
@@ -119,7 +121,8 @@ def test_a_replicated_weight_meets_per_device_data_inside_shard_map(order):
     mesh axes its values vary over (``dot_general requires varying manual
     axes to match``: JAX inserts a ``pvary`` only for a typed value);
     ``autocast(shard_map(f))`` fails if the rewritten ``shard_map`` loses its
-    mesh, specs, manual axes or ``check_vma``.
+    mesh, specs, manual axes or ``check_vma``. Either way the function is traced
+    in the compute dtype: the scan's carry, ``zeros_like`` of the data, is float16.
     """
     mesh = _one_device_mesh()
     specs = {"mesh": mesh, "in_specs": (P("d"), P()), "out_specs": P()}
@@ -135,6 +138,7 @@ def test_a_replicated_weight_meets_per_device_data_inside_shard_map(order):
     assert [equation.outvars[0].aval.dtype for equation in _equations(closed, "dot_general")] == [jnp.float16]
     (scan,) = _equations(closed, "scan")
     assert [variable.aval.shape for variable in scan.params["jaxpr"].jaxpr.invars[-1:]] == [(8,)]
+    assert scan.outvars[0].aval.dtype == jnp.float16  # the carry, traced in the compute dtype
     psums = _equations(closed, "psum") or _equations(closed, "psum_invariant")
     assert [equation.invars[0].aval.dtype for equation in psums] == [jnp.float32]
     (shard_map,) = _equations(closed, "shard_map")
@@ -1039,6 +1043,27 @@ def test_a_site_inside_a_float32_scope_is_named_by_the_users_scopes_alone():
     assert [(site.name, site.dtype) for site in record.sites] == [("block/dense", "float32")]
 
 
+def test_a_record_reads_the_cotangent_of_the_differentiated_operand_and_not_of_the_data():
+    """``sum(x @ w)`` differentiated for ``w`` alone, with ``x`` all ones (4 x 8) and ``w`` all tens
+    (8 x 16): the cotangents are 1 (the output's), 4 (``w``'s) and 160 (``x``'s, which nobody
+    asks for). The site's backward amax is 4.
+
+    Fails if the recording rewrite taps the data too (160, and a whole matmul computed for it) or
+    taps the data instead of the parameter (160), or if it is traced again for the same call.
+    """
+    fun = jaxamp.autocast(lambda w, x: jnp.sum(x @ w), "mixed_float16")
+    w, x = jnp.full((8, 16), 10.0), jnp.ones((4, 8))
+    _, grads, finite, record = jaxamp.scaled_value_and_grad(
+        fun, jaxamp.NoOpLossScale(), record_overflow=True
+    )(w, x)
+    assert bool(finite) and [site.shape for site in record.sites] == [(4, 16)]
+    np.testing.assert_array_equal(grads, jnp.full((8, 16), 4.0))
+    np.testing.assert_array_equal(record.backward_amax, [4.0])
+    traces = fun.rewrites.traces
+    jaxamp.scaled_value_and_grad(fun, jaxamp.NoOpLossScale(), record_overflow=True)(w, x)
+    assert fun.rewrites.traces == traces  # the recording rewrite is kept
+
+
 # --- bodies whose outputs are constants -----------------------------------------------------------------
 
 
@@ -1060,3 +1085,67 @@ def test_a_body_that_returns_a_constant_beside_computed_values_is_rewritten(fun)
     """
     got = jaxamp.autocast(fun)(X, W)
     jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, atol=2e-2), got, fun(X, W))
+
+
+# --- values made inside a policy scope in a loop body or a branch ----------------------------------------
+
+_FLOAT32_OUT_FLOAT16 = ScopePolicy(np.dtype(jnp.float32), False, np.dtype(jnp.float16))
+
+
+def _scoped_layer(h, w):
+    with policy_scope(_FLOAT32_OUT_FLOAT16):
+        return jnp.tanh(h @ w)
+
+
+def _loop_of_scoped_layers(x, w):
+    def body(carry):
+        step, h = carry
+        return step + 1, _scoped_layer(h, w)
+
+    return jax.lax.while_loop(lambda carry: carry[0] < 2, body, (0, x))[1] * 2.0
+
+
+def _branch_of_a_scoped_layer(x, w):
+    # The scoped branch first: JAX lists a cond's false branch before its true one.
+    return jax.lax.cond(jnp.sum(x) > 0, lambda x: x, lambda x: _scoped_layer(x, w), x) * 2.0
+
+
+@pytest.mark.parametrize(
+    "fun", [_loop_of_scoped_layers, _branch_of_a_scoped_layer], ids=["while_loop", "cond"]
+)
+def test_a_value_made_inside_a_scope_in_a_loop_or_one_branch_leaves_it_where_the_program_reads_it(fun):
+    """A layer that computes in float32 and hands on float16 (``p=f32,c=f32,o=f16``) in a
+    ``while_loop`` body, or in one branch of a ``cond`` whose other branch returns its input. Traced
+    as given, the loop's carry and the cond's result are float32; the product after them reads
+    them as they leave the layer's scope, in float16.
+
+    Fails if the scopes of a body's outputs stop at the loop's condition (one output, the
+    predicate, before the body's), or keep only the last branch's scopes (the plain one).
+    """
+    cast = jaxamp.autocast(fun, float32_argnums=(0, 1))
+    (product,) = [eq for eq in jax.make_jaxpr(cast)(X, W).jaxpr.eqns if eq.primitive.name == "mul"]
+    assert [str(atom.aval.dtype) for atom in product.invars] == ["float16", "float16"]
+    np.testing.assert_allclose(cast(X, W), fun(X, W), atol=2e-2)
+
+
+def _two_scoped_layers(x, w, *, checkpoint: bool, block: str | None):
+    first = jax.checkpoint(_scoped_layer) if checkpoint else _scoped_layer
+    with jax.named_scope(block) if block else contextlib.nullcontext():
+        h = first(x, w)
+    return _scoped_layer(h, w)
+
+
+@pytest.mark.parametrize("block", [None, "block"], ids=["top_level", "in_a_named_scope"])
+def test_a_checkpoint_around_a_scoped_layer_leaves_what_the_next_one_reads_unchanged(block):
+    """Two layers under one policy scope (``p=f32,c=f32,o=f16``), the first at the top level or in a
+    named scope of its own. The second reads the first's result as made where it was made under
+    its own scope's name, rounded to float16 where it left a scope of another name. Wrapping the
+    first in ``jax.checkpoint`` changes neither: the results are the same to the bit.
+
+    Fails if the scopes a body's outputs were made in are not named from the equation that holds
+    the body (the checkpoint inside the named scope would then be read as made), or are named
+    from nothing (the checkpoint at the top level would then be rounded).
+    """
+    plain = jaxamp.autocast(functools.partial(_two_scoped_layers, checkpoint=False, block=block))
+    checkpointed = jaxamp.autocast(functools.partial(_two_scoped_layers, checkpoint=True, block=block))
+    np.testing.assert_array_equal(checkpointed(X, W), plain(X, W))

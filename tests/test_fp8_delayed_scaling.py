@@ -3,6 +3,8 @@
 On the CPU, tiny shapes. Each test says which fault would make it fail.
 """
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -106,6 +108,61 @@ def test_the_first_step_uses_current_scaling_and_later_ones_the_histories_amax()
     np.testing.assert_allclose(delayed.astype(jnp.float32), clipped.astype(jnp.float32), rtol=0.1, atol=0.5)
 
 
+def test_autocasts_fp8_matmul_scales_from_the_history_once_recorded_and_by_the_tensor_before():
+    """The same story as `fp8_dot_general`'s, through `jaxamp.autocast` under ``"mixed_float8"``:
+    with an empty history the product is current scaling's bit for bit; with a stale one (the
+    input's amax a quarter of its own) the input saturates at that amax. Fails if autocast's
+    rewrite scaled by the history under current scaling, or by the tensor once it was recorded, or
+    if it were traced again for the same history."""
+    x, w = gaussian(0, 32, 64), gaussian(1, 64, 16)
+    product = jaxamp.autocast(lambda x, w: x @ w, "mixed_float8")
+    current = product(x, w)
+    empty = fp8.init_fp8_history(product, x, w, length=4)
+    assert empty.rows == 1
+
+    def under(history, x):
+        with fp8.delayed_scaling(history):
+            return product(x, w)
+
+    np.testing.assert_array_equal(under(empty, x), current)
+    x_amax, w_amax = float(jnp.max(jnp.abs(x))), float(jnp.max(jnp.abs(w)))
+    stale = empty.record(jnp.array([[x_amax / 4, w_amax, 1.0]]))
+    delayed = under(stale, x)
+    assert not np.array_equal(delayed, current)
+    traces = product.rewrites.traces
+    np.testing.assert_array_equal(under(stale, x), delayed)
+    assert product.rewrites.traces == traces  # the delayed scaling rewrite is kept
+    clipped = product(jnp.clip(x, -x_amax / 4, x_amax / 4), w)
+    np.testing.assert_allclose(delayed, clipped, rtol=0.1, atol=0.5)
+
+
+def test_autocast_gives_a_history_row_to_a_nested_jits_fp8_matmul_and_none_to_a_loops():
+    """Under ``"mixed_float8"``, a matmul in a nested ``jit`` (which the rewrite inlines) and one
+    in a ``scan`` body: the history has one row, the jitted matmul's, and a stale row clips the
+    input of that matmul alone; the loop's matmul keeps current scaling.
+
+    Fails if the nested ``jit``'s body runs without the history (no site taken: the history's row
+    count is refused on exit) or the loop's body runs with it (a second site taken inside the
+    loop, beyond the history's rows).
+    """
+    x, w = gaussian(0, 32, 64), gaussian(1, 64, 64) / 8
+
+    def two_matmuls(x, w):
+        h = jax.jit(lambda x: x @ w)(x)
+        h, _ = jax.lax.scan(lambda h, _: (h @ w, None), h, None, length=1)
+        return h
+
+    fun = jaxamp.autocast(two_matmuls, "mixed_float8")
+    history = fp8.init_fp8_history(fun, x, w, length=4)
+    assert history.rows == 1
+    x_amax, w_amax = float(jnp.max(jnp.abs(x))), float(jnp.max(jnp.abs(w)))
+    with fp8.delayed_scaling(history.record(jnp.array([[x_amax / 4, w_amax, 1.0]]))):
+        delayed = fun(x, w)
+    clipped = fun(jnp.clip(x, -x_amax / 4, x_amax / 4), w)
+    assert not np.array_equal(delayed, fun(x, w))
+    np.testing.assert_allclose(delayed, clipped, rtol=0.1, atol=0.5)
+
+
 def test_a_history_sized_for_another_function_is_refused_naming_the_fix():
     history = fp8.Fp8History.create(rows=2, length=4)
     with pytest.raises(ValueError, match=r"ran 1 FP8 sites .* history has 2 rows.*init_fp8_history"):
@@ -190,7 +247,11 @@ def test_recording_overflows_inside_delayed_scaling_is_refused_naming_both():
     def recorded(w, x):
         return jaxamp.scaled_value_and_grad(model, jaxamp.NoOpLossScale(), record_overflow=True)(w, x)[0]
 
-    with pytest.raises(NotImplementedError, match=r"record_overflow.*delayed scaling"):
+    message = (
+        "jaxamp.autocast cannot record overflows (record_overflow) and run FP8 delayed scaling "
+        "(jaxamp.fp8.delayed_scaling) in one call; record the overflows in a run without delayed scaling."
+    )
+    with pytest.raises(NotImplementedError, match=f"^{re.escape(message)}"):
         fp8.delayed_value_and_grad(recorded)(history, w, x)
 
 

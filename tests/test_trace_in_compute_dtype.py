@@ -10,6 +10,7 @@ attention without ``libcudnn``).
 
 import functools
 import importlib.util
+import os
 
 import flax.linen as nn
 import jax
@@ -290,18 +291,110 @@ def test_a_layer_norms_float32_scale_is_read_in_float32_while_the_model_is_trace
     assert not np.array_equal(out, ones)
 
 
+def test_a_statistic_the_program_casts_to_another_half_dtype_than_the_compute_one_is_cast():
+    """Under ``mixed_bfloat16``, a mean of squares stays float32 through ``jnp.mean``'s own cast
+    back to bfloat16; the program then casts it to float16 on purpose, and doubles it. Only a
+    cast to the compute dtype is skipped: the doubling reads float16.
+
+    Fails if a float32 statistic skipped every cast to a narrower dtype.
+    """
+
+    def fun(x, w):
+        h = x @ w
+        return jnp.mean(h * h).astype(jnp.float16) * 2.0
+
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+    closed = jax.make_jaxpr(jaxamp.autocast(fun, "mixed_bfloat16"))(x, w)
+    (doubling,) = [
+        eq for eq in closed.jaxpr.eqns if eq.primitive.name == "mul" and not eq.outvars[0].aval.shape
+    ]
+    assert doubling.invars[0].aval.dtype == jnp.float16
+    assert float(jaxamp.autocast(fun, "mixed_bfloat16")(x, w)) == 128.0
+
+
+def _masked_mean(values, count):
+    """``jnp.mean``'s recipe over `count` valid entries: summed in float32, cast back."""
+    return (jnp.sum(values.astype(jnp.float32)) / count).astype(values.dtype)
+
+
+def test_a_mean_over_a_count_passed_as_an_integer_array_stays_float32_past_65504():
+    """A masked mean of squares of 100s (10000 each, 32 of them, over a count of 4: 80000) and its
+    square root. The count is an integer input, which joins the statistic as a constant does.
+
+    Fails if the integer count made the quotient no statistic: rounded to float16 it is inf.
+    """
+
+    def root_mean_square(x, w, count):
+        h = x @ w
+        return jnp.sqrt(_masked_mean(h * h, count))
+
+    x, w, count = jnp.ones((4, 8)), jnp.full((8, 8), 12.5), jnp.array(4)
+    got = jaxamp.autocast(root_mean_square)(x, w, count)
+    np.testing.assert_allclose(got, np.sqrt(80000.0), rtol=1e-3)
+
+
+def test_a_matmul_result_normalized_in_float32_by_hand_is_handed_on_in_float16():
+    """A matmul's result is an activation, not a statistic: a layer norm written by hand upcasts
+    it, normalizes it in float32 and casts it back to float16, and the ``tanh`` after it runs in
+    float16.
+
+    Fails if a matmul's result counted as a statistic (its normalization would stay float32).
+    """
+
+    def normalized(x, w):
+        h = (x @ w).astype(jnp.float32)
+        h = (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
+        return jnp.tanh(h.astype(x.dtype))
+
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 8))
+    closed = jax.make_jaxpr(jaxamp.autocast(normalized))(x, w)
+    (tanh,) = [eq for eq in all_equations(closed.jaxpr) if eq.primitive.name == "tanh"]
+    assert tanh.invars[0].aval.dtype == jnp.float16
+    np.testing.assert_allclose(jaxamp.autocast(normalized)(x, w), normalized(x, w), atol=2e-2)
+
+
+def test_a_float32_constant_the_program_casts_to_the_compute_dtype_is_cast_like_a_half_program():
+    """A fill of -1e9 made in float32 and cast to the activation's float16 is -inf, as in a
+    float16 program, and the select that reads it runs in float16. A constant is no statistic.
+
+    Fails if what is made of constants alone counted as a statistic (its cast would be skipped,
+    and the select would run in float32 on -1e9).
+    """
+
+    def masked(x, w):
+        h = x @ w
+        return jnp.where(h > 0, h, jnp.full(h.shape, -1e9, jnp.float32).astype(h.dtype))
+
+    closed = jax.make_jaxpr(jaxamp.autocast(masked))(jnp.ones((4, 8)), jnp.ones((8, 8)))
+    (select,) = [eq for eq in all_equations(closed.jaxpr) if eq.primitive.name == "select_n"]
+    assert [str(atom.aval.dtype) for atom in select.invars[1:]] == ["float16", "float16"]
+
+
 def test_a_function_that_refuses_half_inputs_is_traced_as_given_with_a_warning_naming_the_fix():
     """Some functions refuse half inputs while traced (JAX 0.12's LU for float16); they run as
-    traced with the arguments as given, and say so. One that fails either way raises the first error."""
+    traced with the arguments as given, and say so: the warning names the error by its first line
+    (or its class, if it has no message) and points at the user's call. One that fails either way
+    raises the first error."""
 
     def float32_only(x, w):
         if x.dtype != jnp.float32:
-            raise TypeError(f"float32_only takes float32, got {x.dtype}")
+            raise TypeError(f"float32_only takes float32, got {x.dtype}\n(a second line, not repeated)")
         return jnp.tanh(x @ w)
 
     x, w = jnp.ones((4, 8)), jnp.ones((8, 8)) / 8
-    with pytest.warns(jaxamp.jaxpr_policy.interpreter.HalfTraceRefusedWarning, match="float32_argnums"):
+    with pytest.warns(jaxamp.jaxpr_policy.interpreter.HalfTraceRefusedWarning) as warned:
         out = jaxamp.autocast(float32_only)(x, w)
+    (warning,) = warned
+    assert str(warning.message) == (
+        "jaxamp.autocast traced this function with its arguments as given, since traced in the compute "
+        "dtype it raised TypeError: float32_only takes float32, got float16 Kernels and dtype checks in it "
+        "see float32. To trace those arguments as given without this warning, pass float32_argnums (or "
+        "float32_argnames) to autocast."
+    )
+    # The user's call, not a line of jaxamp. (Not `== __file__`: under mutmut, its trampolines
+    # add frames between the two.)
+    assert not warning.filename.startswith(os.path.dirname(jaxamp.__file__))
     np.testing.assert_allclose(out, float32_only(x, w), rtol=2e-3)
     assert out.dtype == F32
     # The matmul still runs in float16: only the trace was float32's.
@@ -317,3 +410,14 @@ def test_a_function_that_refuses_half_inputs_is_traced_as_given_with_a_warning_n
 
     with pytest.raises(ValueError, match="never takes float16"):
         jaxamp.autocast(never)(x)
+
+    def float32_only_without_a_message(x):
+        if x.dtype != jnp.float32:
+            raise NotImplementedError
+        return x
+
+    with pytest.warns(
+        jaxamp.jaxpr_policy.interpreter.HalfTraceRefusedWarning,
+        match="it raised NotImplementedError: NotImplementedError Kernels",
+    ):
+        jaxamp.autocast(float32_only_without_a_message)(x)
