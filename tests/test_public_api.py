@@ -41,7 +41,9 @@ def test_every_public_name_has_a_docstring_and_an_entry_in_the_api_reference(nam
         entered = f"::: {namespace}.{name}\n" in api or f'heading: "{namespace}.{name}"' in api
         # A value that two namespaces export is entered once, by either path.
         entered = entered or any(
-            getattr(importlib.import_module(other), name, None) is value and f"::: {other}.{name}\n" in api
+            name in public_names(other)
+            and getattr(importlib.import_module(other), name) is value
+            and f"::: {other}.{name}\n" in api
             for other in NAMESPACES
         )
         assert entered, f"docs/api.md does not document {namespace}.{name}"
@@ -150,7 +152,10 @@ def test_no_module_of_jaxamp_imports_one_that_imports_it_back():
                 found.update(alias.name for alias in node.names if alias.name.startswith("jaxamp"))
         imports[module] = found
     modules = set(imports)
-    graph = {module: {name for name in found if name in modules and name != module} for module, found in imports.items()}
+    graph = {
+        module: {name for name in found if name in modules and name != module}
+        for module, found in imports.items()
+    }
     # A package's __init__ importing its own submodules is how it re-exports them, not a cycle.
     graph = {m: {n for n in targets if not m.startswith(n + ".")} for m, targets in graph.items()}
 
