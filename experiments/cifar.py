@@ -17,7 +17,6 @@ resumes from it.
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from typing import TYPE_CHECKING
@@ -308,7 +307,6 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
         resume=args.resume,
         out=args.out,
     )
-    checkpoint_folder_existed = bool(config.checkpoint_dir) and os.path.exists(config.checkpoint_dir)
     try:
         distributed.initialize(
             args.coordinator_address,
@@ -316,13 +314,12 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
             args.process_id,
             from_cluster_environment=args.distributed,
         )
-        results = train.train_and_evaluate(config)
+        with checkpointing.removed_if_left_empty(config.checkpoint_dir):
+            results = train.train_and_evaluate(config)
     except KeyboardInterrupt:
-        checkpointing.remove_if_left_empty(config.checkpoint_dir, checkpoint_folder_existed)
         print(interrupted_advice(config, sys.argv[1:] if argv is None else argv), file=sys.stderr)
         return interrupts.exit_status(entry_point)
     except jaxamp.LossScaleStuckError as error:
-        checkpointing.remove_if_left_empty(config.checkpoint_dir, checkpoint_folder_existed)
         print(f"error: {stuck_advice(error, config)}", file=sys.stderr)
         return 1
     except (
@@ -331,7 +328,6 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
         distributed.DistributedSetupError,
         train.ConfigError,
     ) as error:
-        checkpointing.remove_if_left_empty(config.checkpoint_dir, checkpoint_folder_existed)
         print(f"error: {error}", file=sys.stderr)
         return 1
     summary = results["summary"]
