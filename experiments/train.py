@@ -61,7 +61,6 @@ from experiments.results import (  # also re-exported from here for compare and 
     summarize,
     write_json_atomically,
 )
-from jaxamp.low_precision_optimizer import optimizer_for_policy
 
 # TrainConfig, ROUTES, parse_loss_scale and validate_rate live in experiments.config (no JAX), so
 # the command answers a bad flag before JAX loads; callers may still take them from here.
@@ -217,7 +216,7 @@ def create_train_state(
     return jaxamp.TrainState.create(
         apply_fn=apply_fn,
         params=params,
-        tx=optimizer_for_policy(create_optimizer(config, steps_per_epoch), precision.policy, key=config.seed),
+        tx=jaxamp.optimizer_for_policy(create_optimizer(config, steps_per_epoch), precision.policy, key=config.seed),
         loss_scale=resolve_loss_scale(config.loss_scale, precision.policy),
         batch_stats=variables.get("batch_stats"),
     )

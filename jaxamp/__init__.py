@@ -3,13 +3,18 @@
 Precision policies applied to Flax models without editing them, or to any
 JAX function with `autocast`; loss scales whose state is a jit-safe pytree;
 and a train state that skips the update of any step whose gradients
-overflowed. This namespace holds what a training script needs; two
-submodules, loaded the first time they are named, hold the rest:
+overflowed. This namespace holds what a training script needs; three
+public submodules hold the rest (the first two are loaded the first time
+they are named):
 
 * `jaxamp.diagnostics`: compiled and HLO reports, `check_fp8`, FP8
   quantization statistics, GPU targets compiled for without a GPU, the
-  collectives of a sharded program;
-* `jaxamp.fsdp`: sharded training with communication dtypes.
+  collectives of a sharded program, why a step was skipped;
+* `jaxamp.fsdp`: sharded training with communication dtypes;
+* `jaxamp.fp8`: FP8's building blocks and delayed scaling.
+
+Every other module is private (its name starts with an underscore) and may
+change without notice.
 
 Examples:
     >>> policy = jaxamp.get_policy("mixed_float16")
@@ -25,31 +30,32 @@ Examples:
 import importlib as _importlib
 import warnings as _warnings
 
-from jaxamp import supported_jax
+from jaxamp import _supported_jax
 
-supported_jax.check()  # before the modules that use JAX's APIs
+_supported_jax.check()  # before the modules that use JAX's APIs
 
-from jaxamp.finite import all_finite, select_tree
-from jaxamp.fp8 import fp8_dot_general
-from jaxamp.grads import scaled_value_and_grad
-from jaxamp.jaxpr_policy import autocast, float32_scope
-from jaxamp.jaxpr_policy.unruled import NoAutocastRuleWarning
-from jaxamp.layer_policies import NORMALIZATION_LAYERS
-from jaxamp.loss_scale import (
+from jaxamp._autocast.primitives import NoAutocastRuleWarning
+from jaxamp._autocast.scope import float32_scope
+from jaxamp._autocast.transform import autocast
+from jaxamp._finite import all_finite, select_tree
+from jaxamp._flax.apply import apply_policy
+from jaxamp._flax.layers import NORMALIZATION_LAYERS
+from jaxamp._optimizer import low_precision_optimizer, optimizer_for_policy
+from jaxamp._policy import Policy, get_policy
+from jaxamp._precision_report import precision_report
+from jaxamp._report import PrecisionReport
+from jaxamp._scaling.grads import scaled_value_and_grad
+from jaxamp._scaling.guard import LossScaleStuckError, OverflowGuard
+from jaxamp._scaling.loss_scale import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
     default_loss_scale,
 )
-from jaxamp.loss_scaling import LossScalingState, loss_scale_of, loss_scaling
-from jaxamp.low_precision_optimizer import low_precision_optimizer
-from jaxamp.module_policy import apply_policy
-from jaxamp.overflow_guard import LossScaleStuckError, OverflowGuard
-from jaxamp.policy import Policy, get_policy
-from jaxamp.report import PrecisionReport
-from jaxamp.traced_report import precision_report
-from jaxamp.train_state import TrainState
+from jaxamp._scaling.loss_scaling import LossScalingState, loss_scale_of, loss_scaling
+from jaxamp._scaling.train_state import TrainState
+from jaxamp.fp8 import fp8_dot_general
 
 __version__ = "0.1.0"
 
@@ -76,6 +82,7 @@ __all__ = [
     "loss_scale_of",
     "loss_scaling",
     "low_precision_optimizer",
+    "optimizer_for_policy",
     "precision_report",
     "scaled_value_and_grad",
     "select_tree",

@@ -9,7 +9,7 @@
 
 Each recipe is a ``--precisions`` name of ``experiments.lm``, built by the
 recipe's own code (`experiments.lm.train.create_optimizer`: AdamW, clipped,
-wrapped by `jaxamp.low_precision_optimizer.optimizer_for_policy` where the
+wrapped by `jaxamp._optimizer.optimizer_for_policy` where the
 policy names an update rounding). ``memory`` counts the bytes of params,
 optimizer state and gradients from the abstract train state, then compiles
 (a) the whole train step and (b) the optimizer update alone (``tx.update``

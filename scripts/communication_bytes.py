@@ -56,7 +56,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxamp
-from jaxamp.diagnostics.collectives import collective_totals, compile_with_partitioned_hlo
+from jaxamp.diagnostics._collectives import collective_totals, compile_with_partitioned_hlo
 from jaxamp.fsdp import fp8_gather_eligible, shard_dimension
 
 # Programs served by a persistent compilation cache are not compiled, so XLA
@@ -279,7 +279,7 @@ def format_ratio(report):
 def gpu_mesh(name):
     from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
 
-    from jaxamp.diagnostics.gpu_targets import gpu_spec  # pylint: disable=g-import-not-at-top
+    from jaxamp.diagnostics._gpu_targets import gpu_spec  # pylint: disable=g-import-not-at-top
 
     topology = topologies.get_topology_desc(
         platform="cuda", target_config=gpu_spec(name).target_config(), topology=f"1x1x{DEVICES}"

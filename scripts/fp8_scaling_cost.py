@@ -23,7 +23,7 @@ It compiles the function for an H200 target without a GPU
 (`jaxamp.diagnostics.gpu_target_device`) at a transformer's GEMM shapes and sorts the
 optimized program's kernels (the entry computation's instructions that move
 data, each reading its operands and writing its result once, as
-`jaxamp.diagnostics.hlo_report.bytes_accessed` counts them) into:
+`jaxamp.diagnostics._hlo_report.bytes_accessed` counts them) into:
 
 * ``gemm``: the cuBLAS/cuBLASLt calls (bytes: FP8 operands in, result out);
 * ``amax``: kernels that hold a ``reduce`` by ``maximum`` and write only
@@ -79,7 +79,7 @@ from jax import lax
 
 import jaxamp
 from experiments.results import run_directory
-from jaxamp.diagnostics import hlo_report
+from jaxamp.diagnostics import _hlo_report as hlo_report
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 MATMUL = (((1,), (0,)), ((), ()))

@@ -5,14 +5,14 @@
 
 `jaxamp.autocast` runs an elementwise chain that feeds only float32
 reductions (the ``h * h`` of an RMS norm, the ``mul`` inside
-``jnp.linalg.norm``) in float32 (`jaxamp.jaxpr_policy.reduction_inputs`).
+``jnp.linalg.norm``) in float32 (`jaxamp._autocast.reduction_inputs`).
 This script compiles the same programs twice for an H200 target without a
 GPU (`jaxamp.diagnostics.gpu_target_device`), with that rule switched off (the rewrite
 autocast made before the rule existed: every other rule is the same code)
 and on, and prints side by side:
 
 * ``temp``: ``compiled.memory_analysis().temp_size_in_bytes``;
-* ``bytes moved``: `jaxamp.diagnostics.hlo_report.bytes_accessed` of the optimized
+* ``bytes moved``: `jaxamp.diagnostics._hlo_report.bytes_accessed` of the optimized
   program (each kernel reads its operands and writes its result once);
 * ``XLA bytes accessed``: ``compiled.cost_analysis()["bytes accessed"]``,
   printed as ``n/a`` where XLA gives no cost analysis (a deviceless compile
@@ -58,8 +58,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxamp
-from jaxamp.diagnostics import hlo_report
-from jaxamp.jaxpr_policy.reduction_inputs import _disabled
+from jaxamp.diagnostics import _hlo_report as hlo_report
+from jaxamp._autocast.reduction_inputs import _disabled
 
 TARGET = "h200"
 MODES = {"rule off": _disabled, "rule on": contextlib.nullcontext}
@@ -270,7 +270,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-resnet", action="store_true", help="leave out the ResNet18 train step")
     arguments = parser.parse_args()
-    if not jaxamp.diagnostics.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics._gpu_targets.cuda_plugin_available():
         sys.exit(
             "Needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]'); run with JAX_PLATFORMS=cpu."
         )

@@ -30,7 +30,7 @@ for table in tables:
         del table[primitive]
 
 import jaxamp
-from jaxamp.jaxpr_policy.table import rules_table
+from jaxamp._autocast.table import rules_table
 
 result = {"environment_unchanged_by_import": dict(os.environ) == ENVIRONMENT_BEFORE}
 result["dropped_with_rule"] = sorted(p.name for p in rules_table() if p.name in DROPPED)

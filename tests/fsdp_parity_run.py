@@ -22,7 +22,7 @@ import optax
 from jax.sharding import Mesh
 
 import jaxamp
-from jaxamp.diagnostics.collectives import collectives, compile_with_partitioned_hlo
+from jaxamp.diagnostics._collectives import collectives, compile_with_partitioned_hlo
 
 # Every matmul in float32 on both sides: the runs then differ only in the
 # order of the cross-device sums.

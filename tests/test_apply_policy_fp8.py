@@ -16,7 +16,6 @@ import pytest
 from flax import nnx
 
 import jaxamp
-from jaxamp.diagnostics import gpu_targets
 
 M, K, HIDDEN, N = 32, 64, 128, 48
 
@@ -56,7 +55,7 @@ def test_compiled_for_an_h200_every_gemm_of_a_flax_mlp_under_mixed_float8_is_a_c
     The gradient with respect to the input is not asked for, so the first
     layer's input gradient GEMM is not in the program: five GEMMs.
     """
-    if not gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     device = jaxamp.diagnostics.gpu_target_device("h200")
     model = jaxamp.apply_policy(MLP(), "mixed_float8")

@@ -1,6 +1,6 @@
 """`apply_policy` on a linen model: every entry point Flax offers works under the policy.
 
-Written against mutants of `jaxamp/linen_policy.py` that passed the rest of
+Written against mutants of `jaxamp/_flax/linen.py` that passed the rest of
 the suite (docs/dev/fault-classes.md): ``init_with_output`` had no test at
 all, a method named by ``method=`` lost its keyword arguments, a ``method=``
 that is no method was refused with no test of its errors, and a

@@ -1,6 +1,6 @@
 """`apply_policy` on an NNX model: which modules and methods it changes, and how they read.
 
-Each test was written against a mutant of `jaxamp/nnx_policy.py` that
+Each test was written against a mutant of `jaxamp/_flax/nnx.py` that
 passed the rest of the suite (docs/dev/fault-classes.md): a module's policy
 taken from the wrong holder when its holder is not its parent path (a list
 of layers) or when only the holder's class is overridden; private methods

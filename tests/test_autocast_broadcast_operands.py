@@ -3,10 +3,10 @@
 Under `jaxamp.autocast` a bias, a normalization's scale and offset and its
 float32 mean and variance are broadcast along the activation's other axes;
 an elementwise op of such a value and a float16 activation gives float16,
-computed in float32 and rounded once per chain (`jaxamp.jaxpr_policy.rules.follow`).
+computed in float32 and rounded once per chain (`jaxamp._autocast.rules.follow`).
 A broadcast literal (``lax.full_like(g, 0)``) is as weak as the literal, and
 a custom JVP (``jax.nn.relu``) is rewritten for its inputs' current dtypes
-(`jaxamp.jaxpr_policy.higher_order.custom_jvp_rule`). Each test here fails on
+(`jaxamp._autocast.higher_order.custom_jvp_rule`). Each test here fails on
 the rules before that change (run against its parent commit).
 """
 

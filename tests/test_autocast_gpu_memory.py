@@ -6,8 +6,8 @@ pass came from BatchNorm and ReLU: BatchNorm's float32 statistics, scale and
 offset made the normalized activation, and so the residual sum, float32;
 and ``jax.nn.relu``'s derivative, traced for float32, gave XLA float32
 cotangents to keep. With broadcast operands weak
-(`jaxamp.jaxpr_policy.rules.follow_rule`) and a custom JVP rewritten for
-its inputs' current dtypes (`jaxamp.jaxpr_policy.higher_order.custom_jvp_rule`),
+(`jaxamp._autocast.rules.follow_rule`) and a custom JVP rewritten for
+its inputs' current dtypes (`jaxamp._autocast.higher_order.custom_jvp_rule`),
 both stay float16. `apply_policy` runs the model through autocast, its
 BatchNorms in a normalization scope (float32 inside, float16 out), so the
 two routes compile to the same memory.
@@ -22,7 +22,6 @@ import pytest
 
 import jaxamp
 from experiments.models import resnet
-from jaxamp.diagnostics import gpu_targets
 
 # Two bottleneck stages, 16 and 32 inner channels: each block has the three
 # BatchNorms and the residual sum of ResNet50's, and compiles in seconds.
@@ -70,7 +69,7 @@ def _temp_bytes(route: str) -> int:
 
 def test_a_bottleneck_resnet_train_step_needs_half_of_float32s_temp_memory_by_either_route():
     """Before the rules kept BatchNorm's and ReLU's outputs float16, autocast needed 0.74x of float32's."""
-    if not gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     float32, apply_policy, autocast = (
         _temp_bytes(route) for route in ("float32", "apply_policy", "autocast")

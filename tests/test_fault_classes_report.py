@@ -217,7 +217,7 @@ def test_bytes_accessed_follows_loops_branches_and_calls_but_not_into_fusions():
         "add at the root": 3 * vector,
         "parameters, constants, tuples, get-tuple-element, bitcast": 0,
     }
-    assert jaxamp.diagnostics.hlo_report.bytes_accessed(TRAFFIC_HLO) == sum(expected.values())
+    assert jaxamp.diagnostics._hlo_report.bytes_accessed(TRAFFIC_HLO) == sum(expected.values())
 
 
 def test_bytes_accessed_counts_bytes_by_element_type():
@@ -232,7 +232,7 @@ ENTRY %main (a: f16[8], b: bf16[8], c: s8[8], d: f64[8]) -> pred[8] {
   ROOT %cd = pred[8]{0} compare(%c, %d), direction=LT
 }
 """
-    assert jaxamp.diagnostics.hlo_report.bytes_accessed(hlo) == (8 * 2 + 8 * 2 + 8 * 4) + (8 * 1 + 8 * 8 + 8 * 1)
+    assert jaxamp.diagnostics._hlo_report.bytes_accessed(hlo) == (8 * 2 + 8 * 2 + 8 * 4) + (8 * 1 + 8 * 8 + 8 * 1)
 
 
 BRANCHES_HLO = """HloModule m
@@ -344,7 +344,7 @@ def test_text_as_xla_prints_it_operand_shapes_tuples_bounded_dims_and_a_switch()
     report = jaxamp.diagnostics.hlo_precision_report(AS_PRINTED_BY_XLA)
     # The switch's heaviest branch (b2) is named first in the branch list.
     assert [op.flops for op in report.ops] == [2 * 8 * 8 * 4, 2 * 8 * 8 * 8]
-    traffic = jaxamp.diagnostics.hlo_report.bytes_accessed(AS_PRINTED_BY_XLA)
+    traffic = jaxamp.diagnostics._hlo_report.bytes_accessed(AS_PRINTED_BY_XLA)
     fusion = (4 * 4 + 8 * 4 * 4) + (4 + 4 * 4)  # both results (bound 8), the tuple operand's two parts
     # The switch: its largest branch only, two dots (each writes 8x8, reads its two operands).
     switch = (8 * 8 * 4 + 2 * 8 * 4 * 4) + (8 * 8 * 4 + 2 * 8 * 8 * 4)
@@ -437,7 +437,7 @@ def test_fp8_values_are_followed_into_a_called_computations_parameter_a_branch_a
     if computations reached other than by a ``call`` (a branch, a loop body)
     were never read.
     """
-    assert jaxamp.diagnostics.hlo_report.fp8_fed_matmuls(FP8_BY_EVERY_ROUTE) == {
+    assert jaxamp.diagnostics._hlo_report.fp8_fed_matmuls(FP8_BY_EVERY_ROUTE) == {
         ("jit(g)/jit(inner)/fed", ""),
         ("jit(g)/cond/branch_1_fun/dot_general", ""),
         ("jit(g)/conv_general_dilated", ""),
@@ -488,7 +488,7 @@ def test_an_op_without_an_op_name_or_a_resolvable_source_reports_them_empty():
     would also make ops without metadata match each other or nothing; a
     location with an unknown file and no line or column reads ``?:0:0``.
     """
-    ops = jaxamp.diagnostics.hlo_report.heavy_ops(METADATA_MISSING_IN_PARTS)
+    ops = jaxamp.diagnostics._hlo_report.heavy_ops(METADATA_MISSING_IN_PARTS)
     assert [(op.op_name, op.source) for op in ops] == [
         ("", ""),
         ("jit(f)/dot_general", ""),
@@ -545,7 +545,7 @@ def test_a_conditional_inside_a_counted_loop_counts_its_heavier_branch_times_the
     conditional below the entry could not be weighed) or the loop's count
     for the branches (each branch op would count once, not 3 times).
     """
-    ops = jaxamp.diagnostics.hlo_report.heavy_ops(A_CONDITIONAL_IN_A_COUNTED_LOOP)
+    ops = jaxamp.diagnostics._hlo_report.heavy_ops(A_CONDITIONAL_IN_A_COUNTED_LOOP)
     assert [op.flops for op in ops] == [3 * 2 * 4 * 4 * 4, 3 * 2 * 4 * 4 * 4]
     assert jaxamp.diagnostics.hlo_precision_report(A_CONDITIONAL_IN_A_COUNTED_LOOP).fraction("float16") == 1.0
 
@@ -569,14 +569,14 @@ ENTRY %main (p: f32[4,4]) -> f32[4,4] {
   ROOT %d = f32[4,4]{1,0} dot(f32[4,4]{1,0} %p, f32[4,4]{1,0} %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 """
-    assert [op.flops for op in jaxamp.diagnostics.hlo_report.heavy_ops(entry_first)] == [2 * 4 * 4 * 4] * 2
+    assert [op.flops for op in jaxamp.diagnostics._hlo_report.heavy_ops(entry_first)] == [2 * 4 * 4 * 4] * 2
 
 
 # --- Text that is not a whole HLO module -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    "read", [jaxamp.diagnostics.hlo_precision_report, jaxamp.diagnostics.hlo_report.heavy_ops, jaxamp.diagnostics.hlo_report.bytes_accessed]
+    "read", [jaxamp.diagnostics.hlo_precision_report, jaxamp.diagnostics._hlo_report.heavy_ops, jaxamp.diagnostics._hlo_report.bytes_accessed]
 )
 def test_the_lowered_programs_stablehlo_text_is_refused_saying_what_is_missing_and_which_text_to_pass(read):
     """``Lowered.as_text()`` (StableHLO, no ENTRY computation) instead of the compiled module's text.

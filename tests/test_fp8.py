@@ -248,7 +248,7 @@ def test_saturated_counts_the_values_beyond_the_format_once_rounded_not_a_scaled
     stale scale, as delayed scaling would give after a jump in amax), the values beyond 464
     (e4m3fn) or 61440 (e5m2), where the format has no value left, are clipped: saturated. Fails
     if the count compares the scaled value with the largest value itself (one more each)."""
-    from jaxamp import fp8
+    from jaxamp.fp8 import _matmul as fp8
 
     counted = []
     x = jnp.array(values, jnp.float32)
@@ -629,7 +629,7 @@ def test_compiled_for_an_h200_all_five_gemms_of_an_mlp_gradient_are_cublaslt_fp8
     gradient and both weight gradients, split accumulation) of a 2-layer MLP's gradient are
     ``__cublas$lt$matmul$f8`` custom calls on FP8 operands. Fails if XLA fell back to a bf16
     GEMM (``__cublas$gemm`` / ``__cublas$lt$matmul``) or the backward lost FP8."""
-    if not jaxamp.diagnostics.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics._gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     params = {
         "w1": jax.ShapeDtypeStruct((32, 64), jnp.float32),
@@ -670,7 +670,7 @@ def test_compiled_for_an_h200_a_forward_convolution_is_a_cudnn_fp8_graph_and_its
     """The forward convolution is ``__cudnn$convForwardGraph`` on f8e4m3fn operands; the two
     backward ones are bfloat16 cuDNN convolutions under the conv_backward scope. Fails if XLA
     did not rewrite the forward (a plain ``__cudnn$convForward`` on bf16 operands)."""
-    if not jaxamp.diagnostics.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics._gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     images, kernel = (
         jax.ShapeDtypeStruct((8, 16, 16, 32), jnp.float32),
@@ -735,7 +735,7 @@ def test_compiled_for_an_h200_a_transformer_blocks_projections_are_fp8_and_its_a
     merges FP8 GEMMs that share an operand (q, k and v's projections), so there are fewer
     calls than the block's 18 projection GEMMs. Fails if any projection GEMM ran in bfloat16
     (a ``__cublas$gemm`` or bf16 ``__cublas$lt$matmul`` call) or a core lost its reason."""
-    if not jaxamp.diagnostics.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics._gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     step = jax.jit(jax.grad(jaxamp.autocast(block_loss, "mixed_float8")))
     text = step.lower(*block_arguments()).compile().as_text()
@@ -770,7 +770,7 @@ def test_compiled_for_an_h200_at_least_95_percent_of_a_transformer_blocks_gemm_f
     batch_dims. Fails if a projection or MLP GEMM ran wider than FP8 (the share drops below
     95%, or it shows as "requested, not fp8"), if a backward GEMM went missing from FP8
     (backward FP8 FLOPs below twice the forward's), or if a core lost its reason."""
-    if not jaxamp.diagnostics.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics._gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     gradient = (
         jaxamp.autocast(jax.grad(block_loss, (0, 1)), "mixed_float8")
@@ -815,7 +815,7 @@ def test_compiled_for_an_h200_a_resnet_style_nets_forward_convolutions_are_fp8_a
     reason): 0% in FP8, by design. Fails if XLA stopped rewriting a forward convolution
     into the cuDNN FP8 graph, if the stem were sent to FP8, or if a backward convolution
     lost its reason."""
-    if not jaxamp.diagnostics.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics._gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     shapes = {"stem": (3, 3, 3, 16), "conv1": (3, 3, 16, 32), "conv2": (3, 3, 32, 32), "head": (32, 16)}
     params = {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in shapes.items()}

@@ -15,7 +15,7 @@ from experiments import train
 from experiments.benchmark import checks, roofline, targets, workload
 from experiments.benchmark.budget import Budget
 from experiments.benchmark.results import Results
-from jaxamp.report import OpRecord, PrecisionReport
+from jaxamp._report import OpRecord, PrecisionReport
 
 
 @pytest.mark.parametrize(

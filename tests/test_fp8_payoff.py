@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxamp
-from jaxamp.diagnostics import fp8_payoff, gpu_targets
+from jaxamp.fp8 import _payoff as fp8_payoff
 
 # torchao's float8 tensorwise training crossovers (H100, measured): M, K, N and its speed-up over bfloat16.
 TORCHAO_SLOWER = (1024, 2048, 1024)  # 0.80x
@@ -17,7 +17,7 @@ TORCHAO_FASTER = (4096, 8192, 16384)  # 1.39x
 
 
 def _needs_plugin():
-    if not gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
 
 

@@ -19,7 +19,7 @@ import pytest
 from jax import lax
 
 import jaxamp
-from jaxamp.diagnostics import hlo_report
+from jaxamp.diagnostics import _hlo_report as hlo_report
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 FP8_PRESET = lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32
@@ -82,7 +82,7 @@ def test_an_fp8_cublaslt_call_counts_as_fp8_with_its_flops_op_name_and_source():
     assert op.source == "/home/user/model.py:12:15"
     assert (op.is_fp8, op.direction, op.fp8_status) == (True, "forward", "fp8")
     assert report.fp8_rows() == (
-        jaxamp.report.Fp8Row(
+        jaxamp._report.Fp8Row(
             "fp8", "forward", ("float8_e4m3fn", "float8_e4m3fn"), "__cublas$lt$matmul$f8", "", 1, op.flops
         ),
     )
@@ -123,7 +123,7 @@ def test_an_fp8_cudnn_graph_convolution_counts_its_forward_flops_as_fp8():
 def test_the_named_scopes_say_requested_or_fallback_with_the_innermost_deciding(op_name, requested, reason):
     """Fails if a scope were matched inside another name (not_jaxamp_fp8) or
     the outer scope won over an inner fallback."""
-    assert jaxamp.report.fp8_scope(op_name) == (requested, reason)
+    assert jaxamp._report.fp8_scope(op_name) == (requested, reason)
 
 
 @pytest.mark.parametrize(
@@ -135,7 +135,7 @@ def test_the_named_scopes_say_requested_or_fallback_with_the_innermost_deciding(
     ],
 )
 def test_ops_of_a_transposed_computation_count_as_backward(op_name, direction):
-    assert jaxamp.report.OpRecord("dot", ("bfloat16",) * 2, "float32", 1, op_name).direction == direction
+    assert jaxamp._report.OpRecord("dot", ("bfloat16",) * 2, "float32", 1, op_name).direction == direction
 
 
 # A program before optimization (Lowered.compiler_ir("hlo")): a dot fed
@@ -242,7 +242,7 @@ def test_a_fallback_under_its_scope_is_a_row_with_its_reason_and_no_warning():
 
 
 def _h200():
-    if not jaxamp.diagnostics.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics._gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     return jaxamp.diagnostics.gpu_target_device("h200")
 

@@ -20,7 +20,7 @@ from fresh_processes import FreshProcess, xla_flags
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
 import jaxamp
-from jaxamp.diagnostics.collectives import Collective, collective_totals, collectives
+from jaxamp.diagnostics._collectives import Collective, collective_totals, collectives
 from jaxamp.fsdp import is_narrower, shard_dimension
 
 RTOL = 1e-5

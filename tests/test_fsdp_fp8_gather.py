@@ -1,4 +1,4 @@
-"""FP8 weight gathers under FSDP (`jaxamp.fsdp` with an FP8 gather dtype, `jaxamp.fp8_gather`).
+"""FP8 weight gathers under FSDP (`jaxamp.fsdp` with an FP8 gather dtype, `jaxamp.fsdp._fp8_gather`).
 
 The settings, the eligible leaves and the errors are checked here, on this
 process's devices. What the programs communicate and compute is checked on 8

@@ -1,4 +1,4 @@
-"""Tests for `jaxamp.diagnostics.gpu_targets`: GPU descriptions and deviceless compilation."""
+"""Tests for `jaxamp.diagnostics._gpu_targets`: GPU descriptions and deviceless compilation."""
 
 import contextlib
 import importlib.util
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxamp
-from jaxamp.diagnostics import gpu_targets
+from jaxamp.diagnostics import _gpu_targets as gpu_targets
 
 
 @pytest.mark.parametrize("name", sorted(jaxamp.diagnostics.GPU_TARGETS))
@@ -29,7 +29,7 @@ def test_every_target_config_names_its_gpu_and_compute_capability(name):
 
 def test_an_unknown_target_is_refused_with_the_valid_choices():
     with pytest.raises(ValueError, match=r"'B300'.*v100, a100, h100, h200"):
-        gpu_targets.gpu_spec("B300")
+        jaxamp.diagnostics.gpu_spec("B300")
 
 
 @pytest.mark.parametrize(
@@ -45,7 +45,7 @@ def test_an_unknown_target_is_refused_with_the_valid_choices():
 )
 def test_a_real_devices_kind_finds_its_spec(device_kind, target):
     expected = jaxamp.diagnostics.GPU_TARGETS[target] if target else None
-    assert gpu_targets.spec_for_device_kind(device_kind) is expected
+    assert jaxamp.diagnostics.spec_for_device_kind(device_kind) is expected
 
 
 def test_on_device_turns_arrays_into_placed_shape_dtype_structs_and_keeps_other_leaves():
@@ -66,7 +66,7 @@ def test_without_the_plugin_a_target_device_explains_how_to_install_it(monkeypat
 
 
 def test_a_step_compiled_for_an_h200_halves_its_temporary_memory_under_mixed():
-    if not gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     device = jaxamp.diagnostics.gpu_target_device("h200")
     assert device.device_kind == "NVIDIA H200"

@@ -7,7 +7,7 @@ computed here from the datasheet peaks, with no GPU and no plugin.
 import pytest
 
 import jaxamp
-from jaxamp.diagnostics import hlo_report
+from jaxamp.diagnostics import _hlo_report as hlo_report
 
 H200 = jaxamp.diagnostics.GPU_TARGETS["h200"]
 N = 4096

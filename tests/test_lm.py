@@ -22,7 +22,7 @@ from experiments.lm import data as data_lib
 from experiments.lm import model as model_lib
 from experiments.lm import train
 from experiments.train import resolve_loss_scale, resolve_precision
-from jaxamp.low_precision_optimizer import LowPrecisionState
+from jaxamp._optimizer import LowPrecisionState
 
 TINY_RUN = ["--model", "tiny", "--context", "16", "--batch-size", "4", "--eval-batches", "1", "--no-progress"]
 
@@ -294,9 +294,8 @@ def test_the_step_compiled_for_an_h200_runs_its_matmuls_in_bfloat16_with_a_roofl
     """On paper (`python -m experiments.lm.on_paper`), tiny settings. Fails if the compiled GPU
     program keeps a float32 matmul under mixed_bf16, or a figure of the entry is missing."""
     from experiments.lm import on_paper
-    from jaxamp.diagnostics import gpu_targets
 
-    if not gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]'; run with JAX_PLATFORMS=cpu)")
     # The einsum attention: cuDNN's (what auto picks on a GPU) needs libcudnn to compile.
     config = config_lib.LMConfig(
@@ -398,7 +397,7 @@ def test_fp8_mfu_divides_by_the_fp8_peak_and_the_bound_counts_fp8_gemms_at_the_f
     from experiments.benchmark import roofline
     from experiments.lm import figures
 
-    h200 = jaxamp.diagnostics.gpu_targets.gpu_spec("h200")
+    h200 = jaxamp.diagnostics.gpu_spec("h200")
     monkeypatch.setattr(figures, "device_spec", lambda: h200)
     policy = resolve_precision("mixed_float8").policy
     run = figures.throughput(7e12, 8192, 0.02, "mixed_float8", policy.matmul_dtype or policy.compute_dtype)

@@ -8,7 +8,7 @@ import pytest
 from fresh_processes import FreshProcess, xla_flags
 
 import jaxamp
-from jaxamp.low_precision_optimizer import LowPrecisionState, optimizer_for_policy, stochastic_round
+from jaxamp._optimizer import LowPrecisionState, stochastic_round
 
 ROUNDINGS = ("nearest", "stochastic", "kahan")
 INPUTS = jax.random.normal(jax.random.key(1), (32, 8))
@@ -299,7 +299,7 @@ def test_update_without_params_and_a_non_optimizer_say_what_is_needed():
 def test_the_rounding_a_policy_names_is_the_one_that_lands_the_updates(rounding):
     """bfloat16_<rounding> builds the wrapper with that rounding: a thousand steps of +1e-4 end bit for
     bit where the wrapper built by hand ends, which differs by rounding (1.0, about 1.1, 1.1015625)."""
-    tx = optimizer_for_policy(optax.sgd(1e-4), f"bfloat16_{rounding}", key=7)
+    tx = jaxamp.optimizer_for_policy(optax.sgd(1e-4), f"bfloat16_{rounding}", key=7)
     by_policy = add_tiny_updates(rounding, steps=1000, tx=tx)
     by_hand = add_tiny_updates(rounding, steps=1000)
     for leaf, expected in zip(jax.tree.leaves(by_policy), jax.tree.leaves(by_hand), strict=True):
@@ -316,7 +316,7 @@ def test_the_rounding_a_policy_names_is_the_one_that_lands_the_updates(rounding)
     [("bfloat16_stochastic", jnp.bfloat16), ("bf16_kahan", jnp.bfloat16), ("p=f16,u=kahan", jnp.float16)],
 )
 def test_a_policy_with_an_update_rounding_stores_params_and_adam_state_in_its_param_dtype(spec, dtype):
-    tx = optimizer_for_policy(optax.adam(1e-3), spec)
+    tx = jaxamp.optimizer_for_policy(optax.adam(1e-3), spec)
     params = jax.tree.map(lambda p: p.astype(dtype), bf16_params())
     state, _ = train(tx, params, steps=2)
     adam_state = state.opt_state.inner_state[0]  # optax.adam: scale_by_adam's state, then the schedule's
@@ -328,14 +328,14 @@ def test_a_policy_with_an_update_rounding_stores_params_and_adam_state_in_its_pa
 @pytest.mark.parametrize("spec", ["mixed_bf16", "bfloat16", "fp32", jaxamp.get_policy("mixed")])
 def test_a_policy_without_an_update_rounding_leaves_the_optimizer_as_it_is(spec):
     inner = optax.adam(1e-3)
-    assert optimizer_for_policy(inner, spec) is inner
+    assert jaxamp.optimizer_for_policy(inner, spec) is inner
 
 
 def test_a_bad_policy_for_the_optimizer_names_the_valid_roundings():
     with pytest.raises(
         ValueError, match=r"Unknown update rounding 'sr' .* Valid: nearest, stochastic, kahan"
     ):
-        optimizer_for_policy(optax.adam(1e-3), "p=bf16,update=sr")
+        jaxamp.optimizer_for_policy(optax.adam(1e-3), "p=bf16,update=sr")
 
 
 # --- 8 virtual CPU devices -------------------------------------------------------

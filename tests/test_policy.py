@@ -252,7 +252,7 @@ def test_one_parser_reads_every_dtype_a_policy_or_a_communication_policy_names()
 
 
 def test_precision_and_communication_strings_share_one_grammar_and_its_errors():
-    from jaxamp.policy import parse_fields
+    from jaxamp._policy import parse_fields
 
     keys = {"a": "alpha", "b": "beta"}
     assert parse_fields(" A = x , b=Y ", keys, kind="thing", example="a=x") == {"alpha": "x", "beta": "y"}

@@ -252,7 +252,7 @@ def test_a_switch_counts_its_heaviest_branch_and_a_scan_multiplies_it():
     assert report.count_by_dtype() == {"bfloat16": 2}
 
 
-# --- Compiled mode: what XLA runs (jaxamp.diagnostics.hlo_report) -------------------------
+# --- Compiled mode: what XLA runs (jaxamp.diagnostics._hlo_report) -------------------------
 
 
 class _ConvNet(nn.Module):
@@ -352,7 +352,7 @@ def test_a_loop_body_counts_once_per_known_iteration_and_a_conditional_its_large
 
 
 def test_bytes_accessed_counts_each_kernels_reads_and_writes_but_no_workspace():
-    traffic = jaxamp.diagnostics.hlo_report.bytes_accessed(
+    traffic = jaxamp.diagnostics._hlo_report.bytes_accessed(
         """HloModule m
 
 ENTRY %main (a: f32[4,4]) -> f32[4,4] {
@@ -373,7 +373,7 @@ def test_hlo_text_without_an_entry_computation_is_refused_with_the_next_step():
 
 @pytest.mark.parametrize("policy, half", [("mixed_float16", "float16"), ("mixed_bfloat16", "bfloat16")])
 def test_compiled_for_an_h200_without_a_gpu_every_convolution_and_matmul_runs_in_half(policy, half):
-    if not jaxamp.diagnostics.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics._gpu_targets.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     gradient, args = _gradient_of_mixed_convnet(policy)
     report = jaxamp.precision_report(

@@ -22,7 +22,6 @@ from flax import nnx
 from jax.experimental import pallas as pl
 
 import jaxamp
-from jaxamp.diagnostics import gpu_targets
 from tests.test_autocast_rule_classes import all_equations
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
@@ -132,7 +131,7 @@ def _compiled_step(loss_fn, params):
 
 def test_on_an_h200_target_cudnn_attention_runs_and_memory_is_within_ten_percent_of_the_hand_cast_recipe():
     """The recipe: params cast to bfloat16 at the step's entry, the plain model on them."""
-    if not gpu_targets.cuda_plugin_available() or not _cudnn_importable():
+    if not jaxamp.diagnostics.cuda_plugin_available() or not _cudnn_importable():
         pytest.skip("needs the CUDA PJRT plugin and libcudnn (see experiments.lm.on_paper)")
     model = Transformer("cudnn")
     params = jax.eval_shape(lambda: float32_params())
@@ -383,7 +382,7 @@ def test_a_function_that_refuses_half_inputs_is_traced_as_given_with_a_warning_n
         return jnp.tanh(x @ w)
 
     x, w = jnp.ones((4, 8)), jnp.ones((8, 8)) / 8
-    with pytest.warns(jaxamp.jaxpr_policy.interpreter.HalfTraceRefusedWarning) as warned:
+    with pytest.warns(jaxamp._autocast.interpreter.HalfTraceRefusedWarning) as warned:
         out = jaxamp.autocast(float32_only)(x, w)
     (warning,) = warned
     assert str(warning.message) == (
@@ -417,7 +416,7 @@ def test_a_function_that_refuses_half_inputs_is_traced_as_given_with_a_warning_n
         return x
 
     with pytest.warns(
-        jaxamp.jaxpr_policy.interpreter.HalfTraceRefusedWarning,
+        jaxamp._autocast.interpreter.HalfTraceRefusedWarning,
         match="it raised NotImplementedError: NotImplementedError Kernels",
     ):
         jaxamp.autocast(float32_only_without_a_message)(x)

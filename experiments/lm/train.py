@@ -44,7 +44,6 @@ from experiments.lm.sharding import Sharding
 from experiments.progress import Progress
 from experiments.results import skipped_steps_line, state_checksum, state_finite
 from experiments.train import Precision, resolve_loss_scale, resolve_precision
-from jaxamp.low_precision_optimizer import optimizer_for_policy
 
 
 def create_model(config: LMConfig, precision: Precision, vocab_size: int, platform: str):
@@ -82,7 +81,7 @@ def create_optimizer(config: LMConfig) -> optax.GradientTransformation:
             mask=lambda params: jax.tree.map(lambda param: param.ndim >= 2, params),
         ),
     )
-    return optimizer_for_policy(adamw, resolve_precision(config.precision).policy, key=config.seed)
+    return jaxamp.optimizer_for_policy(adamw, resolve_precision(config.precision).policy, key=config.seed)
 
 
 def model_for_init(model):

@@ -1,0 +1,118 @@
+"""What every dtype rule receives: the rewrite in progress (`Rewrite`).
+
+Below both `jaxamp._autocast.rules` (whose rules take a `Rewrite`) and
+`jaxamp._autocast.interpreter` (which builds one and asks it for each
+equation's rule), so neither imports the other for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from jax.extend.core import Primitive
+
+from jaxamp._autocast.primitives import subjaxprs, warn_once
+from jaxamp._autocast.scope import ScopePolicy, in_float32_scope, scope_policies
+
+Rule = Callable[["Rewrite", Any, Sequence[Any]], list]
+"""A dtype rule: ``rule(rewrite, equation, invals) -> outvals``."""
+
+RulesFor = Callable[[np.dtype, bool], Mapping[Primitive, Rule]]
+"""``rules_for(compute_dtype, fp8_matmuls)``: the rules table of a policy scope."""
+
+
+def carries_jaxpr(equation) -> bool:
+    """Whether `equation` holds a jaxpr (a ``jit``, ``scan``, ``cond``, custom derivative...)."""
+    return next(subjaxprs(equation.params), None) is not None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rewrite:
+    """What one rewrite needs: the compute dtype and the rule of each primitive.
+
+    Attributes:
+        compute_dtype: the policy's compute dtype.
+        rules: primitive -> rule.
+        as_traced: the rule that runs an equation exactly as traced, for code
+            under `jaxamp.float32_scope` where no scope can change the rules
+            (a custom derivative's rewrite) and for first-order primitives the
+            table does not know (a user's own primitive, or one a newer JAX
+            added), which are named once per process
+            (`jaxamp._autocast.primitives.warn_once`).
+        memo: rewritten bodies of higher-order primitives, per (body, input
+            avals, output dtypes), so that a body used many times (the same
+            jitted layer called in a loop) is rewritten once.
+        rules_for: builds the rules of a policy scope
+            (`jaxamp._autocast.scope.policy_scope`); None where no scope
+            can change the policy (the rewrites of a custom derivative).
+        fp8_matmuls: whether `rules` run the eligible matmuls in FP8.
+    """
+
+    compute_dtype: np.dtype
+    rules: Mapping[Primitive, Rule]
+    as_traced: Rule
+    memo: dict = dataclasses.field(default_factory=dict)
+    rules_for: RulesFor | None = None
+    fp8_matmuls: bool = False
+    _scoped: dict = dataclasses.field(default_factory=dict)
+
+    def scoped(self, equation) -> Rewrite:
+        """The rewrite that `equation` runs under: this one, or its innermost policy scope's.
+
+        The rewrites of the scopes are made once per (compute dtype, FP8)
+        and shared by every body rewritten beneath this one, each with its
+        own memo (a body rewritten under two policies is two bodies).
+        """
+        if self.rules_for is None:
+            return self
+        if in_float32_scope(equation):
+            return self.under(np.dtype(np.float32), fp8_matmuls=False)
+        scopes = scope_policies(equation)
+        if not scopes:
+            return self
+        scope: ScopePolicy = scopes[-1][1]
+        return self.under(scope.compute_dtype, fp8_matmuls=scope.fp8_matmuls)
+
+    def under(self, compute_dtype: np.dtype, *, fp8_matmuls: bool) -> Rewrite:
+        """This rewrite with another compute dtype and FP8 setting (this one where no scope can change it)."""
+        key = (np.dtype(compute_dtype), fp8_matmuls)
+        if self.rules_for is None or key == (self.compute_dtype, self.fp8_matmuls):
+            return self
+        if key not in self._scoped:
+            self._scoped[key] = Rewrite(
+                key[0],
+                self.rules_for(*key),
+                self.as_traced,
+                rules_for=self.rules_for,
+                fp8_matmuls=key[1],
+                _scoped=self._scoped,
+            )
+        return self._scoped[key]
+
+    def rule_for(self, equation) -> Rule:
+        """The rule of `equation` (`scoped` gives code under `float32_scope` the float32 rules).
+
+        Policy scopes are resolved before (`scoped`): call this on the
+        rewrite that `scoped` gives.
+
+        Raises:
+            NotImplementedError: the primitive carries a jaxpr and has no rule.
+        """
+        if in_float32_scope(equation) and self.rules_for is None:
+            return self.as_traced
+        rule = self.rules.get(equation.primitive)
+        if rule is not None:
+            return rule
+        if carries_jaxpr(equation):
+            name = equation.primitive.name
+            raise NotImplementedError(
+                f"jaxamp.autocast has no rule for the higher-order primitive {name!r} "
+                f"(params: {', '.join(sorted(equation.params))}), so it cannot rewrite the jaxpr "
+                f"it carries. Run it as traced with autocast(..., overrides={{{name!r}: 'restore'}}) "
+                "(or the primitive object itself as the key), or wrap that code in jaxamp.float32_scope()."
+            )
+        warn_once(equation.primitive)
+        return self.as_traced

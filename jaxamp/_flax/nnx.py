@@ -1,0 +1,178 @@
+"""Mixed precision for `flax.nnx` models, from the outside.
+
+NNX modules are Python objects holding their state, so the policy is applied
+to a copy of the model, once:
+
+* each module's policy is worked out from the root down (see
+  `jaxamp._flax.layers`) and every ``nnx.Param`` is cast to the param
+  dtype of the module that owns it;
+* the model's methods (``__call__`` and every public method its classes
+  define) run through `jaxamp.autocast` under the model's policy: the model
+  is an argument of the rewritten call, so the state the call changes
+  (batch statistics, RNG counts, sown values) is written back, and the
+  outputs come back in the output dtype;
+* a submodule whose class asks for another policy than its holder's
+  (``overrides``, the normalization layers) runs its methods in that
+  policy's scope (`jaxamp._autocast.scope.policy_scope`), which autocast
+  reads.
+
+Both are done by giving the copy (and those submodules) a subclass of its
+own class that adds only this, so the copy stays the same NNX graph: the
+same state, names and paths, through ``nnx.split``/``nnx.merge``,
+``nnx.jit`` and ``nnx.Optimizer``. Params stay in the param dtype and
+gradients arrive in it. A module's policy is decided by where it is stored
+(its path from the root), not by who calls it: a module shared between two
+places takes the policy of the first path NNX lists.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+from collections.abc import Callable
+
+from flax import nnx
+
+from jaxamp._autocast.scope import ScopePolicy, policy_scope
+from jaxamp._autocast.transform import make_autocast
+from jaxamp._flax.layers import ModulePolicies, cast_by_owner, cast_inputs_at_entry, scope_of
+from jaxamp._policy import Policy
+
+# Whether a root method is running: the methods it calls on the model run
+# inside its rewrite, not through autocast again.
+_IN_MODEL_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxamp_in_model_call", default=False)
+
+
+def _model_methods(module_class: type) -> dict[str, Callable]:
+    """``__call__`` and the public methods that `module_class` and its bases (not NNX's own) define."""
+    nnx_classes = set(nnx.Module.__mro__)
+    names = {
+        name
+        for klass in module_class.__mro__
+        if klass not in nnx_classes
+        for name in vars(klass)
+        if name == "__call__" or not name.startswith("_")
+    }
+    methods = {}
+    for name in sorted(names):
+        method = inspect.getattr_static(module_class, name)
+        if inspect.isfunction(method):
+            methods[name] = method
+    return methods
+
+
+def _policies_by_path(
+    modules: dict[tuple, nnx.Module], module_policies: ModulePolicies
+) -> dict[tuple, tuple[Policy, Policy]]:
+    """Each module's ``(policy, holder's policy)``, inherited from the module that holds it.
+
+    The holder is the module at the longest proper prefix of the path; the
+    root's holder policy is the model's own policy.
+    """
+    policies: dict[tuple, tuple[Policy, Policy]] = {}
+    for path in sorted(modules, key=len):
+        holder = next(
+            (path[:depth] for depth in range(len(path) - 1, -1, -1) if path[:depth] in policies), None
+        )
+        holder_policy = module_policies.policy if holder is None else policies[holder][0]
+        policies[path] = (module_policies.policy_for(type(modules[path]), holder_policy), holder_policy)
+    return policies
+
+
+def _subclass(module_class: type, methods: dict[str, Callable], **attributes) -> type:
+    namespace = {**methods, **attributes}
+    namespace.update(__module__=module_class.__module__, __qualname__=module_class.__qualname__)
+    return type(module_class)(module_class.__name__, (module_class,), namespace)
+
+
+@functools.lru_cache(maxsize=1024)
+def _scoped_class(module_class: type, scope: ScopePolicy) -> type:
+    """A subclass of `module_class` whose methods are traced in the policy scope `scope`."""
+
+    def in_scope(method):
+        @functools.wraps(method)
+        def scoped_method(self, *args, **kwargs):
+            with policy_scope(scope):
+                return method(self, *args, **kwargs)
+
+        return scoped_method
+
+    methods = {name: in_scope(method) for name, method in _model_methods(module_class).items()}
+    return _subclass(module_class, methods, jaxamp_scope=scope)
+
+
+def _run_method(method: Callable, policy: Policy, model: nnx.Module, *args, **kwargs):
+    """``method(model, ...)``, its inputs cast at entry, its outputs in the output dtype."""
+    args, kwargs = cast_inputs_at_entry(policy, (args, kwargs))
+    token = _IN_MODEL_CALL.set(True)
+    try:
+        outputs = method(model, *args, **kwargs)
+    finally:
+        _IN_MODEL_CALL.reset(token)
+    return policy.cast_to_output(outputs)
+
+
+@functools.lru_cache(maxsize=256)
+def _root_class(module_class: type, module_policies: ModulePolicies) -> type:
+    """A subclass of the top-level model's class whose methods run through `jaxamp.autocast`.
+
+    One autocast (and so one cache of rewritten programs) per method, shared
+    by the models of this class under these policies.
+    """
+    policy = module_policies.policy
+
+    def through_autocast(method):
+        rewritten = make_autocast(
+            functools.partial(_run_method, method, policy), policy, outputs_as_traced=True
+        )
+
+        @functools.wraps(method)
+        def model_method(self, *args, **kwargs):
+            if _IN_MODEL_CALL.get():
+                return method(self, *args, **kwargs)
+            return rewritten(self, *args, **kwargs)
+
+        return model_method
+
+    methods = {name: through_autocast(method) for name, method in _model_methods(module_class).items()}
+    return _subclass(module_class, methods, jaxamp_policies=module_policies)
+
+
+def _already_under_a_policy(module: nnx.Module) -> bool:
+    module_class = type(module)
+    return isinstance(getattr(module_class, "jaxamp_policies", None), ModulePolicies) or isinstance(
+        getattr(module_class, "jaxamp_scope", None), ScopePolicy
+    )
+
+
+def apply_nnx_policy(module: nnx.Module, module_policies: ModulePolicies) -> nnx.Module:
+    """Returns a copy of `module` that runs under `module_policies`.
+
+    See this file's docstring; `jaxamp.apply_policy` is the public entry point.
+    """
+    model = nnx.clone(module)
+    modules = dict(nnx.iter_modules(model))
+    for path, submodule in modules.items():
+        if _already_under_a_policy(submodule):
+            where = f"submodule at {'.'.join(map(str, path))}" if path else "module"
+            raise ValueError(
+                f"This NNX {where} already runs under a jaxamp policy; apply_policy to the original model, "
+                "and give any part its own policy with overrides."
+            )
+    if "__call__" not in _model_methods(type(model)):
+        raise TypeError(
+            f"apply_policy needs an NNX model with a __call__ method; {type(model).__name__} has none."
+        )
+    policies = _policies_by_path(modules, module_policies)
+
+    param_dtypes = {path: policy.param_dtype for path, (policy, _) in policies.items()}
+    nnx.update(
+        model, cast_by_owner(nnx.state(model, nnx.Param), param_dtypes, module_policies.policy.param_dtype)
+    )
+    for path, submodule in modules.items():
+        policy, holder_policy = policies[path]
+        if policy != holder_policy:  # the root's too, when its own class is overridden
+            submodule.__class__ = _scoped_class(type(submodule), scope_of(policy))
+    model.__class__ = _root_class(type(model), module_policies)
+    return model

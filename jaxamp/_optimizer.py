@@ -1,0 +1,408 @@
+"""Low-precision master weights and optimizer state around any optax optimizer.
+
+`low_precision_optimizer(inner, ...)` keeps the params (the master weights)
+and the optimizer's state in bfloat16, half the bytes of float32, while the
+inner optimizer computes in float32. What decides whether such a run trains
+like float32 is how each step's float32 result is rounded back:
+
+* ``"nearest"``: round to nearest, as ``optax.apply_updates`` does on
+  bfloat16 params. An update below half a bfloat16 ulp of its param (0.2%
+  to 0.4% of it) is lost, every step.
+* ``"stochastic"``: round up or down at random, up with the probability
+  that makes the expected value the float32 sum. Small updates survive on
+  average; the PRNG key lives in the state, so runs are deterministic.
+* ``"kahan"``: round to nearest, and keep what rounding lost in a
+  compensation buffer (one more param-sized bfloat16 tree) that is added to
+  the next step's update (Kahan summation).
+
+The wrapper returns ordinary optax updates, in the param dtype, chosen so
+that ``optax.apply_updates(params, updates)`` lands exactly on the rounded
+result: `jaxamp.TrainState`, `jaxamp.loss_scaling` and any hand-written loop
+apply them unchanged.
+
+Examples:
+    >>> params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    >>> tx = jaxamp.low_precision_optimizer(optax.adamw(1e-3), rounding="kahan")
+    >>> opt_state = tx.init(params)
+    >>> updates, opt_state = tx.update(grads, opt_state, params)
+    >>> params = optax.apply_updates(params, updates)
+
+A precision policy can name the rounding (``"bfloat16_kahan"``, or the
+grammar key ``update=kahan``); `optimizer_for_policy` builds the optimizer it
+asks for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxamp._policy import UPDATE_ROUNDINGS, PolicySpec, get_policy, is_floating_array
+
+ROUNDINGS = UPDATE_ROUNDINGS
+
+StateDtype = Any  # a dtype, a Mapping[str, dtype] or a Callable[[KeyPath, leaf], dtype | None]
+
+
+class LowPrecisionState(NamedTuple):
+    """The optimizer state of `low_precision_optimizer`.
+
+    Attributes:
+        inner_state: the inner optimizer's state; each floating leaf stored in
+            the dtype `state_dtype` gave it.
+        compensation: with ``rounding="kahan"``, a tree like the params, in
+            their dtypes: what rounding lost from each param, added back on
+            the next step. None with the other roundings.
+        key: the raw PRNG key data (uint32) for the next step's stochastic
+            rounding; split once per step.
+    """
+
+    inner_state: optax.OptState
+    compensation: Any
+    key: jax.Array
+
+
+def stochastic_round(value: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
+    """Rounds `value` to `dtype` up or down at random, unbiased.
+
+    For any target floating dtype (bfloat16, float16, subnormals included):
+
+    ```text
+    nearest = round_to_nearest(value, dtype)
+    other   = the neighbour of nearest on value's side   # nextafter
+    p_other = |value - nearest| / |other - nearest|      # in [0, 1/2]
+    return other with probability p_other, else nearest
+    ```
+
+    so the expected result is `value` itself. A value already representable,
+    an infinity or a NaN is returned as rounded to nearest.
+
+    Args:
+        value: the array to round (computed in float32).
+        dtype: the dtype to round to.
+        key: a PRNG key (typed or raw) for the uniform draw.
+
+    Returns:
+        An array of `dtype` and `value`'s shape.
+    """
+    value = jnp.asarray(value, jnp.float32)
+    nearest = value.astype(dtype)
+    nearest32 = nearest.astype(jnp.float32)
+    toward = jnp.where(nearest32 < value, jnp.inf, -jnp.inf).astype(dtype)
+    other = jnp.nextafter(nearest, toward)
+    gap = other.astype(jnp.float32) - nearest32
+    p_other = (value - nearest32) / gap  # NaN for infinities: the comparison below is False
+    return jnp.where(jax.random.uniform(key, value.shape, jnp.float32) < p_other, other, nearest)
+
+
+def _floating_dtype(value: Any, setting: str) -> np.dtype:
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"low_precision_optimizer's {setting} must be a floating dtype such as jnp.bfloat16, "
+            f"jnp.float16 or jnp.float32; got {value!r}."
+        )
+    return dtype
+
+
+def _is_dtype_like(value: Any) -> bool:
+    """Whether `value` names a dtype: jnp.bfloat16 and np.float32 are callable too, yet dtypes."""
+    try:
+        jnp.dtype(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _field_names(path) -> list[str]:
+    """The state's field names along `path` (optax states are named tuples), outermost first."""
+    return [entry.name for entry in path if isinstance(entry, jax.tree_util.GetAttrKey)]
+
+
+def _is_floating(leaf) -> bool:
+    return jnp.issubdtype(getattr(leaf, "dtype", np.dtype(object)), jnp.floating)
+
+
+def _storage_dtypes(state_dtype: StateDtype, reference_state) -> list:
+    """For each leaf of the inner state, in flattening order, its storage dtype (None: as the inner makes it)."""
+
+    def choose(path, leaf):
+        if not _is_floating(leaf):
+            return None
+        if isinstance(state_dtype, Mapping):
+            chosen = next(
+                (state_dtype[name] for name in reversed(_field_names(path)) if name in state_dtype), None
+            )
+        elif callable(state_dtype) and not _is_dtype_like(state_dtype):
+            chosen = state_dtype(path, leaf)
+        else:
+            chosen = state_dtype if np.ndim(leaf) > 0 else None
+        return (
+            None
+            if chosen is None
+            else _floating_dtype(chosen, f"state_dtype (at {jax.tree_util.keystr(path)})")
+        )
+
+    return [choose(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(reference_state)[0]]
+
+
+def _check_field_names(state_dtype: Mapping, reference_state) -> None:
+    fields = {
+        name
+        for path, _ in jax.tree_util.tree_flatten_with_path(reference_state)[0]
+        for name in _field_names(path)
+    }
+    unknown = sorted(set(state_dtype) - fields)
+    if unknown:
+        raise ValueError(
+            f"low_precision_optimizer's state_dtype names {', '.join(map(repr, unknown))}, which the inner "
+            f"optimizer's state has no field called; its fields are {', '.join(map(repr, sorted(fields)))}."
+        )
+
+
+def low_precision_optimizer(
+    inner: optax.GradientTransformation,
+    *,
+    param_dtype: Any = jnp.bfloat16,
+    state_dtype: StateDtype = jnp.bfloat16,
+    rounding: str = "stochastic",
+    key: jax.Array | int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps an optax optimizer to keep params and state in a low precision, computing in float32.
+
+    ``update(grads, state, params)`` computes, leaf by leaf:
+
+    ```text
+    step_key, params_key, state_key = split(key, 3);  key = step_key
+    inner_state32 = inner_state read back to the dtypes inner.init makes (float32)
+    updates32, inner_state32 = inner.update(float32(grads), inner_state32, float32(params))
+    for each param p (of dtype param_dtype) and its update u:
+        if rounding == "nearest":    new_p = round_to_nearest(p + u)
+        if rounding == "stochastic": new_p = stochastic_round(p + u, params_key)
+        if rounding == "kahan":      exact = p + u + compensation
+                                     new_p = round_to_nearest(exact)
+                                     compensation = stochastic_round(exact - new_p, params_key)
+        update = new_p - p                                            # in param_dtype
+    inner_state = each floating leaf stochastic_round(leaf32, its storage dtype, state_key)
+    ```
+
+    and returns ``update`` for ``optax.apply_updates``. ``new_p - p`` is exact
+    in the param dtype whenever ``new_p`` is within a factor two of ``p``
+    (Sterbenz's lemma), so the params land bit for bit on ``new_p``; a step
+    that more than doubles a param or flips its sign lands within half an ulp
+    of it, and Kahan's buffer, computed from where the param really landed,
+    carries even that difference forward.
+
+    State leaves, and Kahan's buffer, are rounded stochastically whatever the
+    `rounding`, because both are sums of small steps in a dtype too short to
+    hold each step: an exponential moving average such as Adam's ``nu``
+    (``b2 = 0.999``) changes by 0.1% a step, below half a bfloat16 ulp, and
+    rounded to nearest could never decay; a bfloat16 buffer rounded to
+    nearest loses a biased share of each small update (10,000 additions of
+    1e-4 to 1.0 end at 2.03125 instead of 2.0, against 2.0 with the buffer
+    rounded stochastically).
+
+    Composition: put `jaxamp.loss_scaling` outside this wrapper (or pass it as
+    ``tx`` to `jaxamp.TrainState`), so that a step with non-finite gradients
+    keeps the params, every state leaf, the compensation buffer and the key
+    bit-identical. ``optax.MultiSteps`` and any ``chain`` go inside. The
+    Kahan buffer is shaped like the params and the moments too, so
+    `jaxamp.fsdp.fsdp_shardings` of the state splits them alike.
+
+    Args:
+        inner: the optax optimizer (any `GradientTransformation`,
+            ``optax.MultiSteps``); its math runs in float32.
+        param_dtype: the dtype every floating param must be stored in
+            (bfloat16 by default); None accepts each param's own dtype, e.g.
+            float32 normalization scales beside bfloat16 kernels.
+        state_dtype: the dtype to store the inner state's floating leaves in:
+            one dtype for every floating array but scalars (a scalar costs
+            nothing, and rounding one, an injected learning rate say, would
+            change the schedule); a mapping from field names of optax's state
+            named tuples to dtypes (``{"mu": jnp.bfloat16, "nu": jnp.float32}``;
+            the innermost named field of a leaf's path decides, unnamed leaves
+            keep their dtype); or a callable ``(path, leaf) -> dtype or None``.
+        rounding: ``"nearest"``, ``"stochastic"`` or ``"kahan"``: how each
+            step's float32 result lands on the params.
+        key: a PRNG key or an int seed for stochastic rounding; 0 when None.
+
+    Returns:
+        An optax `GradientTransformationExtraArgs` whose state is a
+        `LowPrecisionState`; extra arguments of ``update`` go to `inner`.
+
+    Raises:
+        ValueError: an unknown `rounding`, a dtype that is not floating, a
+            `state_dtype` mapping naming no field of the inner state, a param
+            not in `param_dtype`, or ``update`` called without params.
+    """
+    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+        raise TypeError(
+            f"low_precision_optimizer needs inner to be an optax optimizer (with init and update); got {inner!r}."
+        )
+    if rounding not in ROUNDINGS:
+        raise ValueError(
+            f"low_precision_optimizer's rounding must be one of {', '.join(map(repr, ROUNDINGS))}; got {rounding!r}."
+        )
+    param_dtype = None if param_dtype is None else _floating_dtype(param_dtype, "param_dtype")
+    if not isinstance(state_dtype, Mapping) and not (
+        callable(state_dtype) and not _is_dtype_like(state_dtype)
+    ):
+        state_dtype = _floating_dtype(state_dtype, "state_dtype")
+    seed = (
+        jax.random.key(0 if key is None else key) if isinstance(key, (int, type(None))) else jnp.asarray(key)
+    )
+    raw_key = jax.random.key_data(seed) if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) else seed
+    if raw_key.dtype != jnp.uint32:
+        raise ValueError(
+            f"low_precision_optimizer's key must be a PRNG key (jax.random.key(0)), its raw uint32 data or an "
+            f"int seed; got {key!r}."
+        )
+    inner = optax.with_extra_args_support(inner)
+
+    def checked_float32_params(params):
+        leaves_with_paths = jax.tree_util.tree_flatten_with_path(params)[0]
+        for path, leaf in leaves_with_paths:
+            if param_dtype is not None and is_floating_array(leaf) and leaf.dtype != param_dtype:
+                raise ValueError(
+                    f"low_precision_optimizer expects params in {param_dtype.name}; the param at "
+                    f"{jax.tree_util.keystr(path) or 'the root'} is {leaf.dtype.name}. Cast them first "
+                    f"(params = jax.tree.map(lambda p: p.astype(jnp.{param_dtype.name}), params)), or "
+                    "pass param_dtype=None to keep each param's own dtype."
+                )
+        return jax.tree.map(
+            lambda leaf: leaf.astype(jnp.float32) if is_floating_array(leaf) else leaf, params
+        )
+
+    def land(param, update32, compensation, leaf_key):
+        """The update that lands `param` on its rounded float32 sum, and Kahan's new buffer (or None)."""
+        param32 = param.astype(jnp.float32)
+        exact = param32 + jnp.asarray(update32, jnp.float32)
+        if rounding == "kahan":
+            exact = exact + compensation.astype(jnp.float32)
+        if rounding == "stochastic":
+            new_param = stochastic_round(exact, param.dtype, leaf_key)
+        else:
+            new_param = exact.astype(param.dtype)
+        update = (new_param.astype(jnp.float32) - param32).astype(param.dtype)
+        if rounding != "kahan":
+            return update, None
+        # optax.apply_updates puts the param at p + update in its dtype: new_param whenever
+        # new_param - p was exact, else within half an ulp of it. The buffer keeps what was lost.
+        landed = (param32 + update.astype(jnp.float32)).astype(param.dtype)
+        return update, stochastic_round(exact - landed.astype(jnp.float32), param.dtype, leaf_key)
+
+    def init(params) -> LowPrecisionState:
+        params32 = checked_float32_params(params)
+        inner_state32 = inner.init(params32)
+        if isinstance(state_dtype, Mapping):
+            _check_field_names(state_dtype, inner_state32)
+        leaves, state_tree = jax.tree.flatten(inner_state32)
+        storage = _storage_dtypes(state_dtype, inner_state32)
+        return LowPrecisionState(
+            inner_state=state_tree.unflatten(
+                [leaf if dtype is None else leaf.astype(dtype) for leaf, dtype in zip(leaves, storage, strict=True)]
+            ),
+            compensation=jax.tree.map(jnp.zeros_like, params) if rounding == "kahan" else None,
+            key=raw_key,
+        )  # fmt: skip
+
+    def update(grads, state: LowPrecisionState, params=None, **extra_args):
+        if params is None:
+            raise ValueError(
+                "low_precision_optimizer's update needs the params (tx.update(grads, state, params)): "
+                "the updates it returns are chosen to land on them."
+            )
+        params32 = checked_float32_params(params)
+        reference = jax.eval_shape(inner.init, params32)
+        inner_state32 = jax.tree.map(lambda leaf, ref: leaf.astype(ref.dtype), state.inner_state, reference)
+        grads32 = jax.tree.map(
+            lambda grad: grad.astype(jnp.float32) if is_floating_array(grad) else grad, grads
+        )
+        updates32, new_inner_state32 = inner.update(grads32, inner_state32, params32, **extra_args)
+
+        step_key, params_key, state_key = jax.random.split(jax.random.wrap_key_data(state.key), 3)
+        param_leaves, param_tree = jax.tree.flatten(params)
+        compensations = (
+            param_tree.flatten_up_to(state.compensation)
+            if rounding == "kahan"
+            else [None] * len(param_leaves)
+        )
+        landed = [
+            land(param, update, compensation, jax.random.fold_in(params_key, index))
+            if is_floating_array(param)
+            else (update, compensation)
+            for index, (param, update, compensation) in enumerate(
+                zip(param_leaves, param_tree.flatten_up_to(updates32), compensations, strict=True)
+            )
+        ]
+
+        storage = _storage_dtypes(state_dtype, reference)
+        state_leaves, state_tree = jax.tree.flatten(new_inner_state32)
+        stored_leaves = [
+            leaf if dtype is None or leaf.dtype == dtype
+            else stochastic_round(leaf, dtype, jax.random.fold_in(state_key, index))
+            for index, (leaf, dtype) in enumerate(zip(state_leaves, storage, strict=True))
+        ]  # fmt: skip
+        return param_tree.unflatten([update for update, _ in landed]), LowPrecisionState(
+            inner_state=state_tree.unflatten(stored_leaves),
+            compensation=param_tree.unflatten([buffer for _, buffer in landed])
+            if rounding == "kahan"
+            else None,
+            key=jax.random.key_data(step_key),
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def optimizer_for_policy(
+    inner: optax.GradientTransformation, policy: PolicySpec, *, key: jax.Array | int | None = None
+) -> optax.GradientTransformation:
+    """The optimizer a precision policy asks for: `inner`, or `inner` wrapped by its update rounding.
+
+    A policy without an update rounding (``"mixed_bf16"``, ``"bfloat16"``)
+    returns `inner` itself: optax applies its updates as usual. One with an
+    update rounding (``"bfloat16_kahan"``, ``"p=bf16,c=bf16,update=stochastic"``)
+    returns:
+
+    ```python
+    low_precision_optimizer(inner, param_dtype=policy.param_dtype,
+                            state_dtype=policy.param_dtype,
+                            rounding=policy.update_rounding, key=key)
+    ```
+
+    so params and the optimizer's state are stored in the policy's param
+    dtype, and each update lands by the rounding the policy names.
+
+    Examples:
+        >>> tx = optimizer_for_policy(optax.adamw(1e-3), "bfloat16_kahan", key=0)  # Kahan around AdamW
+        >>> sgd = optax.sgd(0.1)
+        >>> optimizer_for_policy(sgd, "mixed_bf16") is sgd
+        True
+
+    Args:
+        inner: any optax optimizer.
+        policy: a `jaxamp.Policy` or anything `jaxamp.get_policy` reads.
+        key: the PRNG key or int seed of stochastic rounding (see
+            `low_precision_optimizer`).
+
+    Returns:
+        `inner`, or the `low_precision_optimizer` around it.
+    """
+    policy = get_policy(policy)
+    if policy.update_rounding is None:
+        return inner
+    return low_precision_optimizer(
+        inner,
+        param_dtype=policy.param_dtype,
+        state_dtype=policy.param_dtype,
+        rounding=policy.update_rounding,
+        key=key,
+    )

@@ -1,0 +1,424 @@
+"""Precision policies: which dtype params, computation and outputs use.
+
+A `Policy` is a small immutable value with three dtypes. It casts pytrees and
+nothing else; applying it to a Flax model is the job of `jaxamp.apply_policy`.
+
+Policies are usually named by a string, so that they fit a command-line flag or
+a config file. `get_policy` accepts short names (``"mixed"``, ``"bf16"``) and
+jmp's grammar (``"params=float32,compute=float16,output=float32"``), with one
+key of jaxamp's own: ``matmul=float8`` runs the eligible matrix
+multiplications in FP8 under `jaxamp.autocast` (``"mixed_float8"``), and
+``update=nearest|stochastic|kahan`` names how the optimizer lands each update
+on low-precision params (``"bfloat16_kahan"``; read by
+`jaxamp.optimizer_for_policy`, not by autocast).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+
+T = TypeVar("T")
+
+# Dtype aliases of jmp's grammar, plus the "fp" spellings people type.
+_DTYPE_ALIASES: dict[str, Any] = {
+    "f32": jnp.float32,
+    "fp32": jnp.float32,
+    "float32": jnp.float32,
+    "full": jnp.float32,
+    "f16": jnp.float16,
+    "fp16": jnp.float16,
+    "float16": jnp.float16,
+    "bf16": jnp.bfloat16,
+    "bfloat16": jnp.bfloat16,
+    "f64": jnp.float64,
+    "float64": jnp.float64,
+}
+
+_F32, _F16, _BF16 = jnp.float32, jnp.float16, jnp.bfloat16
+
+# The one FP8 matmul dtype a policy names: float8_e4m3fn operands forward,
+# float8_e5m2 for the incoming cotangent backward (the "hybrid" format of
+# TransformerEngine); the policy stores the forward dtype.
+_MATMUL_DTYPE_ALIASES: dict[str, Any] = {
+    "f8": jnp.float8_e4m3fn,
+    "fp8": jnp.float8_e4m3fn,
+    "float8": jnp.float8_e4m3fn,
+    "float8_e4m3fn": jnp.float8_e4m3fn,
+}
+
+# Named policies: (params, compute, output).
+_NAMED_POLICIES: dict[str, tuple[Any, Any, Any]] = {
+    "float32": (_F32, _F32, _F32),
+    "fp32": (_F32, _F32, _F32),
+    "full": (_F32, _F32, _F32),
+    "mixed": (_F32, _F16, _F32),
+    "mixed_float16": (_F32, _F16, _F32),
+    "mixed_fp16": (_F32, _F16, _F32),
+    "mixed_bfloat16": (_F32, _BF16, _F32),
+    "mixed_bf16": (_F32, _BF16, _F32),
+    "float16": (_F16, _F16, _F16),
+    "fp16": (_F16, _F16, _F16),
+    "bfloat16": (_BF16, _BF16, _BF16),
+    "bf16": (_BF16, _BF16, _BF16),
+}
+
+# Named policies whose eligible matmuls run in FP8: (params, compute, output).
+_NAMED_FP8_POLICIES: dict[str, tuple[Any, Any, Any]] = {
+    "mixed_float8": (_F32, _BF16, _F32),
+    "mixed_fp8": (_F32, _BF16, _F32),
+}
+
+# How an update lands on the params (`jaxamp.low_precision_optimizer`): named
+# policies keep params and optimizer state in bfloat16 and say the rounding.
+UPDATE_ROUNDINGS = ("nearest", "stochastic", "kahan")
+
+_NAMED_UPDATE_POLICIES: dict[str, str] = {
+    f"{prefix}_{rounding}": rounding for prefix in ("bfloat16", "bf16") for rounding in UPDATE_ROUNDINGS
+}
+
+_GRAMMAR_KEYS = {
+    "p": "param_dtype",
+    "params": "param_dtype",
+    "c": "compute_dtype",
+    "compute": "compute_dtype",
+    "o": "output_dtype",
+    "output": "output_dtype",
+    "m": "matmul_dtype",
+    "matmul": "matmul_dtype",
+    "u": "update_rounding",
+    "update": "update_rounding",
+}
+
+
+DTYPE_NAMES = (*sorted(_DTYPE_ALIASES), "half")
+"""The dtype names every jaxamp setting accepts (``half``: jmp's half dtype,
+bfloat16 on TPU and float16 elsewhere)."""
+
+
+def parse_dtype(value: Any, what: str) -> np.dtype:
+    """The floating dtype `value` names: the one dtype parser of policies and communication dtypes.
+
+    Args:
+        value: a floating dtype (``jnp.float16``, ``np.dtype("float32")``) or
+            one of `DTYPE_NAMES`, case-insensitive. NumPy's own strings are
+            not read: NumPy takes ``"f16"`` for a 16-byte float.
+        what: what the value is for, to start the error message
+            (``"Policy compute_dtype"``).
+
+    Raises:
+        ValueError: `value` names no floating dtype (a non-floating dtype,
+            an unknown name, None, any other object); the message names the
+            value and the choices.
+    """
+    canonical = None
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key == "half":
+            return jnp.dtype(jmp.half_dtype())
+        if key in _DTYPE_ALIASES:
+            return jnp.dtype(_DTYPE_ALIASES[key])
+    elif value is not None:  # jnp.dtype(None) is float64: a missing dtype must not pass as one
+        try:
+            canonical = jnp.dtype(value)
+        except TypeError:
+            pass
+    if canonical is not None and jnp.issubdtype(canonical, jnp.floating):
+        return canonical
+    got = canonical.name if canonical is not None else repr(value)
+    raise ValueError(
+        f"{what} must be a floating dtype, such as jnp.float32, jnp.float16 or jnp.bfloat16, or one of "
+        f"the names {', '.join(DTYPE_NAMES)}; got {got}."
+    )
+
+
+def _canonical_matmul_dtype(dtype: Any) -> np.dtype | None:
+    """None (matmuls in the compute dtype) or float8_e4m3fn (FP8 matmuls)."""
+    if dtype is None:
+        return None
+    key = dtype.strip().lower() if isinstance(dtype, str) else None
+    if key is not None and key in _MATMUL_DTYPE_ALIASES:
+        return jnp.dtype(_MATMUL_DTYPE_ALIASES[key])
+    if key is None:
+        try:
+            canonical = jnp.dtype(dtype)
+        except TypeError:
+            canonical = None
+        if canonical == jnp.dtype(jnp.float8_e4m3fn):
+            return canonical
+    raise ValueError(
+        f"Policy matmul_dtype must be None (matmuls in the compute dtype) or FP8 "
+        f"({', '.join(_MATMUL_DTYPE_ALIASES)}, or jnp.float8_e4m3fn); got {dtype!r}. "
+        "FP8 matmuls take float8_e4m3fn operands forward and a float8_e5m2 cotangent "
+        "backward; the policy names them by the forward dtype."
+    )
+
+
+def _canonical_update_rounding(rounding: Any) -> str | None:
+    """None (the optimizer's own update) or one of `UPDATE_ROUNDINGS`."""
+    if rounding is None:
+        return None
+    key = rounding.strip().lower() if isinstance(rounding, str) else None
+    if key in UPDATE_ROUNDINGS:
+        return key
+    raise ValueError(
+        f"Policy update_rounding must be None (the optimizer's update as optax applies it) or one of "
+        f"{', '.join(UPDATE_ROUNDINGS)} (how jaxamp.low_precision_optimizer lands each update on the "
+        f"params); got {rounding!r}."
+    )
+
+
+def parse_fields(spec: str, keys: dict[str, str], *, kind: str, example: str, flags: tuple[str, ...] = ()) -> dict:
+    """The one ``key=dtype,...`` grammar, of precision and communication policies alike.
+
+    `spec` is read case-insensitively with spaces ignored and split at
+    commas; each part is ``key=dtype`` with a key of `keys` (mapped to its
+    field name), or a bare flag of `flags` (mapped to True).
+
+    Args:
+        spec: the string as the user wrote it.
+        keys: key spelling -> field name (``"c"`` -> ``"compute_dtype"``).
+        kind: what `spec` is, for messages (``"precision policy"``).
+        example: a valid string, for messages.
+        flags: the bare tokens accepted.
+
+    Returns:
+        field name -> the value's string (or True for a flag).
+
+    Raises:
+        ValueError: a part is not ``key=dtype`` or a flag, or its key is
+            unknown; the message names the part and the valid keys.
+    """
+    fields: dict[str, Any] = {}
+    for part in "".join(spec.split()).lower().split(","):
+        if part in flags:
+            fields[part] = True
+            continue
+        key, separator, value = part.partition("=")
+        if not separator or not key or not value:
+            forms = ", ".join(["key=dtype", *flags])
+            raise ValueError(f"Malformed part {part!r} in {kind} {spec!r}: expected {forms}, e.g. {example!r}.")
+        if key not in keys:
+            raise ValueError(
+                f"Unknown key {key!r} in {kind} {spec!r}. Valid keys: {', '.join(keys)}; e.g. {example!r}."
+            )
+        fields[keys[key]] = value
+    return fields
+
+
+def is_floating_array(leaf: Any) -> bool:
+    """Whether `leaf` is a floating-point JAX array, NumPy array or NumPy scalar."""
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(leaf.dtype, jnp.floating)
+
+
+def _cast_floating(tree: T, dtype: np.dtype) -> T:
+    """Casts every floating-point array leaf of `tree` to `dtype`.
+
+    JAX arrays (tracers included), NumPy arrays and NumPy scalars are cast and
+    keep their kind; integer and bool arrays and non-array leaves (Python
+    numbers, strings, None) are returned untouched.
+    """
+
+    def cast_leaf(leaf):
+        if is_floating_array(leaf) and leaf.dtype != dtype:
+            return leaf.astype(dtype)
+        return leaf
+
+    return jax.tree.map(cast_leaf, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The dtypes of parameters, of computation and of outputs.
+
+    Immutable and hashable, so it can be a static argument of `jax.jit` or a
+    field of a Flax module. ``str(policy)`` gives a string that `get_policy`
+    parses back into an equal policy.
+
+    A fourth, optional field, `matmul_dtype`, asks `jaxamp.autocast` to run
+    the eligible matrix multiplications in FP8 (``get_policy("mixed_float8")``,
+    see `jaxamp.fp8_dot_general`); every other operation follows the three
+    dtypes as usual.
+
+    Examples:
+        >>> policy = Policy(jnp.float32, jnp.float16, jnp.float32)
+        >>> str(policy)
+        'params=float32,compute=float16,output=float32'
+        >>> policy.cast_to_compute({"x": jnp.ones(2), "step": 3})["x"].dtype
+        dtype('float16')
+
+    Attributes:
+        param_dtype: dtype in which parameters are stored and updated.
+        compute_dtype: dtype of the arithmetic (matmuls, convolutions).
+        output_dtype: dtype of what the model returns.
+        matmul_dtype: None (matmuls in ``compute_dtype``), or
+            ``float8_e4m3fn``: under `jaxamp.autocast`, every eligible
+            ``dot_general`` runs as `jaxamp.fp8_dot_general` (operands
+            float8_e4m3fn, cotangent float8_e5m2, result in ``compute_dtype``).
+            Accepts the strings ``float8``, ``fp8``, ``f8``.
+        update_rounding: None (the optimizer as it is), or ``nearest``,
+            ``stochastic`` or ``kahan``: how the optimizer lands each update
+            on the params, with params and optimizer state stored in
+            ``param_dtype``. Autocast does not read it; the optimizer does,
+            through `jaxamp.optimizer_for_policy`
+            (``get_policy("bfloat16_kahan")``).
+    """
+
+    param_dtype: np.dtype
+    compute_dtype: np.dtype
+    output_dtype: np.dtype
+    matmul_dtype: np.dtype | None = None
+    update_rounding: str | None = None
+
+    def __post_init__(self):
+        for name in ("param_dtype", "compute_dtype", "output_dtype"):
+            object.__setattr__(self, name, parse_dtype(getattr(self, name), f"Policy {name}"))
+        object.__setattr__(self, "matmul_dtype", _canonical_matmul_dtype(self.matmul_dtype))
+        object.__setattr__(self, "update_rounding", _canonical_update_rounding(self.update_rounding))
+
+    @property
+    def fp8_matmuls(self) -> bool:
+        """Whether `jaxamp.autocast` runs the eligible matmuls in FP8."""
+        return self.matmul_dtype is not None
+
+    def cast_to_param(self, tree: T) -> T:
+        """Casts the floating-point array leaves of `tree` to `param_dtype`."""
+        return _cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: T) -> T:
+        """Casts the floating-point array leaves of `tree` to `compute_dtype`."""
+        return _cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: T) -> T:
+        """Casts the floating-point array leaves of `tree` to `output_dtype`."""
+        return _cast_floating(tree, self.output_dtype)
+
+    def with_output_dtype(self, dtype: Any) -> Policy:
+        """Returns a copy of this policy whose outputs are in `dtype`."""
+        return dataclasses.replace(self, output_dtype=dtype)
+
+    @property
+    def is_mixed(self) -> bool:
+        """Whether computation runs in a lower precision than the params."""
+        return jnp.finfo(self.compute_dtype).bits < jnp.finfo(self.param_dtype).bits
+
+    def to_jmp(self) -> jmp.Policy:
+        """Returns the equivalent `jmp.Policy` (jmp has neither FP8 matmuls nor update roundings: both are dropped)."""
+        return jmp.Policy(self.param_dtype, self.compute_dtype, self.output_dtype)
+
+    def __str__(self) -> str:
+        text = (
+            f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
+            f"output={self.output_dtype.name}"
+        )
+        text += ",matmul=float8" if self.fp8_matmuls else ""
+        return text + (f",update={self.update_rounding}" if self.update_rounding else "")
+
+
+PolicySpec = Policy | jmp.Policy | str
+
+
+def _parse_grammar(spec: str) -> Policy:
+    """Parses jmp's ``key=dtype,...`` grammar with jmp's defaults.
+
+    Params default to float32, compute follows params and output follows
+    compute (so ``"c=f16"`` is params float32, compute and output float16).
+    """
+    example = "params=float32,compute=float16,output=float32"
+    fields = parse_fields(spec, _GRAMMAR_KEYS, kind="precision policy", example=example)
+    dtypes = {
+        name: parse_dtype(value, f"The {name.removesuffix('_dtype')} dtype {value!r} of precision policy {spec!r}")
+        for name, value in fields.items()
+        if name not in ("matmul_dtype", "update_rounding")
+    }
+    matmul = fields.get("matmul_dtype")
+    if matmul is not None and matmul not in _MATMUL_DTYPE_ALIASES:
+        raise ValueError(
+            f"Unknown matmul dtype {matmul!r} in precision policy {spec!r}. Valid: "
+            f"{', '.join(_MATMUL_DTYPE_ALIASES)} (FP8 matmuls under jaxamp.autocast); leave "
+            "the key out for matmuls in the compute dtype."
+        )
+    update = fields.get("update_rounding")
+    if update is not None and update not in UPDATE_ROUNDINGS:
+        raise ValueError(
+            f"Unknown update rounding {update!r} in precision policy {spec!r}. Valid: "
+            f"{', '.join(UPDATE_ROUNDINGS)} (how jaxamp.low_precision_optimizer lands each update on the "
+            "params); leave the key out for the optimizer's own update."
+        )
+    param_dtype = dtypes.get("param_dtype", jnp.float32)
+    compute_dtype = dtypes.get("compute_dtype", param_dtype)
+    output_dtype = dtypes.get("output_dtype", compute_dtype)
+    return Policy(param_dtype, compute_dtype, output_dtype, matmul, update)
+
+
+def get_policy(spec: PolicySpec) -> Policy:
+    """Returns the `Policy` that `spec` names.
+
+    Args:
+        spec: a `Policy` (returned as is), a `jmp.Policy` (converted), or a
+            string, case-insensitive with spaces ignored:
+
+            * a name: ``float32``/``fp32``/``full`` (all float32);
+              ``mixed``/``mixed_float16``/``mixed_fp16`` (params float32,
+              compute float16, output float32); ``mixed_bfloat16``/
+              ``mixed_bf16`` (params float32, compute bfloat16, output
+              float32); ``float16``/``fp16`` and ``bfloat16``/``bf16`` (all
+              three in that dtype); ``mixed_float8``/``mixed_fp8`` (as
+              ``mixed_bfloat16``, plus the eligible matmuls in FP8 under
+              `jaxamp.autocast`); ``bfloat16_nearest``/``bf16_nearest``,
+              ``bfloat16_stochastic``/``bf16_stochastic`` and
+              ``bfloat16_kahan``/``bf16_kahan`` (all three dtypes bfloat16,
+              params and optimizer state too, updates landed by that rounding
+              of `jaxamp.low_precision_optimizer`);
+            * a single dtype alias such as ``f16`` or ``half`` (all three);
+            * jmp's grammar, e.g. ``params=float32,compute=float16,output=float32``
+              with keys ``p``/``params``, ``c``/``compute``, ``o``/``output``
+              and dtype aliases ``f32``/``float32``/``full``, ``f16``/
+              ``float16``, ``bf16``/``bfloat16`` and ``half`` (bfloat16 on TPU,
+              float16 elsewhere). Missing keys take jmp's defaults. One key
+              jmp does not have: ``m``/``matmul`` with ``float8``/``fp8``/
+              ``f8`` (FP8 matmuls; e.g. ``p=f32,c=bf16,o=f32,matmul=float8``);
+              and ``u``/``update`` with ``nearest``/``stochastic``/``kahan``
+              (the update rounding; e.g. ``p=bf16,update=kahan``).
+
+    Returns:
+        The policy.
+
+    Raises:
+        ValueError: the string names no policy; the message names the bad token
+            and lists the valid names.
+        TypeError: `spec` is neither a policy nor a string.
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if isinstance(spec, jmp.Policy):
+        return Policy(spec.param_dtype, spec.compute_dtype, spec.output_dtype)
+    if not isinstance(spec, str):
+        raise TypeError(
+            "A precision policy must be a jaxamp.Policy, a jmp.Policy or a string "
+            f"such as 'mixed_float16'; got {type(spec).__name__}: {spec!r}."
+        )
+    normalized = "".join(spec.split()).lower()
+    if "=" in normalized:
+        return _parse_grammar(spec)
+    if normalized in _NAMED_POLICIES:
+        return Policy(*_NAMED_POLICIES[normalized])
+    if normalized in _NAMED_FP8_POLICIES:
+        return Policy(*_NAMED_FP8_POLICIES[normalized], matmul_dtype=jnp.float8_e4m3fn)
+    if normalized in _NAMED_UPDATE_POLICIES:
+        return Policy(_BF16, _BF16, _BF16, update_rounding=_NAMED_UPDATE_POLICIES[normalized])
+    if normalized in DTYPE_NAMES:
+        dtype = parse_dtype(normalized, "A policy's dtype")
+        return Policy(dtype, dtype, dtype)
+    raise ValueError(
+        f"Unknown precision policy {spec!r}. Valid names: "
+        f"{', '.join([*_NAMED_POLICIES, *_NAMED_FP8_POLICIES, *_NAMED_UPDATE_POLICIES])}; a dtype alias "
+        f"({', '.join(DTYPE_NAMES)}); or jmp's grammar such as "
+        "'params=float32,compute=float16,output=float32' (add ',matmul=float8' for FP8 matmuls, "
+        "',update=kahan' for an update rounding)."
+    )

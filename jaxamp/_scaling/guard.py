@@ -1,0 +1,203 @@
+"""Stop a run whose loss scale is stuck, instead of training on skipped steps.
+
+A float16 run can fall into an overflow storm: every step overflows, every
+step is skipped, the dynamic loss scale halves down to its floor and stays
+there, and the run goes on for hours without learning anything (DeepSpeed
+stops such a run with "Current loss scale already at minimum"). The counters
+that tell are already in the state, in its loss scale: every jaxamp loss
+scale counts ``skipped_steps`` and ``consecutive_skipped_steps``
+(`jaxamp._scaling.loss_scale.CountsSkippedSteps`, the one definition of a skipped
+step that `jaxamp.TrainState` and `jaxamp.loss_scaling` read too), and a
+`DynamicLossScale` has ``loss_scale`` and ``min_loss_scale``.
+
+`OverflowGuard.check` reads them on the host, at the points where a training
+loop logs anyway (every few hundred steps, at a checkpoint, at an epoch's
+end), so the jitted step gains no host sync. It raises `LossScaleStuckError`
+when either limit is reached:
+
+```python
+consecutive = loss_scale.consecutive_skipped_steps
+if max_consecutive_skips and consecutive >= max_consecutive_skips:
+    raise LossScaleStuckError            # a storm, whatever the scale
+if (max_overflows_at_min_scale and loss_scale <= min_loss_scale
+        and consecutive >= max_overflows_at_min_scale):
+    raise LossScaleStuckError            # nothing left to back off to
+```
+
+Both limits are off (None) unless asked for. The count is exact for every
+loss scale, however far apart the checks are, and the guard keeps no state
+of its own: a run resumed from a checkpoint (which holds the loss scale)
+carries on with the counts it had.
+
+Examples:
+    >>> guard = jaxamp.OverflowGuard(max_consecutive_skips=50)
+    >>> for step, batch in enumerate(batches):
+    ...     state = train_step(state, batch)
+    ...     if step % 100 == 0:
+    ...         guard.check(state)   # a TrainState, or a jaxamp.loss_scaling optimizer state
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from jaxamp._scaling.loss_scaling import scaling_state_of
+from jaxamp._scaling.nonfinite import NonFiniteGradients, host_value
+
+
+class LossScaleStuckError(RuntimeError):
+    """The loss scale is stuck: steps keep overflowing and being skipped.
+
+    Attributes:
+        steps: steps taken so far, applied and skipped; None when the checked
+            state does not count applied steps (an optimizer state).
+        applied_steps: steps whose update was applied (``TrainState.step``),
+            or None.
+        skipped_steps: steps skipped in all.
+        consecutive_skipped_steps: steps skipped in a row up to now.
+        loss_scale: the current loss scale.
+        min_loss_scale: the loss scale's floor, or None if it has none.
+        reason: which limit fired, in words.
+        nonfinite_paths: the gradient leaves that were not finite in the
+            last skipped step (`jaxamp.diagnostics.NonFiniteGradients`), or
+            None when the state keeps no such record.
+    """
+
+    def __init__(
+        self,
+        *,
+        applied_steps: int | None,
+        skipped_steps: int,
+        consecutive_skipped_steps: int,
+        loss_scale: float,
+        min_loss_scale: float | None,
+        reason: str,
+        nonfinite_paths: list[str] | None = None,
+    ):
+        self.applied_steps = applied_steps
+        self.skipped_steps = skipped_steps
+        self.steps = None if applied_steps is None else applied_steps + skipped_steps
+        self.consecutive_skipped_steps = consecutive_skipped_steps
+        self.loss_scale = loss_scale
+        self.min_loss_scale = min_loss_scale
+        self.reason = reason
+        self.nonfinite_paths = nonfinite_paths
+        floor = "" if min_loss_scale is None else f" (its minimum is {min_loss_scale:g})"
+        counts = f"{skipped_steps} skipped in all, the last {consecutive_skipped_steps} in a row"
+        where = (
+            f"With {counts},"
+            if applied_steps is None
+            else f"At step {self.steps} ({applied_steps} applied, {counts})"
+        )
+        leaves = ""
+        if nonfinite_paths:
+            shown = ", ".join(nonfinite_paths[:4]) + (", ..." if len(nonfinite_paths) > 4 else "")
+            leaves = f" The last skipped step's non-finite gradients: {len(nonfinite_paths)} leaves: {shown}."
+        super().__init__(
+            f"Loss scale stuck: {reason}. {where} the loss scale is {loss_scale:g}{floor}.{leaves} The "
+            "gradients overflow whatever the scale: try a bfloat16 policy, a lower learning rate, "
+            "a float32 override for the layer named, or a static loss scale, and look for inf or NaN "
+            "in the inputs. The guide 'Why was my step skipped?' says what each finding means."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowGuard:
+    """Raises `LossScaleStuckError` when a run's loss scale is stuck.
+
+    A host-side monitor, called outside ``jit`` (see the module docstring for
+    the algorithm). It reads the loss scale's skip counters and keeps nothing
+    between checks, so one guard may check any number of states.
+
+    Args:
+        max_consecutive_skips: raise once this many steps in a row were
+            skipped; None or 0 turns the limit off.
+        max_overflows_at_min_scale: raise once the scale sits at its
+            ``min_loss_scale`` and this many steps in a row were skipped;
+            None or 0 turns the limit off. Loss scales with no floor
+            (static, no-op) never reach it.
+    """
+
+    max_consecutive_skips: int | None = None
+    max_overflows_at_min_scale: int | None = None
+
+    def __post_init__(self):
+        for name in ("max_consecutive_skips", "max_overflows_at_min_scale"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(
+                    f"OverflowGuard {name} must be None or an integer >= 0 (0 turns it off); got {value!r}."
+                )
+
+    def check(self, state: Any) -> None:
+        """Reads the state's counters on the host; raises if the scale is stuck.
+
+        Args:
+            state: a `jaxamp.TrainState` (or anything with ``step`` and a
+                jaxamp ``loss_scale``), or an optimizer state built by
+                `jaxamp.loss_scaling`.
+
+        Raises:
+            LossScaleStuckError: a limit was reached.
+            TypeError: `state` holds no loss scale with skip counters.
+        """
+        loss_scale, applied, nonfinite_grads = _counters_of(state)
+        skipped = int(host_value(loss_scale.skipped_steps))
+        consecutive = int(host_value(loss_scale.consecutive_skipped_steps))
+        scale = float(host_value(loss_scale.loss_scale))
+        floor = getattr(loss_scale, "min_loss_scale", None)
+        floor = None if floor is None else float(floor)
+
+        reason = None
+        if self.max_consecutive_skips and consecutive >= self.max_consecutive_skips:
+            reason = f"{consecutive} steps in a row overflowed (limit {self.max_consecutive_skips})"
+        elif (
+            self.max_overflows_at_min_scale
+            and floor is not None
+            and scale <= floor
+            and consecutive >= self.max_overflows_at_min_scale
+        ):
+            reason = (
+                f"{consecutive} steps in a row overflowed with the scale at its minimum "
+                f"(limit {self.max_overflows_at_min_scale})"
+            )
+        if reason is not None:
+            raise LossScaleStuckError(
+                applied_steps=applied,
+                skipped_steps=skipped,
+                consecutive_skipped_steps=consecutive,
+                loss_scale=scale,
+                min_loss_scale=floor,
+                reason=reason,
+                nonfinite_paths=None if nonfinite_grads is None else nonfinite_grads.nonfinite_paths(),
+            )
+
+
+def _counters_of(state: Any) -> tuple[Any, int | None, NonFiniteGradients | None]:
+    """The loss scale a state holds, its applied steps (None if it counts none) and its
+    record of non-finite gradient leaves (None if it keeps none)."""
+    if hasattr(state, "step") and hasattr(state, "loss_scale"):
+        loss_scale, applied = state.loss_scale, int(host_value(state.step))
+        nonfinite_grads = getattr(state, "nonfinite_grads", None)
+    else:
+        try:
+            scaling_state = scaling_state_of(state, "OverflowGuard.check")
+        except ValueError:
+            raise TypeError(
+                "OverflowGuard.check needs a train state with step, skipped_steps and loss_scale "
+                f"(a jaxamp.TrainState) or a jaxamp.loss_scaling optimizer state; got "
+                f"{type(state).__name__}."
+            ) from None
+        loss_scale, applied = scaling_state.loss_scale, None
+        nonfinite_grads = scaling_state.nonfinite_grads
+    if not hasattr(loss_scale, "consecutive_skipped_steps"):
+        raise TypeError(
+            f"OverflowGuard.check needs a jaxamp loss scale, which counts skipped steps; the state "
+            f"holds {type(loss_scale).__name__}."
+        )
+    return loss_scale, applied, nonfinite_grads
