@@ -272,7 +272,7 @@ def main() -> None:
     arguments = parser.parse_args()
     if not jaxamp.diagnostics._gpu_targets.cuda_plugin_available():
         sys.exit(
-            "Needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]'); run with JAX_PLATFORMS=cpu."
+            "Needs the CUDA PJRT plugin (pip install 'jax-mixed-precision[gpu-aot]'); run with JAX_PLATFORMS=cpu."
         )
     device = jaxamp.diagnostics.gpu_target_device(TARGET)
     print(f"# jax {jax.__version__}, target {TARGET} ({device.device_kind}), compiled without a GPU")

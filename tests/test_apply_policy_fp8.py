@@ -56,7 +56,7 @@ def test_compiled_for_an_h200_every_gemm_of_a_flax_mlp_under_mixed_float8_is_a_c
     layer's input gradient GEMM is not in the program: five GEMMs.
     """
     if not jaxamp.diagnostics.cuda_plugin_available():
-        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jax-mixed-precision[gpu-aot]')")
     device = jaxamp.diagnostics.gpu_target_device("h200")
     model = jaxamp.apply_policy(MLP(), "mixed_float8")
     x = jax.ShapeDtypeStruct((M, K), jnp.float32)

@@ -70,7 +70,7 @@ def _temp_bytes(route: str) -> int:
 def test_a_bottleneck_resnet_train_step_needs_half_of_float32s_temp_memory_by_either_route():
     """Before the rules kept BatchNorm's and ReLU's outputs float16, autocast needed 0.74x of float32's."""
     if not jaxamp.diagnostics.cuda_plugin_available():
-        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jax-mixed-precision[gpu-aot]')")
     float32, apply_policy, autocast = (
         _temp_bytes(route) for route in ("float32", "apply_policy", "autocast")
     )

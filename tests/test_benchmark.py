@@ -385,7 +385,7 @@ def test_a_half_precision_is_compiled_for_a_target_by_both_routes_with_memory_tr
     dropped, or if the table leaves the route out.
     """
     if not jaxamp.diagnostics._gpu_targets.cuda_plugin_available():
-        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jax-mixed-precision[gpu-aot]')")
     results = Results(str(tmp_path), {"environment": {}})
     targets.run(["h200"], ["resnet_tiny"], ["fp32", "mixed"], 4, budget_lib.Budget(), results)
     entries = results.data["targets"]["h200"]["resnet_tiny"]

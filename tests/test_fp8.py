@@ -630,7 +630,7 @@ def test_compiled_for_an_h200_all_five_gemms_of_an_mlp_gradient_are_cublaslt_fp8
     ``__cublas$lt$matmul$f8`` custom calls on FP8 operands. Fails if XLA fell back to a bf16
     GEMM (``__cublas$gemm`` / ``__cublas$lt$matmul``) or the backward lost FP8."""
     if not jaxamp.diagnostics._gpu_targets.cuda_plugin_available():
-        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jax-mixed-precision[gpu-aot]')")
     params = {
         "w1": jax.ShapeDtypeStruct((32, 64), jnp.float32),
         "w2": jax.ShapeDtypeStruct((64, 16), jnp.float32),
@@ -671,7 +671,7 @@ def test_compiled_for_an_h200_a_forward_convolution_is_a_cudnn_fp8_graph_and_its
     backward ones are bfloat16 cuDNN convolutions under the conv_backward scope. Fails if XLA
     did not rewrite the forward (a plain ``__cudnn$convForward`` on bf16 operands)."""
     if not jaxamp.diagnostics._gpu_targets.cuda_plugin_available():
-        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jax-mixed-precision[gpu-aot]')")
     images, kernel = (
         jax.ShapeDtypeStruct((8, 16, 16, 32), jnp.float32),
         jax.ShapeDtypeStruct((3, 3, 32, 64), jnp.float32),
@@ -736,7 +736,7 @@ def test_compiled_for_an_h200_a_transformer_blocks_projections_are_fp8_and_its_a
     calls than the block's 18 projection GEMMs. Fails if any projection GEMM ran in bfloat16
     (a ``__cublas$gemm`` or bf16 ``__cublas$lt$matmul`` call) or a core lost its reason."""
     if not jaxamp.diagnostics._gpu_targets.cuda_plugin_available():
-        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jax-mixed-precision[gpu-aot]')")
     step = jax.jit(jax.grad(jaxamp.autocast(block_loss, "mixed_float8")))
     text = step.lower(*block_arguments()).compile().as_text()
     op_names = lambda lines: [re.search(r'op_name="([^"]+)"', line).group(1) for line in lines]
@@ -771,7 +771,7 @@ def test_compiled_for_an_h200_at_least_95_percent_of_a_transformer_blocks_gemm_f
     95%, or it shows as "requested, not fp8"), if a backward GEMM went missing from FP8
     (backward FP8 FLOPs below twice the forward's), or if a core lost its reason."""
     if not jaxamp.diagnostics._gpu_targets.cuda_plugin_available():
-        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jax-mixed-precision[gpu-aot]')")
     gradient = (
         jaxamp.autocast(jax.grad(block_loss, (0, 1)), "mixed_float8")
         if order == "autocast(grad)"
@@ -816,7 +816,7 @@ def test_compiled_for_an_h200_a_resnet_style_nets_forward_convolutions_are_fp8_a
     into the cuDNN FP8 graph, if the stem were sent to FP8, or if a backward convolution
     lost its reason."""
     if not jaxamp.diagnostics._gpu_targets.cuda_plugin_available():
-        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jax-mixed-precision[gpu-aot]')")
     shapes = {"stem": (3, 3, 3, 16), "conv1": (3, 3, 16, 32), "conv2": (3, 3, 32, 32), "head": (32, 16)}
     params = {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in shapes.items()}
     images = jax.ShapeDtypeStruct((8, 16, 16, 3), jnp.float32)

@@ -18,7 +18,7 @@ TORCHAO_FASTER = (4096, 8192, 16384)  # 1.39x
 
 def _needs_plugin():
     if not jaxamp.diagnostics.cuda_plugin_available():
-        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jax-mixed-precision[gpu-aot]')")
 
 
 @pytest.mark.parametrize("target", ["h100", "h200", "b200"])

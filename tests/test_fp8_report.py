@@ -243,7 +243,7 @@ def test_a_fallback_under_its_scope_is_a_row_with_its_reason_and_no_warning():
 
 def _h200():
     if not jaxamp.diagnostics._gpu_targets.cuda_plugin_available():
-        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jax-mixed-precision[gpu-aot]')")
     return jaxamp.diagnostics.gpu_target_device("h200")
 
 

@@ -61,13 +61,13 @@ def test_on_device_turns_arrays_into_placed_shape_dtype_structs_and_keeps_other_
 
 def test_without_the_plugin_a_target_device_explains_how_to_install_it(monkeypatch):
     monkeypatch.setattr(gpu_targets, "cuda_plugin_available", lambda: False)
-    with pytest.raises(RuntimeError, match=r"jaxamp\[gpu-aot\].*JAX_PLATFORMS=cpu"):
+    with pytest.raises(RuntimeError, match=r"jax-mixed-precision\[gpu-aot\].*JAX_PLATFORMS=cpu"):
         jaxamp.diagnostics.gpu_target_device("h200")
 
 
 def test_a_step_compiled_for_an_h200_halves_its_temporary_memory_under_mixed():
     if not jaxamp.diagnostics.cuda_plugin_available():
-        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jax-mixed-precision[gpu-aot]')")
     device = jaxamp.diagnostics.gpu_target_device("h200")
     assert device.device_kind == "NVIDIA H200"
 
@@ -106,7 +106,7 @@ def test_with_the_plugin_installed_and_jax_platforms_unset_gpu_targets_compile_a
     """
     spec = importlib.util.find_spec("jax_cuda12_plugin")
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jax-mixed-precision[gpu-aot]')")
     if gpu_targets.nvidia_gpu_visible():
         pytest.skip("a machine with an NVIDIA GPU: the plugin's check is JAX's to run")
     plugin_parent = os.path.dirname(next(iter(spec.submodule_search_locations)))

@@ -296,7 +296,7 @@ def test_the_step_compiled_for_an_h200_runs_its_matmuls_in_bfloat16_with_a_roofl
     from experiments.lm import on_paper
 
     if not jaxamp.diagnostics.cuda_plugin_available():
-        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]'; run with JAX_PLATFORMS=cpu)")
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jax-mixed-precision[gpu-aot]'; run with JAX_PLATFORMS=cpu)")
     # The einsum attention: cuDNN's (what auto picks on a GPU) needs libcudnn to compile.
     config = config_lib.LMConfig(
         model="tiny", precision="mixed_bf16", route="autocast", attention="einsum", context=16, batch_size=2

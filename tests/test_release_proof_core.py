@@ -48,5 +48,5 @@ def test_importing_jaxamp_and_calling_autocast_or_a_gpu_target_leave_the_environ
     the same."""
     assert core_checks["environment_unchanged_by_import"]
     assert core_checks["environment_unchanged_after_autocast"]
-    assert core_checks["gpu_target"] == "compiled-for" or "jaxamp[gpu-aot]" in core_checks["gpu_target"]
+    assert core_checks["gpu_target"] == "compiled-for" or "jax-mixed-precision[gpu-aot]" in core_checks["gpu_target"]
     assert core_checks["environment_unchanged_after_gpu_target"]

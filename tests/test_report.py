@@ -374,7 +374,7 @@ def test_hlo_text_without_an_entry_computation_is_refused_with_the_next_step():
 @pytest.mark.parametrize("policy, half", [("mixed_float16", "float16"), ("mixed_bfloat16", "bfloat16")])
 def test_compiled_for_an_h200_without_a_gpu_every_convolution_and_matmul_runs_in_half(policy, half):
     if not jaxamp.diagnostics._gpu_targets.cuda_plugin_available():
-        pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jax-mixed-precision[gpu-aot]')")
     gradient, args = _gradient_of_mixed_convnet(policy)
     report = jaxamp.precision_report(
         gradient, *jaxamp.diagnostics.on_device(args, jaxamp.diagnostics.gpu_target_device("h200")), compiled=True

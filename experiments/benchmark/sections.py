@@ -88,7 +88,7 @@ class SectionRunner:
         if settings["targets"] and not jaxamp.diagnostics.cuda_plugin_available():
             self.budget.skip(
                 "attribution on GPU targets",
-                "the CUDA PJRT plugin is not installed (pip install 'jaxamp[gpu-aot]')",
+                "the CUDA PJRT plugin is not installed (pip install 'jax-mixed-precision[gpu-aot]')",
             )
             return
         for target in settings["targets"]:
@@ -133,7 +133,7 @@ class SectionRunner:
         settings = self.settings
         if not jaxamp.diagnostics.cuda_plugin_available():
             self.budget.skip(
-                "targets", "the CUDA PJRT plugin is not installed (pip install 'jaxamp[gpu-aot]')"
+                "targets", "the CUDA PJRT plugin is not installed (pip install 'jax-mixed-precision[gpu-aot]')"
             )
             return
         targets.run(

@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
     if not jaxamp.diagnostics.cuda_plugin_available():
         print(
             "error: compiling for a GPU target needs the CUDA PJRT plugin of the installed JAX: "
-            "pip install 'jaxamp[gpu-aot]', then run with JAX_PLATFORMS=cpu.",
+            "pip install 'jax-mixed-precision[gpu-aot]', then run with JAX_PLATFORMS=cpu.",
             file=sys.stderr,
         )
         return 1

@@ -2,7 +2,7 @@
 
 JAX can compile a program for a GPU on a CPU-only machine, given the CUDA
 PJRT plugin of the installed JAX's version (``pip install
-jaxamp[gpu-aot]``: the ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt``
+jax-mixed-precision[gpu-aot]``: the ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt``
 wheels, no NVIDIA libraries needed) and a description of the GPU:
 
 ```python
@@ -151,7 +151,7 @@ def gpu_target_device(target: str | GpuSpec) -> Any:
     if not cuda_plugin_available():
         raise RuntimeError(
             "Compiling for a GPU target needs the CUDA PJRT plugin of the installed JAX "
-            f"({jax.__version__}): pip install 'jaxamp[gpu-aot]' (or jax-cuda12-plugin=="
+            f"({jax.__version__}): pip install 'jax-mixed-precision[gpu-aot]' (or jax-cuda12-plugin=="
             f"{jax.__version__} jax-cuda12-pjrt=={jax.__version__}). No GPU or CUDA libraries are needed; "
             "on a machine with a GPU but without its CUDA libraries, run with JAX_PLATFORMS=cpu."
         )
