@@ -5,7 +5,7 @@
 
 `jaxamp.autocast` runs an elementwise chain that feeds only float32
 reductions (the ``h * h`` of an RMS norm, the ``mul`` inside
-``jnp.linalg.norm``) in float32 (`jaxamp._autocast.reduction_inputs`).
+``jnp.linalg.norm``) in float32 (`jaxamp._autocast.lineage.reduction_inputs`).
 This script compiles the same programs twice for an H200 target without a
 GPU (`jaxamp.diagnostics.gpu_target_device`), with that rule switched off (the rewrite
 autocast made before the rule existed: every other rule is the same code)
@@ -59,7 +59,7 @@ import numpy as np
 
 import jaxamp
 from jaxamp.diagnostics import _hlo_report as hlo_report
-from jaxamp._autocast.reduction_inputs import _disabled
+from jaxamp._autocast.lineage import _reduction_inputs_disabled as _disabled
 
 TARGET = "h200"
 MODES = {"rule off": _disabled, "rule on": contextlib.nullcontext}

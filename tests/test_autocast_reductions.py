@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp._autocast.reduction_inputs import _disabled
+from jaxamp._autocast.lineage import _reduction_inputs_disabled as _disabled
 from tests.test_autocast import _equation_dtypes
 
 RTOL = 2.0**-9  # four units of float16 rounding; see the module docstring

@@ -123,7 +123,7 @@ def is_public(dotted: str) -> bool:
 def test_the_public_name_check_refuses_private_and_internal_names():
     assert is_public("jaxamp.autocast") and is_public("jaxamp.diagnostics.bytes_accessed.__name__")
     assert not is_public("jaxamp.diagnostics._hlo_report.bytes_accessed")
-    assert not is_public("jaxamp._autocast.reduction_inputs._disabled")
+    assert not is_public("jaxamp._autocast.lineage._reduction_inputs_disabled")
     assert not is_public("jaxamp.fsdp._communication_dtype")
 
 

@@ -1,8 +1,7 @@
-"""What every dtype rule receives: the rewrite in progress (`Rewrite`).
+"""What every dtype rule receives: the rewrite in progress (`Rewrite`), and the helpers rules share.
 
-Below both `jaxamp._autocast.rules` (whose rules take a `Rewrite`) and
-`jaxamp._autocast.interpreter` (which builds one and asks it for each
-equation's rule), so neither imports the other for it.
+Below `rules`, `lineage` and `interpreter`, so none of them imports another
+for it.
 """
 
 from __future__ import annotations
@@ -11,8 +10,10 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
+from jax import lax
+from jax.extend.core import Literal, Primitive
 
 from jaxamp._autocast.primitives import subjaxprs, warn_once
 from jaxamp._autocast.scope import ScopePolicy, in_float32_scope, scope_policies
@@ -22,6 +23,39 @@ Rule = Callable[["Rewrite", Any, Sequence[Any]], list]
 
 RulesFor = Callable[[np.dtype, bool], Mapping[Primitive, Rule]]
 """``rules_for(compute_dtype, fp8_matmuls)``: the rules table of a policy scope."""
+
+
+def is_floating(dtype: Any) -> bool:
+    """Whether `dtype` is a real floating dtype (float0 and complex are not)."""
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def cast(value: Any, dtype: Any) -> Any:
+    """`value` in `dtype`; NumPy values (literals, constants) stay NumPy values."""
+    if value.dtype == dtype:
+        return value
+    if isinstance(value, (np.ndarray, np.generic)):
+        with np.errstate(over="ignore", under="ignore"):
+            return np.asarray(value).astype(dtype)
+    return lax.convert_element_type(value, dtype)
+
+
+def bind(equation, invals: Sequence[Any], **param_updates) -> list:
+    """Applies `equation`'s primitive to `invals` with its params, some replaced.
+
+    ``get_bind_params`` turns a jaxpr equation's params into bind's (a custom
+    derivative's jaxprs into functions): JAX 0.10 returns the params with the
+    functions among them, releases before it a ``(functions, params)`` pair.
+    """
+    bind_params = equation.primitive.get_bind_params({**equation.params, **param_updates})
+    subfuns, bind_params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
+    outvals = equation.primitive.bind(*subfuns, *invals, **bind_params)
+    return list(outvals) if equation.primitive.multiple_results else [outvals]
+
+
+def traced_dtypes(atoms: Sequence[Any]) -> list:
+    """The dtypes `atoms` (jaxpr variables or literals) had when traced."""
+    return [atom.aval.dtype for atom in atoms]
 
 
 def carries_jaxpr(equation) -> bool:
@@ -49,6 +83,11 @@ class Rewrite:
             (`jaxamp._autocast.scope.policy_scope`); None where no scope
             can change the policy (the rewrites of a custom derivative).
         fp8_matmuls: whether `rules` run the eligible matmuls in FP8.
+        literals: ``(id(equation), position) -> value``: the literals the
+            half trace rounded, as the program wrote them
+            (`jaxamp._autocast.reference`).
+        casts: ``id(equation) -> dtype``: the casts the half trace narrowed,
+            to the dtype the program wrote.
     """
 
     compute_dtype: np.dtype
@@ -57,6 +96,8 @@ class Rewrite:
     memo: dict = dataclasses.field(default_factory=dict)
     rules_for: RulesFor | None = None
     fp8_matmuls: bool = False
+    literals: Mapping[tuple[int, int], np.ndarray] = dataclasses.field(default_factory=dict)
+    casts: Mapping[int, np.dtype] = dataclasses.field(default_factory=dict)
     _scoped: dict = dataclasses.field(default_factory=dict)
 
     def scoped(self, equation) -> Rewrite:
@@ -88,6 +129,8 @@ class Rewrite:
                 self.as_traced,
                 rules_for=self.rules_for,
                 fp8_matmuls=key[1],
+                literals=self.literals,
+                casts=self.casts,
                 _scoped=self._scoped,
             )
         return self._scoped[key]
@@ -116,3 +159,11 @@ class Rewrite:
             )
         warn_once(equation.primitive)
         return self.as_traced
+
+    def literal(self, equation, position: int) -> np.ndarray:
+        """The value of `equation`'s literal operand at `position`, as the program wrote it."""
+        written = self.literals.get((id(equation), position))
+        if written is not None:
+            return written
+        atom: Literal = equation.invars[position]
+        return np.asarray(atom.val, dtype=atom.aval.dtype)

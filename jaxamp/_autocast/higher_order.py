@@ -54,17 +54,20 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
-from jaxamp._autocast.context import Rewrite, Rule
+from jaxamp._autocast.context import Rewrite, Rule, bind, cast, is_floating, traced_dtypes
 from jaxamp._autocast.interpreter import (
     RewriteCache,
     abstract,
     interpret,
     lift_consts,
+    operand_lineages,
+    rewrite_body,
     rewrite_jaxpr,
     with_dtype,
 )
+from jaxamp._autocast.lineage import ACTIVATION, Kind
 from jaxamp._autocast.recorder import active_recorder
-from jaxamp._autocast.rules import bind, cast, is_floating, restore_rule, traced_dtypes, unsupported
+from jaxamp._autocast.rules import restore_rule, unsupported
 from jaxamp.fp8._sites import current_fp8_sites
 
 
@@ -80,15 +83,17 @@ def jit_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     if recorder is not None or current_fp8_sites() is not None:
         closed = equation.params[body_param]
         with recorder.inlined(equation) if recorder is not None else contextlib.nullcontext():
-            return interpret(context, closed.jaxpr, closed.consts, invals)
-    body = rewrite_jaxpr(context, equation.params[body_param], [abstract(value) for value in invals])
+            return interpret(context, closed.jaxpr, closed.consts, invals, operand_lineages())
+    avals = [abstract(value) for value in invals]
+    body = rewrite_jaxpr(context, equation.params[body_param], avals, lineages=operand_lineages())
     return bind(equation, invals, **{body_param: body})
 
 
 def remat_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     """``jax.checkpoint``: rewritten body, ``policy``/``prevent_cse``/``differentiated`` kept."""
     body = ClosedJaxpr(equation.params["jaxpr"], ())
-    rewritten, consts = lift_consts(rewrite_jaxpr(context, body, [abstract(value) for value in invals]))
+    avals = [abstract(value) for value in invals]
+    rewritten, consts = lift_consts(rewrite_jaxpr(context, body, avals, lineages=operand_lineages()))
     return bind(equation, [*consts, *invals], jaxpr=rewritten)
 
 
@@ -132,9 +137,10 @@ def scan_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
         *(abstract(value, drop_leading_axis=True) for value in xs),
     ]
     num_ys = len(equation.outvars) - num_carry
-    body = jaxpr_as_fun(
-        rewrite_jaxpr(context, equation.params["jaxpr"], body_avals, [*carry_dtypes, *([None] * num_ys)])
-    )
+    operands = operand_lineages()
+    lineages = [*operands[:num_consts], *([ACTIVATION] * num_carry), *operands[num_consts + num_carry :]]
+    pins = [*carry_dtypes, *([None] * num_ys)]
+    body = jaxpr_as_fun(rewrite_jaxpr(context, equation.params["jaxpr"], body_avals, pins, lineages))
 
     def step(carry, x):
         outvals = body(*consts, *carry, *x)
@@ -159,14 +165,19 @@ def while_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     carry_dtypes = _pinned_dtypes(context, equation.invars[cond_nconsts + body_nconsts :])
     init = [cast(value, dtype) for value, dtype in zip(invals[cond_nconsts + body_nconsts :], carry_dtypes)]
     carry_avals = [abstract(value) for value in init]
+    operands, carry = operand_lineages(), [ACTIVATION] * len(init)
     cond = rewrite_jaxpr(
-        context, equation.params["cond_jaxpr"], [*(abstract(value) for value in cond_consts), *carry_avals]
+        context,
+        equation.params["cond_jaxpr"],
+        [*(abstract(value) for value in cond_consts), *carry_avals],
+        lineages=[*operands[:cond_nconsts], *carry],
     )
     body = rewrite_jaxpr(
         context,
         equation.params["body_jaxpr"],
         [*(abstract(value) for value in body_consts), *carry_avals],
         carry_dtypes,
+        [*operands[cond_nconsts : cond_nconsts + body_nconsts], *carry],
     )
     cond_jaxpr, new_cond_consts = lift_consts(cond)
     body_jaxpr, new_body_consts = lift_consts(body)
@@ -188,13 +199,14 @@ def cond_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     """
     index, *operands = invals
     avals = [abstract(value) for value in operands]
+    lineages = operand_lineages()[1:]
     branches = equation.params["branches"]
-    first_pass = [rewrite_jaxpr(context, branch, avals) for branch in branches]
+    first_pass = [rewrite_jaxpr(context, branch, avals, lineages=lineages) for branch in branches]
     out_dtypes = [
         jnp.result_type(*(branch.out_avals[position].dtype for branch in first_pass))
         for position in range(len(equation.outvars))
     ]
-    unified = [rewrite_jaxpr(context, branch, avals, out_dtypes) for branch in branches]
+    unified = [rewrite_jaxpr(context, branch, avals, out_dtypes, lineages) for branch in branches]
     return list(lax.switch(index, [jaxpr_as_fun(branch) for branch in unified], *operands))
 
 
@@ -245,11 +257,15 @@ def custom_jvp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     differentiable_in = [is_floating(dtype) for dtype in in_dtypes]
     differentiable_out = [is_floating(dtype) for dtype in traced_out_dtypes]
     body = equation.params["call_jaxpr"]
-    rewritten_body = rewrite_jaxpr(context, body, [abstract(value) for value in invals])
+    avals = [abstract(value) for value in invals]
+    rewritten_body, report = rewrite_body(context, body, avals, lineages=operand_lineages())
     out_dtypes = [
-        _narrowed(aval.dtype, traced) for aval, traced in zip(rewritten_body.out_avals, traced_out_dtypes)
+        aval.dtype if lineage.kind is Kind.ISLAND else _narrowed(aval.dtype, traced)
+        for aval, traced, lineage in zip(rewritten_body.out_avals, traced_out_dtypes, report.lineages)
     ]
     tangent_dtypes = [dtype for dtype, keep in zip(out_dtypes, differentiable_out) if keep]
+    primal_lineages = operand_lineages()
+    rule_lineages = [*primal_lineages, *(made for made, keep in zip(primal_lineages, differentiable_in) if keep)]
 
     def original(*primals):
         return bind(equation, primals)
@@ -277,7 +293,7 @@ def custom_jvp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
         traced_avals = [with_dtype(abstract(leaf), dtype) for leaf, dtype in zip(leaves, traced_leaf_dtypes)]
         rule = jax.make_jaxpr(user_jvp)(*traced_avals)
         rewritten_rule = rewrite_jaxpr(
-            context, rule, [abstract(leaf) for leaf in leaves], [*out_dtypes, *tangent_dtypes]
+            context, rule, [abstract(leaf) for leaf in leaves], [*out_dtypes, *tangent_dtypes], rule_lineages
         )
         results = jaxpr_as_fun(rewritten_rule)(*leaves)
         outs, float_out_tangents = results[: len(out_dtypes)], iter(results[len(out_dtypes) :])

@@ -1,14 +1,15 @@
 """The jaxpr interpreter at the heart of `jaxamp.autocast`.
 
 A function is traced to a jaxpr once, its floating arguments in the compute
-dtype (`jaxamp._autocast.transform.trace_dtypes`), and the jaxpr is
-evaluated again equation by equation on the arguments as the caller gave
-them: each equation's rule
-(`jaxamp._autocast.rules` for first-order primitives,
-`jaxamp._autocast.higher_order` for those carrying jaxprs) sees the current
-input values, whose dtypes may differ from the traced ones, and decides
-which dtypes the primitive runs in. Tracing that evaluation gives the
-rewritten jaxpr, which `RewriteCache` keeps per input shapes and dtypes.
+dtype (`jaxamp._autocast.transform.trace_dtypes`), and a second time with
+its arguments as given, whose literals replace those the half trace rounded
+(`jaxamp._autocast.reference`). The half jaxpr is then evaluated again
+equation by equation on the arguments as the caller gave them: each
+equation's rule (`rules` for first-order primitives, `higher_order` for
+those carrying jaxprs) sees the current input values, whose dtypes may
+differ from the traced ones, and the lineage of each (`lineage`), and
+decides which dtypes the primitive runs in. Tracing that evaluation gives
+the rewritten jaxpr, which `RewriteCache` keeps per input shapes and dtypes.
 """
 
 from __future__ import annotations
@@ -26,7 +27,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, jaxpr_as_fun
 
-from jaxamp._autocast.context import Rewrite, Rule, RulesFor, carries_jaxpr
+from jaxamp._autocast.context import Rewrite, Rule, RulesFor, carries_jaxpr, cast, is_floating
+from jaxamp._autocast.lineage import (
+    ACTIVATION,
+    ISLAND,
+    STATISTIC,
+    Kind,
+    Lineage,
+    after_convert,
+    after_float32,
+    constant,
+    follow,
+    join,
+    keeps_a_statistic,
+    of_input,
+    reduction_inputs,
+    wider,
+)
 from jaxamp._autocast.recorder import (
     INLINED_CALLS,
     SITE_PRIMITIVES,
@@ -36,140 +53,203 @@ from jaxamp._autocast.recorder import (
     differentiated_leaves,
     recording,
 )
-from jaxamp._autocast.reduction_inputs import reduction_inputs
-from jaxamp._autocast.rules import cast, float32_rule, follow, follow_rule, is_floating, restore_rule
-from jaxamp._autocast.scope import canonical_name_stack, equation_context, inside_extent, scope_policies
+from jaxamp._autocast.reference import recovered
+from jaxamp._autocast.rules import float32_rule, restore_rule
+from jaxamp._autocast.scope import (
+    canonical_name_stack,
+    equation_context,
+    in_float32_scope,
+    inside_extent,
+    scope_policies,
+)
 from jaxamp._scaling.overflow import PROBE_SLOTS, OverflowRecord, OverflowSession, no_session
 from jaxamp.fp8._sites import SLOTS as FP8_SLOTS
 from jaxamp.fp8._sites import Fp8Sites, current_fp8_sites, fp8_sites
 
-# While a higher-order equation's rule runs: the policy scopes in which each
-# output of each body it evaluates was made (one tuple per body), so that the
-# equation's outputs leave those scopes where an equation outside reads them.
-_BODY_OUTPUT_SCOPES: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "jaxamp_body_output_scopes", default=None
-)
+
+@dataclasses.dataclass(frozen=True)
+class BodyReport:
+    """What an evaluated body tells the equation that holds it, per output: the policy scopes it
+    was made in (so it leaves them where an equation outside reads it) and its lineage."""
+
+    scopes: tuple
+    lineages: tuple
+
+
+# While a higher-order equation's rule runs: the reports of the bodies it evaluates.
+_BODY_REPORTS: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxamp_body_reports", default=None)
+# While a rule runs: the lineages of its equation's operands (`operand_lineages`).
+_OPERANDS: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxamp_operands", default=())
 
 
 @contextlib.contextmanager
-def _collecting_body_scopes(reports: list | None):
-    token = _BODY_OUTPUT_SCOPES.set(reports)
+def _set(variable: contextvars.ContextVar, value: Any):
+    token = variable.set(value)
     try:
-        yield reports
+        yield value
     finally:
-        _BODY_OUTPUT_SCOPES.reset(token)
+        variable.reset(token)
 
 
-def interpret(context: Rewrite, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list:
-    """Evaluates `jaxpr` on `args`, each equation through its rule.
+def operand_lineages() -> tuple:
+    """The lineages of the operands of the equation whose rule runs now (for the bodies it rewrites)."""
+    return _OPERANDS.get()
 
-    Literals are read as NumPy values of their traced dtype, so a rule can
-    cast them without creating a traced constant. Equations that feed only
-    float32 reductions run in float32
-    (`jaxamp._autocast.reduction_inputs`). For the follow rule
-    (`jaxamp._autocast.rules.follow`) it keeps two tables: the literal
-    each broadcast of a literal holds (weak, as the literal is), and the
-    unrounded result of each broadcasting op that rounded its result to
-    its full-size operands' half dtype, for the next such op to compute
-    from, so a normalization's ``(h - mean) * inv + bias`` is rounded once,
-    and for float32 ops to read (the square of ``h - mean`` in a variance
-    is that of the float32 difference, as before the rounding). It also
-    follows the statistics (`_derives_a_statistic`), which a cast to the
-    half compute dtype leaves in float32 (`_keeps_a_statistic_float32`).
 
-    Each equation runs under the rewrite of its innermost policy scope
-    (`Rewrite.scoped`). A floating value made inside a policy scope is cast
-    to the scope's exit dtype where an equation outside that scope reads it
-    (scope by scope, innermost first); the jaxpr's outputs and the
-    equations inside the scope read it as it was made. A body's outputs
-    carry the scopes they were made in out to the equation that holds the
-    body (a block that ends in a normalization, under ``jax.checkpoint``),
-    whose outputs then leave those scopes in the same way.
+def _in_island(equation) -> bool:
+    """Whether `equation` lies in a float32 island: `float32_scope`, or a policy scope that computes
+    and hands its values on in float32 (a layer class overridden to float32)."""
+    if in_float32_scope(equation):
+        return True
+    scopes = scope_policies(equation)
+    return bool(scopes) and scopes[-1][1].compute_dtype == np.float32 and scopes[-1][1].exit_dtype == np.float32
 
-    In a recording rewrite (`jaxamp._autocast.recorder`), each matmul
-    and convolution is a site: its operands are tapped for the backward
-    pass and its output's amax recorded; bodies other than nested ``jit``
-    calls (which the jit rule inlines) are rewritten without recording.
-    Under FP8 delayed scaling (`jaxamp.fp8._sites`) the same bodies run
-    without it: their FP8 matmuls use current scaling.
+
+def _lineages_after(context: Rewrite, role: str | None, equation, lineages: list, reports: list | None) -> list:
+    """The lineage of each output of an equation that no `follow` ran."""
+    count = len(equation.outvars)
+    if role in ("float32", "widened"):
+        return [after_float32(equation, lineages)] * count
+    if role == "convert":
+        new_dtype, from_dtype = equation.params["new_dtype"], equation.invars[0].aval.dtype
+        return [after_convert(lineages[0], new_dtype, from_dtype, context.compute_dtype)]
+    if role == "pass_through":
+        return list(lineages[:count])
+    if reports:
+        matching = [report.lineages for report in reports if len(report.lineages) == count]
+        if matching:
+            return [join(per_output) for per_output in zip(*matching)]
+    return [ACTIVATION] * count
+
+
+def interpret(
+    context: Rewrite,
+    jaxpr: Jaxpr,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    lineages: Sequence[Lineage | None] | None = None,
+) -> list:
+    """Evaluates `jaxpr` on `args`, each equation through its rule, each value with its lineage.
+
+    Literals are read as the program wrote them (`Rewrite.literal`), as NumPy
+    values, so a rule can cast them without creating a traced constant.
+    An argument's lineage is given (a body's, by the equation that holds it)
+    or read from its dtype against its traced one (`lineage.of_input`);
+    constants are CONSTANT. Per equation:
+
+    ```text
+    rule = float32 if the equation feeds only a float32 reduction (lineage.reduction_inputs)
+           else the rule of its innermost policy scope (Rewrite.scoped)
+    follow ops:  lineage.follow (computes, rounds once per chain, gives the result's lineage)
+    the half trace's cast of a statistic back to half: skipped (lineage.keeps_a_statistic)
+    a constant's cast the half trace narrowed: to the dtype the program wrote (reference)
+    float32 ops read a rounded chain's unrounded value
+    other ops:   the rule; outputs' lineages from its role or, for a body, from the body's report
+    in a float32 island (_in_island): every floating output is ISLAND
+    ```
+
+    A floating value made inside a policy scope is cast to the scope's exit
+    dtype where an equation outside that scope reads it (scope by scope,
+    innermost first); the jaxpr's outputs and the equations inside the
+    scope read it as it was made. A body reports its outputs' scopes and
+    lineages to the equation that holds it (`BodyReport`), whose outputs
+    then leave those scopes and take those lineages.
+
+    In a recording rewrite (`jaxamp._autocast.recorder`), each matmul and
+    convolution is a site: its operands are tapped for the backward pass
+    and its output's amax recorded; bodies other than nested ``jit`` calls
+    (which the jit rule inlines) are rewritten without recording. Under FP8
+    delayed scaling (`jaxamp.fp8._sites`) the same bodies run without it:
+    their FP8 matmuls use current scaling.
     """
     recorder = active_recorder()
     env: dict[Any, Any] = {}
-
-    def read(atom):
-        if isinstance(atom, Literal):
-            return np.asarray(atom.val, dtype=atom.aval.dtype)
-        return env[atom]
-
+    lineage: dict[Any, Lineage] = {}
     for variable, value in zip(jaxpr.constvars, consts, strict=True):
+        env[variable], lineage[variable] = value, constant(value)
+    given = [None] * len(args) if lineages is None else lineages
+    for variable, value, known in zip(jaxpr.invars, args, given, strict=True):
         env[variable] = value
-    for variable, value in zip(jaxpr.invars, args, strict=True):
-        env[variable] = value
+        lineage[variable] = known or of_input(value, variable.aval.dtype, context.compute_dtype)
     widened = reduction_inputs(context, jaxpr)
+    islands = wider(np.float32, context.compute_dtype)  # float32 stands out only where the compute is half
     unrounded: dict[Any, Any] = {}
-    fills: dict[Any, Literal] = {}
     exits: dict[Any, tuple] = {}  # variable -> the policy scopes it was made in
-    statistics: set = set()
-    constants: set = set()
     for equation in jaxpr.eqns:
         scoped = context.scoped(equation)
-        invals = [read(atom) for atom in equation.invars]
-        if _derives_a_statistic(equation, statistics, constants):
-            statistics.update(equation.outvars)
+        invals, in_lineages = [], []
+        for position, atom in enumerate(equation.invars):
+            if isinstance(atom, Literal):
+                invals.append(value := context.literal(equation, position))
+                in_lineages.append(constant(value))
+            else:
+                invals.append(env[atom])
+                in_lineages.append(lineage.get(atom, ACTIVATION))
         with equation_context(equation):
             if exits:
-                invals = _leave_scopes(equation, invals, exits)
+                invals, in_lineages = _leave_scopes(equation, invals, in_lineages, exits)
             site = recorder is not None and equation.primitive.name in SITE_PRIMITIVES
             if site:
                 invals = recorder.tap_operands(invals)
             rule = float32_rule if id(equation) in widened else scoped.rule_for(equation)
-            body_scopes: list | None = None
-            if _keeps_a_statistic_float32(scoped, equation, invals, statistics):
-                outvals = invals
-            elif rule is follow_rule:
+            role = getattr(rule, "role", None)
+            reports: list | None = None
+            if role == "convert" and keeps_a_statistic(scoped, equation, invals[0], in_lineages[0]):
+                outvals, out_lineages = invals, [STATISTIC]
+            elif role == "convert" and in_lineages[0].kind is Kind.CONSTANT and id(equation) in scoped.casts:
+                outvals, out_lineages = [cast(invals[0], scoped.casts[id(equation)])], in_lineages[:1]
+            elif role == "follow":
                 variables = [None if isinstance(atom, Literal) else atom for atom in equation.invars]
-                outvals, wide = follow(
-                    scoped,
-                    equation,
-                    invals,
-                    [unrounded.get(variable) for variable in variables],
-                    [fills.get(variable) for variable in variables],
+                outvals, wide, result = follow(
+                    scoped, equation, invals, in_lineages, [unrounded.get(variable) for variable in variables]
                 )
                 if wide is not None:
                     unrounded.update(zip(equation.outvars, wide))
-                if _is_fill(equation):
-                    fills[equation.outvars[0]] = equation.invars[0]
+                out_lineages = [result] * len(outvals)
             else:
-                if rule is float32_rule:
+                if role == "float32":
                     invals = [
                         value if isinstance(atom, Literal) else unrounded.get(atom, value)
                         for atom, value in zip(equation.invars, invals)
                     ]
                 elif carries_jaxpr(equation):
-                    body_scopes = []
+                    reports = []
                 with (
-                    _collecting_body_scopes(body_scopes),
+                    _set(_BODY_REPORTS, reports),
+                    _set(_OPERANDS, tuple(in_lineages)),
                     _recording_in_body(recorder, equation),
                     _fp8_sites_in_body(equation),
                 ):
                     outvals = rule(scoped, equation, invals)
+                out_lineages = _lineages_after(scoped, role, equation, in_lineages, reports)
             if site:
                 outvals = [recorder.record(equation, outvals[0]), *outvals[1:]]
-        for variable, value in zip(equation.outvars, outvals, strict=True):
-            env[variable] = value
+        if islands and _in_island(equation):
+            out_lineages = [ISLAND] * len(outvals)
+        for variable, value, made in zip(equation.outvars, outvals, out_lineages, strict=True):
+            env[variable], lineage[variable] = value, made
         scopes = scope_policies(equation)
-        if body_scopes:
-            for variable, inner in zip(equation.outvars, _scopes_of_outputs(equation, body_scopes)):
+        if reports:
+            for variable, inner in zip(equation.outvars, _scopes_of_outputs(equation, reports)):
                 if scopes or inner:
                     exits[variable] = scopes + inner
         elif scopes:
             exits.update((variable, scopes) for variable in equation.outvars)
-    reports = _BODY_OUTPUT_SCOPES.get()
-    if reports is not None:
-        reports.append(
-            tuple(() if isinstance(atom, Literal) else exits.get(atom, ()) for atom in jaxpr.outvars)
+    outer = _BODY_REPORTS.get()
+    if outer is not None:
+        outer.append(
+            BodyReport(
+                tuple(() if isinstance(atom, Literal) else exits.get(atom, ()) for atom in jaxpr.outvars),
+                tuple(
+                    constant(atom.val) if isinstance(atom, Literal) else lineage.get(atom, ACTIVATION)
+                    for atom in jaxpr.outvars
+                ),
+            )
         )
-    return [read(atom) for atom in jaxpr.outvars]
+    return [
+        np.asarray(atom.val, dtype=atom.aval.dtype) if isinstance(atom, Literal) else env[atom]
+        for atom in jaxpr.outvars
+    ]
 
 
 def _recording_in_body(recorder: Recorder | None, equation) -> contextlib.AbstractContextManager:
@@ -187,56 +267,7 @@ def _fp8_sites_in_body(equation) -> contextlib.AbstractContextManager:
     return fp8_sites(None)
 
 
-_STATISTICS = frozenset(("reduce_sum", "reduce_prod", "reduce_max", "reduce_min"))
-
-
-def _derives_a_statistic(equation, statistics: set, constants: set) -> bool:
-    """Whether `equation` gives a statistic: a reduction, or a first-order op of statistics.
-
-    ``mean(h * h)`` and its ``rsqrt(... + eps)``, a variance, a loss's mean
-    are statistics; ``x - mean`` (an activation read) and a matmul are not.
-    Constants (made of literals and integers alone: a count, ``ddof``) join
-    a statistic without changing what it is; `constants` collects them.
-    """
-    floating_outputs = all(is_floating(variable.aval.dtype) for variable in equation.outvars)
-    if equation.primitive.name in _STATISTICS:
-        return floating_outputs
-    if carries_jaxpr(equation) or equation.primitive.name in ("dot_general", "conv_general_dilated"):
-        return False
-    operands = [
-        atom
-        for atom in equation.invars
-        if not isinstance(atom, Literal) and is_floating(atom.aval.dtype) and atom not in constants
-    ]
-    if not operands:
-        constants.update(equation.outvars)
-        return False
-    return floating_outputs and all(atom in statistics for atom in operands)
-
-
-def _keeps_a_statistic_float32(context: Rewrite, equation, invals: Sequence[Any], statistics: set) -> bool:
-    """Whether `equation` is a cast of a float32 statistic to the half compute dtype, which is skipped.
-
-    Traced in the compute dtype, a program computes its statistics in
-    float32 only where it upcasts them itself, and rounds them back:
-    ``jnp.mean`` of a half value does. Kept in float32, a mean of squares
-    past 65504 stays finite under float16 and a loss keeps its digits, as
-    the float32 reductions of a float32 program do; the value is rounded
-    where an operation that runs in half reads it.
-    """
-    if equation.primitive.name != "convert_element_type" or equation.invars[0] not in statistics:
-        return False
-    (value,) = invals
-    new_dtype = equation.params["new_dtype"]
-    return (
-        new_dtype == context.compute_dtype
-        and jnp.finfo(new_dtype).bits < 32
-        and is_floating(value.dtype)
-        and jnp.finfo(value.dtype).bits > jnp.finfo(new_dtype).bits
-    )
-
-
-def _scopes_of_outputs(equation, body_scopes: list[tuple]) -> list[tuple]:
+def _scopes_of_outputs(equation, reports: list[BodyReport]) -> list[tuple]:
     """Per output of `equation`, the policy scopes its bodies made it in, as extents of this jaxpr.
 
     Only the bodies with one output per output of the equation count (a
@@ -247,38 +278,32 @@ def _scopes_of_outputs(equation, body_scopes: list[tuple]) -> list[tuple]:
     """
     prefix = canonical_name_stack(str(equation.source_info.name_stack))
     per_output: list[tuple] = [() for _ in equation.outvars]
-    for report in body_scopes:
-        if len(report) != len(equation.outvars):
+    for report in reports:
+        if len(report.scopes) != len(equation.outvars):
             continue
-        for index, scopes in enumerate(report):
+        for index, scopes in enumerate(report.scopes):
             composed = tuple((f"{prefix}/{extent}" if prefix else extent, scope) for extent, scope in scopes)
             per_output[index] += tuple(scope for scope in composed if scope not in per_output[index])
     return per_output
 
 
-def _leave_scopes(equation, invals: list, exits: dict[Any, tuple]) -> list:
-    """`equation`'s inputs, each cast to the exit dtype of the policy scopes it leaves."""
+def _leave_scopes(equation, invals: list, lineages: list, exits: dict[Any, tuple]) -> tuple[list, list]:
+    """`equation`'s inputs, each cast to the exit dtype of the policy scopes it leaves; a value the
+    exit narrows is an activation from there on."""
     name_stack = str(equation.source_info.name_stack)
-    leaving = []
-    for atom, value in zip(equation.invars, invals):
+    leaving, leaving_lineages = [], []
+    for atom, value, made in zip(equation.invars, invals, lineages):
         scopes = () if isinstance(atom, Literal) else exits.get(atom, ())
         for extent, scope in reversed(scopes):
             if inside_extent(name_stack, extent):
                 break
             if is_floating(value.dtype) and value.dtype != scope.exit_dtype:
+                narrowed = wider(value.dtype, scope.exit_dtype)
                 value = cast(value, scope.exit_dtype)
+                made = ACTIVATION if narrowed else made
         leaving.append(value)
-    return leaving
-
-
-def _is_fill(equation) -> bool:
-    """Whether `equation` broadcasts a floating literal to a shape (``jnp.full``, ``zeros_like``)."""
-    return (
-        equation.primitive.name == "broadcast_in_dim"
-        and len(equation.invars) == 1
-        and isinstance(equation.invars[0], Literal)
-        and jnp.issubdtype(equation.invars[0].aval.dtype, jnp.floating)
-    )
+        leaving_lineages.append(made)
+    return leaving, leaving_lineages
 
 
 def _manual_axes(aval: Any) -> tuple:
@@ -317,13 +342,16 @@ def _aval_key(aval: Any) -> tuple:
     return (tuple(aval.shape), str(aval.dtype), _manual_axes(aval))
 
 
-def rewrite_jaxpr(
+def rewrite_body(
     context: Rewrite,
     closed: ClosedJaxpr,
     in_avals: Sequence[jax.ShapeDtypeStruct],
     out_dtypes: Sequence[Any] | None = None,
-) -> ClosedJaxpr:
-    """`closed` evaluated under the rules, traced for inputs of `in_avals`.
+    lineages: Sequence[Lineage] | None = None,
+    *,
+    keep_islands: bool = False,
+) -> tuple[ClosedJaxpr, BodyReport]:
+    """`closed` evaluated under the rules, traced for inputs of `in_avals`, and its report.
 
     Args:
         context: the rewrite.
@@ -331,31 +359,48 @@ def rewrite_jaxpr(
         in_avals: shapes and current dtypes of its inputs.
         out_dtypes: per output, the dtype to cast it to, or None to keep the
             dtype the rules gave it (``None`` for all: keep every one).
+        lineages: per input, its lineage (None: read from its dtype).
+        keep_islands: leave an ISLAND output in its width rather than cast it.
     """
     pins = (
         None if out_dtypes is None else tuple(None if dtype is None else str(dtype) for dtype in out_dtypes)
     )
-    key = (closed, tuple(_aval_key(aval) for aval in in_avals), pins)
+    given = None if lineages is None else tuple(lineages)
+    key = (closed, tuple(_aval_key(aval) for aval in in_avals), pins, given, keep_islands)
     if key not in context.memo:
 
         def evaluate(*args):
-            outvals = interpret(context, closed.jaxpr, closed.consts, args)
+            outvals = interpret(context, closed.jaxpr, closed.consts, args, given)
             if out_dtypes is None:
                 return outvals
+            made = reports[-1].lineages
             return [
-                value if dtype is None else cast(value, dtype) for value, dtype in zip(outvals, out_dtypes)
+                value
+                if dtype is None or (keep_islands and lineage.kind is Kind.ISLAND and wider(value.dtype, dtype))
+                else cast(value, dtype)
+                for value, dtype, lineage in zip(outvals, out_dtypes, made)
             ]
 
-        with _collecting_body_scopes([]) as reports:
+        with _set(_BODY_REPORTS, []) as reports:
             rewritten = jax.make_jaxpr(evaluate)(*in_avals)
-        # The body's own report only: the bodies inside it reported to their
-        # own equations.
+        # The body's own report only: the bodies inside it reported to their own equations.
         context.memo[key] = (rewritten, tuple(reports))
     rewritten, reports = context.memo[key]
-    outer = _BODY_OUTPUT_SCOPES.get()
+    outer = _BODY_REPORTS.get()
     if outer is not None:
         outer.extend(reports)
-    return rewritten
+    return rewritten, reports[-1]
+
+
+def rewrite_jaxpr(
+    context: Rewrite,
+    closed: ClosedJaxpr,
+    in_avals: Sequence[jax.ShapeDtypeStruct],
+    out_dtypes: Sequence[Any] | None = None,
+    lineages: Sequence[Lineage] | None = None,
+) -> ClosedJaxpr:
+    """`rewrite_body` without its report."""
+    return rewrite_body(context, closed, in_avals, out_dtypes, lineages)[0]
 
 
 # From JAX 0.12 a Jaxpr holds its constants and ClosedJaxpr is another name for it.
@@ -391,6 +436,43 @@ class _Entry:
     unrecorded: int = 0
     # Under FP8 delayed scaling: the rows of amaxes and probe it takes (`jaxamp.fp8._sites`).
     fp8_rows: int = 0
+
+
+def _outputs(context: Rewrite, traced: ClosedJaxpr, args: Sequence[Any], out_dtypes: Sequence[Any]) -> list:
+    """`traced` evaluated on `args`, each output cast to its dtype unless it is an ISLAND wider than it."""
+    with _set(_BODY_REPORTS, []) as reports:
+        outvals = interpret(context, traced.jaxpr, traced.consts, args)
+    return [
+        value if lineage.kind is Kind.ISLAND and wider(value.dtype, dtype) else cast(value, dtype)
+        for value, dtype, lineage in zip(outvals, out_dtypes, reports[-1].lineages, strict=True)
+    ]
+
+
+def _as_given(fun: Callable[..., Any], leaves: Sequence[Any]) -> Any:
+    """``fun(*leaves)``: where both traces of a rewrite enter the function (`recovered_literals`
+    pairs the frames inside it)."""
+    return fun(*leaves)
+
+
+def _reference(fun: Callable[..., Any], avals: Sequence[Any], traced: Sequence[Any]) -> Jaxpr:
+    """`fun` traced for its arguments as given (`jaxamp._autocast.reference`).
+
+    A function that refuses them (a kernel for half inputs only, such as
+    cuDNN's attention) is traced with bfloat16 where it was traced in float16:
+    bfloat16 holds what float16 loses (``1e-12``, ``-1e9``) to within its
+    rounding. Where it refuses that too, an empty program: nothing is recovered.
+    """
+    attempts = [avals]
+    if any(aval.dtype == jnp.float16 for aval in traced):
+        attempts.append(
+            [with_dtype(given, jnp.bfloat16) if aval.dtype == jnp.float16 else given for given, aval in zip(avals, traced)]
+        )
+    for in_avals in attempts:
+        try:
+            return jax.make_jaxpr(lambda *leaves: jax.tree.leaves(fun(*leaves)))(*in_avals).jaxpr
+        except Exception:  # noqa: BLE001, S112 (the half trace succeeded, and it is the one that runs)
+            continue
+    return jax.make_jaxpr(lambda: None)().jaxpr
 
 
 def _is_traced_array(leaf: Any) -> bool:
@@ -557,25 +639,32 @@ class RewriteCache:
 
         def array_outputs(*leaves):
             nonlocal out_tree
-            outputs = fun(*leaves)
+            outputs = _as_given(fun, leaves)
             flat, out_tree = jax.tree.flatten(outputs)
             static_outputs[:] = [(i, leaf) for i, leaf in enumerate(flat) if not _is_traced_array(leaf)]
             arrays = [leaf for leaf in flat if _is_traced_array(leaf)]
             pinned[:] = [None] * len(arrays) if output_dtypes is None else list(output_dtypes(outputs))
             return arrays
 
+
         # A rewrite of its own, even when started inside another's rule (a
         # custom derivative's): its outputs report to no enclosing equation.
         # Nor does it record for an overflow session: autocast calls traced
         # inside this one are part of this rewrite.
-        with _collecting_body_scopes(None), no_session(), recording(None), fp8_sites(None):
+        with _set(_BODY_REPORTS, None), no_session(), recording(None), fp8_sites(None):
             traced = _trace(array_outputs, trace_avals, avals)
+            literals, casts = {}, {}
+            if any(aval.dtype != given.dtype for aval, given in zip(traced.in_avals, avals)):
+                reference = _reference(lambda *leaves: _as_given(fun, leaves), avals, traced.in_avals)
+                literals, casts = recovered(traced.jaxpr, reference, _as_given.__code__)
             context = Rewrite(
                 self._compute_dtype,
                 self._rules,
                 as_traced=restore_rule,
                 rules_for=self._rules_for,
                 fp8_matmuls=self._fp8_matmuls,
+                literals=literals,
+                casts=casts,
             )
             out_dtypes = [
                 aval.dtype if dtype is None else dtype
@@ -589,7 +678,7 @@ class RewriteCache:
                 return self._build_delayed(
                     context, traced, avals, out_dtypes, out_tree, static_outputs, scaling
                 )
-            rewritten = rewrite_jaxpr(context, traced, avals, out_dtypes)
+            rewritten = jax.make_jaxpr(lambda *args: _outputs(context, traced, args, out_dtypes))(*avals)
         cacheable = not any(isinstance(const, jax.core.Tracer) for const in traced.consts)
         return _Entry(rewritten, out_tree, tuple(static_outputs)), cacheable
 
@@ -603,8 +692,7 @@ class RewriteCache:
 
         def evaluate(amax, probe, *args):
             with fp8_sites(Fp8Sites(None if scaling == "current" else amax, probe)):
-                outvals = interpret(context, traced.jaxpr, traced.consts, args)
-            return [cast(value, dtype) for value, dtype in zip(outvals, out_dtypes, strict=True)]
+                return _outputs(context, traced, args, out_dtypes)
 
         rows_aval = jax.ShapeDtypeStruct((rows, FP8_SLOTS), jnp.float32)
         rewritten = jax.make_jaxpr(evaluate)(rows_aval, rows_aval, *avals)
@@ -625,9 +713,8 @@ class RewriteCache:
                 probe, [arg for arg, grad in zip(args, differentiated, strict=True) if not grad]
             )
             with recording(recorder):
-                outvals = interpret(context, traced.jaxpr, traced.consts, args)
+                outvals = _outputs(context, traced, args, out_dtypes)
             recorded[:] = recorder.sites
-            outvals = [cast(value, dtype) for value, dtype in zip(outvals, out_dtypes, strict=True)]
             return [*outvals, recorder.forward_amax()]
 
         probe_aval = jax.ShapeDtypeStruct((sites_size, PROBE_SLOTS), jnp.float32)

@@ -20,19 +20,11 @@ from the traced ones) and returns the output values. The rules, after
   the linear-algebra decompositions) take float32 inputs and give float32
   results. Softmax, log-softmax, normalization statistics and losses are
   built from these, so they land in float32 without a list of composites.
-* **follow** (`follow_rule`): elementwise and structural operations run in
-  the widest dtype among their floating inputs. Scalar literals are weak:
-  JAX stages ``0.5 * h`` with a float32 literal, which would otherwise pull
-  every half-precision value back to float32; a literal that the chosen
-  dtype cannot hold (an attention mask's ``-1e9`` in float16) counts as
-  float32 and keeps the operation in float32. In the arithmetic ops that
-  broadcast (``add``, ``sub``, ``mul``, ``div``, ``max``, ``min``), an
-  operand broadcast along some axis of the result (a per-feature value: a
-  bias, a normalization's scale and offset, its float32 mean and variance)
-  is weak for the result: the op runs in the widest dtype of all its
-  inputs, and its result returns to the dtype of its full-size operands,
-  so ``(h - mean) * inv * scale + bias`` of a float16 ``h`` is float16, as a
-  cuDNN batch norm returns half for half input under ``torch.autocast``.
+* **follow** (`follow_rule`): elementwise and structural operations follow
+  their inputs, by where each came from (`jaxamp._autocast.lineage`): an
+  activation or a float32 island decides the dtype; a param's float32
+  original, a float32 op's result and a constant are read in their width
+  without deciding it, unless the result dtype cannot hold the constant.
 * **restore** (`restore_rule`): the operation gets its inputs back in the
   dtypes they were traced with and runs exactly as traced: scatters (whose
   update computation is a jaxpr traced for one dtype), collectives (a
@@ -54,51 +46,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.extend.core import Literal
 
-from jaxamp._autocast.context import Rewrite, Rule
-
-
-def is_floating(dtype: Any) -> bool:
-    """Whether `dtype` is a real floating dtype (float0 and complex are not)."""
-    return jnp.issubdtype(dtype, jnp.floating)
-
-
-def cast(value: Any, dtype: Any) -> Any:
-    """`value` in `dtype`; NumPy values (literals, constants) stay NumPy values."""
-    if value.dtype == dtype:
-        return value
-    if isinstance(value, (np.ndarray, np.generic)):
-        return np.asarray(value).astype(dtype)
-    return lax.convert_element_type(value, dtype)
-
-
-def _bind_arguments(primitive, params: dict) -> tuple[tuple, dict]:
-    """The extra leading arguments and the params that ``primitive.bind`` takes.
-
-    ``get_bind_params`` turns a jaxpr equation's params into bind's (a custom
-    derivative's jaxprs into functions): JAX 0.10 returns the params with
-    the functions among them, releases before it a ``(functions, params)``
-    pair.
-    """
-    bind_params = primitive.get_bind_params(params)
-    if isinstance(bind_params, tuple):
-        return tuple(bind_params[0]), bind_params[1]
-    return (), bind_params
-
-
-def bind(equation, invals: Sequence[Any], **param_updates) -> list:
-    """Applies `equation`'s primitive to `invals` with its params, some replaced."""
-    subfuns, bind_params = _bind_arguments(equation.primitive, {**equation.params, **param_updates})
-    outvals = equation.primitive.bind(*subfuns, *invals, **bind_params)
-    return list(outvals) if equation.primitive.multiple_results else [outvals]
-
-
-def traced_dtypes(atoms: Sequence[Any]) -> list:
-    """The dtypes `atoms` (jaxpr variables or literals) had when traced."""
-    return [atom.aval.dtype for atom in atoms]
+from jaxamp._autocast.context import Rewrite, Rule, bind, cast, is_floating, traced_dtypes
+from jaxamp._autocast.lineage import ACTIVATION, constant, follow
 
 
 def restore_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
@@ -129,17 +81,21 @@ def compute_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
 
 
 def _algorithm_for(equation, operand_dtype: Any) -> dict:
-    """``precision=None`` where the traced matmul names a dot algorithm for other operand dtypes.
-
-    A program traced in half may ask for ``DotAlgorithmPreset.F16_F16_F32``
-    (``jax.nn.dot_product_attention`` does); run with float32 operands it
-    would be refused.
-    """
+    """``precision=None`` where the traced matmul names a dot algorithm for other operand dtypes, or
+    for half operands with float32 accumulation, which the rewrite's half result replaces."""
     precision = equation.params.get("precision")
     algorithms = (lax.DotAlgorithmPreset, lax.DotAlgorithm)
-    if isinstance(precision, algorithms) and equation.invars[0].aval.dtype != operand_dtype:
+    if isinstance(precision, algorithms) and (
+        equation.invars[0].aval.dtype != operand_dtype or precision in _HALF_WITH_FLOAT32_ACCUMULATION
+    ):
         return {"precision": None}
     return {}
+
+
+# Half operands, float32 accumulation: what a platform does for a half matmul anyway. Asked for by
+# jax.nn.dot_product_attention, which falls back from it only when run eagerly; a compiled CPU
+# program refuses F16_F16_F32.
+_HALF_WITH_FLOAT32_ACCUMULATION = (lax.DotAlgorithmPreset.F16_F16_F32, lax.DotAlgorithmPreset.BF16_BF16_F32)
 
 
 def float32_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
@@ -172,154 +128,30 @@ def widened_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     return float32_rule(context, equation, invals)
 
 
-def _literal_fits(literal: Literal, dtype: Any) -> bool:
-    """Whether the finite values of `literal` are within the range of `dtype`."""
-    values = np.asarray(literal.val, dtype=np.float64)
-    finite = values[np.isfinite(values)]
-    return bool(np.all(np.abs(finite) <= float(jnp.finfo(dtype).max)))
-
-
-BROADCASTING = frozenset(("add", "sub", "mul", "div", "max", "min"))
-"""The follow-rule primitives whose result takes the dtype of their full-size operands."""
-
-
-def _promote(dtypes: Sequence[Any], literals: Sequence[Literal]) -> Any:
-    """The widest of `dtypes`, widened further by each literal it cannot hold."""
-    dtype = jnp.result_type(*dtypes)
-    for literal in literals:
-        if not _literal_fits(literal, dtype):
-            dtype = jnp.promote_types(dtype, literal.aval.dtype)
-    return dtype
-
-
-def _wider(dtype: Any, traced: Any) -> bool:
-    """Whether a value of `dtype` is wider than the program traced it: a float32 original of a
-    param traced in half, or the result of an operation the rules ran in float32."""
-    return dtype != traced and jnp.promote_types(dtype, traced) == dtype
-
-
-def _is_broadcast(value: Any, shape: tuple) -> bool:
-    """Whether `value` has the rank of `shape` but size 1 along an axis where `shape` is larger.
-
-    A rank-0 array is not counted: a scalar argument of a nested ``jit``
-    (``jnp.where``'s ``-1e9``) may be a mask constant that the half dtype
-    cannot hold, and, not being a literal, it cannot be checked.
-    """
-    value_shape = np.shape(value)
-    return len(value_shape) == len(shape) and value_shape != tuple(shape)
-
 
 def follow_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
-    """Runs in the widest dtype among the floating inputs; literals and broadcast operands are weak.
+    """Follows the inputs (`jaxamp._autocast.lineage.follow`); literals are constants.
 
-    The algorithm::
-
-        weak = the floating literals, and the inputs that are a literal
-               broadcast to a shape (``jnp.zeros_like``, ``lax.full_like``)
-        strong = current dtypes of the other floating inputs
-        dtype = promote(strong)              # no strong input: keep as traced
-        for each weak input whose literal dtype cannot hold:
-            dtype = promote(dtype, its traced dtype)
-        cast every floating input to dtype, run the primitive in dtype
-        if the primitive is add, sub, mul, div, max or min:
-            deciding = the strong inputs of the result's shape, if some
-                       strong input is broadcast (size 1 where the result is
-                       not); else every strong input
-            of those, drop the ones wider than traced (a float32 param's
-                original, a float32 rule's result), if any others remain
-            if deciding is not every strong input:
-                result_dtype = promote(dtypes of deciding), widened by weak inputs as above
-                cast the floating results to result_dtype
-
-    So a per-feature float32 value (a bias or scale, which are params, or
-    a batch norm's mean and variance, which are float32 reductions) meeting
-    a float16 activation computes in float32 and gives float16, as under
-    `jaxamp.apply_policy` (which casts a layer's params to the compute
-    dtype and a normalization layer's output back to it), and as a cuDNN
-    batch norm returns half for half input under ``torch.autocast``. The
-    statistics themselves are reductions (`float32_rule`) and stay float32;
-    an op whose operands all have the result's shape (``x * x``, two
-    activations) is promoted as before. A broadcast literal is as weak as
-    the literal: ``lax.select(x > 0, g, lax.full_like(g, 0))``, the
-    derivative of ``jax.nn.relu``, stays in ``g``'s dtype. The interpreter
-    rounds a chain of broadcasting ops once and tells which inputs are
-    broadcast literals (`follow`).
+    The interpreter calls `follow` itself with each input's lineage; this
+    form, for a rule called on its own, takes every other input for an
+    activation.
     """
-    outvals, _ = follow(context, equation, invals)
-    return outvals
-
-
-def follow(
-    context: Rewrite,
-    equation,
-    invals: Sequence[Any],
-    unrounded: Sequence[Any | None] | None = None,
-    fills: Sequence[Literal | None] | None = None,
-) -> tuple[list, list | None]:
-    """`follow_rule`, told which inputs are broadcast literals and which a previous op rounded.
-
-    ``(h - mean) * inv + bias`` is three broadcasting ops; rounding each
-    result to float16 would round the normalized activation three times.
-    Instead each op takes its inputs' unrounded values where it has them
-    (``unrounded[i]``, or None), while the dtype its result returns to is
-    still decided by its inputs' rounded dtypes: the chain computes in
-    float32 and is rounded once, where something other than such an op
-    reads it. The interpreter keeps the unrounded values and the broadcast
-    literals of each jaxpr (`jaxamp._autocast.interpreter.interpret`).
-
-    Args:
-        context: the rewrite.
-        equation: the traced equation.
-        invals: its inputs' current values.
-        unrounded: per input, its value before a broadcasting op rounded it, or None.
-        fills: per input, the literal it is a broadcast of, or None.
-
-    Returns:
-        The results, and their unrounded values (None where the results
-        were not rounded).
-    """
-    count = len(invals)
-    unrounded = [None] * count if unrounded is None else unrounded
-    constants = [atom if isinstance(atom, Literal) else None for atom in equation.invars]
-    if fills is not None:
-        constants = [literal if literal is not None else fill for literal, fill in zip(constants, fills)]
-    floating = [index for index, atom in enumerate(equation.invars) if is_floating(atom.aval.dtype)]
-    strong = [index for index in floating if constants[index] is None]
-    if not strong:
-        return bind(equation, invals), None
-    weak = [constants[index] for index in floating if constants[index] is not None]
-    shape = equation.outvars[0].aval.shape
-    # The inputs whose dtype the result takes: in the arithmetic ops, those of
-    # the result's shape, and of those the ones as traced.
-    arithmetic = equation.primitive.name in BROADCASTING
-    full = [index for index in strong if not _is_broadcast(invals[index], shape)]
-    deciding = full if arithmetic and 0 < len(full) < len(strong) else strong
-    as_traced = [
-        index for index in deciding if not _wider(invals[index].dtype, equation.invars[index].aval.dtype)
+    lineages = [
+        constant(context.literal(equation, index)) if isinstance(atom, Literal) else ACTIVATION
+        for index, atom in enumerate(equation.invars)
     ]
-    if arithmetic and as_traced:
-        deciding = as_traced
-    rounds = len(deciding) < len(strong)
-    operands = list(invals)
-    if rounds:
-        for index in strong:
-            if unrounded[index] is not None:
-                operands[index] = unrounded[index]
-    dtype = _promote([operands[index].dtype for index in strong], weak)
-    for index in floating:
-        operands[index] = cast(operands[index], dtype)
-    outvals = bind(equation, operands)
-    if not rounds:
-        return outvals, None
-    result_dtype = _promote([invals[index].dtype for index in deciding], weak)
-    if result_dtype == dtype:
-        return outvals, None
-    return [cast(value, result_dtype) for value in outvals], outvals
+    return follow(context, equation, invals, lineages)[0]
 
 
 def convert_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     """The program's own ``astype``: honoured, whatever the input's current dtype."""
     return bind(equation, invals)
+
+
+# What each rule does to dtypes, read by `jaxamp._autocast.lineage` (which cannot import this module).
+compute_rule.role, float32_rule.role, widened_rule.role = "compute", "float32", "widened"
+follow_rule.role, convert_rule.role, restore_rule.role = "follow", "convert", "restore"
+pass_through_rule.role = "pass_through"
 
 
 def unsupported(reason: str) -> Rule:

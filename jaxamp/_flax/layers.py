@@ -14,7 +14,18 @@ works by class:
 * a normalization layer computes in float32 (means and variances lose too
   much in float16) and hands its result back in the compute dtype of the
   policy it was called under;
+* a layer that declares float32 as its compute dtype (``dtype=jnp.float32``)
+  where the layer holding it declares another or none is a deliberate
+  float32 layer (a router, a logits head): it computes in float32 and hands
+  its result on in float32, as if overridden to ``"float32"``;
 * every other layer runs under the policy of the layer that called it.
+
+Under a policy with a half compute dtype, every other compute dtype a layer
+declares is dropped: the layer computes as if written without one. A model
+zoo's ``dtype=float32`` default, which the model root declares and threads
+through its layers, would otherwise cast every activation to float32 and
+cost the half precision its memory; the root's own declaration is always
+such a default. An override of the layer's class decides before either.
 
 Where a layer's policy differs from its caller's, its calls are traced in a
 policy scope (`scope_of`, `jaxamp._autocast.scope.policy_scope`): autocast
@@ -24,9 +35,10 @@ and casts what leaves the scope to the layer's output dtype.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -127,14 +139,65 @@ class ModulePolicies:
             user_overrides.append((module_class, get_policy(spec)))
         return cls(policy, tuple(user_overrides))
 
-    def policy_for(self, module_class: type, caller_policy: Policy) -> Policy:
-        """The policy of a `module_class` layer called under `caller_policy`."""
+    def policy_for(self, module_class: type, caller_policy: Policy, *, float32_layer: bool = False) -> Policy:
+        """The policy of a `module_class` layer called under `caller_policy`.
+
+        Args:
+            module_class: the layer's class.
+            caller_policy: the policy of the layer that called (or holds) it.
+            float32_layer: whether the layer declares float32 deliberately
+                (`declares_float32`).
+        """
         override = _user_override(self, module_class)
         if override is not None:
             return override
         if issubclass(module_class, NORMALIZATION_LAYERS):
             return normalization_policy(caller_policy)
+        if float32_layer:
+            return Policy(caller_policy.param_dtype, jnp.float32, jnp.float32)
         return caller_policy
+
+    def drops_declared_dtypes(self) -> bool:
+        """Whether the layers' declared compute dtypes give way to the policy's (a half compute dtype)."""
+        return jnp.finfo(self.policy.compute_dtype).bits < 32
+
+
+def declared_dtype(module: Any) -> Any:
+    """The compute dtype `module` declares (its ``dtype`` field), or None."""
+    value = getattr(module, "dtype", None)
+    try:
+        return None if value is None else jnp.dtype(value)
+    except TypeError:
+        return None
+
+
+def declares_float32(module_class: type, declared: Any, holder_declared: Any, *, root: bool) -> bool:
+    """Whether a layer declares float32 deliberately: not the model root, not a normalization layer,
+    and held by a layer that declares another compute dtype or none."""
+    return (
+        not root
+        and not issubclass(module_class, NORMALIZATION_LAYERS)
+        and declared == jnp.float32
+        and holder_declared != jnp.float32
+    )
+
+
+@contextlib.contextmanager
+def declared_dtype_dropped(module: Any, drop: bool) -> Iterator[None]:
+    """Inside, `module` declares no compute dtype (``dtype=None``) if `drop`; restored after."""
+    original = getattr(module, "dtype", None)
+    dropped = False
+    if drop and original is not None:
+        try:
+            object.__setattr__(module, "dtype", None)
+            dropped = True
+        except (AttributeError, TypeError):  # a dtype that is a property: left as it is
+            pass
+    try:
+        yield
+    finally:
+        if dropped:
+            object.__setattr__(module, "dtype", original)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -34,7 +34,15 @@ from flax import linen as nn
 from jaxamp._autocast.arguments import LeafOrigin
 from jaxamp._autocast.scope import policy_scope
 from jaxamp._autocast.transform import make_autocast
-from jaxamp._flax.layers import ModulePolicies, cast_by_owner, cast_inputs_at_entry, scope_of
+from jaxamp._flax.layers import (
+    ModulePolicies,
+    cast_by_owner,
+    cast_inputs_at_entry,
+    declared_dtype,
+    declared_dtype_dropped,
+    declares_float32,
+    scope_of,
+)
 from jaxamp._policy import Policy
 
 
@@ -47,11 +55,14 @@ class _ActiveCall:
         policy: the policy of the module whose method is running.
         owners: while the variables are created, module path -> the policy
             that module runs under; None otherwise.
+        declared: ``id`` of each module called -> the compute dtype it
+            declares, read before the call drops it.
     """
 
     module_policies: ModulePolicies
     policy: Policy
     owners: dict[tuple[str, ...], Policy] | None = None
+    declared: dict[int, Any] = dataclasses.field(default_factory=dict)
 
 
 _ACTIVE_CALL: contextvars.ContextVar[_ActiveCall | None] = contextvars.ContextVar(
@@ -74,12 +85,21 @@ def _scope_interceptor(next_fun, args, kwargs, context):
     module = context.module
     if active is None or module.scope is None or context.method_name == "setup":
         return next_fun(*args, **kwargs)
-    policy = active.module_policies.policy_for(type(module), active.policy)
+    declared = active.declared.setdefault(id(module), declared_dtype(module))
+    parent = module.parent
+    root = not isinstance(parent, nn.Module) or isinstance(parent, PolicyModule)
+    holder = None if root else active.declared.get(id(parent), declared_dtype(parent))
+    drops = active.module_policies.drops_declared_dtypes()
+    float32_layer = drops and declares_float32(type(module), declared, holder, root=root)
+    policy = active.module_policies.policy_for(type(module), active.policy, float32_layer=float32_layer)
     if active.owners is not None:
         active.owners[tuple(module.scope.path)] = policy
-    if policy == active.policy:
-        return next_fun(*args, **kwargs)
-    with _active_call(dataclasses.replace(active, policy=policy)), policy_scope(scope_of(policy)):
+    scope = policy_scope(scope_of(policy)) if policy != active.policy else contextlib.nullcontext()
+    with (
+        _active_call(dataclasses.replace(active, policy=policy)),
+        scope,
+        declared_dtype_dropped(module, drops and not float32_layer),
+    ):
         return next_fun(*args, **kwargs)
 
 

@@ -27,6 +27,7 @@ places takes the policy of the first path NNX lists.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -36,7 +37,14 @@ from flax import nnx
 
 from jaxamp._autocast.scope import ScopePolicy, policy_scope
 from jaxamp._autocast.transform import make_autocast
-from jaxamp._flax.layers import ModulePolicies, cast_by_owner, cast_inputs_at_entry, scope_of
+from jaxamp._flax.layers import (
+    ModulePolicies,
+    cast_by_owner,
+    cast_inputs_at_entry,
+    declared_dtype,
+    declares_float32,
+    scope_of,
+)
 from jaxamp._policy import Policy
 
 # Whether a root method is running: the methods it calls on the model run
@@ -64,19 +72,27 @@ def _model_methods(module_class: type) -> dict[str, Callable]:
 
 def _policies_by_path(
     modules: dict[tuple, nnx.Module], module_policies: ModulePolicies
-) -> dict[tuple, tuple[Policy, Policy]]:
-    """Each module's ``(policy, holder's policy)``, inherited from the module that holds it.
+) -> dict[tuple, tuple[Policy, Policy, bool]]:
+    """Each module's ``(policy, holder's policy, whether it declares float32 deliberately)``.
 
-    The holder is the module at the longest proper prefix of the path; the
-    root's holder policy is the model's own policy.
+    A module inherits its policy from the module that holds it: the module at
+    the longest proper prefix of its path; the root's holder policy is the
+    model's own policy.
     """
-    policies: dict[tuple, tuple[Policy, Policy]] = {}
+    policies: dict[tuple, tuple[Policy, Policy, bool]] = {}
+    drops = module_policies.drops_declared_dtypes()
     for path in sorted(modules, key=len):
         holder = next(
             (path[:depth] for depth in range(len(path) - 1, -1, -1) if path[:depth] in policies), None
         )
         holder_policy = module_policies.policy if holder is None else policies[holder][0]
-        policies[path] = (module_policies.policy_for(type(modules[path]), holder_policy), holder_policy)
+        module = modules[path]
+        holder_declared = None if holder is None else declared_dtype(modules[holder])
+        float32_layer = drops and declares_float32(
+            type(module), declared_dtype(module), holder_declared, root=holder is None
+        )
+        policy = module_policies.policy_for(type(module), holder_policy, float32_layer=float32_layer)
+        policies[path] = (policy, holder_policy, float32_layer)
     return policies
 
 
@@ -166,12 +182,15 @@ def apply_nnx_policy(module: nnx.Module, module_policies: ModulePolicies) -> nnx
         )
     policies = _policies_by_path(modules, module_policies)
 
-    param_dtypes = {path: policy.param_dtype for path, (policy, _) in policies.items()}
+    param_dtypes = {path: policy.param_dtype for path, (policy, _, _) in policies.items()}
     nnx.update(
         model, cast_by_owner(nnx.state(model, nnx.Param), param_dtypes, module_policies.policy.param_dtype)
     )
     for path, submodule in modules.items():
-        policy, holder_policy = policies[path]
+        policy, holder_policy, float32_layer = policies[path]
+        if module_policies.drops_declared_dtypes() and not float32_layer and declared_dtype(submodule) is not None:
+            with contextlib.suppress(AttributeError, TypeError):  # a dtype that is a property stays
+                submodule.dtype = None
         if policy != holder_policy:  # the root's too, when its own class is overridden
             submodule.__class__ = _scoped_class(type(submodule), scope_of(policy))
     model.__class__ = _root_class(type(model), module_policies)
