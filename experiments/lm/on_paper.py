@@ -13,7 +13,8 @@ gives none, the optimized program's matmul FLOPs, as the CIFAR benchmark's
 targets section does) and the
 dtype of every matmul in the optimized program (cuBLAS and cuDNN calls
 included, with the share of them in FP8 and each FP8 outcome,
-`jaxamp.PrecisionReport.fp8_rows`), and the roofline bound (`experiments.benchmark.roofline`) with the
+`jaxamp.PrecisionReport.fp8_rows`), and the roofline bound of the optimized program
+(`jaxamp.diagnostics.kernel_roofline`, over the whole step and kernel by kernel) with the
 tokens/s it allows. Nothing is autotuned; it is a bound on paper, not a
 measurement.
 
@@ -134,7 +135,6 @@ def compile_for(
     )
     tokens = config.batch_size * context
     report = compiled_step.report
-    kernels = compiled_step.kernels
     return {
         "target": target,
         "device_kind": device.device_kind,
@@ -162,13 +162,13 @@ def compile_for(
         "flops_per_step": total_flops,
         "analytic_flops_per_step": tokens * model_lib.model_flops_per_token(size, vocab_size, context),
         "bytes_accessed_per_step": bytes_accessed,
-        "roofline_step_s": bound["bound_s"],
-        "roofline_compute_s": bound["compute_s"],
-        "roofline_memory_s": bound["memory_s"],
-        "roofline_tokens_per_s": tokens / bound["bound_s"],
-        # The sum of each kernel's own bound (jaxamp.diagnostics.kernel_roofline), by kind of kernel.
-        "roofline_per_kernel_s": kernels.per_kernel_s,
-        "roofline_per_kernel_by_class_s": kernel_classes(kernels),
+        "roofline_step_s": bound.global_s,
+        "roofline_compute_s": bound.compute_s,
+        "roofline_memory_s": bound.memory_s,
+        "roofline_tokens_per_s": tokens / bound.global_s,
+        # The sum of each kernel's own bound, by kind of kernel.
+        "roofline_per_kernel_s": bound.per_kernel_s,
+        "roofline_per_kernel_by_class_s": kernel_classes(bound),
         "gemm_flops_fp8_share": report.fp8_fraction(),
     }
 
