@@ -169,8 +169,25 @@ def compile_for(
         # The sum of each kernel's own bound, by kind of kernel.
         "roofline_per_kernel_s": bound.per_kernel_s,
         "roofline_per_kernel_by_class_s": kernel_classes(bound),
+        "bytes_per_step_by_class": kernel_classes(bound, "bytes"),
         "gemm_flops_fp8_share": report.fp8_fraction(),
     }
+
+
+def compile_with_attention_fallback(
+    target: str, config: LMConfig, vocab_size: int, size: GPTSize | None = None, fp8_where: str = "pays"
+) -> dict[str, Any]:
+    """`compile_for`, with the einsum attention where cuDNN's cannot compile here (libcudnn not
+    importable); the entry then says so (``attention_note``)."""
+    try:
+        return compile_for(target, config, vocab_size, size, fp8_where)
+    except RuntimeError as error:
+        if "cuDNN" not in str(error):
+            raise
+        entry = compile_for(
+            target, dataclasses.replace(config, attention="einsum"), vocab_size, size, fp8_where
+        )
+        return {**entry, "attention_note": f"cudnn attention not compilable without cuDNN ({error})"}
 
 
 def kernel_class(kernel) -> str:
@@ -184,12 +201,13 @@ def kernel_class(kernel) -> str:
     return "other"
 
 
-def kernel_classes(kernels) -> dict[str, float]:
-    """Seconds of the per-kernel bound by `kernel_class`."""
+def kernel_classes(kernels, figure: str = "bound_s") -> dict[str, float]:
+    """A figure of each kernel summed by `kernel_class`: ``bound_s`` (seconds of the per-kernel
+    bound, the default) or ``bytes`` (bytes moved per step)."""
     totals: dict[str, float] = {}
     for kernel in kernels.kernels:
         key = kernel_class(kernel)
-        totals[key] = totals.get(key, 0.0) + kernel.bound_s
+        totals[key] = totals.get(key, 0) + getattr(kernel, figure)
     return totals
 
 
@@ -386,14 +404,7 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
             wheres = fp8_wheres if resolve_precision(precision).policy.fp8_matmuls else ["pays"]
             for where in wheres:
                 try:
-                    try:
-                        entry = compile_for(args.target, config, args.vocab_size, size, where)
-                    except RuntimeError as error:
-                        if "cuDNN" not in str(error):
-                            raise
-                        einsum = dataclasses.replace(config, attention="einsum")
-                        entry = compile_for(args.target, einsum, args.vocab_size, size, where)
-                        entry["attention_note"] = f"cudnn attention not compilable without cuDNN ({error})"
+                    entry = compile_with_attention_fallback(args.target, config, args.vocab_size, size, where)
                 except Exception as error:  # noqa: BLE001 (a compile failure is a finding to record, not a crash)
                     entry = {
                         "model": size_label(args.model, size),
