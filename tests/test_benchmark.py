@@ -390,7 +390,7 @@ def test_a_half_precision_is_compiled_for_a_target_by_both_routes_with_memory_tr
     (half share 0%, temp memory not below fp32's), if a field or ratio is
     dropped, or if the table leaves the route out.
     """
-    if not jaxamp.diagnostics.gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]')")
     results = Results(str(tmp_path), {"environment": {}})
     targets.run(["h200"], ["resnet_tiny"], ["fp32", "mixed"], 4, budget_lib.Budget(), results)

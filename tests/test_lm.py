@@ -294,9 +294,8 @@ def test_the_step_compiled_for_an_h200_runs_its_matmuls_in_bfloat16_with_a_roofl
     """On paper (`python -m experiments.lm.on_paper`), tiny settings. Fails if the compiled GPU
     program keeps a float32 matmul under mixed_bf16, or a figure of the entry is missing."""
     from experiments.lm import on_paper
-    from jaxamp.diagnostics import gpu_targets
 
-    if not gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jaxamp[gpu-aot]'; run with JAX_PLATFORMS=cpu)")
     # The einsum attention: cuDNN's (what auto picks on a GPU) needs libcudnn to compile.
     config = config_lib.LMConfig(

@@ -127,12 +127,21 @@ def test_the_public_name_check_refuses_private_and_internal_names():
     assert not is_public("jaxamp.fsdp._communication_dtype")
 
 
+# Two measurements look inside the library on purpose, where no public name does what they measure:
+# the float32-reduction-inputs rule switched off (its cost, off against on), and the optimized HLO's
+# kernels sorted by what they do (an FP8 GEMM's amax passes). Nothing else in the experiments may.
+INTERNAL_ON_PURPOSE = {
+    ("experiments/measure/reduction_cost.py", "jaxamp.jaxpr_policy.reduction_inputs._disabled"),
+    ("experiments/measure/fp8_scaling_cost.py", "jaxamp.diagnostics.hlo_report"),
+}
+
+
 def test_the_experiments_use_only_public_jaxamp_names():
     private = [
         f"{path.relative_to(REPO_ROOT)}:{line}: {dotted}"
         for path in sorted((REPO_ROOT / "experiments").rglob("*.py"))
         for line, dotted in _jaxamp_uses(path)
-        if not is_public(dotted)
+        if not is_public(dotted) and (str(path.relative_to(REPO_ROOT)), dotted) not in INTERNAL_ON_PURPOSE
     ]
     assert private == []
 
