@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a CIFAR-10 model under a jaxamp precision policy, timing every epoch.",
         epilog="The defaults (ResNet18, 2 epochs, mixed) train about an hour on a CPU: 1,788 s per "
         "epoch on 2 idle cores, estimated from a measured step "
-        "(results/cpu/benchmark/quick-fresh-clone/table.md). A first run in under a minute: "
+        "(results/cpu-benchmark/quick-fresh-clone/table.md). A first run in under a minute: "
         "--data synthetic --model resnet_tiny --epochs 1 --steps-per-epoch 5.",
         formatter_class=HelpFormatter,
     )

@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="The defaults (4 models x 2 precisions x 2 CIFAR-10 epochs) take many hours on a CPU: "
         "ResNet18 alone trains about 1.9 hours on 2 idle cores (2 epochs of 1,662 s in fp32 and "
         "2 of 1,788 s in mixed, estimated from a measured step: "
-        "results/cpu/benchmark/quick-fresh-clone/table.md); ResNet50, ResNet101 and MobileNetV2 "
+        "results/cpu-benchmark/quick-fresh-clone/table.md); ResNet50, ResNet101 and MobileNetV2 "
         "are not timed on a CPU. A first run: --models resnet_tiny --data synthetic --epochs 1 "
         "--steps-per-epoch 5.",
         formatter_class=HelpFormatter,

@@ -75,9 +75,9 @@ def check_precision(name: str) -> str:
     """
     if "".join(name.split()).lower() in KNOWN_PRECISIONS:
         return name
-    from experiments.train import resolve_precision  # pylint: disable=import-outside-toplevel
+    import jaxamp  # pylint: disable=import-outside-toplevel  # loads JAX, so only for a spec not known above
 
-    resolve_precision(name)
+    jaxamp.get_policy(name)  # fp32 and tf32 are known above: any other name is a policy spec
     return name
 
 

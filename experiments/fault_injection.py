@@ -21,8 +21,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from experiments.config import validate_rate  # noqa: F401  (re-exported: where it used to live)
-
 
 def inject_nonfinite(grads: Any, rng: jax.Array, rate: float) -> tuple[Any, jax.Array]:
     """Replaces every floating gradient by NaN or inf on a random `rate` of steps.

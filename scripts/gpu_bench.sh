@@ -15,9 +15,10 @@
 # take dozens of seconds each: a persistent compilation cache lets the benchmark reuse the
 # study's train steps where they are the same program.
 #
-# Results land in $OUT (default: a new runs/gpu-bench-<time>/; the published GPU results are
-# in results/<device>/). On a machine without network whose Python lacks a pure-Python
-# dependency (jmp, say), put its wheels in .whl/ first and they are installed for the run:
+# Results land in $OUT (default: a new runs/gpu-bench-<time>/; published results go under
+# results/<question>/, each folder with its COMMAND). On a machine without network whose
+# Python lacks a pure-Python dependency (jmp, say), put its wheels in .whl/ first and they
+# are installed for the run:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl jmp==0.0.4
 #
 # Settings (environment): BUDGET seconds for all of it (default 450), MODELS (the study's),

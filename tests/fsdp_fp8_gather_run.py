@@ -4,7 +4,7 @@ Run by tests/test_fsdp_fp8_gather.py in a fresh process (the device count is
 fixed when JAX starts): ``python tests/fsdp_fp8_gather_run.py``. It reports
 
 1. the collectives of one train step of the small GPT of
-   `scripts/communication_bytes.py` with bfloat16 and with FP8 gathers, as XLA's
+   `experiments.measure.communication_bytes` with bfloat16 and with FP8 gathers, as XLA's
    partitioner leaves them and as compiled for CPU, and with FP8 gathers as
    compiled for 8 H200s when the CUDA plugin is installed;
 2. a weight whose 8 shards differ in magnitude by up to 2**28, gathered in
@@ -24,9 +24,8 @@ import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "scripts")]
+sys.path.insert(0, str(REPO))
 
-import communication_bytes  # after the device count is set
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -35,6 +34,7 @@ import optax
 from jax.sharding import Mesh
 
 import jaxamp
+from experiments.measure import communication_bytes
 from jaxamp.fp8 import quantize
 
 FP8 = jaxamp.fsdp.CommunicationPolicy.from_policy("mixed_bf16", gather_dtype="float8_e4m3fn")

@@ -79,7 +79,7 @@ def test_a_reduction_of_float16_activations_is_finite_and_matches_float32(progra
 def test_the_square_before_the_sum_ran_in_float16_without_the_rule(program):
     """The negative control, in this code base: the same program with the rule turned off is wrong.
 
-    ``_disabled`` is the private switch that ``scripts/reduction_cost.py``
+    ``_disabled`` is the private switch that ``experiments.measure.reduction_cost``
     measures the rule with; this keeps that switch honest.
     """
     x, w = _activations(400.0)
@@ -172,7 +172,7 @@ def test_a_sum_of_half_precision_cotangents_stays_in_half_precision():
     float16 backward matmuls, meet in an ``add_any`` whose only reader is the
     row gradient's ``reduce_sum``. Fails if ``add_any`` joined the chain
     (which, compiled for an H200 target, changed the fusion of a norm's
-    backward: scripts/reduction_cost.py).
+    backward: python -m experiments.measure reduction-cost).
     """
     x, w = _activations(4.0)
 

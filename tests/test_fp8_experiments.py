@@ -10,7 +10,9 @@ from a hand-built report. Each test says which fault would make it fail.
 import jax
 import jax.numpy as jnp
 import pytest
+from test_kernel_roofline import TWO_KERNELS
 
+import jaxamp
 from experiments import train
 from experiments.benchmark import checks, roofline, targets, workload
 from experiments.benchmark.budget import Budget
@@ -150,8 +152,12 @@ def test_fp8_gemms_are_bounded_at_the_fp8_peak_and_gpus_without_fp8_are_skipped_
     """The roofline counts FP8 FLOPs at the FP8 peak (not TF32's, the float32 fallback), and
     an A100 (no FP8 tensor cores, no FP8 peak) is skipped, not compiled. Fails if FP8 FLOPs
     fell to the TF32 peak or the A100 were compiled (a KeyError on its missing FP8 peak)."""
-    assert roofline.peak_key("mixed_float8", "float8_e4m3fn") == "float8_e4m3fn"
-    assert roofline.peak_key("mixed_float8", "bfloat16") == "bfloat16"
+    fp8_gemm = TWO_KERNELS.replace("%x = bf16", "%x = f8e4m3fn").replace("%w = bf16", "%w = f8e4m3fn")
+    h200 = jaxamp.diagnostics.GPU_TARGETS["h200"]
+    gemm, _ = roofline.step_bound(fp8_gemm, h200, "mixed_float8").kernels
+    assert gemm.compute_s == pytest.approx(2 * 4096**3 / h200.peak_flops["float8_e4m3fn"])
+    assert roofline.main_peak_key("mixed_float8", "float8_e4m3fn") == "float8_e4m3fn"
+    assert roofline.main_peak_key("mixed_float8", "bfloat16") == "bfloat16"
     budget = Budget()
     results = Results(str(tmp_path), {"environment": {}})
     targets.run(["a100"], ["resnet_tiny"], ["mixed_float8"], 4, budget, results)

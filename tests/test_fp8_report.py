@@ -8,9 +8,6 @@ dot algorithm, a ``custom_vjp`` for the backward GEMMs), compile them for
 an H200 without a GPU and skip without the CUDA plugin.
 """
 
-import importlib.util
-import pathlib
-import sys
 import warnings
 
 import jax
@@ -19,6 +16,7 @@ import pytest
 from jax import lax
 
 import jaxamp
+from experiments.measure import fp8_scaling_cost
 from jaxamp.diagnostics import _hlo_report as hlo_report
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -242,7 +240,7 @@ def test_a_fallback_under_its_scope_is_a_row_with_its_reason_and_no_warning():
 
 
 def _h200():
-    if not jaxamp.diagnostics._gpu_targets.cuda_plugin_available():
+    if not jaxamp.diagnostics.cuda_plugin_available():
         pytest.skip("needs the CUDA PJRT plugin (pip install 'jax-mixed-precision[gpu-aot]')")
     return jaxamp.diagnostics.gpu_target_device("h200")
 
@@ -379,17 +377,12 @@ def test_compiled_for_an_h200_a_forward_convolution_of_scaled_fp8_operands_runs_
     assert row.flops == 2 * (2 * 8 * 8 * 32) * (3 * 3 * 16)
 
 
-def test_the_scaling_cost_scripts_amax_passes_read_each_bfloat16_operand_once():
-    """scripts/fp8_scaling_cost.py's sorting of kernels, on its reference pattern:
+def test_the_scaling_cost_measurements_amax_passes_read_each_bfloat16_operand_once():
+    """`experiments.measure.fp8_scaling_cost`'s sorting of kernels, on its reference pattern:
     the amax kernels read x and w (plus their few partial maxima), the GEMM
     reads the FP8 operands and writes bfloat16. Fails if the split-K sum or a
     producer were counted as an amax pass, or the GEMM's workspace as bytes."""
     device = _h200()
-    path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "fp8_scaling_cost.py"
-    spec = importlib.util.spec_from_file_location("fp8_scaling_cost", path)
-    fp8_scaling_cost = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = fp8_scaling_cost  # its dataclass looks its module up there
-    spec.loader.exec_module(fp8_scaling_cost)
     m, k, n = 1024, 256, 512
     x, w = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
     forward = fp8_scaling_cost._programs(fp8_scaling_cost.current_scaling_dot_general)["forward"]

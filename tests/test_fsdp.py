@@ -3,7 +3,7 @@
 The settings, their parsing and their errors are checked here, on this
 process's devices. What the programs communicate and compute is checked on
 8 virtual CPU devices, in two fresh processes (a device count is fixed when
-JAX starts): `scripts/communication_bytes.py` reads the collectives of one
+JAX starts): `python -m experiments.measure communication-bytes` reads the collectives of one
 train step of a small GPT-like model per setting, and
 `tests/fsdp_parity_run.py` compares sharded with unsharded training. Both
 start in the background as soon as the tests are collected
@@ -20,7 +20,7 @@ from fresh_processes import FreshProcess, xla_flags
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
 import jaxamp
-from jaxamp.diagnostics._collectives import Collective, collective_totals, collectives
+from jaxamp.diagnostics import Collective, collective_totals, collectives
 from jaxamp.fsdp import is_narrower, shard_dimension
 
 RTOL = 1e-5
@@ -200,9 +200,9 @@ def test_collectives_are_read_from_combined_async_and_looped_instructions():
 # --- 8 virtual CPU devices -------------------------------------------------------
 
 
-# Each script adds the 8 devices itself to the suite's XLA_FLAGS, nothing else inherited.
+# Each command asks JAX for the 8 devices itself, with the suite's XLA_FLAGS and nothing else inherited.
 COMMUNICATION = FreshProcess(
-    "communication_report", "scripts/communication_bytes.py", "--depth", "1", "--json", "{dir}/report.json",
+    "communication_report", "-m", "experiments.measure", "communication-bytes", "--depth", "1", "--out", "{dir}/out",
     env={"XLA_FLAGS": xla_flags()},
 )  # fmt: skip
 PARITY = FreshProcess("parity", "tests/fsdp_parity_run.py", env={"XLA_FLAGS": xla_flags()})
@@ -218,7 +218,7 @@ def finished(fresh_process):
 def communication_report():
     stdout = finished(COMMUNICATION)
     assert "| fsdp_loss gather=bf16,reduce=f32 | partitioned | bfloat16" in stdout
-    with open(f"{COMMUNICATION.directory}/report.json", encoding="utf-8") as report:
+    with open(f"{COMMUNICATION.directory}/out/communication_bytes.json", encoding="utf-8") as report:
         return json.load(report)["cpu"]
 
 

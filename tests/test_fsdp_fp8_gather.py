@@ -21,7 +21,7 @@ import jaxamp
 from jaxamp.fsdp import CommunicationPolicy, fp8_gather_eligible, get_communication_policy
 
 # The existing FP8 parity target: mixed_float8's final held-out loss within 2% of mixed_bf16's
-# (results/cpu/lm/fp8_parity/parity.md).
+# (results/fp8-parity/tiny/parity.md).
 FP8_LOSS_RTOL = 0.02
 
 

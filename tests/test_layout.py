@@ -92,7 +92,7 @@ def test_the_top_level_modules_and_folders_import_each_other_without_a_cycle_on_
     assert len(rooms) - 1 <= 15, sorted(rooms)
 
 
-@pytest.mark.parametrize("root", ["jaxamp"])
+@pytest.mark.parametrize("root", ["jaxamp", "experiments"])
 def test_no_import_cycle_in_the_repository(root):
     assert cycle_in(import_graph(REPO_ROOT / root)) is None
 

@@ -21,7 +21,12 @@ BENCHMARK_ENVIRONMENT = {
     "platform": "cpu",
     "jax": jax.__version__,
     "command": "python -m experiments.benchmark --quick",
-    "settings": {"models": ["resnet18"], "batch_size": 32, "targets": [], "sections": ["throughput", "pipeline"]},
+    "settings": {
+        "models": ["resnet18"],
+        "batch_size": 32,
+        "targets": [],
+        "sections": ["throughput", "pipeline"],
+    },
 }
 
 PAGES = {
@@ -64,3 +69,24 @@ def test_the_on_paper_title_names_the_gpu_compiled_for():
     assert on_paper.title([{"device_kind": "NVIDIA H200"}, {"error": "out of time"}]).startswith(
         "# Language model compiled for NVIDIA H200, on paper"
     )
+
+
+RESULTS = REPO / "results"
+
+
+def test_every_committed_result_says_the_command_and_commit_that_made_it():
+    """Each folder of outputs under results/ (or the run folder above it) has a COMMAND file with the
+    command and the commit; a question's folder may hold a README.md alone."""
+    for folder in sorted(path for path in RESULTS.rglob("*") if path.is_dir()):
+        outputs = [path.name for path in folder.iterdir() if path.is_file() and path.name != "README.md"]
+        if not outputs:
+            continue
+        recorded = next(
+            (above / "COMMAND" for above in (folder, *folder.parents) if (above / "COMMAND").exists()), None
+        )
+        assert recorded is not None and RESULTS in recorded.parents, (
+            f"{folder.relative_to(REPO)} has no COMMAND"
+        )
+        lines = recorded.read_text(encoding="utf-8").splitlines()
+        assert any(line.startswith("command: ") for line in lines), recorded
+        assert any(line.startswith("commit: ") for line in lines), recorded

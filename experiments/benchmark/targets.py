@@ -7,10 +7,10 @@ compiled. Recorded: compile time; ``memory_analysis()`` (temp, argument,
 output bytes; the argument bytes include the uint8 CIFAR-10 training set
 the step gathers from); the dtype of every convolution and matmul in the
 optimized HLO (cuDNN and cuBLAS custom calls included); and the roofline
-bound on paper, from the pre-optimization module's FLOPs (the executable's
-own cost analysis is empty for a deviceless compile) split by the dtypes
-of the optimized program's heavy ops, and bytes estimated from the
-optimized program's own kernels (`jaxamp.diagnostics.bytes_accessed`).
+bound on paper of the optimized program (`jaxamp.diagnostics.kernel_roofline`:
+its convolution and matmul FLOPs at the peaks of their dtypes, and bytes
+estimated from its own kernels, since the executable's own cost analysis is
+empty for a deviceless compile), over the whole step and kernel by kernel.
 
 Each half precision (``mixed``, ``mixed_bf16``, any float16 or bfloat16
 policy) is compiled by both routes a policy can take
@@ -97,10 +97,10 @@ class CompiledStep:
         report: matmuls and convolutions by dtype (`jaxamp.diagnostics.hlo_precision_report`).
         total_flops: XLA's FLOP count of the step (the heavy FLOPs where XLA gives none).
         bytes_accessed: the step's memory traffic (`jaxamp.diagnostics.bytes_accessed`).
-        bound: the roofline (`roofline.roofline`) at the target's peaks.
         compile_s: seconds the lowering and compilation took.
-        kernels: the same program's roofline kernel by kernel
-            (`jaxamp.diagnostics.kernel_roofline`).
+        bound: the program's roofline at the target's peaks, over the whole
+            step (``global_s``) and kernel by kernel (``per_kernel_s``):
+            a `jaxamp.diagnostics.KernelRoofline`.
     """
 
     compiled: Any
@@ -108,9 +108,8 @@ class CompiledStep:
     report: Any
     total_flops: float
     bytes_accessed: float
-    bound: dict
     compile_s: float
-    kernels: Any = None
+    bound: Any
 
 
 FP8_WHERE = ("pays", "everywhere")
@@ -147,16 +146,8 @@ def compile_step(step, arguments, precision: str, context, spec, fp8_where: str 
     heavy_flops = report.flops_by_dtype()
     total_flops = roofline.cost_of(lowered).get("flops", float(sum(heavy_flops.values())))
     bytes_accessed = jaxamp.diagnostics.bytes_accessed(text)
-    bound = roofline.roofline(
-        roofline.flops_by_peak(precision, heavy_flops, total_flops), bytes_accessed, spec
-    )
-    float32_peak = "float32" if precision == "fp32" else "tf32"
-    kernels = (
-        jaxamp.diagnostics.kernel_roofline(text, spec, float32_peak=float32_peak)
-        if has_fp8 or not report.fp8_fraction()
-        else None  # FP8 GEMMs on a GPU without FP8 peaks: no per-kernel bound
-    )
-    return CompiledStep(compiled, text, report, total_flops, bytes_accessed, bound, compile_s, kernels)
+    bound = roofline.step_bound(text, spec, precision)
+    return CompiledStep(compiled, text, report, total_flops, bytes_accessed, compile_s, bound)
 
 
 def compile_for(
@@ -214,14 +205,13 @@ def compile_for(
         "half_flop_share": sum(report.fraction(dtype) for dtype in _HALF_DTYPES),
         "flops_per_step": total_flops,
         "bytes_accessed_per_step": bytes_accessed,
-        "roofline_step_s": bound["bound_s"],
-        "roofline_compute_s": bound["compute_s"],
-        "roofline_memory_s": bound["memory_s"],
-        "roofline_epoch_s": roofline.epoch_bound(bound["bound_s"], batch_size),
+        "roofline_step_s": bound.global_s,
+        "roofline_compute_s": bound.compute_s,
+        "roofline_memory_s": bound.memory_s,
+        "roofline_epoch_s": roofline.epoch_bound(bound.global_s, batch_size),
+        "roofline_per_kernel_s": bound.per_kernel_s,
+        "roofline_per_kernel_epoch_s": roofline.epoch_bound(bound.per_kernel_s, batch_size),
     }
-    if step.kernels is not None:
-        entry["roofline_per_kernel_s"] = step.kernels.per_kernel_s
-        entry["roofline_per_kernel_epoch_s"] = roofline.epoch_bound(step.kernels.per_kernel_s, batch_size)
     if fp8:
         entry["fp8"] = fp8_summary(report)
     return entry

@@ -10,8 +10,8 @@ time recorded apart), then timed interleaved. Per precision it records:
   bytes in use after this model's timing;
 * FLOPs per image (XLA's cost analysis of the compiled step), achieved
   TFLOP/s; on a known GPU the share of the precision's peak and the
-  roofline bound (`experiments.benchmark.roofline`) beside the measured
-  seconds per CIFAR-10 epoch.
+  roofline bound of the compiled step (`experiments.benchmark.roofline`)
+  beside the measured seconds per CIFAR-10 epoch.
 """
 
 from __future__ import annotations
@@ -30,8 +30,15 @@ def device_spec() -> GpuSpec | None:
     return spec_for_device_kind(device.device_kind) if device.platform == "gpu" else None
 
 
-def distance_to_hardware(entry: dict, cost: dict, spec: GpuSpec | None) -> dict:
-    """Achieved TFLOP/s, share of peak and the roofline bound for one measured entry."""
+def distance_to_hardware(entry: dict, cost: dict, spec: GpuSpec | None, hlo_text: str) -> dict:
+    """Achieved TFLOP/s, share of peak and the roofline bound for one measured entry.
+
+    Args:
+        entry: the measured entry (``precision``, ``batch_size``, ``train_step_s``, ...).
+        cost: its compiled train step's `workload.Workload.step_cost`.
+        spec: this device's GPU, or None where it is not a known GPU.
+        hlo_text: the compiled train step's optimized program.
+    """
     batch_size, step_s = entry["batch_size"], entry["train_step_s"]
     result = {
         "flops_per_image": cost["flops"] / batch_size,
@@ -43,11 +50,9 @@ def distance_to_hardware(entry: dict, cost: dict, spec: GpuSpec | None) -> dict:
     main_key = roofline.main_peak_key(entry["precision"], entry["compute_dtype"])
     result["share_of_peak"] = cost["flops"] / step_s / spec.peak_flops[main_key]
     result["peak_used"] = main_key
-    if cost.get("bytes_accessed"):
-        flops = roofline.flops_by_peak(entry["precision"], cost["heavy_flops_by_dtype"], cost["flops"])
-        bound = roofline.roofline(flops, cost["bytes_accessed"], spec)
-        result["roofline_step_s"] = bound["bound_s"]
-        result["roofline_epoch_s"] = roofline.epoch_bound(bound["bound_s"], batch_size)
+    bound = roofline.step_bound(hlo_text, spec, entry["precision"])
+    result["roofline_step_s"] = bound.global_s
+    result["roofline_epoch_s"] = roofline.epoch_bound(bound.global_s, batch_size)
     return result
 
 
@@ -130,7 +135,9 @@ def run_model(
                 "run one model x precision "
                 "per process for an exact figure"
             )
-        entry.update(distance_to_hardware(entry, entry["cost"], spec))
+        entry.update(
+            distance_to_hardware(entry, entry["cost"], spec, built[precision].train_compiled.as_text())
+        )
         results.put(("throughput", model, precision), entry)
         print(
             f"{model:<12} {precision:<11} train {entry['train_images_per_s']:9.1f} img/s  "

@@ -1,9 +1,11 @@
 """Timing discipline shared by every section.
 
 Each variant is a callable that runs one step and returns something to
-block on. `interleaved_medians` warms every variant up, then, round after
+block on. `interleaved_samples` warms every variant up, then, round after
 round, times a few steps of each back to back (alternating the order every
-round) and returns the median seconds per step of each.
+round): a busy machine's noise falls on every variant alike, so their
+ratios hold when absolute times do not. `interleaved_medians` gives the
+median seconds per step of each.
 """
 
 from __future__ import annotations
@@ -36,25 +38,25 @@ def seconds_per_step(
     return (time.perf_counter() - start) / steps
 
 
-def interleaved_medians(
+def interleaved_samples(
     steps_by_variant: dict[str, Callable[[], Any]],
     rounds: int,
     steps: int,
     warmup: int = 2,
     synchronize: Callable[[Any], Any] | None = None,
-) -> dict[str, float]:
-    """Median seconds per step of each variant, timed interleaved.
+) -> dict[str, list[float]]:
+    """Seconds per step of each variant in each round, timed interleaved.
 
     Args:
         steps_by_variant: one callable per variant; each call runs one step
             (and carries its own state, e.g. in a closure).
-        rounds: timed rounds; the median is over these.
+        rounds: timed rounds, one sample of each variant per round.
         steps: steps per variant per round.
         warmup: untimed steps of each variant before the first round.
         synchronize: waits for a step's result (default: ``block_until_ready``).
 
     Returns:
-        Median seconds per step, by variant.
+        The samples, one per round, by variant.
     """
     if rounds < 1 or steps < 1:
         raise ValueError(f"rounds={rounds} and steps={steps} must both be at least 1.")
@@ -65,6 +67,18 @@ def interleaved_medians(
     for round_index in range(rounds):
         for variant in order if round_index % 2 == 0 else reversed(order):
             samples[variant].append(seconds_per_step(steps_by_variant[variant], steps, synchronize))
+    return samples
+
+
+def interleaved_medians(
+    steps_by_variant: dict[str, Callable[[], Any]],
+    rounds: int,
+    steps: int,
+    warmup: int = 2,
+    synchronize: Callable[[Any], Any] | None = None,
+) -> dict[str, float]:
+    """Median seconds per step of each variant over `interleaved_samples`' rounds (same arguments)."""
+    samples = interleaved_samples(steps_by_variant, rounds, steps, warmup, synchronize)
     return {variant: statistics.median(times) for variant, times in samples.items()}
 
 

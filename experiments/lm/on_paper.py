@@ -13,7 +13,8 @@ gives none, the optimized program's matmul FLOPs, as the CIFAR benchmark's
 targets section does) and the
 dtype of every matmul in the optimized program (cuBLAS and cuDNN calls
 included, with the share of them in FP8 and each FP8 outcome,
-`jaxamp.PrecisionReport.fp8_rows`), and the roofline bound (`experiments.benchmark.roofline`) with the
+`jaxamp.PrecisionReport.fp8_rows`), and the roofline bound of the optimized program
+(`jaxamp.diagnostics.kernel_roofline`, over the whole step and kernel by kernel) with the
 tokens/s it allows. Nothing is autotuned; it is a bound on paper, not a
 measurement.
 
@@ -134,7 +135,6 @@ def compile_for(
     )
     tokens = config.batch_size * context
     report = compiled_step.report
-    kernels = compiled_step.kernels
     return {
         "target": target,
         "device_kind": device.device_kind,
@@ -162,15 +162,32 @@ def compile_for(
         "flops_per_step": total_flops,
         "analytic_flops_per_step": tokens * model_lib.model_flops_per_token(size, vocab_size, context),
         "bytes_accessed_per_step": bytes_accessed,
-        "roofline_step_s": bound["bound_s"],
-        "roofline_compute_s": bound["compute_s"],
-        "roofline_memory_s": bound["memory_s"],
-        "roofline_tokens_per_s": tokens / bound["bound_s"],
-        # The sum of each kernel's own bound (jaxamp.diagnostics.kernel_roofline), by kind of kernel.
-        "roofline_per_kernel_s": kernels.per_kernel_s,
-        "roofline_per_kernel_by_class_s": kernel_classes(kernels),
+        "roofline_step_s": bound.global_s,
+        "roofline_compute_s": bound.compute_s,
+        "roofline_memory_s": bound.memory_s,
+        "roofline_tokens_per_s": tokens / bound.global_s,
+        # The sum of each kernel's own bound, by kind of kernel.
+        "roofline_per_kernel_s": bound.per_kernel_s,
+        "roofline_per_kernel_by_class_s": kernel_classes(bound),
+        "bytes_per_step_by_class": kernel_classes(bound, "bytes"),
         "gemm_flops_fp8_share": report.fp8_fraction(),
     }
+
+
+def compile_with_attention_fallback(
+    target: str, config: LMConfig, vocab_size: int, size: GPTSize | None = None, fp8_where: str = "pays"
+) -> dict[str, Any]:
+    """`compile_for`, with the einsum attention where cuDNN's cannot compile here (libcudnn not
+    importable); the entry then says so (``attention_note``)."""
+    try:
+        return compile_for(target, config, vocab_size, size, fp8_where)
+    except RuntimeError as error:
+        if "cuDNN" not in str(error):
+            raise
+        entry = compile_for(
+            target, dataclasses.replace(config, attention="einsum"), vocab_size, size, fp8_where
+        )
+        return {**entry, "attention_note": f"cudnn attention not compilable without cuDNN ({error})"}
 
 
 def kernel_class(kernel) -> str:
@@ -184,12 +201,13 @@ def kernel_class(kernel) -> str:
     return "other"
 
 
-def kernel_classes(kernels) -> dict[str, float]:
-    """Seconds of the per-kernel bound by `kernel_class`."""
+def kernel_classes(kernels, figure: str = "bound_s") -> dict[str, float]:
+    """A figure of each kernel summed by `kernel_class`: ``bound_s`` (seconds of the per-kernel
+    bound, the default) or ``bytes`` (bytes moved per step)."""
     totals: dict[str, float] = {}
     for kernel in kernels.kernels:
         key = kernel_class(kernel)
-        totals[key] = totals.get(key, 0.0) + kernel.bound_s
+        totals[key] = totals.get(key, 0) + getattr(kernel, figure)
     return totals
 
 
@@ -386,14 +404,7 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
             wheres = fp8_wheres if resolve_precision(precision).policy.fp8_matmuls else ["pays"]
             for where in wheres:
                 try:
-                    try:
-                        entry = compile_for(args.target, config, args.vocab_size, size, where)
-                    except RuntimeError as error:
-                        if "cuDNN" not in str(error):
-                            raise
-                        einsum = dataclasses.replace(config, attention="einsum")
-                        entry = compile_for(args.target, einsum, args.vocab_size, size, where)
-                        entry["attention_note"] = f"cudnn attention not compilable without cuDNN ({error})"
+                    entry = compile_with_attention_fallback(args.target, config, args.vocab_size, size, where)
                 except Exception as error:  # noqa: BLE001 (a compile failure is a finding to record, not a crash)
                     entry = {
                         "model": size_label(args.model, size),

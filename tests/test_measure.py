@@ -1,0 +1,117 @@
+"""``python -m experiments.measure NAME``: the list, a mistyped name, the folder a measurement writes.
+
+The measurements themselves are run in a small form where they are cheap:
+`communication_bytes` by tests/test_fsdp.py, `fp8_scaling_cost` by
+tests/test_fp8_report.py; here, `fp8_payoff` (no compile) stands for all of
+them as the entry point sees them.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import jaxamp
+from experiments.measure import MEASUREMENTS
+from experiments.measure.__main__ import main, measurement_names, summary
+from experiments.measure.markdown import table
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAMES = [module.replace("_", "-") for module in MEASUREMENTS]
+
+
+def test_help_lists_every_measurement_with_the_first_line_of_its_docstring(capsys):
+    assert main(["--help"]) == 0
+    listing = capsys.readouterr().out
+    for name, module in measurement_names().items():
+        (line,) = [line for line in listing.splitlines() if line.split()[:1] == [name]]
+        assert line.split(None, 1)[1] == summary(module) != ""
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_measurement_describes_itself_and_its_flags(name, capsys):
+    """Fails if a module lacks the measurement's shape (docstring, add_arguments, run) or its flags clash."""
+    with pytest.raises(SystemExit) as exit_:
+        main([name, "--help"])
+    assert exit_.value.code == 0
+    shown = capsys.readouterr().out
+    assert f"usage: python -m experiments.measure {name}" in shown
+    assert summary(name.replace("-", "_")) in shown and "--out OUT" in shown
+
+
+def test_a_mistyped_name_is_refused_with_the_nearest_one_before_jax_loads():
+    """Checked in a fresh process, by what it imported: the name is answered before JAX loads."""
+    script = (
+        "import sys\n"
+        "from experiments.measure.__main__ import main\n"
+        "try:\n"
+        "    main(['autocats-cost'])\n"
+        "except SystemExit as exit:\n"
+        "    print(exit.code, 'jax' in sys.modules)\n"
+    )
+    process = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert process.stdout.split() == ["2", "False"], process.stdout + process.stderr
+    assert "unknown measurement 'autocats-cost'; did you mean autocast-cost?" in process.stderr
+    assert "The measurements: autocast-cost, trace-cost" in process.stderr
+
+
+def test_a_measurement_writes_a_new_folder_under_runs_with_its_command_and_commit(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["fp8-payoff"]) == 0
+    (folder,) = os.listdir(tmp_path / "runs")
+    assert folder.startswith("measure-fp8-payoff-")
+    written = sorted(os.listdir(tmp_path / "runs" / folder))
+    assert written == ["COMMAND", "crossovers.md"]
+    record = (tmp_path / "runs" / folder / "COMMAND").read_text().splitlines()
+    assert record[0] == "command: python -m experiments.measure fp8-payoff"
+    assert record[1].startswith("commit: ") and record[3] == "wrote: crossovers.md"
+    page = (tmp_path / "runs" / folder / "crossovers.md").read_text()
+    assert (
+        page.startswith("# Where FP8 pays") and "Command: `python -m experiments.measure fp8-payoff`" in page
+    )
+
+
+def test_out_names_the_folder_and_a_second_run_replaces_its_files(tmp_path):
+    out = tmp_path / "results" / "fp8-pays" / "crossovers"
+    for _ in range(2):
+        assert main(["fp8-payoff", "--out", str(out)]) == 0
+    assert sorted(os.listdir(out)) == ["COMMAND", "crossovers.md"]  # no temporary file left behind
+    assert f"--out {out}" in (out / "COMMAND").read_text()
+
+
+def test_a_measurement_that_cannot_run_here_says_what_to_install_and_leaves_no_folder(
+    tmp_path, monkeypatch, capsys
+):
+    """The CUDA plugin missing (faked here, so the test is the same with or without it)."""
+
+    def no_plugin(target):
+        raise RuntimeError(f"Compiling for a GPU target needs the CUDA PJRT plugin ({target}).")
+
+    monkeypatch.setattr(jaxamp.diagnostics, "gpu_target_device", no_plugin)
+    monkeypatch.setattr(jaxamp.diagnostics, "cuda_plugin_available", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["mxfp8-b200"])
+    assert str(exit_.value.code).startswith("error: Compiling for a GPU target needs the CUDA PJRT plugin")
+    assert os.listdir(tmp_path / "runs") == []
+
+
+def test_a_bad_flag_of_a_measurement_exits_2_naming_it(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["optimizer-parity", "--steps", "0"])
+    assert exit_.value.code == 2
+    assert "argument --steps: expected a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_a_markdown_table_aligns_figures_right_and_refuses_a_ragged_row():
+    assert table(["recipe", "ms"], [["float32", "3.1"]]) == "| recipe | ms |\n|---|---:|\n| float32 | 3.1 |\n"
+    with pytest.raises(ValueError, match="a row of 1 cells in a table of 2 columns"):
+        table(["recipe", "ms"], [["float32"]])
