@@ -25,7 +25,7 @@ into arrays and written back (`arguments`). `jaxamp.apply_policy` (in
   and the primitives without a rule;
 * `scope`: `float32_scope`, the opt-out, and the policy scopes that
   `apply_policy` opens around a layer class's calls;
-* `recorder`: what ``record_overflow`` adds to a rewrite: each matmul and
-  convolution tapped and named (the record itself is
-  `jaxamp._scaling.overflow`'s).
+* `sites`: the matmuls and convolutions a probe's client watches
+  (`jaxamp._probe`: the overflow record, FP8 delayed scaling), counted and
+  named; the engine knows its clients by the probe's protocol alone.
 """

@@ -44,7 +44,6 @@ that its rewritten body narrows.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +57,7 @@ from jaxamp._autocast.context import Rewrite, Rule, bind, cast, is_floating, tra
 from jaxamp._autocast.interpreter import (
     RewriteCache,
     abstract,
+    inlining,
     interpret,
     lift_consts,
     operand_lineages,
@@ -66,23 +66,21 @@ from jaxamp._autocast.interpreter import (
     with_dtype,
 )
 from jaxamp._autocast.lineage import ACTIVATION, Kind
-from jaxamp._autocast.recorder import active_recorder
 from jaxamp._autocast.rules import restore_rule, unsupported
-from jaxamp.fp8._sites import current_fp8_sites
 
 
 def jit_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     """A nested ``jit``: the same primitive and params around the rewritten body.
 
-    In a rewrite that records overflows (`jaxamp._autocast.recorder`) or
-    runs FP8 delayed scaling (`jaxamp.fp8._sites`) the body is inlined
-    instead, so that its matmuls are watched (scaled from the history) too.
+    In a rewrite with a probe's client (`jaxamp._probe`: the overflow record,
+    FP8 delayed scaling) the body is inlined instead, so that its matmuls are
+    sites too.
     """
     body_param = "jaxpr" if "jaxpr" in equation.params else "call_jaxpr"
-    recorder = active_recorder()
-    if recorder is not None or current_fp8_sites() is not None:
+    naming = inlining()
+    if naming is not None:
         closed = equation.params[body_param]
-        with recorder.inlined(equation) if recorder is not None else contextlib.nullcontext():
+        with naming.inlined(equation):
             return interpret(context, closed.jaxpr, closed.consts, invals, operand_lineages())
     avals = [abstract(value) for value in invals]
     body = rewrite_jaxpr(context, equation.params[body_param], avals, lineages=operand_lineages())

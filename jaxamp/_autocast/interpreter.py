@@ -44,15 +44,6 @@ from jaxamp._autocast.lineage import (
     reduction_inputs,
     wider,
 )
-from jaxamp._autocast.recorder import (
-    INLINED_CALLS,
-    SITE_PRIMITIVES,
-    Recorder,
-    active_recorder,
-    count_sites,
-    differentiated_leaves,
-    recording,
-)
 from jaxamp._autocast.reference import recovered
 from jaxamp._autocast.rules import float32_rule, restore_rule
 from jaxamp._autocast.scope import (
@@ -62,9 +53,8 @@ from jaxamp._autocast.scope import (
     inside_extent,
     scope_policies,
 )
-from jaxamp._scaling.overflow import PROBE_SLOTS, OverflowRecord, OverflowSession, no_session
-from jaxamp.fp8._sites import SLOTS as FP8_SLOTS
-from jaxamp.fp8._sites import Fp8Sites, current_fp8_sites, fp8_sites
+from jaxamp._autocast.sites import INLINED_CALLS, SITE_PRIMITIVES, Naming, count_sites
+from jaxamp._probe import SLOTS, Client, Hooks, open_client, opened
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +72,19 @@ _BODY_REPORTS: contextvars.ContextVar[list | None] = contextvars.ContextVar("jax
 _OPERANDS: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxamp_operands", default=())
 
 
+@dataclasses.dataclass(frozen=True)
+class _Sites:
+    """The client whose rows a rewrite takes, its hooks and the naming of its sites (`jaxamp._probe`)."""
+
+    client: Client
+    hooks: Hooks
+    naming: Naming
+
+
+# While a rewrite with a probe's client is traced (None in the bodies that keep their amaxes).
+_SITES: contextvars.ContextVar[_Sites | None] = contextvars.ContextVar("jaxamp_sites", default=None)
+
+
 @contextlib.contextmanager
 def _set(variable: contextvars.ContextVar, value: Any):
     token = variable.set(value)
@@ -89,6 +92,13 @@ def _set(variable: contextvars.ContextVar, value: Any):
         yield value
     finally:
         variable.reset(token)
+
+
+def inlining() -> Naming | None:
+    """Where a rewrite with a probe's client is traced: the naming of its sites (the jit rule
+    inlines nested calls there, so their sites are watched); else None."""
+    sites = _SITES.get()
+    return None if sites is None else sites.naming
 
 
 def operand_lineages() -> tuple:
@@ -155,14 +165,13 @@ def interpret(
     lineages to the equation that holds it (`BodyReport`), whose outputs
     then leave those scopes and take those lineages.
 
-    In a recording rewrite (`jaxamp._autocast.recorder`), each matmul and
-    convolution is a site: its operands are tapped for the backward pass
-    and its output's amax recorded; bodies other than nested ``jit`` calls
-    (which the jit rule inlines) are rewritten without recording. Under FP8
-    delayed scaling (`jaxamp.fp8._sites`) the same bodies run without it:
-    their FP8 matmuls use current scaling.
+    Where a probe's client is open (`jaxamp._probe`: the overflow record,
+    FP8 delayed scaling), each matmul and convolution is a site
+    (`jaxamp._autocast.sites`), and the client's hooks tap it where they
+    tap; bodies other than nested ``jit`` calls (which the jit rule inlines)
+    are rewritten with the client closed.
     """
-    recorder = active_recorder()
+    sites = _SITES.get()
     env: dict[Any, Any] = {}
     lineage: dict[Any, Lineage] = {}
     for variable, value in zip(jaxpr.constvars, consts, strict=True):
@@ -188,9 +197,9 @@ def interpret(
         with equation_context(equation):
             if exits:
                 invals, in_lineages = _leave_scopes(equation, invals, in_lineages, exits)
-            site = recorder is not None and equation.primitive.name in SITE_PRIMITIVES
+            site = sites is not None and sites.hooks.taps and equation.primitive.name in SITE_PRIMITIVES
             if site:
-                invals = recorder.tap_operands(invals)
+                invals = sites.hooks.tap_operands(invals)
             rule = float32_rule if id(equation) in widened else scoped.rule_for(equation)
             role = getattr(rule, "role", None)
             reports: list | None = None
@@ -217,13 +226,12 @@ def interpret(
                 with (
                     _set(_BODY_REPORTS, reports),
                     _set(_OPERANDS, tuple(in_lineages)),
-                    _recording_in_body(recorder, equation),
-                    _fp8_sites_in_body(equation),
+                    _closed_in_body(sites, equation),
                 ):
                     outvals = rule(scoped, equation, invals)
                 out_lineages = _lineages_after(scoped, role, equation, in_lineages, reports)
             if site:
-                outvals = [recorder.record(equation, outvals[0]), *outvals[1:]]
+                outvals = [sites.hooks.record(sites.naming.site(equation), outvals[0]), *outvals[1:]]
         if islands and _in_island(equation):
             out_lineages = [ISLAND] * len(outvals)
         for variable, value, made in zip(equation.outvars, outvals, out_lineages, strict=True):
@@ -252,19 +260,15 @@ def interpret(
     ]
 
 
-def _recording_in_body(recorder: Recorder | None, equation) -> contextlib.AbstractContextManager:
-    """No recording inside the bodies of `equation` unless it is a nested call the jit rule inlines."""
-    if recorder is None or equation.primitive.name in INLINED_CALLS or not carries_jaxpr(equation):
-        return contextlib.nullcontext()
-    return recording(None)
-
-
-def _fp8_sites_in_body(equation) -> contextlib.AbstractContextManager:
-    """No FP8 delayed scaling inside the bodies of `equation` unless it is a nested call the jit
-    rule inlines: a body's amaxes cannot leave it."""
-    if current_fp8_sites() is None or equation.primitive.name in INLINED_CALLS or not carries_jaxpr(equation):
-        return contextlib.nullcontext()
-    return fp8_sites(None)
+@contextlib.contextmanager
+def _closed_in_body(sites: _Sites | None, equation):
+    """The client closed inside the bodies of `equation`, unless it is a nested call the jit rule
+    inlines: a body's amaxes cannot leave it."""
+    if sites is None or equation.primitive.name in INLINED_CALLS or not carries_jaxpr(equation):
+        yield
+        return
+    with sites.client.closed(), _set(_SITES, None):
+        yield
 
 
 def _scopes_of_outputs(equation, reports: list[BodyReport]) -> list[tuple]:
@@ -430,12 +434,11 @@ class _Entry:
     # Outputs that were no arrays when traced (a Python int, None, a string),
     # by position among the output leaves, returned as they were.
     static_outputs: tuple[tuple[int, Any], ...] = ()
-    # A recording rewrite's sites, its probe's rows and the matmuls it does not watch.
-    sites: tuple = ()
-    sites_size: int = 0
+    # With a probe's client: the rewrite's rows (one per site), the matmuls it does not
+    # watch, and what its client's hooks recorded.
+    rows: int = 0
     unrecorded: int = 0
-    # Under FP8 delayed scaling: the rows of amaxes and probe it takes (`jaxamp.fp8._sites`).
-    fp8_rows: int = 0
+    recorded: Any = None
 
 
 def _outputs(context: Rewrite, traced: ClosedJaxpr, args: Sequence[Any], out_dtypes: Sequence[Any]) -> list:
@@ -551,7 +554,6 @@ class RewriteCache:
         *,
         trace_dtypes: Sequence[Any] | None = None,
         output_dtypes: Callable[[Any], Sequence[Any]] | None = None,
-        session: OverflowSession | None = None,
     ) -> Any:
         """``fun(*leaves)`` with dtypes changed per primitive.
 
@@ -569,26 +571,21 @@ class RewriteCache:
                 leaf of them (in ``jax.tree.flatten`` order), the dtype it is
                 returned in, or None for the dtype it was traced with (the
                 default for every output).
-            session: an overflow session (`jaxamp._autocast.recorder`):
-                the rewrite records its sites, takes its probe rows from the
-                session and adds its `OverflowRecord` to it.
+
+        Where a probe's client is open (`jaxamp._probe`), the rewrite takes
+        its blocks of rows as leading inputs, gives its extra outputs last,
+        and the client finishes each call.
         """
         avals = [abstract(leaf) for leaf in leaves]
         if trace_dtypes is None:
             trace_dtypes = (None,) * len(leaves)
         trace_key = tuple(None if dtype is None else str(dtype) for dtype in trace_dtypes)
-        differentiated = None if session is None else differentiated_leaves(leaves)
-        sites = current_fp8_sites()
-        scaling = None if sites is None else ("current" if sites.current_scaling else "delayed")
-        if scaling is not None and differentiated is not None:
-            raise NotImplementedError(
-                "jaxamp.autocast cannot record overflows (record_overflow) and run FP8 delayed scaling "
-                "(jaxamp.fp8.delayed_scaling) in one call; record the overflows in a run without delayed scaling."
-            )
+        client = open_client()
+        client_key = None if client is None else (type(client), client.key(leaves))
         key = (
             None
             if static_key is None
-            else (static_key, tuple(_aval_key(aval) for aval in avals), trace_key, differentiated, scaling)
+            else (static_key, tuple(_aval_key(aval) for aval in avals), trace_key, client_key)
         )
         try:
             entry = None if key is None else self._entries.get(key)
@@ -598,42 +595,25 @@ class RewriteCache:
             trace_avals = [
                 aval if dtype is None else with_dtype(aval, dtype) for aval, dtype in zip(avals, trace_dtypes)
             ]
-            entry, cacheable = self._build(fun, avals, trace_avals, output_dtypes, differentiated, scaling)
+            entry, cacheable = self._build(fun, avals, trace_avals, output_dtypes, client, client_key)
             if key is not None and cacheable:
                 self._entries[key] = entry
                 if len(self._entries) > self._max_entries:
                     self._entries.popitem(last=False)
         else:
             self._entries.move_to_end(key)
-        if differentiated is not None:
-            probe = session.take(entry.sites_size)
-            *results, forward_amax = jaxpr_as_fun(entry.rewritten)(probe, *leaves)
-            session.records.append(
-                OverflowRecord(forward_amax, jnp.zeros_like(forward_amax), entry.sites, entry.unrecorded)
-            )
-            outvals = iter(results)
-        elif scaling is not None:
-            amax, probe = sites.take(entry.fp8_rows)
-            amax = jnp.zeros_like(probe) if amax is None else amax
-            outvals = iter(jaxpr_as_fun(entry.rewritten)(amax, probe, *leaves))
-        else:
-            outvals = iter(jaxpr_as_fun(entry.rewritten)(*leaves))
-        statics = dict(entry.static_outputs)
-        num_outputs = entry.out_tree.num_leaves
+        blocks = [] if client is None else client.take(entry.rows)
+        results = jaxpr_as_fun(entry.rewritten)(*blocks, *leaves)
+        count = entry.out_tree.num_leaves - len(entry.static_outputs)
+        if client is not None:
+            client.finish(results[count:], entry.recorded, entry.unrecorded)
+        outvals, statics = iter(results[:count]), dict(entry.static_outputs)
         return jax.tree.unflatten(
             entry.out_tree,
-            [statics[index] if index in statics else next(outvals) for index in range(num_outputs)],
+            [statics[index] if index in statics else next(outvals) for index in range(entry.out_tree.num_leaves)],
         )
 
-    def _build(
-        self,
-        fun,
-        avals,
-        trace_avals,
-        output_dtypes,
-        differentiated: tuple[bool, ...] | None,
-        scaling: str | None = None,
-    ) -> tuple[_Entry, bool]:
+    def _build(self, fun, avals, trace_avals, output_dtypes, client: Client | None, client_key) -> tuple[_Entry, bool]:
         self.traces += 1
         out_tree, static_outputs, pinned = None, [], []
 
@@ -651,7 +631,11 @@ class RewriteCache:
         # custom derivative's): its outputs report to no enclosing equation.
         # Nor does it record for an overflow session: autocast calls traced
         # inside this one are part of this rewrite.
-        with _set(_BODY_REPORTS, None), no_session(), recording(None), fp8_sites(None):
+        with (
+            _set(_BODY_REPORTS, None),
+            opened(None),
+            client.closed() if client is not None else contextlib.nullcontext(),
+        ):
             traced = _trace(array_outputs, trace_avals, avals)
             literals, casts = {}, {}
             if any(aval.dtype != given.dtype for aval, given in zip(traced.in_avals, avals)):
@@ -670,61 +654,30 @@ class RewriteCache:
                 aval.dtype if dtype is None else dtype
                 for aval, dtype in zip(traced.out_avals, pinned, strict=True)
             ]
-            if differentiated is not None:
-                return self._build_recording(
-                    context, traced, avals, out_dtypes, out_tree, static_outputs, differentiated
-                )
-            if scaling is not None:
-                return self._build_delayed(
-                    context, traced, avals, out_dtypes, out_tree, static_outputs, scaling
+            if client is not None:
+                return self._build_with_client(
+                    context, traced, avals, out_dtypes, out_tree, static_outputs, client, client_key[1]
                 )
             rewritten = jax.make_jaxpr(lambda *args: _outputs(context, traced, args, out_dtypes))(*avals)
         cacheable = not any(isinstance(const, jax.core.Tracer) for const in traced.consts)
         return _Entry(rewritten, out_tree, tuple(static_outputs)), cacheable
 
-    def _build_delayed(
-        self, context, traced, avals, out_dtypes, out_tree, static_outputs, scaling: str
+    def _build_with_client(
+        self, context, traced, avals, out_dtypes, out_tree, static_outputs, client: Client, key
     ) -> tuple[_Entry, bool]:
-        """The rewrite of `traced` under FP8 delayed scaling: inputs ``(amax, probe, *leaves)``,
-        one row of each per matmul and convolution it could run in FP8 (`jaxamp.fp8._sites`);
-        the ``amax`` input is unused under current scaling (``scaling == "current"``)."""
-        rows, _ = count_sites(traced.jaxpr)
-
-        def evaluate(amax, probe, *args):
-            with fp8_sites(Fp8Sites(None if scaling == "current" else amax, probe)):
-                return _outputs(context, traced, args, out_dtypes)
-
-        rows_aval = jax.ShapeDtypeStruct((rows, FP8_SLOTS), jnp.float32)
-        rewritten = jax.make_jaxpr(evaluate)(rows_aval, rows_aval, *avals)
-        entry = _Entry(rewritten, out_tree, tuple(static_outputs), fp8_rows=rows)
-        return entry, not any(isinstance(const, jax.core.Tracer) for const in traced.consts)
-
-    def _build_recording(
-        self, context, traced, avals, out_dtypes, out_tree, static_outputs, differentiated
-    ) -> tuple[_Entry, bool]:
-        """The rewrite of `traced` with its sites recorded: inputs ``(probe, *leaves)``, outputs
-        ``(*outputs, forward_amax)`` (`jaxamp._autocast.recorder`); the leaves nobody
-        differentiates are not tapped."""
-        sites_size, unrecorded = count_sites(traced.jaxpr)
+        """The rewrite of `traced` that takes `client`'s blocks of rows as leading inputs, one row per
+        site (`jaxamp._autocast.sites`), and gives its hooks' extra outputs last."""
+        rows, unrecorded = count_sites(traced.jaxpr)
         recorded: list = []
 
-        def evaluate(probe, *args):
-            recorder = Recorder(
-                probe, [arg for arg, grad in zip(args, differentiated, strict=True) if not grad]
-            )
-            with recording(recorder):
+        def evaluate(*inputs):
+            blocks, args = inputs[: client.blocks], inputs[client.blocks :]
+            with client.rewriting(blocks, args, key) as hooks, _set(_SITES, _Sites(client, hooks, Naming())):
                 outvals = _outputs(context, traced, args, out_dtypes)
-            recorded[:] = recorder.sites
-            return [*outvals, recorder.forward_amax()]
+            recorded[:] = [hooks.recorded()]
+            return [*outvals, *hooks.outputs()]
 
-        probe_aval = jax.ShapeDtypeStruct((sites_size, PROBE_SLOTS), jnp.float32)
-        rewritten = jax.make_jaxpr(evaluate)(probe_aval, *avals)
-        entry = _Entry(
-            rewritten,
-            out_tree,
-            tuple(static_outputs),
-            sites=tuple(recorded),
-            sites_size=sites_size,
-            unrecorded=unrecorded,
-        )
+        block = jax.ShapeDtypeStruct((rows, SLOTS), jnp.float32)
+        rewritten = jax.make_jaxpr(evaluate)(*[block] * client.blocks, *avals)
+        entry = _Entry(rewritten, out_tree, tuple(static_outputs), rows, unrecorded, recorded[0])
         return entry, not any(isinstance(const, jax.core.Tracer) for const in traced.consts)

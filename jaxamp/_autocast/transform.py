@@ -22,7 +22,6 @@ from jaxamp._autocast.primitives import find
 from jaxamp._autocast.rules import RULES_BY_NAME, follow_rule, is_floating, widened_rule
 from jaxamp._autocast.table import higher_order_rules, resolve, rules_table
 from jaxamp._policy import Policy, PolicySpec, get_policy
-from jaxamp._scaling.overflow import current_session
 
 
 def _primitive_named(name: str, table: Mapping[Primitive, Rule]) -> Primitive:
@@ -320,7 +319,6 @@ def make_autocast(
             static_key,
             trace_dtypes=narrowed,
             output_dtypes=output_dtypes,
-            session=current_session(),
         )
         call.write_back(module_states, attribute_changes)
         return outputs

@@ -13,6 +13,5 @@ One module per job:
 * `guard`: `OverflowGuard`, which stops a run whose loss scale is stuck;
 * why a step was skipped: `nonfinite` (the gradient leaves that were not
   finite) and `overflow` (the first matmul or convolution that overflowed,
-  and the session that records it; the engine's `jaxamp._autocast.recorder`
-  taps the ops).
+  and the session that records it, a client of the probe, `jaxamp._probe`).
 """

@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp._finite import all_finite
+from jaxamp._probe import SLOTS
 from jaxamp._scaling.loss_scale import LossScale
-from jaxamp._scaling.overflow import PROBE_SLOTS, overflow_session, with_backward
+from jaxamp._scaling.overflow import overflow_session, with_backward
 
 
 def scaled_value_and_grad(
@@ -116,7 +117,7 @@ def _recording_overflow(fun, scaled_loss, loss_scale, argnums):
     def value_and_grads(*args, **kwargs):
         with overflow_session(None) as sizing:
             jax.eval_shape(lambda *leaves: scaled_loss(*leaves, **kwargs), *args)
-        probe = jnp.zeros([sizing.size, PROBE_SLOTS], jnp.float32)
+        probe = jnp.zeros([sizing.size, SLOTS], jnp.float32)
         (_, (value, records)), (probe_grad, *scaled_grads) = value_and_probed_grad(probe, *args, **kwargs)
         grads = loss_scale.unscale(scaled_grads[0] if single else tuple(scaled_grads))
         return value, grads, all_finite(grads), with_backward(records, sizing.offsets, probe_grad)

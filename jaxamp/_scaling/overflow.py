@@ -20,19 +20,18 @@ else the *last* site, in program order, whose backward amax is not finite
 every site it reaches after).
 
 How the amaxes are collected: the function runs inside an *overflow
-session* (`overflow_session`). Every `autocast` call traced inside it
-rewrites its program with a recorder (`jaxamp._autocast.recorder`), which
-taps each matmul and convolution, takes its rows of the session's *probe*
-(a zero-valued float32 ``(sites, 3)`` input that the caller
-differentiates) and adds its forward amaxes to the session. The backward
-amaxes leave the step as the probe's gradient (`with_backward`): no host
-callback, no effect. Nothing changes when no session is open.
+session* (`overflow_session`), a client of the probe (`jaxamp._probe`).
+Every `autocast` call traced inside it takes its rows of the session's
+probe (a zero-valued float32 ``(sites, 3)`` input that the caller
+differentiates), taps each matmul and convolution (`_Recorder`) and adds
+its forward amaxes to the session. The backward amaxes leave the step as
+the probe's gradient (`with_backward`): no host callback, no effect.
+Nothing changes when no session is open.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
@@ -43,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxamp._probe import Probe, opened
 from jaxamp._scaling.nonfinite import host_value
 
 
@@ -266,12 +266,30 @@ def amax(value: Any) -> jax.Array:
     return jnp.where(largest == _NAN_MARK, jnp.nan, largest)
 
 
-PROBE_SLOTS = 3
-"""Probe slots per site: the cotangents of its two operands and of its output."""
+try:  # the tracers of an enclosing jax.grad (JVP, or linearize from JAX 0.5 on)
+    from jax._src.interpreters.ad import JVPTracer as _JVPTracer
+    from jax._src.interpreters.ad import LinearizeTracer as _LinearizeTracer
+
+    _DIFFERENTIATED_TRACERS: tuple = (_JVPTracer, _LinearizeTracer)
+except ImportError:  # pragma: no cover - a JAX release that moved them: every input counts
+    _DIFFERENTIATED_TRACERS = ()
+
+
+def _refusal(taken: int, rows: int) -> str:
+    return (
+        "record_overflow: the function ran more matmuls under autocast than when the probe was "
+        "sized; a function recorded for overflows must run the same autocast calls every time "
+        "it is traced."
+    )
 
 
 class OverflowSession:
-    """The probe slices and the records of every recorded `autocast` call in one function call.
+    """The probe rows and the records of every recorded `autocast` call in one function call.
+
+    A client of the probe (`jaxamp._probe.Client`): each `autocast` call
+    inside takes one row per matmul and convolution it watches, and adds its
+    `OverflowRecord` to `records` (forward amaxes only; `with_backward` reads
+    the backward ones from the probe's gradient).
 
     Args:
         probe: the zero-valued ``(sites, 3)`` float32 input whose gradient
@@ -279,51 +297,122 @@ class OverflowSession:
             then gets zeros).
     """
 
+    purpose = "record overflows (record_overflow)"
+    alone = "record the overflows in a run without delayed scaling."
+    blocks = 1
+
     def __init__(self, probe: jax.Array | None = None):
-        self.probe = probe
-        self.size = 0
+        self._probe = Probe(probe, _refusal)
         self.records: list[OverflowRecord] = []
         self.offsets: list[int] = []
 
-    def take(self, size: int) -> jax.Array:
-        """The probe rows of the next call's `size` sites."""
-        start, self.size = self.size, self.size + size
-        self.offsets.append(start)
-        if self.probe is None:
-            return jnp.zeros([size, PROBE_SLOTS], jnp.float32)
-        if self.size > self.probe.shape[0]:
-            raise RuntimeError(
-                "record_overflow: the function ran more matmuls under autocast than when the probe was "
-                "sized; a function recorded for overflows must run the same autocast calls every time "
-                "it is traced."
-            )
-        return self.probe[start : self.size]
+    @property
+    def size(self) -> int:
+        """The rows taken so far."""
+        return self._probe.size
+
+    def key(self, leaves: Sequence[Any]) -> tuple[bool, ...]:
+        """Per leaf of an `autocast` call, whether an enclosing ``jax.grad`` differentiates it.
+
+        A recording rewrite taps no operand that is an input nobody
+        differentiates (the data): its cotangent would be computed for the
+        tap alone (the first layer's input gradient, a whole matmul). Where
+        JAX's tracer classes cannot be read, every leaf counts as
+        differentiated (each operand is tapped).
+        """
+        if not _DIFFERENTIATED_TRACERS:
+            return (True,) * len(leaves)
+        return tuple(isinstance(leaf, _DIFFERENTIATED_TRACERS) for leaf in leaves)
+
+    def take(self, rows: int) -> list[jax.Array]:
+        self.offsets.append(self._probe.size)
+        return [self._probe.take(rows)]
+
+    def closed(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def rewriting(self, blocks, leaves, key) -> Iterator[_Recorder]:
+        yield _Recorder(blocks[0], [leaf for leaf, differentiated in zip(leaves, key) if not differentiated])
+
+    def finish(self, outputs: Sequence[Any], recorded: tuple, unrecorded: int) -> None:
+        (forward_amax,) = outputs
+        self.records.append(OverflowRecord(forward_amax, jnp.zeros_like(forward_amax), recorded, unrecorded))
 
 
-_SESSION: contextvars.ContextVar[OverflowSession | None] = contextvars.ContextVar(
-    "jaxamp_overflow_session", default=None
-)
+@jax.custom_vjp
+def _tap(value: jax.Array, slot: jax.Array) -> jax.Array:
+    """`value` unchanged; the derivative of `slot` is the largest magnitude of `value`'s cotangent."""
+    del slot
+    return value
+
+
+def _tap_forward(value, slot):
+    del slot
+    return value, None
+
+
+def _tap_backward(_, cotangent):
+    return cotangent, amax(cotangent)
+
+
+_tap.defvjp(_tap_forward, _tap_backward)
+
+
+def _is_traced_floating(value: Any) -> bool:
+    return isinstance(value, jax.Array) and jnp.issubdtype(value.dtype, jnp.floating)
+
+
+class _Recorder:
+    """What a recording rewrite does at each site (the probe's `Hooks`), in program order:
+
+    ```python
+    lhs, rhs = tap(lhs, probe[i, 0]), tap(rhs, probe[i, 1])  # identity forward
+    out = tap(the op under its rule, probe[i, 2])
+    forward_amax[i] = max(abs(out))
+    # backward: tap's derivative passes the cotangent on unchanged and gives
+    # max(abs(cotangent)) as the derivative of its probe slot
+    ```
+
+    so a site's backward amax covers the cotangent it receives (its output's)
+    and the two it gives (the outputs of its backward matmuls). An operand that
+    is one of `constant_inputs` (an input nobody differentiates) is not tapped.
+    """
+
+    taps = True
+
+    def __init__(self, probe: jax.Array, constant_inputs: Sequence[Any] = ()):
+        self.probe = probe
+        self._constant_inputs = {id(value) for value in constant_inputs}
+        self.sites: list[OverflowSite] = []
+        self.forward: list[jax.Array] = []
+
+    def tap_operands(self, invals: Sequence[Any]) -> list:
+        index = len(self.sites)
+        return [
+            _tap(value, self.probe[index, slot])
+            if slot < 2 and _is_traced_floating(value) and id(value) not in self._constant_inputs
+            else value
+            for slot, value in enumerate(invals)
+        ]
+
+    def record(self, site: Any, output: Any) -> Any:
+        self.sites.append(OverflowSite(site.name, site.source, site.primitive, str(output.dtype), tuple(output.shape)))
+        self.forward.append(amax(output))
+        return _tap(output, self.probe[len(self.sites) - 1, 2]) if _is_traced_floating(output) else output
+
+    def outputs(self) -> list:
+        return [jnp.stack(self.forward) if self.forward else jnp.zeros([0], jnp.float32)]
+
+    def recorded(self) -> tuple:
+        return tuple(self.sites)
 
 
 @contextlib.contextmanager
 def overflow_session(probe: jax.Array | None = None) -> Iterator[OverflowSession]:
     """Records the overflows of every `autocast` call made inside (see the module docstring)."""
-    session = OverflowSession(probe)
-    token = _SESSION.set(session)
-    try:
+    with opened(OverflowSession(probe)) as session:
         yield session
-    finally:
-        _SESSION.reset(token)
-
-
-@contextlib.contextmanager
-def no_session() -> Iterator[None]:
-    """No overflow session inside: an `autocast` call traced inside another's trace is part of it."""
-    token = _SESSION.set(None)
-    try:
-        yield
-    finally:
-        _SESSION.reset(token)
 
 
 def with_backward(
@@ -344,11 +433,6 @@ def with_backward(
         for record, offset in zip(records, offsets, strict=True)
     ]
     return OverflowRecord.concatenate(records)
-
-
-def current_session() -> OverflowSession | None:
-    """The overflow session open here, or None."""
-    return _SESSION.get()
 
 
 def record_overflow(fun: Callable[..., Any]) -> Callable[..., tuple[Any, OverflowRecord]]:

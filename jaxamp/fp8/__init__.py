@@ -8,10 +8,9 @@ also be called directly. One file per job:
   scaling (`quantize`), and the named fallbacks (`FP8_FALLBACK_REASONS`);
 * `_delayed`: delayed scaling, TransformerEngine's recipe, an option:
   `Fp8History` (the amax window a train step carries), `init_fp8_history`,
-  `delayed_value_and_grad` (the step helper) and `delayed_scaling` (the
-  context it opens);
-* `_sites`: the carrier that hands each FP8 matmul its history row and
-  sends its amaxes out of the step;
+  `delayed_value_and_grad` (the step helper), `delayed_scaling` (the
+  context it opens), and the sites that hand each FP8 matmul its history
+  row and send its amaxes out of the step (a client of `jaxamp._probe`);
 * `_payoff`: whether FP8 pays for one matmul's shape on a GPU, which decides
   where ``mixed_float8`` runs FP8 (its public face is
   `jaxamp.diagnostics.fp8_matmul_cost` and `jaxamp.diagnostics.fp8_target`).

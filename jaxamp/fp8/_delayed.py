@@ -44,9 +44,27 @@ history = history.record(amaxes, keep=grads_finite)   # a skipped step records n
 return value, grads, grads_finite, history
 ```
 
-The amaxes are the probe's gradient (`jaxamp.fp8._sites`): each FP8 site's
-custom VJP gives its operands' and its cotangent's amaxes as the derivative
-of its probe row, so they leave the step without a host callback. The
+The amaxes are the gradient of a probe (`jaxamp._probe`; `Fp8Sites` is its
+client): while a function runs under `delayed_scaling`, each FP8 site (each
+`jaxamp.fp8_dot_general` or FP8 convolution, in the order they are traced)
+takes its row of the history's amaxes (its scales) and its row of the
+probe, and its custom VJP gives, as the derivative of its probe row, the
+amaxes of the tensors it quantized:
+
+```text
+row i = sites.rows(1)                    # (amax_in[i], probe[i]), in trace order
+forward:  q_lhs, amax_lhs = quantize(lhs, scale from amax_in[i, 0])   # scale known first
+          q_rhs, amax_rhs = quantize(rhs, scale from amax_in[i, 1])
+backward: q_g,   amax_g   = quantize(g,   scale from amax_in[i, 2])
+          d probe[i] = (amax_lhs, amax_rhs, amax_g)
+```
+
+so every amax, forward and backward, leaves the step without a host
+callback. Inside `jaxamp.autocast` the rewrite takes a block of rows per
+call (one per matmul and convolution it could run in FP8) as inputs of the
+rewritten program, so the rewrite stays cached; matmuls inside loops,
+conditionals, checkpoints and custom derivative rules keep current scaling
+(their amaxes cannot leave those bodies). The
 cotangent's amax is that of the scaled cotangent, which is what the site
 quantizes. A step with a non-finite amax is skipped as any non-finite step
 is (`grads_finite` is False; pass it to ``TrainState.apply_gradients`` or
@@ -56,6 +74,7 @@ a `DynamicLossScale`), and leaves the history as it was.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -65,7 +84,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxamp._finite import all_finite
-from jaxamp.fp8._sites import SLOTS, Fp8Sites, fp8_sites
+from jaxamp._probe import SLOTS, Probe, opened
 
 REDUCTIONS = ("max", "most_recent")
 """How `Fp8History.amax` reduces a row's window (TransformerEngine's ``amax_compute_algo``)."""
@@ -152,6 +171,109 @@ class Fp8History(struct.PyTreeNode):
 
 
 
+class Fp8Sites:
+    """The amax and probe rows of the FP8 sites of one function call (see the module docstring).
+
+    A client of the probe (`jaxamp._probe.Client`) for `jaxamp.autocast`, and
+    the rows the FP8 kernels take (`current_fp8_sites`).
+
+    Args:
+        amax: float32 ``(rows, 3)``, the amaxes the sites scale by, or None
+            for current scaling.
+        probe: the zero-valued float32 ``(rows, 3)`` whose gradient receives
+            the amaxes, or None to count the sites (every take gets zeros).
+    """
+
+    purpose = "run FP8 delayed scaling (jaxamp.fp8.delayed_scaling)"
+    alone = "run the delayed scaling in a call that records no overflows."
+    blocks = 2
+
+    def __init__(self, amax: jax.Array | None, probe: jax.Array | None):
+        if probe is not None and amax is not None and amax.shape != probe.shape:
+            raise ValueError(
+                f"FP8 sites need amax and probe of one shape; got {amax.shape} and {probe.shape}."
+            )
+        self.amax = amax
+        self._probe = Probe(probe, self._refusal)
+
+    @staticmethod
+    def _refusal(taken: int, rows: int) -> str:
+        return (
+            f"FP8 delayed scaling: the function ran more FP8 sites ({taken} so far) than its history "
+            f"has rows ({rows}). Size the history with jaxamp.fp8.init_fp8_history on the "
+            "same function and arguments; it must trace the same matmuls every time."
+        )
+
+    @property
+    def current_scaling(self) -> bool:
+        """Whether the sites scale by the amax of the tensor now (no history yet)."""
+        return self.amax is None
+
+    @property
+    def size(self) -> int:
+        """The rows taken so far."""
+        return self._probe.size
+
+    def rows(self, count: int) -> tuple[jax.Array | None, jax.Array]:
+        """The amax rows (None under current scaling) and probe rows of the next `count` sites."""
+        start = self._probe.size
+        probe = self._probe.take(count)
+        if self.amax is None:
+            return None, probe
+        if self._probe.rows is None:
+            return jnp.zeros([count, SLOTS], jnp.float32), probe
+        return self.amax[start : start + count], probe
+
+    def key(self, leaves) -> str:
+        return "current" if self.current_scaling else "delayed"
+
+    def take(self, rows: int) -> list[jax.Array]:
+        amax, probe = self.rows(rows)
+        return [jnp.zeros_like(probe) if amax is None else amax, probe]
+
+    def closed(self) -> contextlib.AbstractContextManager:
+        return fp8_sites(None)
+
+    @contextlib.contextmanager
+    def rewriting(self, blocks, leaves, key) -> Iterator[_KernelsTakeTheRows]:
+        amax, probe = blocks
+        with fp8_sites(Fp8Sites(None if key == "current" else amax, probe)):
+            yield _KernelsTakeTheRows()
+
+    def finish(self, outputs, recorded, unrecorded) -> None:
+        del outputs, recorded, unrecorded
+
+
+class _KernelsTakeTheRows:
+    """The probe's `Hooks` under delayed scaling: the FP8 kernels take the rows themselves."""
+
+    taps = False
+
+    def outputs(self) -> list:
+        return []
+
+    def recorded(self) -> None:
+        return None
+
+
+_SITES: contextvars.ContextVar[Fp8Sites | None] = contextvars.ContextVar("jaxamp_fp8_sites", default=None)
+
+
+def current_fp8_sites() -> Fp8Sites | None:
+    """The FP8 sites the kernels take their rows from here, or None (current scaling, no amaxes out)."""
+    return _SITES.get()
+
+
+@contextlib.contextmanager
+def fp8_sites(sites: Fp8Sites | None) -> Iterator[Fp8Sites | None]:
+    """Runs the code inside with `sites` (None: no delayed scaling inside)."""
+    token = _SITES.set(sites)
+    try:
+        yield sites
+    finally:
+        _SITES.reset(token)
+
+
 @contextlib.contextmanager
 def delayed_scaling(history: Fp8History, probe: jax.Array | None = None) -> Iterator[Fp8Sites]:
     """Inside, FP8 matmuls scale from `history` and send their amaxes out through `probe`'s gradient.
@@ -183,7 +305,7 @@ def delayed_scaling(history: Fp8History, probe: jax.Array | None = None) -> Iter
     amax = history.amax() if history.recorded else None
     if probe is None:
         probe = jnp.zeros((history.rows, SLOTS), jnp.float32)
-    with fp8_sites(Fp8Sites(amax, probe)) as sites:
+    with fp8_sites(Fp8Sites(amax, probe)) as sites, opened(sites):
         yield sites
     if sites.size != history.rows:
         raise ValueError(
@@ -207,7 +329,7 @@ def init_fp8_history(
     nothing runs. Defaults are TransformerEngine's (1024 steps, "max", margin 0).
     """
     sizing = Fp8Sites(None, None)
-    with fp8_sites(sizing):
+    with fp8_sites(sizing), opened(sizing):
         jax.eval_shape(functools.partial(fun, **kwargs), *args)
     return Fp8History.create(sizing.size, length, reduction, margin)
 

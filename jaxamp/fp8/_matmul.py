@@ -42,7 +42,7 @@ Under delayed scaling (TransformerEngine's recipe, `jaxamp.fp8.delayed_scaling`)
 each FP8 site scales from the history's amax
 (``scale = fp8.max / amax_in``), so the cast does not wait for the amax of
 the tensor now, which is computed beside it and sent out of the step
-through a probe's gradient (`jaxamp.fp8._sites`); the NaN rule above still
+through a probe's gradient (`jaxamp.fp8._delayed`); the NaN rule above still
 holds. Whether XLA reads the tensor once for both is its fusion's choice:
 compiled for an H200 it fuses the cast into the transpose that cuBLASLt's
 FP8 GEMM needs and keeps the amax a reduction of its own. Before the history's
@@ -66,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp.fp8._sites import current_fp8_sites
+from jaxamp.fp8._delayed import current_fp8_sites
 
 FP8_FORWARD_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 """Operands of the forward GEMM: 3 mantissa bits, largest value 448."""
@@ -388,7 +388,7 @@ def _next_site() -> tuple[jax.Array | None, jax.Array | None]:
     sites = current_fp8_sites()
     if sites is None:
         return None, None
-    amax, probe = sites.take(1)
+    amax, probe = sites.rows(1)
     return (None if amax is None else amax[0]), probe[0]
 
 
