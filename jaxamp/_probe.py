@@ -1,31 +1,15 @@
 """The probe: a zero-valued input whose gradient carries amaxes out of a step.
 
-One job: hand out, in the order a function's sites are traced, the rows of a
-zero-valued float32 ``(rows, 3)`` array that the caller differentiates. A
-site's custom VJP gives the amaxes it saw as the derivative of its row, so
-they leave the step as the probe's gradient: no host callback, no effect.
-Two clients use it, each while it is open (`opened`):
-
-* the overflow record (`jaxamp._scaling.overflow`): each matmul's and
-  convolution's output amax forward, and its cotangents' backward;
-* FP8 delayed scaling (`jaxamp.fp8._delayed`): each FP8 GEMM's operand and
-  cotangent amaxes, beside the history's amaxes it scales by.
-
-The rows are counted by a first trace without a probe (every take gives
-zeros), then taken for real:
-
-```text
-sizing = Probe(None);  trace fun under the client      # sizing.size rows taken
-probe = zeros((sizing.size, 3))
-grad of fun under the client, w.r.t. probe too          # d probe = the amaxes
-```
-
-`jaxamp.autocast` takes a block of rows per call (one per matmul and
-convolution of the traced program, `Client.take`) and passes them in as
-inputs of the rewritten program, so the rewrite stays cached; while it
-builds that program the client says what the rewrite does at each site
-(`Client.rewriting`, `Hooks`). The engine knows the clients by this
-protocol alone.
+One job: hand out, in trace order, the rows of a zero-valued float32
+``(rows, 3)`` array that the caller differentiates; a site's custom VJP gives
+the amaxes it saw as the derivative of its row, so they leave the step with
+no host callback. Two clients use it: the overflow record
+(`jaxamp._scaling.overflow`) and FP8 delayed scaling (`jaxamp.fp8._delayed`).
+A first trace without rows counts them (every take gives zeros).
+`jaxamp.autocast` knows a client by `Client` alone: per call it takes a
+block of rows (one per matmul and convolution) as inputs of the rewritten
+program, so the rewrite stays cached, and calls the client's `Hooks` at
+each site while it builds that program.
 """
 
 from __future__ import annotations
@@ -43,14 +27,8 @@ SLOTS = 3
 
 
 class Probe:
-    """The rows of a probe, handed out in trace order (see the module docstring).
-
-    Args:
-        rows: the zero-valued float32 ``(rows, 3)`` input, or None to count
-            the rows (every take then gets zeros).
-        refusal: ``refusal(taken, rows)``, the message of the error raised
-            where more rows are taken than there are.
-    """
+    """Rows of a probe in trace order; ``rows=None`` counts them. `refusal(taken, rows)` is the
+    message of the ``RuntimeError`` raised where more rows are taken than there are."""
 
     def __init__(self, rows: jax.Array | None, refusal: Callable[[int, int], str]):
         self.rows = rows
@@ -58,12 +36,6 @@ class Probe:
         self._refusal = refusal
 
     def take(self, count: int) -> jax.Array:
-        """The next `count` rows.
-
-        Raises:
-            RuntimeError: more rows taken than the probe has (the function
-                traced more sites than when it was sized).
-        """
         start, self.size = self.size, self.size + count
         if self.rows is None:
             return jnp.zeros([count, SLOTS], jnp.float32)
@@ -73,57 +45,30 @@ class Probe:
 
 
 class Hooks(Protocol):
-    """What a rewrite calls at each site, while a client's rows of one call are in it.
-
-    Attributes:
-        taps: whether the rewrite calls `tap_operands` and `record` at its sites
-            (FP8 delayed scaling takes its rows in the FP8 kernels instead).
-    """
+    """What a rewrite calls at each site (``taps``: whether it calls `tap_operands` and `record`;
+    FP8 delayed scaling takes its rows in its kernels instead)."""
 
     taps: bool
 
-    def tap_operands(self, invals: Sequence[Any]) -> list:
-        """The operands of the next site, tapped for the backward pass."""
-
-    def record(self, site: Any, output: Any) -> Any:
-        """Records `site` (its ``name``, ``source``, ``primitive``), whose output is `output`; returns it."""
-
-    def outputs(self) -> list:
-        """The rewrite's extra outputs, after its last site."""
-
-    def recorded(self) -> Any:
-        """What the rewrite keeps of its sites, handed to `Client.finish` at every call."""
+    def tap_operands(self, invals: Sequence[Any]) -> list: ...
+    def record(self, site: Any, output: Any) -> Any: ...  # site: name, source, primitive
+    def outputs(self) -> list: ...  # the rewrite's extra outputs
+    def recorded(self) -> Any: ...  # kept with the rewrite, handed to `Client.finish`
 
 
 class Client(Protocol):
-    """What `jaxamp.autocast` asks of the probe's client open around a call.
-
-    Attributes:
-        purpose: what the client does, for an error that names two.
-        alone: the advice of that error, where this client's purpose comes first.
-        blocks: how many ``(rows, 3)`` float32 blocks a rewrite takes as inputs.
-    """
+    """The probe's client open around an `autocast` call: `blocks` ``(rows, 3)`` inputs per call,
+    its `purpose` and the advice where it is open with another (`alone`)."""
 
     purpose: str
     alone: str
     blocks: int
 
-    def key(self, leaves: Sequence[Any]) -> Hashable:
-        """What besides shapes and dtypes decides the rewrite of a call on `leaves`."""
-
-    def take(self, rows: int) -> list[jax.Array]:
-        """The blocks of one call with `rows` sites."""
-
-    def closed(self) -> contextlib.AbstractContextManager:
-        """Inside, no rows are taken: while a function is traced, and in a body whose amaxes cannot
-        leave it (a loop, a conditional)."""
-
-    def rewriting(self, blocks: Sequence[Any], leaves: Sequence[Any], key: Hashable) -> contextlib.AbstractContextManager:
-        """Open while the rewrite of one call is traced on `blocks`; yields its `Hooks`."""
-
-    def finish(self, outputs: Sequence[Any], recorded: Any, unrecorded: int) -> None:
-        """After a call: its rewrite's extra outputs, what its hooks recorded, how many matmuls and
-        convolutions it did not watch."""
+    def key(self, leaves: Sequence[Any]) -> Hashable: ...  # what else decides the rewrite
+    def take(self, rows: int) -> list[jax.Array]: ...  # one call's blocks
+    def closed(self) -> contextlib.AbstractContextManager: ...  # no rows taken inside
+    def rewriting(self, blocks, leaves, key) -> contextlib.AbstractContextManager: ...  # yields Hooks
+    def finish(self, outputs: Sequence[Any], recorded: Any, unrecorded: int) -> None: ...
 
 
 _OPEN: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxamp_probe_clients", default=())
@@ -131,8 +76,7 @@ _OPEN: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxamp_probe_clie
 
 @contextlib.contextmanager
 def opened(client: Client | None) -> Iterator[Client | None]:
-    """Opens `client` inside; None: no client inside (`autocast` calls traced inside another's trace
-    are part of its rewrite)."""
+    """Opens `client` inside; None: none inside (autocast calls traced in another's trace)."""
     token = _OPEN.set((*_OPEN.get(), client) if client is not None else ())
     try:
         yield client
@@ -141,16 +85,12 @@ def opened(client: Client | None) -> Iterator[Client | None]:
 
 
 def open_client() -> Client | None:
-    """The client open here, or None.
-
-    Raises:
-        NotImplementedError: two clients are open (one call cannot do both).
-    """
+    """The client open here, or None; ``NotImplementedError`` where two are (one call cannot do both)."""
     clients = _OPEN.get()
     if len(clients) > 1:
-        first, *others = sorted(clients, key=lambda client: client.purpose)
+        ordered = sorted(clients, key=lambda client: client.purpose)
         raise NotImplementedError(
-            f"jaxamp.autocast cannot {' and '.join(client.purpose for client in (first, *others))} in one "
-            f"call; {first.alone}"
+            f"jaxamp.autocast cannot {' and '.join(client.purpose for client in ordered)} in one call; "
+            f"{ordered[0].alone}"
         )
     return clients[0] if clients else None

@@ -1,47 +1,19 @@
-"""Rules for primitives that carry jaxprs: their bodies are rewritten too.
+"""Rules for primitives that carry jaxprs: their bodies are rewritten by the same rules.
 
-Each rule rewrites the body with the same interpreter and binds the same
-primitive again with every other param kept (shardings and donation of a
-nested ``jit``, the policy, ``prevent_cse`` and ``differentiated`` of
-``remat``), or, where the primitive's params change shape between JAX
-releases (``scan``, ``cond``), calls the public API that builds it (the
-length, direction and unrolling of a ``scan`` kept):
-
-* ``jit`` (``pjit`` in older JAX releases) / ``closed_call``: the body is
-  rewritten for the current input dtypes.
-* ``remat`` (``jax.checkpoint``): likewise; constants the rewrite creates
-  become leading operands, since its body must be constant-free.
-* ``scan`` and ``while``: the carry is pinned to its traced dtype (float32
-  under float32 rules), cast on entry and at the end of the body, so the
-  loop's types are fixed points.
-* ``cond``: each branch is rewritten, and each output is cast to the widest
-  dtype the branches give it, so the branches agree.
-* ``custom_jvp_call``: a new ``jax.custom_jvp`` whose primal is the
-  rewritten body and whose rule is the rewritten JVP of the original (the
-  user's rule, traced and rewritten), so the rule's arithmetic runs in half
-  precision as well. The rule is traced for the traced dtypes and
-  rewritten for the current ones; an output that the rewritten body gives
-  in a dtype narrower than the traced one (``jax.nn.relu`` of a float16
-  activation) keeps that dtype, and so does its tangent (`custom_jvp_rule`
-  says why).
-* ``custom_vjp_call`` (``custom_vjp_call_jaxpr`` in older JAX releases): a new
-  ``jax.custom_vjp`` whose forward is the user's forward, rewritten, with the
-  user's residuals (``jax.vjp``'s pullback is a pytree of them), and whose
-  backward is the user's backward, rewritten: keeping the user's backward as
-  it is would leave its matmuls in float32.
-* ``shard_map`` (and ``pmap``, which JAX stages as a ``shard_map``): the
-  per-device body is rewritten inside ``jax.shard_map`` with the same mesh,
-  specs, manual axes and ``check_vma``.
-* ``custom_linear_solve`` runs as traced (`linear_solve_rule` says why), and
-  so do the primitives whose bodies belong to a kernel or to a user's own
-  rule (``pallas_call``, ``custom_vmap``, ``custom_partitioning``, ...).
-
-A ``custom_vjp`` takes its inputs and gives its outputs in the traced
-dtypes, so the user's rules see the dtypes they were written for; a
-``custom_jvp`` gives its outputs in the traced dtypes too, except an output
-that its rewritten body narrows.
+Each rule rewrites the body with the interpreter, the operands' lineages
+passed in, and binds the same primitive again with every other param kept,
+or calls the public API that builds it where its params change between JAX
+releases (``scan``, ``cond``). A loop's carry is pinned to its traced dtype
+(float32 under float32 rules), so its types are fixed points; a ``cond``'s
+outputs take the widest dtype its branches give. A custom derivative
+keeps the user's rule and rewrites it too (`custom_jvp_rule`,
+`custom_vjp_rule`), so its arithmetic runs in half precision as well; a
+``custom_vjp`` takes its inputs and gives its outputs in the traced dtypes,
+so the user's rules see the dtypes they were written for. Linear solves run
+in float32 (`linear_solve_rule`); kernels, user rules and annotations that
+carry bodies (``pallas_call``, ``custom_vmap``, ``custom_partitioning``, ...)
+run as traced.
 """
-
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -234,22 +206,16 @@ def custom_jvp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
 
     The algorithm::
 
-        body = the call's jaxpr rewritten for the current input dtypes
-        for each output:
-            dtype = body's dtype if narrower than the traced one, else the traced one
+        body = the call's jaxpr rewritten for the current input dtypes and lineages
+        per output: dtype = the body's if an island or narrower than traced, else the traced one
         primal(inputs) = body(inputs), outputs cast to their dtypes
-        rule = JAX's JVP of the original call (the user's rule), traced for
-            the traced dtypes of primals and tangents
-        jvp(primals, tangents) = rule rewritten for their current dtypes,
-            primal and tangent outputs cast to the outputs' dtypes
+        jvp(primals, tangents) = JAX's JVP of the original call (the user's rule),
+            traced for the traced dtypes and rewritten for the current ones
 
-    An activation with a custom derivative (``jax.nn.relu``, ``relu6``) is
-    elementwise: its body and its rule (``select(x > 0, g, 0)``) follow
-    their float16 inputs, so its output and its cotangent stay float16, as
-    they would without the custom derivative; a rule traced for float32 and
-    run on float16 inputs would give XLA a float32 cotangent to keep for the
-    layers below. A body that computes in float32 (``jax.nn.softmax``:
-    ``exp``, a sum) gives its traced dtype, as before.
+    So ``jax.nn.relu`` of a float16 activation gives a float16 output and
+    cotangent, as without the custom derivative, ``jax.nn.softmax`` (a body
+    computed in float32) its traced dtype, and either of a float32 island
+    float32.
     """
     in_dtypes, traced_out_dtypes = traced_dtypes(equation.invars), traced_dtypes(equation.outvars)
     differentiable_in = [is_floating(dtype) for dtype in in_dtypes]

@@ -519,14 +519,11 @@ def _trace(fun: Callable[..., Any], trace_avals: Sequence[Any], avals: Sequence[
 class RewriteCache:
     """Traces, rewrites and evaluates functions, keeping each rewrite for reuse.
 
-    `call` traces ``fun(*leaves)`` for the leaves' shapes and dtypes, rewrites
-    the jaxpr (outputs cast back to the dtypes `fun` returns) and evaluates
-    it; outputs that were no arrays when traced (a Python number, None) are
-    returned as they were. The rewritten jaxpr is kept per (`static_key`, shapes, dtypes), so a
-    second call with the same signature neither traces nor rewrites again,
-    and the jitted parts inside it (the same jaxpr objects) hit JAX's compile
-    cache. A trace that closed over another transformation's tracers is not
-    kept: those tracers die with that transformation.
+    The rewrite is kept per (`static_key`, shapes, dtypes, the probe client's
+    key), so a second call neither traces nor rewrites again and the jitted
+    parts inside it hit JAX's compile cache; one that closed over another
+    transformation's tracers is not kept. Outputs that were no arrays when
+    traced (a Python number, None) are returned as they were.
     """
 
     def __init__(
@@ -561,20 +558,11 @@ class RewriteCache:
             fun: a function of array leaves returning a pytree of arrays.
             leaves: the arrays.
             static_key: everything besides the leaves' shapes and dtypes that
-                decides what `fun` traces to, hashable; ``None`` to trace
-                every call.
-            trace_dtypes: per leaf, the dtype `fun` is traced with, or None
-                for the leaf's own (all its own if omitted). The rewritten
-                program still takes the leaves as they are: the rules see
-                their values, whatever dtype they were traced with.
+                decides what `fun` traces to, hashable; ``None`` to trace every call.
+            trace_dtypes: per leaf, the dtype `fun` is traced with, or None for
+                its own (all its own if omitted); the rewrite takes the leaves as they are.
             output_dtypes: called while tracing on `fun`'s outputs; per array
-                leaf of them (in ``jax.tree.flatten`` order), the dtype it is
-                returned in, or None for the dtype it was traced with (the
-                default for every output).
-
-        Where a probe's client is open (`jaxamp._probe`), the rewrite takes
-        its blocks of rows as leading inputs, gives its extra outputs last,
-        and the client finishes each call.
+                leaf, the dtype it is returned in, or None for its traced dtype.
         """
         avals = [abstract(leaf) for leaf in leaves]
         if trace_dtypes is None:
@@ -613,7 +601,9 @@ class RewriteCache:
             [statics[index] if index in statics else next(outvals) for index in range(entry.out_tree.num_leaves)],
         )
 
-    def _build(self, fun, avals, trace_avals, output_dtypes, client: Client | None, client_key) -> tuple[_Entry, bool]:
+    def _build(self, fun, avals, trace_avals, output_dtypes, client, client_key) -> tuple[_Entry, bool]:
+        """The rewrite of a call: with a probe's client, its blocks of rows are leading inputs (one
+        row per site, `jaxamp._autocast.sites`) and its hooks' extra outputs come last."""
         self.traces += 1
         out_tree, static_outputs, pinned = None, [], []
 
@@ -626,11 +616,8 @@ class RewriteCache:
             pinned[:] = [None] * len(arrays) if output_dtypes is None else list(output_dtypes(outputs))
             return arrays
 
-
-        # A rewrite of its own, even when started inside another's rule (a
-        # custom derivative's): its outputs report to no enclosing equation.
-        # Nor does it record for an overflow session: autocast calls traced
-        # inside this one are part of this rewrite.
+        # A rewrite of its own, even when started inside another's rule (a custom derivative's):
+        # its outputs report to no enclosing equation, and autocast calls traced inside are part of it.
         with (
             _set(_BODY_REPORTS, None),
             opened(None),
@@ -654,30 +641,20 @@ class RewriteCache:
                 aval.dtype if dtype is None else dtype
                 for aval, dtype in zip(traced.out_avals, pinned, strict=True)
             ]
-            if client is not None:
-                return self._build_with_client(
-                    context, traced, avals, out_dtypes, out_tree, static_outputs, client, client_key[1]
-                )
-            rewritten = jax.make_jaxpr(lambda *args: _outputs(context, traced, args, out_dtypes))(*avals)
+            rows, unrecorded = count_sites(traced.jaxpr) if client is not None else (0, 0)
+            recorded = [None]
+
+            def evaluate(*inputs):
+                if client is None:
+                    return _outputs(context, traced, inputs, out_dtypes)
+                blocks, args = inputs[: client.blocks], inputs[client.blocks :]
+                hooks_of_call = client.rewriting(blocks, args, client_key[1])
+                with hooks_of_call as hooks, _set(_SITES, _Sites(client, hooks, Naming())):
+                    outvals = _outputs(context, traced, args, out_dtypes)
+                recorded[0] = hooks.recorded()
+                return [*outvals, *hooks.outputs()]
+
+            block = jax.ShapeDtypeStruct((rows, SLOTS), jnp.float32)
+            rewritten = jax.make_jaxpr(evaluate)(*[block] * (client.blocks if client else 0), *avals)
         cacheable = not any(isinstance(const, jax.core.Tracer) for const in traced.consts)
-        return _Entry(rewritten, out_tree, tuple(static_outputs)), cacheable
-
-    def _build_with_client(
-        self, context, traced, avals, out_dtypes, out_tree, static_outputs, client: Client, key
-    ) -> tuple[_Entry, bool]:
-        """The rewrite of `traced` that takes `client`'s blocks of rows as leading inputs, one row per
-        site (`jaxamp._autocast.sites`), and gives its hooks' extra outputs last."""
-        rows, unrecorded = count_sites(traced.jaxpr)
-        recorded: list = []
-
-        def evaluate(*inputs):
-            blocks, args = inputs[: client.blocks], inputs[client.blocks :]
-            with client.rewriting(blocks, args, key) as hooks, _set(_SITES, _Sites(client, hooks, Naming())):
-                outvals = _outputs(context, traced, args, out_dtypes)
-            recorded[:] = [hooks.recorded()]
-            return [*outvals, *hooks.outputs()]
-
-        block = jax.ShapeDtypeStruct((rows, SLOTS), jnp.float32)
-        rewritten = jax.make_jaxpr(evaluate)(*[block] * client.blocks, *avals)
-        entry = _Entry(rewritten, out_tree, tuple(static_outputs), rows, unrecorded, recorded[0])
-        return entry, not any(isinstance(const, jax.core.Tracer) for const in traced.consts)
+        return _Entry(rewritten, out_tree, tuple(static_outputs), rows, unrecorded, recorded[0]), cacheable

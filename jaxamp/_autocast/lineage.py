@@ -130,8 +130,7 @@ _STRUCTURAL = frozenset((
 
 
 def _constant_result(name: str, lineages: Sequence[Lineage]) -> Lineage:
-    """A constant op's result: its magnitudes where the op only moves, picks or negates values (or
-    multiplies or adds them), unknown otherwise."""
+    """A constant op's result, with its magnitudes where the op moves, picks, adds or multiplies."""
     known = [lineage for lineage in lineages if lineage.kind is Kind.CONSTANT]
     if name in _STRUCTURAL:
         largest = [lineage.largest for lineage in known]
@@ -152,18 +151,9 @@ def follow(
     lineages: Sequence[Lineage],
     unrounded: Sequence[Any | None] | None = None,
 ) -> tuple[list, list | None, Lineage]:
-    """An op on no list, run by its inputs' lineages (the module docstring has the rule).
-
-    Args:
-        context: the rewrite.
-        equation: the traced equation.
-        invals: its inputs' current values.
-        lineages: per input, its lineage.
-        unrounded: per input, its value before the op that made it rounded it, or None.
-
-    Returns:
-        The results, their unrounded values (None where not rounded), and their lineage.
-    """
+    """An op on no list, by its inputs' `lineages` (the module docstring has the rule); `unrounded`
+    holds, per input, its value before the op that made it rounded it, or None. Returns the
+    results, their unrounded values (None where not rounded) and their lineage."""
     floating = [index for index, atom in enumerate(equation.invars) if is_floating(atom.aval.dtype)]
     deciders = [index for index in floating if lineages[index].decides]
     weak = [index for index in floating if lineages[index].kind in (Kind.WIDE, Kind.STATISTIC)]
@@ -212,13 +202,8 @@ def after_float32(equation, lineages: Sequence[Lineage]) -> Lineage:
 
 
 def keeps_a_statistic(context: Rewrite, equation, value: Any, lineage: Lineage) -> bool:
-    """Whether `equation` is the half trace's cast of a float32 statistic back to the compute dtype.
-
-    Traced in half, a program computes its statistics in float32 only where
-    it upcasts them itself (``jnp.mean`` of a half value does), and rounds
-    them back. Skipped, a mean of squares past 65504 stays finite under
-    float16 and a loss keeps its digits; an op that runs in half rounds it.
-    """
+    """Whether `equation` is the half trace's cast of a statistic back to the compute dtype (a half
+    ``jnp.mean`` upcasts and rounds back): skipped, a mean of squares past 65504 stays finite."""
     new_dtype = equation.params.get("new_dtype")
     return (
         lineage == STATISTIC
@@ -246,11 +231,8 @@ _enabled = True
 
 @contextlib.contextmanager
 def _reduction_inputs_disabled() -> Iterator[None]:
-    """Turns `reduction_inputs` off while autocast rewrites (for before/after measurements only).
-
-    Rewrites are made when autocast traces (a first call, or ``lower``): use a
-    new ``autocast`` wrapper inside the block.
-    """
+    """Turns `reduction_inputs` off while autocast rewrites (before/after measurements only; use a
+    new ``autocast`` wrapper inside the block)."""
     global _enabled
     previous, _enabled = _enabled, False
     try:
@@ -266,27 +248,23 @@ def _role(context: Rewrite, equation) -> str | None:
 def reduction_inputs(context: Rewrite, jaxpr: Jaxpr) -> frozenset[int]:
     """The ``id`` of each equation of `jaxpr` whose results go only to a float32 reduction.
 
-    Such an equation runs in float32 whatever its rule: ``jnp.linalg.norm(h)``
-    (``sqrt(sum(h * h))``), a hand-written RMS norm or a loss would otherwise
-    overflow float16 once ``|h|`` passes 256, before the reduction sees it. XLA
-    fuses the chain into the reduction: its half inputs are read once and its
-    results never written out. The chain is `_CHAIN` (arithmetic that follows
-    its inputs, the shape ops a reduction fusion absorbs, an upcast); the sinks
-    are the full reductions whose rule is float32. Left out: ``add_any`` (a
-    backward pass's sum of cotangents, whose widening changes how XLA fuses a
-    norm's backward), gathers, slices and concatenation (their operands could
-    be materialized in float32). One backward sweep:
+    Such an equation runs in float32 whatever its rule: ``sqrt(sum(h * h))``
+    or a hand-written RMS norm would otherwise overflow float16 once ``|h|``
+    passes 256. XLA fuses the chain into the reduction, so nothing more is
+    written out. The chain is `_CHAIN` (arithmetic that follows its inputs,
+    the shape ops a reduction fusion absorbs, an upcast; not ``add_any``,
+    whose widening changes how XLA fuses a norm's backward, nor gathers or
+    slices, whose operands could be materialized); the sinks are the full
+    reductions whose rule is float32. One backward sweep:
 
     ```text
     for equation in reversed(jaxpr.eqns):      # every reader before its producer
         if it is a chain op run by its follow or cast rule, and each floating output is
-                read by exactly one equation (not a jaxpr output), a sink or already widened:
+                read by exactly one equation (not a jaxpr output): a sink or already widened
             widened.add(equation)
     ```
 
-    One reader, not several: a value read twice may be written to memory
-    between the reads, in float32 twice the bytes. A body's outputs and the
-    operands of higher-order equations count as readers that are not sinks.
+    One reader: a value read twice may be written out between the reads.
     """
     if not _enabled:
         return frozenset()

@@ -1,44 +1,30 @@
-"""The program as written: each literal's value, and each constant's cast, before the half trace rounded it.
+"""The program as written: the literals and constant casts the half trace rounded.
 
-`autocast` traces a function in its compute dtype, so that what the
-function decides while traced (a fused attention kernel, a Pallas call, a
-dtype check) sees half precision. JAX rounds every Python scalar the
-function uses to the dtype it meets: in a float16 trace ``1e-12`` is
-already ``0`` and ``-1e9`` already ``-inf``. So `autocast` traces the
-function a second time with its arguments as given (the *reference*
-trace) and pairs the two programs' literals:
+Traced in float16, a Python ``1e-12`` is already ``0`` and ``-1e9`` already
+``-inf``, and a weak scalar JAX passes on (``jnp.where``'s fill, inside its
+``jit``) is cast to half. `autocast` traces the function once more with its
+arguments as given (the *reference*) and pairs the two programs:
 
 ```text
 key(equation) = (primitive, operand count, literal positions, name stack,
                  the traceback's frames inside the traced function)
-for each jaxpr, nested ones included, in the same order in both traces:
-    the k-th equation of a key in the half trace pairs with the k-th of that key in the reference
-for each floating literal of a paired equation:
-    if the reference's literal, rounded to the half literal's dtype, is the half literal
-    and holds a value the half literal lost:
-        recovered[equation, position] = the reference's literal
+the k-th equation of a key in the half trace pairs with the k-th of that key in the reference
+a literal is recovered where the reference's rounds to it and holds a value it lost;
+a cast of a constant, where the reference casts to a wider dtype
 ```
 
 Equations the half trace adds or changes (JAX's upcasts around a half
-``mean``, a normalization's other path for half inputs) have keys of their
-own and pair with nothing; a literal is replaced only where the value the
-program wrote rounds to the one the half trace holds, so a wrong pairing
-cannot change a value the program did not write.
-
-A Python scalar that JAX passes on as a weak float32 value (``jnp.where``'s
-fill, inside its ``jit``) is cast to the half dtype where it meets a half
-operand. The casts pair the same way: where the reference casts to a wider
-dtype, `recovered_casts` keeps it, and the interpreter casts a constant
-there instead (`jaxamp._autocast.lineage` decides whether the half dtype
-can hold it).
+``mean``) have keys of their own and pair with nothing, and a literal is
+replaced only where the written value rounds to the traced one, so a wrong
+pairing cannot change a value the program did not write.
 """
-
 from __future__ import annotations
 
 import collections
 from collections.abc import Iterator
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Jaxpr, Literal
 
@@ -46,18 +32,18 @@ from jaxamp._autocast.primitives import subjaxprs
 
 
 def _is_floating_literal(atom: Any) -> bool:
-    return isinstance(atom, Literal) and np.issubdtype(atom.aval.dtype, np.floating)
+    return isinstance(atom, Literal) and jnp.issubdtype(atom.aval.dtype, jnp.floating)
 
 
 def _pairable(jaxpr: Jaxpr, seen: set[int]) -> Iterator[Any]:
-    """The equations of `jaxpr` and of its nested jaxprs (each once) with a floating literal
-    operand, and the casts between floating dtypes."""
+    """The equations of `jaxpr` and its nested jaxprs (each once) with a floating literal, and the
+    casts between floating dtypes."""
     if id(jaxpr) in seen:
         return
     seen.add(id(jaxpr))
     for equation in jaxpr.eqns:
-        cast = equation.primitive.name == "convert_element_type" and np.issubdtype(
-            equation.invars[0].aval.dtype, np.floating
+        cast = equation.primitive.name == "convert_element_type" and jnp.issubdtype(
+            equation.invars[0].aval.dtype, jnp.floating
         )
         if cast or any(_is_floating_literal(atom) for atom in equation.invars):
             yield equation
@@ -77,18 +63,9 @@ def _key(equation, entry: Any) -> tuple:
 
 
 def recovered(traced: Jaxpr, reference: Jaxpr, entry: Any) -> tuple[dict, dict]:
-    """What the half trace rounded, from the program as written.
-
-    Args:
-        traced: the half trace.
-        reference: the trace of the same function with its arguments as given.
-        entry: the code object both traces started at (their frames above it differ).
-
-    Returns:
-        ``(id(equation), position) -> value`` for each literal of `traced` that
-        rounded one of `reference`, and ``id(equation) -> dtype`` for each cast
-        to a narrower dtype than the reference's.
-    """
+    """``(id(equation), position) -> value`` for each literal of the half trace `traced` that rounded
+    one of `reference`, and ``id(equation) -> dtype`` for each cast narrower than the reference's;
+    `entry` is the code object both traces started at (their frames above it differ)."""
     twins: dict[tuple, list] = collections.defaultdict(list)
     for equation in _pairable(reference, set()):
         twins[_key(equation, entry)].append(equation)
@@ -109,9 +86,20 @@ def recovered(traced: Jaxpr, reference: Jaxpr, entry: Any) -> tuple[dict, dict]:
             rounded = np.asarray(equation.invars[position].val, equation.invars[position].aval.dtype)
             if written.dtype == rounded.dtype or written.shape != rounded.shape:
                 continue
-            with np.errstate(over="ignore", under="ignore"):
-                rounds_to = np.array_equal(written.astype(rounded.dtype), rounded, equal_nan=True)
-                lost = not np.array_equal(rounded.astype(written.dtype), written, equal_nan=True)
-            if rounds_to and lost:
+            if _rounds_to(written, rounded) and not np.array_equal(
+                rounded.astype(written.dtype), written, equal_nan=True
+            ):
                 literals[(id(equation), position)] = written
     return literals, casts
+
+
+def _rounds_to(written: np.ndarray, rounded: np.ndarray) -> bool:
+    """Whether `written`, rounded to `rounded`'s dtype, is `rounded` to within one unit in the last
+    place (JAX rounds a Python float straight to the half dtype, here it comes through float32)."""
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        if np.array_equal(written.astype(rounded.dtype), rounded, equal_nan=True):
+            return True
+        info = jnp.finfo(rounded.dtype)
+        exact, near = written.astype(np.float64), rounded.astype(np.float64)
+        unit = np.abs(near) * float(info.eps) + float(info.smallest_subnormal)
+        return bool(np.all(np.isfinite(near) & (np.abs(exact - near) <= unit)))

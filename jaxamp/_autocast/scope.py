@@ -46,7 +46,9 @@ def float32_scope() -> Iterator[None]:
     For the layer that a user knows must stay in float32 (a loss with large
     intermediate values, a hand-written normalization): its matmuls, and the
     operations that would follow their inputs, run in float32, though the
-    function was traced in the compute dtype. Kernels, scatters and other
+    function was traced in the compute dtype, and what it makes stays float32
+    through the ops outside that follow it, until a matmul or convolution
+    consumes it (a float32 island). Kernels, scatters and other
     operations that run as traced keep the traced dtype. The scope is a
     ``jax.named_scope``, so it is carried into the jaxpr and survives
     ``jax.jit``, ``jax.grad`` and the other transformations; outside

@@ -88,52 +88,33 @@ def autocast(
 ) -> Callable[..., Any]:
     """Runs any JAX function with its heavy math in half precision, like ``torch.autocast``.
 
-    ``autocast(fun)`` has ``fun``'s signature. Each call traces ``fun`` to a
-    jaxpr (array arguments abstract, every other argument static) with its
-    floating array arguments in the policy's compute dtype, so whatever
-    ``fun`` decides while traced (a fused attention kernel, a Pallas call,
-    a ``dtype`` check) sees the dtype it runs in. The jaxpr is then
-    evaluated with the arguments as given, dtypes chosen per primitive:
+    ``autocast(fun)`` has ``fun``'s signature. Each call traces ``fun`` with
+    its floating arguments in the policy's compute dtype, so what ``fun``
+    decides while traced (a fused attention kernel, a Pallas call) sees half
+    precision, and once more as given, to read its constants as written. The
+    half program is then run on the arguments as given, by one rule:
 
-    * matrix multiplications and convolutions run in the policy's compute
-      dtype, forward and backward;
-    * numerically sensitive operations (exp/log family, roots and powers,
-      special functions, every reduction, sums across devices) run in
-      float32; a statistic (a reduction's result, and what follows from
-      statistics alone) stays float32 through the program's cast to half;
-    * elementwise and structural operations follow their inputs; scalar
-      literals are weak; in the arithmetic ops a float32 operand wider than
-      it was traced (a float32 param read as such, a float32 op's result) or
-      broadcast against an activation (a bias, a normalization's scale)
-      computes with the half-precision activation in float32 and gives the
-      activation's dtype, rounded once per chain of such ops; an elementwise
-      chain whose results go only to a float32 reduction (the ``h * h`` of
-      a norm) runs in float32;
-    * scatters, collectives that move values, random bits, callbacks and
-      kernels run in the dtypes they were traced with; linear solves
-      (``custom_linear_solve``) run in float32;
-    * nested ``jit``, ``checkpoint``, ``scan``, ``while_loop``, ``cond``,
-      ``custom_jvp``, ``custom_vjp`` and ``shard_map`` (``pmap``) bodies are
-      rewritten recursively.
+    * matmuls and convolutions run in the compute dtype; the exp/log family,
+      roots, special functions and every reduction in float32; scatters,
+      collectives, random bits, callbacks and kernels as traced;
+    * every other op follows its inputs: activations and float32 islands
+      (code under `jaxamp.float32_scope`, a layer class `jaxamp.apply_policy`
+      runs in float32) decide its dtype; params' float32 originals, float32
+      results and constants are read in their width without deciding it,
+      unless the result dtype cannot hold a constant (``-1e9`` in float16).
 
-    The rewritten program takes the arguments as given, so ``jax.grad`` of
-    it gives gradients in the dtypes of the arguments; a floating output
-    that ``fun`` gives in the compute dtype comes back in the arguments'
-    dtype (float32), other outputs as ``fun`` returns them. It composes with
-    ``jax.jit``, ``jax.grad``, ``jax.vmap`` and ``jax.jvp`` on either side.
-    The rewritten jaxpr is cached per argument shapes, dtypes and static
-    arguments, so an eager call traces once. NNX modules passed as
-    arguments (or as `fun`) are split (their ``nnx.Param``s traced in the
-    compute dtype, other state as it is) and their changed state written
-    back in the dtype it came in. Code under `jaxamp.float32_scope` runs in
-    float32; code in a policy scope (which `jaxamp.apply_policy` opens
-    around the calls of a normalization layer or an overridden class) runs
-    under that scope's compute dtype, and its results leave it in the
-    scope's output dtype.
-
-    A policy with FP8 matmuls (``"mixed_float8"``) also runs every eligible
-    ``dot_general`` as `jaxamp.fp8_dot_general`, and the other matmuls and
-    convolutions in the compute dtype under a named fallback scope
+    The lineage of each value is in ``jaxamp/_autocast/lineage.py``. Nested
+    ``jit``, ``checkpoint``, ``scan``, ``while_loop``, ``cond``,
+    ``custom_jvp``, ``custom_vjp`` and ``shard_map`` bodies are rewritten
+    by the same rule. The rewritten program takes the arguments as given,
+    so gradients come in their dtypes; outputs traced in the compute dtype
+    come back in the arguments' dtype. It composes with ``jax.jit``,
+    ``jax.grad``, ``jax.vmap`` and ``jax.jvp`` on either side, and is cached
+    per argument shapes, dtypes and static arguments. NNX modules passed in
+    are split (their ``nnx.Param``s traced in the compute dtype) and their
+    changed state written back. A policy with FP8 matmuls
+    (``"mixed_float8"``) runs each eligible ``dot_general`` as
+    `jaxamp.fp8_dot_general`, the others under a named fallback
     (`jaxamp.diagnostics.FP8_FALLBACK_REASONS`).
 
     Examples:
