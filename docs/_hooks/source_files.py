@@ -64,3 +64,17 @@ def on_files(files: Files, config) -> Files:
             if src_uri.endswith(".md"):
                 to_read.append((src_uri, abs_path))
     return files
+
+
+# An API directive (``::: jaxamp.X``) and its indented options.
+_API_DIRECTIVE = re.compile(r"^:::.*(?:\n {4}.*)*\n?", re.MULTILINE)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    """A page of the docs folder reached again through a file outside it (the results index links
+    to the guides) is a second copy: its API directives are left out, so that each object of the
+    API reference is rendered once and cross-references find one page for it."""
+    docs_folder = "../" + os.path.basename(os.path.normpath(config["docs_dir"])) + "/"
+    if page.file.src_uri.startswith(docs_folder):
+        return _API_DIRECTIVE.sub("", markdown)
+    return markdown
