@@ -21,6 +21,7 @@ new measurement is a module with that shape and one entry in
 MEASUREMENTS = (
     "autocast_cost",
     "trace_cost",
+    "first_step",
     "reduction_cost",
     "gemma_float16",
     "overflow_attribution_cost",

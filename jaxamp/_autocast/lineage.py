@@ -93,14 +93,20 @@ STATISTIC = Lineage(Kind.STATISTIC)
 
 
 def constant(value: Any) -> Lineage:
-    """The lineage of a concrete value (a literal, a closed-over array); ACTIVATION for a tracer."""
+    """The lineage of a concrete value (a literal, a closed-over array); ACTIVATION for a tracer.
+
+    A closed-over ``jax.Array`` is measured where it lives (a large table is
+    not copied to the host to be measured)."""
     if isinstance(value, jax.core.Tracer) or not is_floating(np.result_type(value)):
         return ACTIVATION
-    magnitudes = np.abs(np.asarray(value, np.float64))
-    finite = magnitudes[np.isfinite(magnitudes) & (magnitudes > 0)]
-    if finite.size == 0:
-        return Lineage(Kind.CONSTANT, 0.0, None)
-    return Lineage(Kind.CONSTANT, float(finite.max()), float(finite.min()))
+    xp = jnp if isinstance(value, jax.Array) else np
+    with jax.ensure_compile_time_eval():  # measured now, though a rewrite is being traced
+        magnitudes = xp.abs(xp.asarray(value).astype(xp.float32 if xp is jnp else np.float64))
+        counted = xp.isfinite(magnitudes) & (magnitudes > 0)
+        if not bool(xp.any(counted)):
+            return Lineage(Kind.CONSTANT, 0.0, None)
+        largest = float(xp.max(xp.where(counted, magnitudes, 0)))
+        return Lineage(Kind.CONSTANT, largest, float(xp.min(xp.where(counted, magnitudes, xp.inf))))
 
 
 def wider(dtype: Any, traced: Any) -> bool:
