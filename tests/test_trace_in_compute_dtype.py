@@ -97,9 +97,10 @@ def test_cudnn_attention_traces_under_both_routes_with_float32_params(route):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(jax.nn, "dot_product_attention", recording_attention)
         jax.eval_shape(jax.value_and_grad(loss_fn), params, TOKENS)
-    # The half trace first; then a trace as given, which reads the program's literals.
-    layers = len(seen) // 2
-    assert seen[:layers] == [BF16] * layers and seen[layers:] == [F32] * layers
+    # The half trace first, every layer in bfloat16; then a trace as given, which reads the
+    # program's literals (cuDNN refuses float32 at its first layer, JAX's XLA attention takes it).
+    half, given = seen[: seen.index(F32)], seen[seen.index(F32) :]
+    assert half and set(half) == {BF16} and set(given) == {F32}
 
 
 @pytest.mark.parametrize("route", ["apply_policy", "autocast"])
