@@ -207,6 +207,9 @@ def test_the_sharded_step_is_the_unsharded_one_with_its_weights_rounded_to_fp8(f
     assert mlp["vs_float32_loss"] < FP8_LOSS_RTOL
     assert mlp["grad_specs_match_params"]
     assert not mlp["inf_weight_loss_finite"]  # a non-finite weight makes the step skip, not saturate
+    # A zero-initialized kernel (every shard's amax 0) gathers as zeros, not NaN.
+    assert mlp["zero_kernel_grads_finite"]
+    assert mlp["zero_kernel_vs_quantized_loss"] < 1e-5 and mlp["zero_kernel_vs_quantized_head_grads"] < 1e-5
 
 
 def test_the_tiny_language_model_trains_with_fp8_gathers_as_with_bfloat16_gathers(fp8_gathers):
