@@ -244,24 +244,76 @@ def error_for(record):
         (["Conv_0", "Dense_0"], ["Conv_0", "Dense_0"]),  # two classes: Flax numbers each on its own
         (["decoder", "encoder"], ["decoder", "encoder"]),  # names with no number
         (["Dense_0", "Dense_1", "LayerNorm_0"], ["Dense_1", "LayerNorm_0"]),
+        (["mlp", "mlp2"], ["mlp", "mlp2"]),  # a number on one name of a stem alone
     ],
 )
 def test_when_the_names_do_not_tell_which_layer_is_deepest_the_message_says_so(nonfinite, candidates):
     """Fails if the guard named one of the layers as the deepest (alphabetically last, say) where
     the names give no order between them."""
     record = nonfinite_in(
-        leaves("Conv_0", "Dense_0", "Dense_1", "LayerNorm_0", "decoder", "encoder"), *nonfinite
+        leaves("Conv_0", "Dense_0", "Dense_1", "LayerNorm_0", "decoder", "encoder", "mlp", "mlp2"), *nonfinite
     )
     assert record.deepest_layers() == candidates
     message = str(error_for(record))
     assert (
         f"the names do not tell which of {', '.join(candidates)} runs last, so where they start: " in message
     )
-    assert "start at" not in message and "float32 override for the layer where they start" in message
+    assert "start at" not in message and "float32 override for the layer that overflows" in message
+
+
+def test_the_leaves_are_listed_from_the_deepest_layer_back_in_the_names_order():
+    """Twelve blocks of one one-leaf layer, the last finite. Fails if the leaves were listed in
+    the params' (alphabetical) order, or each path were ordered as one name."""
+    paths = [f"layers_{index}/mlp/kernel" for index in range(12)]
+    record = nonfinite_in(paths, *(f"layers_{index}/mlp" for index in range(11)))
+    message = str(error_for(record))
+    shown = ", ".join(f"layers_{index}/mlp/kernel" for index in (10, 9, 8, 7))
+    assert f"11 leaves, from there back: {shown} and 7 more." in message
 
 
 def test_a_step_skipped_with_every_leaf_finite_names_no_layer():
     """Fails if an empty record named a layer, or its leaves' sentence were written with none."""
     error = error_for(nonfinite_in(leaves("Dense_0")))
     assert error.deepest_layers == [] and "non-finite gradients" not in str(error)
-    assert "float32 override for the layer where they start" in str(error)
+    assert "float32 override for the layer that overflows" in str(error)
+
+
+# --- what the records say, read whole ------------------------------------------------------------
+
+
+def test_the_summaries_of_the_leaves_read_whole_from_no_skip_to_exactly_the_limit():
+    """Fails if a summary's words changed, or "..." followed exactly `limit` leaves."""
+    record = NonFiniteGradients.for_params(PARAMS)
+    assert record.summary() == "no step skipped"
+    skipped_for_another_reason = record.after_step(jnp.ones(3, bool), jnp.array(False))
+    assert skipped_for_another_reason.summary() == (
+        "step 1 skipped: every gradient leaf finite (the step was skipped for another reason)"
+    )
+    two_bad = record.after_step(jnp.array([False, False, True]), jnp.array(False))
+    assert two_bad.summary(limit=2) == "step 1 skipped: non-finite grads in 2 of 3 leaves: a, b"
+    assert two_bad.summary(limit=1) == "step 1 skipped: non-finite grads in 2 of 3 leaves: a, ..."
+
+
+def test_a_records_summary_names_what_it_watched_and_an_op_named_by_its_source_line_once():
+    """A forward-only record with unwatched matmuls and no overflow; a record whose first
+    overflow is at a site named by its source line (NNX, plain JAX). Fails if a part of the
+    line were dropped or reworded, or the source line written twice ("x.py:3 at x.py:3")."""
+    record = record_of([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
+    forward_only = record.replace(unrecorded=2, backward_recorded=False)
+    assert forward_only.summary() == (
+        "no overflow (3 matmuls and convolutions watched, 2 not (inside loops, conditionals, "
+        "checkpoints or custom rules), forward only)"
+    )
+    at_a_line = OverflowSite("model.py:7", "model.py:7", "conv_general_dilated", "bfloat16", (2, 8))
+    overflowed = record_of([1.0, 2.0, 3.0], [0.0, jnp.nan, 0.0]).replace(
+        sites=(*record.sites[:1], at_a_line, record.sites[2])
+    )
+    assert overflowed.summary() == (
+        "backward overflow first in model.py:7 (conv_general_dilated, bfloat16, amax nan; the dtype's max "
+        "is 3.38953e+38) (3 matmuls and convolutions watched, forward and backward)"
+    )
+
+
+def test_record_overflow_of_something_not_callable_is_refused_naming_it():
+    with pytest.raises(TypeError, match=r"^record_overflow needs a function; got int: 3\.$"):
+        jaxamp.diagnostics.record_overflow(3)

@@ -117,7 +117,7 @@ class LossScaleStuckError(RuntimeError):
             if applied_steps is None
             else f"At step {self.steps} ({applied_steps} applied, {counts})"
         )
-        layer = "the layer where they start"
+        layer = "the layer that overflows"
         if self.deepest_layers and len(self.deepest_layers) == 1:
             layer = f"{self.deepest_layers[0]} or the layer after it"
         record = (
