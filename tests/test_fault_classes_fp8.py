@@ -15,6 +15,8 @@ On the CPU, tiny shapes; each test says which fault would make it fail.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,10 +156,55 @@ def test_the_margin_reaches_the_fp8_matmuls_scale():
 def test_a_setting_that_is_not_a_whole_number_is_refused_not_rounded(name, value):
     """Fails if `int()` silently rounded a margin of 1.5 to 1 (or a length, or rows)."""
     settings = {"rows": 1, "length": 4, "margin": 0, name: value}
-    with pytest.raises(
-        ValueError, match=rf"^Fp8History.create: {name} must be a whole number; got {value}. Pass an int"
-    ):
+    message = (
+        f"Fp8History.create: {name} must be a whole number; got {value}. Pass an int (a margin counts "
+        "powers of two of headroom: the amax is multiplied by 2**margin)."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         fp8.Fp8History.create(**settings)
+
+
+def test_the_smallest_history_is_one_step_long_and_may_have_no_rows():
+    """Fails if a length of 1 or 0 rows were refused, or a length of 0 accepted."""
+    assert fp8.Fp8History.create(rows=0, length=1).amax_history.shape == (0, 3, 1)
+    for rows, length in ((1, 0), (-1, 4)):
+        message = f"An FP8 history needs length >= 1 and rows >= 0; got length {length}, rows {rows}."
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            fp8.Fp8History.create(rows=rows, length=length)
+
+
+def test_amaxes_of_another_shape_are_refused_naming_the_shape_the_history_needs():
+    message = "Fp8History.record needs amaxes of shape (2, 3) (rows, lhs/rhs/cotangent); got (3, 3)."
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        filled_history().record(jnp.ones((3, 3)))
+
+
+# --- the step takes what jax.value_and_grad takes ----------------------------------------------
+
+
+def loss_with_aux(w, x, v, *, scale):
+    """An FP8 matmul's mean square times `scale`, plus a float32 term on `v`; aux: a scalar."""
+    loss = fp8_matmul_loss({"w": w, "b": jnp.ones(4)}, x) * scale + jnp.sum(v**2)
+    return loss, -loss
+
+
+def test_a_delayed_step_differentiates_the_argnums_asked_for_with_aux_and_keywords():
+    """argnums=(0, 2), has_aux=True and a keyword argument, against jax.value_and_grad (the
+    empty history scales as current scaling does). Fails if a keyword were dropped (when sizing
+    the history or in the step), the aux taken for the loss, or the argnums shifted wrongly."""
+    w, v = PARAMS["w"], jnp.arange(3.0)
+    history = fp8.init_fp8_history(loss_with_aux, w, X, v, scale=2.0)
+    assert history.rows == 1
+    value_and_grad = fp8.delayed_value_and_grad(loss_with_aux, has_aux=True, argnums=(0, 2))
+    (loss, aux), grads, grads_finite, _ = value_and_grad(history, w, X, v, scale=2.0)
+    (expected_loss, _), expected_grads = jax.value_and_grad(loss_with_aux, argnums=(0, 2), has_aux=True)(
+        w, X, v, scale=2.0
+    )
+    assert bool(grads_finite) and isinstance(grads, tuple) and len(grads) == 2
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
+    np.testing.assert_allclose(aux, -loss, rtol=1e-6)
+    for grad, expected in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(grad, expected, rtol=1e-5)
 
 
 # --- a weight with nothing to scale by is gathered finite --------------------------------------

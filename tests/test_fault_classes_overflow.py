@@ -12,6 +12,8 @@ Each test says which fault would make it fail.
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -308,12 +310,103 @@ def test_a_records_summary_names_what_it_watched_and_an_op_named_by_its_source_l
     overflowed = record_of([1.0, 2.0, 3.0], [0.0, jnp.nan, 0.0]).replace(
         sites=(*record.sites[:1], at_a_line, record.sites[2])
     )
+    first = overflowed.first_overflow()
+    assert (first.site, first.pass_, first.index) == (at_a_line, "backward", 1)
     assert overflowed.summary() == (
         "backward overflow first in model.py:7 (conv_general_dilated, bfloat16, amax nan; the dtype's max "
         "is 3.38953e+38) (3 matmuls and convolutions watched, forward and backward)"
     )
 
 
+def test_records_of_different_step_functions_are_not_combined_naming_both_site_counts():
+    message = (
+        "OverflowRecord.worst got records of different step functions: one watches 3 sites, the other 2, "
+        "or their sites differ. Combine or keep only the records of one step function (the micro-batches "
+        "of one step, the steps of one run)."
+    )
+    two_sites = record_of([1.0] * 3, [1.0] * 3).replace(
+        forward_amax=jnp.ones(2), backward_amax=jnp.ones(2), sites=record_of([1.0] * 3, [1.0] * 3).sites[:2]
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        record_of([1.0] * 3, [1.0] * 3).worst(two_sites)
+
+
 def test_record_overflow_of_something_not_callable_is_refused_naming_it():
     with pytest.raises(TypeError, match=r"^record_overflow needs a function; got int: 3\.$"):
         jaxamp.diagnostics.record_overflow(3)
+
+
+def test_a_records_table_has_a_row_per_site_with_both_amaxes_to_four_digits():
+    """Fails if a row, a column or the header changed, the amaxes were not to four significant
+    digits, or a record without a backward pass showed its zeros instead of a dash."""
+    record = record_of([1.5, jnp.inf, 12345.678], [jnp.nan, 2.0, 0.25])
+    rows = [
+        "| # | op | primitive | dtype | forward amax | backward amax |",
+        "|---:|---|---|---|---:|---:|",
+        "| 0 | Dense_0 | dot_general | float16 | 1.5 | {} |",
+        "| 1 | Dense_1 | dot_general | float16 | inf | {} |",
+        "| 2 | Dense_2 | dot_general | float16 | 1.235e+04 | {} |",
+    ]
+    assert record.table() == "\n".join(rows).format("nan", "2", "0.25")
+    assert record.replace(backward_recorded=False).table() == "\n".join(rows).format("-", "-", "-")
+
+
+MATMUL = jaxamp.autocast(lambda x, w: x @ w, "mixed_float16")
+
+
+@pytest.mark.parametrize(
+    "x, w, expected",
+    [
+        (jnp.full((1, 4), -2.0), jnp.ones((4, 1)), 8.0),  # one element
+        (jnp.ones((0, 4)), jnp.ones((4, 3)), 0.0),  # no element
+        (jnp.full((2, 4), jnp.nan), jnp.ones((4, 3)), jnp.nan),
+        (jnp.array([[jnp.nan, 1.0], [jnp.inf, 1.0]]), jnp.ones((2, 3)), jnp.inf),  # an inf beats a NaN
+    ],
+    ids=["one element", "empty", "nan", "inf and nan"],
+)
+def test_a_matmuls_forward_amax_is_its_largest_magnitude_an_inf_before_a_nan(x, w, expected):
+    """Fails if a one-element output were read as empty, an empty one failed, or a float16 NaN
+    were taken for an inf (or the other way round)."""
+    _, record = jaxamp.diagnostics.record_overflow(MATMUL)(x, w)
+    np.testing.assert_array_equal(record.forward_amax, [expected])
+
+
+def test_a_function_that_calls_no_autocast_records_no_site_and_no_pass():
+    """Fails if the record of no call had amaxes, sites, unwatched ops or a backward pass."""
+    output, record = jaxamp.diagnostics.record_overflow(lambda x: x * 2)(jnp.ones(3))
+    np.testing.assert_array_equal(output, [2.0, 2.0, 2.0])
+    assert (record.forward_amax.shape, record.backward_amax.shape, record.forward_amax.dtype) == (
+        (0,),
+        (0,),
+        jnp.float32,
+    )
+    assert (record.sites, record.unrecorded, record.backward_recorded) == ((), 0, False)
+    assert record.summary() == "no overflow (0 matmuls and convolutions watched, forward only)"
+
+
+def test_the_leaves_of_an_equinox_model_are_named_by_their_attributes():
+    """Equinox modules name their leaves by attribute (`GetAttrKey`). Fails if those names were
+    read from another attribute of the key (``.weight`` or ``None`` in their place)."""
+    import equinox as eqx
+
+    model = eqx.nn.MLP(2, 2, width_size=3, depth=1, key=jax.random.key(0))
+    record = NonFiniteGradients.for_params(eqx.filter(model, eqx.is_array))
+    assert record.paths == ("layers/0/weight", "layers/0/bias", "layers/1/weight", "layers/1/bias")
+
+
+def test_the_record_keeps_one_bool_per_leaf_through_a_step_so_a_jitted_step_keeps_its_structure():
+    """Fails if the flags started as another dtype (float32 zeros) than a step makes (bool)."""
+    record = NonFiniteGradients.for_params(PARAMS)
+    after = record.after_step(jnp.array([True, False, True]), jnp.array(False))
+    assert record.nonfinite.dtype == after.nonfinite.dtype == jnp.bool_
+    assert jax.tree.structure(record) == jax.tree.structure(after)
+
+
+def test_gradients_of_another_structure_are_refused_naming_the_params_and_the_fix():
+    record = NonFiniteGradients.for_params({name: jnp.zeros(2) for name in "abcde"})
+    message = (
+        "The gradients have 3 leaves, but the optimizer state was made for params with 5 (a, b, c, ...). "
+        "Pass gradients with the structure of the params the state was initialized with."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        record.after_step(jnp.ones([3], bool), jnp.array(False))
