@@ -12,7 +12,8 @@ fixed when JAX starts): ``python tests/fsdp_fp8_gather_run.py``. It reports
    and against a scale per shard (the bug of pytorch/ao#4300);
 3. the loss and gradients of a small MLP, sharded with FP8 gathers, against
    one device with its weights quantized and dequantized beforehand, and
-   against one device in float32; and the loss when a weight holds an inf;
+   against one device in float32; the loss when a weight holds an inf; and
+   the same comparison with its output layer's kernel zero-initialized;
 4. a short run of the tiny language model, `experiments.lm.train`, with
    bfloat16 and with FP8 gathers: held-out losses.
 """
@@ -129,6 +130,15 @@ def mlp_parity(mesh):
     with_inf = jax.tree.map(lambda leaf: leaf, sharded_params)
     with_inf["Dense_0"]["kernel"] = with_inf["Dense_0"]["kernel"].at[0, 0].set(jnp.inf)
     inf_loss, _ = step(with_inf, images, labels)
+    # A zero-initialized output layer (as for a residual branch or LoRA's B): every shard all zeros.
+    zero_kernel = jax.tree.map(lambda leaf: leaf, sharded_params)
+    zero_kernel["Dense_1"]["kernel"] = zero_kernel["Dense_1"]["kernel"] * 0.0
+    zero_loss, zero_grads = step(zero_kernel, images, labels)
+    zero_kernels_in_fp8 = {
+        **kernels_in_fp8,
+        "Dense_1": {**kernels_in_fp8["Dense_1"], "kernel": jnp.zeros((64, 16))},
+    }
+    zero_plain_loss, zero_plain_grads = jax.value_and_grad(loss_fn)(zero_kernels_in_fp8, images, labels)
     return {
         "vs_quantized_loss": relative_difference(loss, quantized_loss),
         "vs_quantized_grads": relative_difference(grads, quantized_grads),
@@ -139,6 +149,14 @@ def mlp_parity(mesh):
             for grad, param in zip(jax.tree.leaves(grads), jax.tree.leaves(sharded_params))
         ),
         "inf_weight_loss_finite": bool(jnp.isfinite(inf_loss)),
+        "zero_kernel_vs_quantized_loss": relative_difference(zero_loss, zero_plain_loss),
+        "zero_kernel_grads_finite": all(
+            bool(jnp.all(jnp.isfinite(grad))) for grad in jax.tree.leaves(zero_grads)
+        ),
+        # The layers below a zero kernel get zero gradients: only the head's are compared.
+        "zero_kernel_vs_quantized_head_grads": relative_difference(
+            zero_grads["Dense_1"], zero_plain_grads["Dense_1"]
+        ),
     }
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from fresh_processes import FreshProcess, xla_flags
 from jax.sharding import Mesh
-from jax.tree_util import DictKey
+from jax.tree_util import DictKey, GetAttrKey
 
 import jaxamp
 from jaxamp.fsdp import CommunicationPolicy, fp8_gather_eligible, get_communication_policy
@@ -73,6 +73,9 @@ def test_the_weights_of_matmuls_are_eligible_and_vectors_and_biases_are_not():
     assert not eligible("bias", (3, 4, 16))  # nn.DenseGeneral's bias: added, not multiplied
     assert not eligible("kernel", (64, 256), sharded=False)  # replicated: never gathered
     assert not eligible("kernel", (64, 256), dtype=jnp.int32)
+    # A module whose fields are attributes (Equinox, a dataclass): the leaf is named by its attribute.
+    assert not fp8_gather_eligible((GetAttrKey("layer"), GetAttrKey("bias")), (3, 4, 16), jnp.float32, True)
+    assert fp8_gather_eligible((GetAttrKey("layer"), GetAttrKey("weight")), (64, 256), jnp.float32, True)
 
 
 def test_on_one_device_the_loss_sees_the_fp8_rounded_kernel_and_the_bias_in_bfloat16():
@@ -95,6 +98,38 @@ def test_on_one_device_the_loss_sees_the_fp8_rounded_kernel_and_the_bias_in_bflo
     for grad, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
         np.testing.assert_allclose(grad, expected, rtol=1e-6)  # the gradient passes straight through
     assert not np.array_equal(expected_params["kernel"], params["kernel"])  # it was rounded
+
+
+@pytest.mark.parametrize(
+    "param_dtype, communication",
+    [
+        (jnp.float32, "gather=fp8,reduce=bf16,dequantize=f32,allow_narrow_reduce"),
+        (jnp.bfloat16, "gather=e5m2,reduce=f32,dequantize=f16"),
+    ],
+)
+def test_on_one_device_the_gathered_kernel_has_the_dequantize_dtype_and_its_gradient_the_reduce_then_param_dtype(
+    param_dtype, communication
+):
+    """The loss reads the kernel in the dequantize dtype; its gradient is rounded to the reduce
+    dtype (summed there) and handed back in the param's. Fails if either dtype were dropped
+    (float32 in its place) on the way in or out."""
+    kernel = (jnp.arange(12.0).reshape(3, 4) / 7 + 1 / 3).astype(param_dtype)
+    inputs = jnp.arange(6.0).reshape(2, 3) / 5 + 0.1
+    seen = {}
+
+    def loss_fn(params, inputs):
+        seen["kernel"] = params["kernel"].dtype
+        return jnp.sum(jnp.sin(inputs @ params["kernel"].astype(jnp.float32)))
+
+    sharded = jaxamp.fsdp.fsdp_loss(loss_fn, one_device_mesh(), communication)
+    grads = jax.jit(jax.grad(sharded))({"kernel": kernel}, inputs)["kernel"]
+    policy = get_communication_policy(communication)
+    assert seen["kernel"] == policy.dequantize_dtype and grads.dtype == param_dtype
+    values, scale_inv = jaxamp.fp8.quantize(kernel, policy.gather_dtype)
+    gathered = (values.astype(jnp.float32) * scale_inv).astype(policy.dequantize_dtype)
+    expected = jax.grad(loss_fn)({"kernel": gathered}, inputs)["kernel"]
+    np.testing.assert_array_equal(grads, expected.astype(policy.reduce_dtype).astype(param_dtype))
+    assert policy.reduce_dtype == jnp.float32 or not np.array_equal(grads, expected)  # it was rounded
 
 
 def test_a_leaf_the_eligibility_rule_refuses_is_gathered_unrounded():
@@ -207,6 +242,9 @@ def test_the_sharded_step_is_the_unsharded_one_with_its_weights_rounded_to_fp8(f
     assert mlp["vs_float32_loss"] < FP8_LOSS_RTOL
     assert mlp["grad_specs_match_params"]
     assert not mlp["inf_weight_loss_finite"]  # a non-finite weight makes the step skip, not saturate
+    # A zero-initialized kernel (every shard's amax 0) gathers as zeros, not NaN.
+    assert mlp["zero_kernel_grads_finite"]
+    assert mlp["zero_kernel_vs_quantized_loss"] < 1e-5 and mlp["zero_kernel_vs_quantized_head_grads"] < 1e-5
 
 
 def test_the_tiny_language_model_trains_with_fp8_gathers_as_with_bfloat16_gathers(fp8_gathers):

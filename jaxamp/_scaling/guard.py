@@ -45,11 +45,27 @@ from typing import Any
 import numpy as np
 
 from jaxamp._scaling.loss_scaling import scaling_state_of
-from jaxamp._scaling.nonfinite import NonFiniteGradients, host_value
+from jaxamp._scaling.nonfinite import (
+    NonFiniteGradients,
+    deepest_layers,
+    host_value,
+    layer_of,
+    layer_order_key,
+)
 
 
 class LossScaleStuckError(RuntimeError):
     """The loss scale is stuck: steps keep overflowing and being skipped.
+
+    The message names, from the state's records of the last skipped step,
+    the layer where its non-finite gradients start (the deepest one whose
+    gradients are not finite, by the order of the names:
+    `jaxamp.diagnostics.NonFiniteGradients.deepest_layers`) and its leaves
+    from there back; or says that the names do not tell which layer is
+    deepest. A state that keeps an `jaxamp.diagnostics.OverflowRecord`
+    (``apply_gradients(overflow_record=...)``) adds the first op that
+    overflowed; without one, the message says that ``record_overflow=True``
+    names it.
 
     Attributes:
         steps: steps taken so far, applied and skipped; None when the checked
@@ -64,6 +80,12 @@ class LossScaleStuckError(RuntimeError):
         nonfinite_paths: the gradient leaves that were not finite in the
             last skipped step (`jaxamp.diagnostics.NonFiniteGradients`), or
             None when the state keeps no such record.
+        deepest_layers: where those non-finite gradients start: one layer, or
+            several when the names do not tell which is deepest; None when
+            the state keeps no such record.
+        first_overflow: the first op that overflowed in the last skipped
+            step, as `jaxamp.diagnostics.FirstOverflow` writes it, or None
+            when the state keeps no overflow record or it names none.
     """
 
     def __init__(
@@ -76,6 +98,7 @@ class LossScaleStuckError(RuntimeError):
         min_loss_scale: float | None,
         reason: str,
         nonfinite_paths: list[str] | None = None,
+        first_overflow: str | None = None,
     ):
         self.applied_steps = applied_steps
         self.skipped_steps = skipped_steps
@@ -85,6 +108,8 @@ class LossScaleStuckError(RuntimeError):
         self.min_loss_scale = min_loss_scale
         self.reason = reason
         self.nonfinite_paths = nonfinite_paths
+        self.deepest_layers = None if nonfinite_paths is None else deepest_layers(nonfinite_paths)
+        self.first_overflow = first_overflow
         floor = "" if min_loss_scale is None else f" (its minimum is {min_loss_scale:g})"
         counts = f"{skipped_steps} skipped in all, the last {consecutive_skipped_steps} in a row"
         where = (
@@ -92,16 +117,43 @@ class LossScaleStuckError(RuntimeError):
             if applied_steps is None
             else f"At step {self.steps} ({applied_steps} applied, {counts})"
         )
-        leaves = ""
-        if nonfinite_paths:
-            shown = ", ".join(nonfinite_paths[:4]) + (", ..." if len(nonfinite_paths) > 4 else "")
-            leaves = f" The last skipped step's non-finite gradients: {len(nonfinite_paths)} leaves: {shown}."
-        super().__init__(
-            f"Loss scale stuck: {reason}. {where} the loss scale is {loss_scale:g}{floor}.{leaves} The "
-            "gradients overflow whatever the scale: try a bfloat16 policy, a lower learning rate, "
-            "a float32 override for the layer named, or a static loss scale, and look for inf or NaN "
-            "in the inputs. The guide 'Why was my step skipped?' says what each finding means."
+        layer = "the layer that overflows"
+        if self.deepest_layers and len(self.deepest_layers) == 1:
+            layer = f"{self.deepest_layers[0]} or the layer after it"
+        record = (
+            f" The last skipped step's first overflow: {first_overflow}."
+            if first_overflow
+            else " record_overflow=True in jaxamp.scaled_value_and_grad names the op that overflowed first "
+            "and its pass (forward or backward)."
         )
+        super().__init__(
+            f"Loss scale stuck: {reason}. {where} the loss scale is {loss_scale:g}{floor}."
+            f"{_where_nonfinite(nonfinite_paths or [], self.deepest_layers or [])} The gradients overflow "
+            f"whatever the scale: try a float32 override for {layer}, a bfloat16 policy, a lower learning "
+            f"rate or a static loss scale, and look for inf or NaN in the inputs.{record} The guide "
+            "'Why was my step skipped?' says what each finding means."
+        )
+
+
+def _where_nonfinite(nonfinite_paths: list[str], deepest: list[str], shown: int = 4) -> str:
+    """Where the non-finite gradients start, and their first `shown` leaves from there back."""
+    if not nonfinite_paths:
+        return ""
+    from_deepest = sorted(nonfinite_paths, key=lambda path: layer_order_key(layer_of(path)), reverse=True)
+    from_deepest.sort(key=lambda path: layer_of(path) not in deepest)
+    more = len(from_deepest) - shown
+    leaves = ", ".join(from_deepest[:shown]) + (f" and {more} more" if more > 0 else "")
+    count = f"{len(nonfinite_paths)} leaves"
+    if len(deepest) == 1:
+        return (
+            f" The last skipped step's non-finite gradients start at {deepest[0]}: the deepest layer whose "
+            "gradients are not finite (by the order of the names, no layer after it has one), so the "
+            f"overflow is in its backward pass or in the op after it. {count}, from there back: {leaves}."
+        )
+    return (
+        f" The last skipped step's non-finite gradients: {count}; the names do not tell which of "
+        f"{', '.join(deepest)} runs last, so where they start: {leaves}."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +198,7 @@ class OverflowGuard:
             LossScaleStuckError: a limit was reached.
             TypeError: `state` holds no loss scale with skip counters.
         """
-        loss_scale, applied, nonfinite_grads = _counters_of(state)
+        loss_scale, applied, nonfinite_grads, overflow_record = _counters_of(state)
         skipped = int(host_value(loss_scale.skipped_steps))
         consecutive = int(host_value(loss_scale.consecutive_skipped_steps))
         scale = float(host_value(loss_scale.loss_scale))
@@ -175,15 +227,24 @@ class OverflowGuard:
                 min_loss_scale=floor,
                 reason=reason,
                 nonfinite_paths=None if nonfinite_grads is None else nonfinite_grads.nonfinite_paths(),
+                first_overflow=_first_overflow(overflow_record),
             )
 
 
-def _counters_of(state: Any) -> tuple[Any, int | None, NonFiniteGradients | None]:
-    """The loss scale a state holds, its applied steps (None if it counts none) and its
-    record of non-finite gradient leaves (None if it keeps none)."""
+def _first_overflow(record: Any) -> str | None:
+    """The first overflow a kept `jaxamp.diagnostics.OverflowRecord` names, as text; None if none."""
+    first = None if record is None else record.first_overflow()
+    return None if first is None else str(first)
+
+
+def _counters_of(state: Any) -> tuple[Any, int | None, NonFiniteGradients | None, Any]:
+    """The loss scale a state holds, its applied steps (None if it counts none), its record of
+    non-finite gradient leaves and its overflow record (each None if it keeps none)."""
+    overflow_record = None
     if hasattr(state, "step") and hasattr(state, "loss_scale"):
         loss_scale, applied = state.loss_scale, int(host_value(state.step))
         nonfinite_grads = getattr(state, "nonfinite_grads", None)
+        overflow_record = getattr(state, "overflow_record", None)
     else:
         try:
             scaling_state = scaling_state_of(state, "OverflowGuard.check")
@@ -200,4 +261,4 @@ def _counters_of(state: Any) -> tuple[Any, int | None, NonFiniteGradients | None
             f"OverflowGuard.check needs a jaxamp loss scale, which counts skipped steps; the state "
             f"holds {type(loss_scale).__name__}."
         )
-    return loss_scale, applied, nonfinite_grads
+    return loss_scale, applied, nonfinite_grads, overflow_record

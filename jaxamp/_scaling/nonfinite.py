@@ -26,6 +26,8 @@ checkpoint holds only the arrays and a restored run reads the same record.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -34,6 +36,7 @@ import numpy as np
 from flax import struct
 
 _NEVER = -1
+_NUMBERED = re.compile(r"(.*?)(\d+)")
 
 
 def leaf_path(path: tuple) -> str:
@@ -54,7 +57,7 @@ class NonFiniteGradients:
     """Which gradient leaves were not finite in the last skipped step, and when.
 
     Created by `for_params`; updated in the step by `after_step` (jit-safe);
-    read on the host by `nonfinite_paths` and `summary`.
+    read on the host by `nonfinite_paths`, `deepest_layers` and `summary`.
 
     Attributes:
         nonfinite: bool, one per parameter leaf (``jax.tree.leaves`` order):
@@ -111,6 +114,10 @@ class NonFiniteGradients:
         flags = np.asarray(host_value(self.nonfinite))
         return [path for path, flag in zip(self.paths, flags, strict=True) if flag]
 
+    def deepest_layers(self) -> list[str]:
+        """Where the last skipped step's non-finite gradients start: `deepest_layers` of its leaves (host)."""
+        return deepest_layers(self.nonfinite_paths())
+
     def summary(self, limit: int = 4, cause: str | None = None) -> str:
         """One line: the last skipped step (counted from 1) and the first `limit` leaves it found
         non-finite (host).
@@ -132,6 +139,48 @@ class NonFiniteGradients:
             return skipped + "every gradient leaf finite (the step was skipped for another reason)"
         shown = ", ".join(paths[:limit]) + (", ..." if len(paths) > limit else "")
         return skipped + f"non-finite grads in {len(paths)} of {len(self.paths)} leaves: {shown}"
+
+
+def layer_of(path: str) -> str:
+    """The layer a leaf belongs to: its path without the leaf's own name (a top-level leaf is its own)."""
+    return path.rpartition("/")[0] or path
+
+
+def _name_key(name: str) -> tuple[str, int]:
+    """A name as its stem and trailing number (``Dense_10``: ``("Dense_", 10)``; -1 without one)."""
+    numbered = _NUMBERED.fullmatch(name)
+    return (numbered[1], int(numbered[2])) if numbered else (name, -1)
+
+
+def _runs_later(layer: str, other: str) -> bool:
+    """Whether the names say that `layer` was made, so runs, after `other`: at the first name where
+    they differ, one stem with a larger number."""
+    for name, other_name in zip(layer.split("/"), other.split("/")):
+        if name != other_name:
+            (stem, number), (other_stem, other_number) = _name_key(name), _name_key(other_name)
+            return stem == other_stem and number > other_number >= 0
+    return False
+
+
+def layer_order_key(layer: str) -> tuple[tuple[str, int], ...]:
+    """A sort key that puts layers in the order their names give (``Dense_9`` before ``Dense_10``)."""
+    return tuple(_name_key(name) for name in layer.split("/"))
+
+
+def deepest_layers(nonfinite_paths: Sequence[str]) -> list[str]:
+    """The layers with a non-finite gradient leaf after which no such layer runs, by name.
+
+    One layer when the names tell (see the module docstring); several, in
+    name order, when they do not; none when no leaf is given.
+
+    Examples:
+        >>> deepest_layers(["Dense_0/kernel", "Dense_10/bias", "Dense_9/kernel"])
+        ['Dense_10']
+        >>> deepest_layers(["Conv_0/kernel", "Dense_0/kernel"])
+        ['Conv_0', 'Dense_0']
+    """
+    layers = sorted({layer_of(path) for path in nonfinite_paths}, key=layer_order_key)
+    return [layer for layer in layers if not any(_runs_later(other, layer) for other in layers)]
 
 
 def host_value(value: Any) -> np.ndarray:

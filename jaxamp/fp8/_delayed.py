@@ -125,15 +125,17 @@ class Fp8History(struct.PyTreeNode):
         """An empty history of `rows` FP8 sites (TransformerEngine's defaults: 1024, "max", 0).
 
         Raises:
-            ValueError: `rows` is negative, `length` below 1, or `reduction` unknown.
+            ValueError: `rows` is negative, `length` below 1, `reduction`
+                unknown, or `rows`, `length` or `margin` not a whole number.
         """
         if reduction not in REDUCTIONS:
             raise ValueError(f"Unknown amax reduction {reduction!r}; valid: {', '.join(REDUCTIONS)}.")
-        if int(length) < 1 or int(rows) < 0:
+        rows, length, margin = (_whole("rows", rows), _whole("length", length), _whole("margin", margin))
+        if length < 1 or rows < 0:
             raise ValueError(
                 f"An FP8 history needs length >= 1 and rows >= 0; got length {length}, rows {rows}."
             )
-        return cls(jnp.zeros((int(rows), SLOTS, int(length)), jnp.float32), False, reduction, int(margin))
+        return cls(jnp.zeros((rows, SLOTS, length), jnp.float32), False, reduction, margin)
 
     @property
     def rows(self) -> int:
@@ -383,6 +385,16 @@ def delayed_value_and_grad(
         return value, grads, grads_finite, history.record(amaxes, keep=grads_finite)
 
     return value_and_grads
+
+
+def _whole(name: str, value: Any) -> int:
+    """`value` as an int, refused unless it is a whole number (a margin of 1.5 is not rounded away)."""
+    if isinstance(value, bool) or not float(value).is_integer():
+        raise ValueError(
+            f"Fp8History.create: {name} must be a whole number; got {value!r}. Pass an int (a margin "
+            "counts powers of two of headroom: the amax is multiplied by 2**margin)."
+        )
+    return int(value)
 
 
 def _unchanged(tree: Any) -> Any:

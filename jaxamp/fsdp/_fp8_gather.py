@@ -9,7 +9,8 @@ scaling, ``precompute_float8_dynamic_scale_for_fsdp``), written for
 local_amax = [max |shard_i| for i in 1..n]      # float32[n], this device's shards
 amax       = pmax(local_amax, axis)             # ONE all-reduce for all n weights
 for each weight i:                              # every device has the same amax_i
-    scale_i = fp8.max / amax_i                  # 1 if amax_i is 0 or not finite
+    scale_i = fp8.max / amax_i                  # 1 if amax_i is 0 or not finite, float32's
+                                                # largest if amax_i is so small that it overflows
     q_i     = clip(shard_i * scale_i, -fp8.max, fp8.max).astype(fp8)   # saturating
     full_i  = all_gather(q_i, axis)             # FP8 bytes on the wire
     w_i     = (full_i * (1 / scale_i)).astype(dequantize dtype)       # NaN if amax_i is not finite
@@ -25,7 +26,11 @@ own shard would gather shards scaled differently and dequantize them with
 one device's scale: the loss divergence of pytorch/ao#4300 (stale or
 unsynchronized scales). The scales are of this step's weights, never kept.
 A weight holding an inf or a NaN comes out NaN, so the loss is not finite
-and the step is skipped, as `jaxamp.fp8.quantize` arranges for matmuls.
+and the step is skipped, as `jaxamp.fp8.quantize` arranges for matmuls. A
+weight of zeros (a zero-initialized kernel) comes out zeros; a weight so
+small that its scale would overflow float32 (an amax below 448 / 3.4e38)
+is scaled by float32's largest value, as TransformerEngine's
+``compute_scale_from_amax`` does. Neither makes the loss NaN.
 """
 
 from __future__ import annotations
@@ -110,7 +115,8 @@ def _gather_quantized(shard, amax, axis, dimension, fp8_dtype, dequantize_dtype,
     @jax.custom_vjp
     def gather(local, amax):
         usable = jnp.isfinite(amax) & (amax > 0)
-        scale = jnp.where(usable, fp8_max / jnp.where(usable, amax, 1.0), 1.0)
+        scale = jnp.minimum(fp8_max / jnp.where(usable, amax, 1.0), jnp.finfo(jnp.float32).max)
+        scale = jnp.where(usable, scale, 1.0)
         quantized = jnp.clip(local.astype(jnp.float32) * scale, -fp8_max, fp8_max).astype(fp8_dtype)
         full = jax.lax.all_gather(quantized, axis, axis=dimension, tiled=True)
         scale_inv = jnp.where(jnp.isfinite(amax), 1.0 / scale, jnp.nan)
