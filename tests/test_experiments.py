@@ -239,7 +239,7 @@ def test_compare_writes_the_study_table_and_plots(tmp_path):
 def test_compare_rejects_an_unknown_model_with_the_choices(capsys):
     with pytest.raises(SystemExit):
         compare.main(["--models", "resnet18,vgg16"])
-    assert "invalid choice 'vgg16'" in capsys.readouterr().err
+    assert "argument --models: unknown model 'vgg16'. Choose one of: mobilenetv2, resnet101," in capsys.readouterr().err
 
 
 def test_the_progress_bar_draws_only_on_a_terminal(monkeypatch):
