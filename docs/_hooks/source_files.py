@@ -24,6 +24,8 @@ _LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _DEFINITION = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?([^\s>]+)>?", re.MULTILINE)
 # Fenced code is not prose: links inside it are not followed.
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
+# A mkdocstrings entry (``::: jaxamp.name``) and the indented options under it.
+_API_ENTRY = re.compile(r"^::: (\S+)\n(?:[ \t]+\S.*\n)*", re.MULTILINE)
 
 
 def _outside_targets(markdown: str, page_uri: str) -> set[str]:
@@ -64,3 +66,17 @@ def on_files(files: Files, config) -> Files:
             if src_uri.endswith(".md"):
                 to_read.append((src_uri, abs_path))
     return files
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    """A copy of a page published from outside ``docs/`` names its API entries instead of rendering them.
+
+    A repository file that links back into ``docs/`` (``results/README.md`` to
+    a guide, and on through the guide's links to ``docs/api.md``) publishes a
+    copy of that page under ``_source/``. Rendered again there, each
+    ``::: jaxamp.name`` entry would give the name a second address, which
+    mkdocs-autorefs refuses in strict mode; the copy names the entry instead.
+    """
+    if not page.file.src_uri.startswith("../"):
+        return markdown
+    return _API_ENTRY.sub(lambda entry: f"`{entry[1]}` (in the API reference)\n", markdown)
