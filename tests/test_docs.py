@@ -359,7 +359,8 @@ def test_a_continued_example_says_so_on_the_rendered_page(site_build):
 def test_the_nnx_recipe_runs_verbatim_from_an_empty_folder(tmp_path):
     """docs/guides/flax.md's NNX train step needs the library alone: run from an empty folder,
     with only jaxamp importable beside the installed packages (no `experiments`)."""
-    section = (REPO / "docs" / "guides" / "flax.md").read_text(encoding="utf-8").split("## Training an NNX model")[1]
+    page = (REPO / "docs" / "guides" / "flax.md").read_text(encoding="utf-8")
+    section = page.split("## Training an NNX model")[1]
     recipe = python_blocks(section)[0]
     assert not recipe.continues and recipe.expected_output
     library, empty = tmp_path / "library", tmp_path / "empty"

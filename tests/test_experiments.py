@@ -119,6 +119,9 @@ def test_a_compiled_step_of_the_tiny_resnet_trains_and_keeps_float32_state(preci
     "name, policy, matmul_precision",
     [
         ("fp32", "params=float32,compute=float32,output=float32", "highest"),
+        # every float32 name of jaxamp.get_policy is true float32 on the command line too
+        ("float32", "params=float32,compute=float32,output=float32", "highest"),
+        ("full", "params=float32,compute=float32,output=float32", "highest"),
         ("tf32", "params=float32,compute=float32,output=float32", "default"),
         ("mixed", "params=float32,compute=float16,output=float32", "default"),
         ("mixed_bf16", "params=float32,compute=bfloat16,output=float32", "default"),

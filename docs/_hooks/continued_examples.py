@@ -19,7 +19,9 @@ SHOWN = (
 )
 
 # The mark on a line of its own, outside fenced code (fences are matched first and kept).
-_FENCE_OR_MARK = re.compile(r"^(```|~~~).*?^\1[^\n]*$|^[ ]{0,3}" + re.escape(MARK) + r"[ \t]*$", re.M | re.S)
+_FENCE_OR_MARK = re.compile(
+    r"^(```|~~~).*?^\1[^\n]*$|^[ ]{0,3}" + re.escape(MARK) + r"[ \t]*$", re.MULTILINE | re.DOTALL
+)
 
 
 def shown(markdown: str) -> str:

@@ -50,7 +50,9 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--steps", type=positive_int, default=300, help="Adam steps per precision")
     parser.add_argument("--batch-size", type=positive_int, default=64, help="examples per step")
-    parser.add_argument("--learning-rate", type=positive_float, default=3e-3, help="peak, cosine-decayed to 0")
+    parser.add_argument(
+        "--learning-rate", type=positive_float, default=3e-3, help="peak, cosine-decayed to 0"
+    )
     parser.add_argument("--test-examples", type=positive_int, default=10_000, help="test images evaluated")
     parser.add_argument(
         "--inject-inf-every", type=non_negative_int, default=50, help="an inf in every Nth batch; 0: none"
@@ -103,7 +105,10 @@ def train(precision: str, dataset: data_lib.Dataset, args) -> dict:
         loss = train_step(model, optimizer, images, jnp.asarray(dataset.train_labels[rows]))
     train_seconds = time.perf_counter() - started
     model.eval()
-    test_images, test_labels = dataset.test_images[: args.test_examples], dataset.test_labels[: args.test_examples]
+    test_images, test_labels = (
+        dataset.test_images[: args.test_examples],
+        dataset.test_labels[: args.test_examples],
+    )
     hits = sum(
         int(correct(model, data_lib.normalize(jnp.asarray(test_images[start : start + 500]), dataset.mean,
                                               dataset.std), jnp.asarray(test_labels[start : start + 500])))
@@ -142,8 +147,10 @@ def run(args, out) -> None:
         ]
         for run in runs
     ]
-    header = ["precision", "test accuracy", f"vs {runs[0]['precision']} (points)", "last loss", "optimizer step",
-              "skipped", "Adam count", "loss scale"]  # fmt: skip
+    header = [
+        "precision", "test accuracy", f"vs {runs[0]['precision']} (points)", "last loss", "optimizer step",
+        "skipped", "Adam count", "loss scale",
+    ]  # fmt: skip
     injected = (
         f"an inf in batches {args.inject_inf_every}, {2 * args.inject_inf_every}, ... but the last"
         if args.inject_inf_every
