@@ -374,3 +374,21 @@ def test_the_nnx_recipe_runs_verbatim_from_an_empty_folder(tmp_path):
     assert process.returncode == 0, process.stderr[-3000:]
     assert process.stdout.splitlines() == recipe.expected_output.splitlines()
     assert os.listdir(empty) == []
+
+
+def test_the_pages_write_the_projects_commands_as_the_readme_does():
+    """The experiments, the tests and the site run from the set-up's venv, `.venv/bin/python -m ...`,
+    as the README writes them; guides wrote a bare `python` or `pytest`, another Python than the
+    set-up's. The changelog (history) and docs/dev (runs in copies of the repository) are left out."""
+    bare = re.compile(r"^(python3? -m (experiments|pytest|mkdocs|mutmut)\b|pytest |mkdocs (build|serve)|python3? -c )")
+    fence = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+    found = []
+    for page in PAGES:
+        if page.name == "changelog.md" or "dev" in page.relative_to(REPO).parts:
+            continue
+        text = page.read_text(encoding="utf-8")
+        lines = [line.strip() for match in fence.finditer(text) if match[1] == "bash"
+                 for line in match[2].splitlines()]  # fmt: skip
+        lines += re.findall(r"`([^`]+)`", fence.sub("", text).replace("\n", " "))
+        found += [f"{page.relative_to(REPO)}: {line}" for line in lines if bare.match(line.strip())]
+    assert found == [], found
