@@ -207,24 +207,36 @@ def test_ctrl_c_in_lm_says_where_the_finished_evaluations_are(tmp_path, monkeypa
     )
 
 
-def test_ctrl_c_in_compare_says_where_the_finished_runs_are(tmp_path, monkeypatch, capsys):
-    """Exit status 130 and one line naming the results file; it was a KeyboardInterrupt traceback."""
+@pytest.mark.parametrize(
+    "stop, status, first_words",
+    [
+        (KeyboardInterrupt(), 130, "interrupted."),
+        # an error found in a later run, here a batch larger than the data: it was a traceback
+        (train.ConfigError("--batch-size 9999 exceeds the 64 training examples."), 1,
+         "error: --batch-size 9999 exceeds the 64 training examples."),
+    ],
+    ids=["Ctrl-C", "an error"],
+)  # fmt: skip
+def test_compare_stopped_in_its_second_run_names_the_finished_one_in_one_line(
+    stop, status, first_words, tmp_path, monkeypatch, capsys
+):
+    """Exit status 130 or 1 and one line naming the results file; Ctrl-C was a KeyboardInterrupt traceback."""
     finished = []
 
-    def second_run_interrupted(config, dataset):
+    def second_run_stopped(config, dataset):
         if finished:
-            raise KeyboardInterrupt
+            raise stop
         finished.append(config.precision)
         return {"config": {"precision": config.precision}}
 
-    monkeypatch.setattr(train, "train_and_evaluate", second_run_interrupted)
+    monkeypatch.setattr(train, "train_and_evaluate", second_run_stopped)
     out_dir = tmp_path / "compare"
     argv = ["--models", "resnet_tiny", "--precisions", "fp32,mixed", "--data", "synthetic", "--no-progress",
             "--out-dir", str(out_dir)]  # fmt: skip
-    assert compare.main(argv) == 130
+    assert compare.main(argv) == status
+    again = " Run the command again to start afresh." if status == 130 else ""
     assert capsys.readouterr().err.strip() == (
-        f"interrupted. The results of the 1 finished run are in {out_dir / 'results.json'}. Run the command "
-        "again to start afresh."
+        f"{first_words} The results of the 1 finished run are in {out_dir / 'results.json'}.{again}"
     )
     assert list(json.loads((out_dir / "results.json").read_text())["runs"]) == ["resnet_tiny/fp32"]
 
@@ -342,25 +354,6 @@ def test_compare_interrupted_before_its_first_run_leaves_no_run_folder(tmp_path,
         "interrupted. No run had finished, so nothing was written. Run the command again to start afresh."
     )
     assert os.listdir(tmp_path) == []
-
-
-def test_compare_stopped_by_an_error_says_which_runs_finished_in_one_message(tmp_path, monkeypatch, capsys):
-    """An error found in a later run (here a batch larger than the data) was a traceback."""
-
-    def second_run_refused(config, dataset):
-        if config.precision == "mixed":
-            raise train.ConfigError("--batch-size 9999 exceeds the 64 training examples.")
-        return {"config": {"precision": config.precision}}
-
-    monkeypatch.setattr(train, "train_and_evaluate", second_run_refused)
-    out_dir = tmp_path / "compare"
-    argv = ["--models", "resnet_tiny", "--precisions", "fp32,mixed", "--data", "synthetic", "--no-progress",
-            "--out-dir", str(out_dir)]  # fmt: skip
-    assert compare.main(argv) == 1
-    assert capsys.readouterr().err.strip() == (
-        "error: --batch-size 9999 exceeds the 64 training examples. The results of the 1 finished run are "
-        f"in {out_dir / 'results.json'}."
-    )
 
 
 def test_the_benchmark_interrupted_before_any_measurement_says_so(tmp_path, monkeypatch, capsys):
