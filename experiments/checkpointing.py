@@ -25,11 +25,9 @@ read.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -74,27 +72,6 @@ def latest_checkpoint(directory: str) -> str | None:
     except OSError:
         return None
     return os.path.join(directory, str(max(steps))) if steps else None
-
-
-@contextlib.contextmanager
-def removed_if_left_empty(directory: str | None) -> Iterator[None]:
-    """Removes `directory` if the block created it and fails leaving it empty.
-
-    A run that stops before its first checkpoint (Ctrl-C, a bad setting found
-    late, an overflow storm) then leaves no folder behind: `--checkpoint-dir`
-    names the same folder when the command is run again. A folder that
-    existed before the block, or holds anything, is left as it is.
-    """
-    existed_before = directory is None or os.path.exists(directory)
-    try:
-        yield
-    except BaseException:
-        if not existed_before:
-            try:
-                os.rmdir(directory)
-            except OSError:
-                pass  # not empty, already gone, or not ours to remove
-        raise
 
 
 class CheckpointError(RuntimeError):

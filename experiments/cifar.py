@@ -17,6 +17,8 @@ resumes from it.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shlex
 import sys
 from typing import TYPE_CHECKING
@@ -24,12 +26,14 @@ from typing import TYPE_CHECKING
 # Nothing heavy here: the flags are parsed before JAX, Flax or TensorFlow load (in `main`), so a
 # mistyped flag is answered at once.
 from experiments import config as config_lib
-from experiments import interrupts
+from experiments import interrupts, outputs
 from experiments.flags import (
+    ArgumentParser,
     HelpFormatter,
     add_process_flags,
     fraction_below_one,
     non_negative_int,
+    one_of,
     output_file,
     positive_float,
     positive_int,
@@ -55,11 +59,11 @@ def injection_rate(text: str) -> float:
 
 
 def precision_arg(text: str) -> str:
-    """An argparse type: fp32, tf32 or any jaxamp policy spec."""
+    """An argparse type: a name of `experiments.config.KNOWN_PRECISIONS` or a jaxamp policy spec."""
     try:
         config_lib.check_precision(text)
     except (ValueError, TypeError) as error:
-        raise argparse.ArgumentTypeError(f"{error} Also accepted: fp32, tf32.") from None
+        raise argparse.ArgumentTypeError(str(error)) from None
     return text
 
 
@@ -182,7 +186,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m experiments.cifar",
         description="Train a CIFAR-10 model under a jaxamp precision policy, timing every epoch.",
         epilog="The defaults (ResNet18, 2 epochs, mixed) train about an hour on a CPU: 1,788 s per "
@@ -195,9 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--precision",
         type=precision_arg,
         default="mixed",
-        help="fp32 (true float32), tf32 (float32 at JAX's default matmul precision), or any jaxamp policy: "
-        "mixed, mixed_bf16, mixed_float8, bf16, bfloat16_kahan (bfloat16 params and optimizer state, "
-        "updates by Kahan summation; or _stochastic, _nearest), 'p=f32,c=f16,o=f32', ... (default: %(default)s)",
+        help="a jaxamp policy: mixed (float16 compute), mixed_bf16, mixed_float8, fp32 (true float32), bf16, "
+        "bfloat16_kahan (bfloat16 params and optimizer state, updates by Kahan summation; or _stochastic, "
+        "_nearest), 'p=f32,c=f16,o=f32', ...; or tf32, which is no policy: float32 at JAX's default matmul "
+        "precision (default: %(default)s)",
     )
     parser.add_argument(
         "--route",
@@ -208,7 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
         "or auto, which is apply_policy (default: %(default)s)",
     )
     parser.add_argument(
-        "--model", default="resnet18", choices=config_lib.MODEL_NAMES, help="the network to train"
+        "--model",
+        default="resnet18",
+        type=one_of(config_lib.MODEL_NAMES, "model"),
+        metavar="MODEL",
+        help=f"the network to train: {', '.join(config_lib.MODEL_NAMES)}",
     )
     add_data_arguments(parser)
     add_training_arguments(parser)
@@ -307,6 +316,8 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
         resume=args.resume,
         out=args.out,
     )
+    out_before = outputs.file_version(config.out)
+    out_folder = os.path.dirname(os.path.abspath(config.out)) if config.out else None
     try:
         distributed.initialize(
             args.coordinator_address,
@@ -314,10 +325,11 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
             args.process_id,
             from_cluster_environment=args.distributed,
         )
-        with checkpointing.removed_if_left_empty(config.checkpoint_dir):
+        with outputs.removed_if_left_empty(config.checkpoint_dir, out_folder):
             results = train.train_and_evaluate(config)
     except KeyboardInterrupt:
-        print(interrupted_advice(config, sys.argv[1:] if argv is None else argv), file=sys.stderr)
+        argv = sys.argv[1:] if argv is None else argv
+        print(interrupted_advice(config, argv, out_before), file=sys.stderr)
         return interrupts.exit_status(entry_point)
     except jaxamp.LossScaleStuckError as error:
         print(f"error: {stuck_advice(error, config)}", file=sys.stderr)
@@ -350,11 +362,21 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
     return 0
 
 
-def interrupted_advice(config: config_lib.TrainConfig, argv: list[str]) -> str:
-    """The message printed instead of a traceback when the run is interrupted (Ctrl-C)."""
+def interrupted_advice(
+    config: config_lib.TrainConfig, argv: list[str], out_before: tuple[int, int] | None = None
+) -> str:
+    """The message printed instead of a traceback when the run is interrupted (Ctrl-C).
+
+    Args:
+        config: the run's settings.
+        argv: the flags as given, for the command that resumes.
+        out_before: `experiments.outputs.file_version` of ``--out`` before
+            the run: the message says the finished epochs are there only if
+            this run wrote the file.
+    """
     from experiments import checkpointing  # pylint: disable=import-outside-toplevel
 
-    saved = f" The results of the finished epochs are in {config.out}." if config.out else ""
+    saved = results_sentence(config.out, out_before)
     if not config.checkpoint_dir:
         return (
             f"interrupted; no checkpoint was kept (no --checkpoint-dir).{saved} To be able to resume an "
@@ -371,6 +393,20 @@ def interrupted_advice(config: config_lib.TrainConfig, argv: list[str]) -> str:
         f"interrupted; the last checkpoint kept is {latest}.{saved} Resume with: "
         f"python -m experiments.cifar {shlex.join(resume_argv)}"
     )
+
+
+def results_sentence(out: str | None, out_before: tuple[int, int] | None) -> str:
+    """What an interrupted run left in ``--out``: the epochs it wrote there, or that it wrote nothing."""
+    if not out:
+        return ""
+    if outputs.file_version(out) in (None, out_before):
+        return f" No epoch finished, so nothing was written to {out}."
+    try:
+        with open(out, encoding="utf-8") as file:
+            finished = len(json.load(file)["epochs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f" The results of the finished epochs are in {out}."
+    return f" The results of the {finished} finished epoch{'' if finished == 1 else 's'} are in {out}."
 
 
 def stuck_advice(error: jaxamp.LossScaleStuckError, config: config_lib.TrainConfig) -> str:

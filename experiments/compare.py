@@ -20,13 +20,13 @@ import sys
 from typing import Any
 
 # Nothing heavy here: the flags are parsed before JAX, Flax or TensorFlow load (in `main`).
-from experiments import cifar, interrupts
+from experiments import cifar, interrupts, outputs
 from experiments import config as config_lib
-from experiments.flags import HelpFormatter, comma_list, output_directory
+from experiments.flags import ArgumentParser, HelpFormatter, comma_list, output_directory
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m experiments.compare",
         description="Train every model under every precision; write a Markdown table and PNG plots.",
         epilog="The defaults (4 models x 2 precisions x 2 CIFAR-10 epochs) take many hours on a CPU: "
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--models",
-        type=comma_list(list(config_lib.MODEL_NAMES)),
+        type=comma_list(list(config_lib.MODEL_NAMES), what="model"),
         default=["resnet18", "resnet50", "resnet101", "mobilenetv2"],
         help="comma-separated (default: resnet18,resnet50,resnet101,mobilenetv2)",
     )
@@ -164,6 +164,15 @@ def plot(results: dict[str, Any], models: list[str], precisions: list[str], out_
     return paths
 
 
+def finished_runs(results: dict[str, Any], out_dir: str | None) -> str:
+    """Where the runs that finished are, or that none did (and nothing was written)."""
+    finished = len(results["runs"])
+    if not finished:
+        return "No run had finished, so nothing was written."
+    path = os.path.join(out_dir, "results.json")
+    return f"The results of the {finished} finished run{'' if finished == 1 else 's'} are in {path}."
+
+
 def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
     """Runs the command with `argv` (default: the command line); `entry_point` as in `cifar.main`."""
     args = build_parser().parse_args(argv)
@@ -171,8 +180,8 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
 
     import jaxamp  # pylint: disable=import-outside-toplevel
     from experiments import data as data_lib  # pylint: disable=import-outside-toplevel
+    from experiments import distributed, train  # pylint: disable=import-outside-toplevel
     from experiments import results as results_lib  # pylint: disable=import-outside-toplevel
-    from experiments import train  # pylint: disable=import-outside-toplevel
 
     if entry_point:
         jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
@@ -181,34 +190,37 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
     except data_lib.DataUnavailableError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    if args.out_dir:
-        out_dir = args.out_dir
-        os.makedirs(out_dir, exist_ok=True)
-    else:
-        out_dir = results_lib.run_directory("compare")
-    results_path = os.path.join(out_dir, "results.json")
-
     results: dict[str, Any] = {
         "device": jax.devices()[0].device_kind,
         "dataset": dataset.name,
         "command": "python -m experiments.compare " + " ".join(argv if argv is not None else sys.argv[1:]),
         "runs": {},
     }
+    out_dir = args.out_dir
     try:
-        for model in args.models:
-            for precision in args.precisions:
-                print(f"\n=== {model} / {precision} ===", flush=True)
-                config = cifar.config_from_args(args, model=model, precision=precision)
-                results["runs"][f"{model}/{precision}"] = train.train_and_evaluate(config, dataset)
-                train.write_json_atomically(results_path, results)
+        # The run folder (and the runs/ above it) is removed again if the command fails leaving it empty.
+        with outputs.removed_if_left_empty(args.out_dir or outputs.RUNS_ROOT) as made:
+            if out_dir:
+                os.makedirs(out_dir, exist_ok=True)
+            else:
+                out_dir = results_lib.run_directory("compare")
+                made.append(out_dir)
+            results_path = os.path.join(out_dir, "results.json")
+            for model in args.models:
+                for precision in args.precisions:
+                    print(f"\n=== {model} / {precision} ===", flush=True)
+                    config = cifar.config_from_args(args, model=model, precision=precision)
+                    results["runs"][f"{model}/{precision}"] = train.train_and_evaluate(config, dataset)
+                    train.write_json_atomically(results_path, results)
     except KeyboardInterrupt:
-        finished = (
-            f"the {len(results['runs'])} finished runs are in {results_path}"
-            if results["runs"]
-            else "no run had finished"
+        print(
+            f"interrupted. {finished_runs(results, out_dir)} Run the command again to start afresh.",
+            file=sys.stderr,
         )
-        print(f"interrupted; {finished}. Run the command again to start afresh.", file=sys.stderr)
         return interrupts.exit_status(entry_point)
+    except (jaxamp.LossScaleStuckError, train.ConfigError, distributed.DistributedSetupError) as error:
+        print(f"error: {error} {finished_runs(results, out_dir)}", file=sys.stderr)
+        return 1
 
     table = write_table(results, args.models, args.precisions)
     results_lib.write_text_atomically(

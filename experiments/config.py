@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from experiments.flags import unknown_name
+
 # How a policy reaches the model: ``auto`` is ``apply_policy``, which runs the
 # model through autocast; ``autocast`` rewrites the plain model's ``apply``.
 ROUTES = ("auto", "apply_policy", "autocast")
@@ -18,17 +20,38 @@ ROUTES = ("auto", "apply_policy", "autocast")
 # The keys of experiments.models.MODELS (tests/test_command_startup.py checks they agree).
 MODEL_NAMES = ("mobilenetv2", "resnet101", "resnet152", "resnet18", "resnet34", "resnet50", "resnet_tiny")
 
-# Precisions beyond jaxamp.get_policy's: float32 with an explicit matmul precision.
-FLOAT32_PRECISIONS = {"fp32": "highest", "tf32": "default"}
+# What --precision takes: jaxamp.get_policy's names, each policy with its aliases beside it
+# (tests/test_command_startup.py checks that these are exactly the names get_policy knows, and that
+# each alias names its policy), and tf32, the one name that is no policy but a matmul precision.
+POLICY_NAMES: dict[str, tuple[str, ...]] = {
+    "mixed_float16": ("mixed", "mixed_fp16"),
+    "mixed_bfloat16": ("mixed_bf16",),
+    "mixed_float8": ("mixed_fp8",),
+    "float32": ("fp32", "f32", "full"),
+    "float16": ("fp16", "f16"),
+    "bfloat16": ("bf16",),
+    "float64": ("f64",),
+    "half": (),
+    "bfloat16_nearest": ("bf16_nearest",),
+    "bfloat16_stochastic": ("bf16_stochastic",),
+    "bfloat16_kahan": ("bf16_kahan",),
+}
+TF32 = "tf32"
 
-# Names `check_precision` accepts without loading jaxamp (tests/test_command_startup.py checks
-# that jaxamp accepts each); any other spec is checked by jaxamp.get_policy.
-KNOWN_PRECISIONS = (
-    *FLOAT32_PRECISIONS,
-    "float32", "mixed", "mixed_float16", "mixed_fp16", "mixed_bfloat16", "mixed_bf16",
-    "float16", "fp16", "bfloat16", "bf16", "mixed_float8", "mixed_fp8",
-    "bfloat16_nearest", "bfloat16_stochastic", "bfloat16_kahan", "bf16_nearest", "bf16_stochastic", "bf16_kahan",
-)  # fmt: skip
+# Every name --precision takes without loading jaxamp; any other is a policy spec (p=f32,c=f16,o=f32).
+KNOWN_PRECISIONS = (*POLICY_NAMES, *(alias for aliases in POLICY_NAMES.values() for alias in aliases), TF32)
+
+# The CLI's float32 names compute matmuls in true float32; tf32 at JAX's default precision.
+FLOAT32_PRECISIONS = {**dict.fromkeys(("float32", *POLICY_NAMES["float32"]), "highest"), TF32: "default"}
+
+PRECISION_CHOICES = """\
+  half compute:     mixed_float16 (mixed, mixed_fp16), mixed_bfloat16 (mixed_bf16), mixed_float8 (mixed_fp8)
+  all one dtype:    float32 (fp32, f32, full), float16 (fp16, f16), bfloat16 (bf16), float64 (f64),
+                    half (float16; bfloat16 on TPU)
+  bfloat16 params:  bfloat16_nearest, bfloat16_stochastic, bfloat16_kahan (each also bf16_...)
+  not a policy:     tf32: float32 with JAX's default matmul precision (TF32 on NVIDIA GPUs)
+  or a spec:        p=f32,c=f16,o=f32 (keys p, c, o, m, u: see jaxamp.get_policy)"""
+"""The precisions, grouped, each with its aliases: what a mistyped ``--precision`` is answered with."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,18 +89,23 @@ class TrainConfig:
 
 
 def check_precision(name: str) -> str:
-    """Returns ``--precision`` `name` if it is ``fp32``, ``tf32`` or a jaxamp policy spec.
+    """Returns ``--precision`` `name` if it is a name of `KNOWN_PRECISIONS` or a jaxamp policy spec.
 
-    The common names are checked here; any other spec loads jaxamp to parse it.
+    A name is checked here, at once; a spec (it holds ``=``) loads jaxamp to parse it.
 
     Raises:
-        ValueError or TypeError: jaxamp's, naming the spec and the valid forms.
+        ValueError: an unknown name (the message names it, the nearest names
+            and every valid one, grouped), or jaxamp's for a bad spec.
+        TypeError: jaxamp's.
     """
-    if "".join(name.split()).lower() in KNOWN_PRECISIONS:
+    key = "".join(name.split()).lower()
+    if key in KNOWN_PRECISIONS:
         return name
-    import jaxamp  # pylint: disable=import-outside-toplevel  # loads JAX, so only for a spec not known above
+    if "=" not in key:
+        raise ValueError(unknown_name("precision", name, KNOWN_PRECISIONS, PRECISION_CHOICES))
+    import jaxamp  # pylint: disable=import-outside-toplevel  # loads JAX, so only for a spec
 
-    jaxamp.get_policy(name)  # fp32 and tf32 are known above: any other name is a policy spec
+    jaxamp.get_policy(name)
     return name
 
 

@@ -13,9 +13,10 @@ paths (``--out``, ``--out-dir``) are checked the same way (`output_file`,
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 # The keys of jaxamp.diagnostics.GPU_TARGETS, for the flags that name a GPU to compile for
 # (tests/test_command_startup.py checks they agree): importing jaxamp would load JAX first.
@@ -23,6 +24,58 @@ GPU_TARGET_NAMES = ("v100", "a100", "h100", "h200", "b200")
 
 # What this process may do (also after seteuid), not what its real user may.
 _EFFECTIVE_IDS = os.access in os.supports_effective_ids
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose errors show a one-line usage instead of every flag.
+
+    A mistyped flag is answered with two lines (exit status 2)::
+
+        usage: python -m experiments.cifar [flags]  (--help lists them, with their defaults)
+        python -m experiments.cifar: error: argument --precision: ...
+    """
+
+    def format_usage(self) -> str:
+        usage = self.usage or f"{self.prog} [flags]"
+        return f"usage: {usage % {'prog': self.prog}}  (--help lists them, with their defaults)\n"
+
+    def error(self, message: str):
+        self.exit(2, f"{self.format_usage()}{self.prog}: error: {message}\n")
+
+
+def unknown_name(what: str, text: str, names: Sequence[str], listing: str | None = None) -> str:
+    """The message for a name that is none of `names`: the nearest ones, then every valid one.
+
+    ``unknown model 'resnet19'. Did you mean resnet18? Choose one of: mobilenetv2, resnet101, ...``
+
+    Args:
+        what: what a name names (``model``).
+        text: the name as given.
+        names: the valid names.
+        listing: the valid names as lines of their own, grouped (default: comma-separated, on
+            the message's line).
+    """
+    nearest = difflib.get_close_matches("".join(text.split()).lower(), names, n=1, cutoff=0.6)
+    hint = f" Did you mean {nearest[0]}?" if nearest else ""
+    choices = f":\n{listing}" if listing else f": {', '.join(names)}"
+    return f"unknown {what} {text!r}.{hint} Choose one of{choices}"
+
+
+def one_of(names: Sequence[str], what: str) -> Callable[[str], str]:
+    """An argparse type: one of `names`, case-insensitive; a mistyped one is refused naming the nearest.
+
+    Args:
+        names: the valid names.
+        what: what a name names, for the message (``model``).
+    """
+
+    def parse(text: str) -> str:
+        name = text.strip().lower()
+        if name not in names:
+            raise argparse.ArgumentTypeError(unknown_name(what, text, names))
+        return name
+
+    return parse
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -90,18 +143,22 @@ def add_process_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def comma_list(choices: list[str] | None, validate=None):
-    """An argparse type for a comma-separated, case-insensitive list, each item checked."""
+def comma_list(choices: list[str] | None, validate=None, what: str = "choice"):
+    """An argparse type for a comma-separated, case-insensitive list, each item checked.
+
+    Args:
+        choices: the valid items (None: any).
+        validate: called with each item; raises ``argparse.ArgumentTypeError`` for a bad one.
+        what: what an item names, for the message of one not in `choices` (``model``).
+    """
 
     def parse(text: str) -> list[str]:
         items = [item.strip().lower() for item in text.split(",") if item.strip()]
         if not items:
             raise argparse.ArgumentTypeError("expected a comma-separated list, got nothing")
         for item in items:
-            if choices is not None and item not in choices:
-                raise argparse.ArgumentTypeError(
-                    f"invalid choice {item!r} (choose from {', '.join(choices)})"
-                )
+            if choices is not None:
+                one_of(choices, what)(item)
             if validate is not None:
                 validate(item)
         return items
@@ -141,22 +198,26 @@ def _nearest_existing(path: str) -> str:
     return path
 
 
-def _check_creatable(text: str, path: str, what: str) -> None:
-    """Refuses `path` (not there yet) unless it can be created: its nearest
-    existing ancestor must be a directory this user may write into.
+def _check_writable_folder(text: str, path: str, what: str, verb: str = "create") -> None:
+    """Refuses `path` unless a file can be made beside it: the nearest existing folder on the way
+    to its parent must be a directory this user may write into and search (``W_OK | X_OK``).
 
-    Nothing is created: a run that fails later leaves nothing behind.
+    A new file or directory is made there, and a file given as ``--out`` is
+    replaced through a temporary file beside it (`experiments.results.write_text_atomically`),
+    so an existing file needs its folder writable too. Nothing is created: a
+    run that fails later leaves nothing behind.
     """
     ancestor = _nearest_existing(os.path.dirname(path))
     if not os.path.isdir(ancestor):
         raise argparse.ArgumentTypeError(
-            f"cannot create {text}: {ancestor} is a file, not a directory; choose a {what} path "
+            f"cannot {verb} {text}: {ancestor} is a file, not a directory; choose a {what} path "
             "that does not pass through a file"
         )
     if not os.access(ancestor, os.W_OK | os.X_OK, effective_ids=_EFFECTIVE_IDS):
+        why = " (it is written to a temporary file there, then renamed)" if verb == "replace" else ""
         raise argparse.ArgumentTypeError(
-            f"cannot create {text}: no permission to write in {ancestor}; name a {what} in a directory you "
-            "can write to"
+            f"cannot {verb} {text}: no permission to write in {ancestor}{why}; name a {what} in a directory "
+            "you can write to"
         )
 
 
@@ -164,21 +225,23 @@ def output_file(text: str) -> str:
     """An argparse type: a file this run may write (``--out results.json``).
 
     Checked before any work, without creating anything: not a directory; if
-    it exists, writable; if not, creatable (its nearest existing ancestor a
-    directory this user may write into).
+    it exists, writable; and its folder (or, if that does not exist yet, the
+    nearest existing one above it) a directory this user may write into,
+    since the file is written through a temporary file beside it.
     """
     path = os.path.abspath(text)
     if os.path.isdir(path):
         raise argparse.ArgumentTypeError(
             f"{text} is a directory, not a file; name a file, e.g. {os.path.join(text, 'results.json')}"
         )
-    if os.path.exists(path):
-        if not os.access(path, os.W_OK, effective_ids=_EFFECTIVE_IDS):
-            raise argparse.ArgumentTypeError(
-                f"no permission to write {text}; name another file, or fix its permissions"
-            )
+    if not os.path.exists(path):
+        _check_writable_folder(text, path, "file")
         return text
-    _check_creatable(text, path, "file")
+    if not os.access(path, os.W_OK, effective_ids=_EFFECTIVE_IDS):
+        raise argparse.ArgumentTypeError(
+            f"no permission to write {text}; name another file, or fix its permissions"
+        )
+    _check_writable_folder(text, path, "file", verb="replace")
     return text
 
 
@@ -197,5 +260,5 @@ def output_directory(text: str) -> str:
                 f"no permission to write in {text}; name a directory you can write to, or fix its permissions"
             )
         return text
-    _check_creatable(text, path, "directory")
+    _check_writable_folder(text, path, "directory")
     return text

@@ -30,6 +30,7 @@ import optax
 
 import jaxamp
 from experiments.distributed import host_value
+from experiments.outputs import RUNS_ROOT
 
 
 def machine() -> dict[str, Any]:
@@ -115,9 +116,6 @@ def skipped_steps_line(state: Any, newly_skipped: int) -> str | None:
         cause = str(first)
     last = "" if record is None else f"; the last: {record.summary(cause=cause)}"
     return f"{newly_skipped} step{'s' if newly_skipped > 1 else ''} skipped since the last report{last}"
-
-
-RUNS_ROOT = "runs"
 
 
 def run_directory(command: str, root: str = RUNS_ROOT, now: datetime.datetime | None = None) -> str:

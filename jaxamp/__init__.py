@@ -54,6 +54,7 @@ from jaxamp._scaling.loss_scale import (
     default_loss_scale,
 )
 from jaxamp._scaling.loss_scaling import LossScalingState, loss_scale_of, loss_scaling
+from jaxamp._scaling.nnx_training import NNXOptimizer
 from jaxamp._scaling.train_state import TrainState
 from jaxamp.fp8 import fp8_dot_general
 
@@ -65,6 +66,7 @@ __all__ = [
     "LossScale",
     "LossScaleStuckError",
     "LossScalingState",
+    "NNXOptimizer",
     "NoAutocastRuleWarning",
     "NoOpLossScale",
     "OverflowGuard",

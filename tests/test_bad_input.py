@@ -33,8 +33,9 @@ QUICK = [
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["--precision", "float17"], "Unknown precision policy 'float17'"),
-        (["--model", "vgg"], "invalid choice: 'vgg'"),
+        (["--precision", "float17"], "unknown precision 'float17'. Did you mean float16? Choose one of:"),
+        (["--model", "vgg"], "unknown model 'vgg'. Choose one of: mobilenetv2, resnet101,"),
+        (["--model", "resnet19"], "unknown model 'resnet19'. Did you mean resnet18? Choose one of:"),
         (["--loss-scale", "adaptive"], "Unknown loss scale 'adaptive'"),
         (["--loss-scale", "static:inf"], "Unknown loss scale 'static:inf'"),
         (["--dataset", "imagenet"], "invalid choice: 'imagenet'"),

@@ -59,10 +59,15 @@ def test_an_out_under_a_file_is_refused_naming_the_file(tmp_path, capsys, no_tra
 
 
 @contextlib.contextmanager
-def read_only_directory():
-    """A directory nobody may write in, also root (who ignores modes): seteuid to nobody."""
+def read_only_directory(mode=0o555, files=()):
+    """A directory of `mode` (holding `files`, each writable by anyone) for a user other than its
+    owner, also for root (who ignores modes): seteuid to nobody."""
     path = tempfile.mkdtemp(prefix="jaxamp_outputs_")
-    os.chmod(path, 0o555)
+    for name in files:
+        with open(os.path.join(path, name), "w") as file:
+            file.write("{}\n")
+        os.chmod(os.path.join(path, name), 0o666)
+    os.chmod(path, mode)
     is_root = os.geteuid() == 0
     if is_root:
         os.seteuid(65534)  # the real uid stays root, so this is undone below
@@ -81,6 +86,44 @@ def test_an_out_in_a_directory_without_write_permission_is_refused(capsys, no_tr
         line = refused(cifar.main, [*TINY_CIFAR, "--out", out], capsys)
         assert f"cannot create {out}: no permission to write in {locked}" in line
         assert not os.path.exists(os.path.join(locked, "sub"))
+
+
+def test_an_existing_writable_out_in_a_directory_without_write_permission_is_refused(capsys, no_training):
+    """The file itself may be written, but it is replaced through a temporary file beside it: the
+    check passed, the run trained, and the first write ended in a PermissionError traceback."""
+    with read_only_directory(files=["results.json"]) as locked:
+        out = os.path.join(locked, "results.json")
+        line = refused(cifar.main, [*TINY_CIFAR, "--out", out], capsys)
+        assert line.endswith(
+            f"argument --out: cannot replace {out}: no permission to write in {locked} (it is written to a "
+            "temporary file there, then renamed); name a file in a directory you can write to"
+        )
+
+
+def test_a_new_out_in_a_folder_that_may_be_read_and_written_but_not_searched_is_refused(capsys, no_training):
+    """Making a file in a folder needs search (x) permission as well as write (w): mode rw-."""
+    with read_only_directory(mode=0o766) as locked:
+        out = os.path.join(locked, "results.json")
+        line = refused(cifar.main, [*TINY_CIFAR, "--out", out], capsys)
+    assert line.endswith(
+        f"cannot create {out}: no permission to write in {locked}; name a file in a directory you can "
+        "write to"
+    )
+
+
+def test_an_out_dir_in_a_folder_that_may_be_read_and_written_but_not_searched_is_refused(capsys):
+    with read_only_directory(mode=0o766) as locked:
+        out_dir = os.path.join(locked, "lm")
+        line = refused(lm.main, ["--out-dir", out_dir], capsys)
+    assert f"cannot create {out_dir}: no permission to write in {locked}" in line
+
+
+def test_a_checkpoint_dir_in_a_folder_that_may_be_read_and_written_but_not_searched_is_refused():
+    with read_only_directory(mode=0o766) as locked, pytest.raises(checkpointing.CheckpointError) as raised:
+        checkpointing.check_folder_usable(os.path.join(locked, "ckpt"))
+    assert str(raised.value).startswith(
+        f"No permission to write checkpoints in {locked} (to create {os.path.join(locked, 'ckpt')})"
+    )
 
 
 @pytest.mark.parametrize("main", OUT_DIR_COMMANDS.values(), ids=OUT_DIR_COMMANDS.keys())
@@ -164,24 +207,36 @@ def test_ctrl_c_in_lm_says_where_the_finished_evaluations_are(tmp_path, monkeypa
     )
 
 
-def test_ctrl_c_in_compare_says_where_the_finished_runs_are(tmp_path, monkeypatch, capsys):
-    """Exit status 130 and one line naming the results file; it was a KeyboardInterrupt traceback."""
+@pytest.mark.parametrize(
+    "stop, status, first_words",
+    [
+        (KeyboardInterrupt(), 130, "interrupted."),
+        # an error found in a later run, here a batch larger than the data: it was a traceback
+        (train.ConfigError("--batch-size 9999 exceeds the 64 training examples."), 1,
+         "error: --batch-size 9999 exceeds the 64 training examples."),
+    ],
+    ids=["Ctrl-C", "an error"],
+)  # fmt: skip
+def test_compare_stopped_in_its_second_run_names_the_finished_one_in_one_line(
+    stop, status, first_words, tmp_path, monkeypatch, capsys
+):
+    """Exit status 130 or 1 and one line naming the results file; Ctrl-C was a KeyboardInterrupt traceback."""
     finished = []
 
-    def second_run_interrupted(config, dataset):
+    def second_run_stopped(config, dataset):
         if finished:
-            raise KeyboardInterrupt
+            raise stop
         finished.append(config.precision)
         return {"config": {"precision": config.precision}}
 
-    monkeypatch.setattr(train, "train_and_evaluate", second_run_interrupted)
+    monkeypatch.setattr(train, "train_and_evaluate", second_run_stopped)
     out_dir = tmp_path / "compare"
     argv = ["--models", "resnet_tiny", "--precisions", "fp32,mixed", "--data", "synthetic", "--no-progress",
             "--out-dir", str(out_dir)]  # fmt: skip
-    assert compare.main(argv) == 130
+    assert compare.main(argv) == status
+    again = " Run the command again to start afresh." if status == 130 else ""
     assert capsys.readouterr().err.strip() == (
-        f"interrupted; the 1 finished runs are in {out_dir / 'results.json'}. Run the command again to "
-        "start afresh."
+        f"{first_words} The results of the 1 finished run are in {out_dir / 'results.json'}.{again}"
     )
     assert list(json.loads((out_dir / "results.json").read_text())["runs"]) == ["resnet_tiny/fp32"]
 
@@ -210,3 +265,131 @@ def test_cifar_with_missing_data_leaves_no_checkpoint_folder(tmp_path, capsys):
     assert cifar.main(argv) == 1
     assert "Traceback" not in capsys.readouterr().err
     assert not checkpoints.exists()
+
+
+def interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def interrupted_while_making_the_checkpoint_folder(config, *args, **kwargs):
+    os.makedirs(config.checkpoint_dir)  # as orbax's checkpoint manager does, parents included
+    raise KeyboardInterrupt
+
+
+def test_cifar_interrupted_before_its_first_epoch_leaves_nothing_and_says_nothing_was_written(
+    tmp_path, monkeypatch, capsys
+):
+    """It said "The results of the finished epochs are in .../results.json" with no epoch finished,
+    and left new/deep of --checkpoint-dir new/deep/ckpt behind."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train, "train_and_evaluate", interrupted_while_making_the_checkpoint_folder)
+    argv = [*TINY_CIFAR, "--checkpoint-dir", "new/deep/ckpt", "--out", "out/deep/results.json"]
+    assert cifar.main(argv) == 130
+    assert capsys.readouterr().err.strip() == (
+        "interrupted before the first checkpoint in new/deep/ckpt; nothing to resume. No epoch finished, "
+        "so nothing was written to out/deep/results.json. Run the same command again to start afresh."
+    )
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("epochs", [1, 3])
+def test_cifar_interrupted_after_finished_epochs_names_them_and_the_file(
+    epochs, tmp_path, monkeypatch, capsys
+):
+    out = tmp_path / "run" / "results.json"
+
+    def interrupted_after_epochs(config, *args, **kwargs):
+        train.write_json_atomically(config.out, {"epochs": [{"epoch": n + 1} for n in range(epochs)]})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "train_and_evaluate", interrupted_after_epochs)
+    assert cifar.main([*TINY_CIFAR, "--out", str(out)]) == 130
+    finished = "1 finished epoch" if epochs == 1 else f"{epochs} finished epochs"
+    assert capsys.readouterr().err.startswith(
+        "interrupted; no checkpoint was kept (no --checkpoint-dir). "
+        f"The results of the {finished} are in {out}."
+    )
+
+
+def test_cifar_interrupted_before_its_first_epoch_does_not_claim_an_older_runs_file(
+    tmp_path, monkeypatch, capsys
+):
+    out = tmp_path / "results.json"
+    out.write_text('{"epochs": [{"epoch": 1}, {"epoch": 2}]}\n')  # an earlier run's
+    monkeypatch.setattr(train, "train_and_evaluate", interrupt)
+    assert cifar.main([*TINY_CIFAR, "--out", str(out)]) == 130
+    assert f"No epoch finished, so nothing was written to {out}." in capsys.readouterr().err
+    assert out.read_text() == '{"epochs": [{"epoch": 1}, {"epoch": 2}]}\n'
+
+
+def test_lm_interrupted_before_its_first_evaluation_leaves_no_run_folder(tmp_path, monkeypatch, capsys):
+    """It left an empty runs/lm-<time>/ (and runs/) behind."""
+    from experiments.lm import train as lm_train
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(lm_train, "train_and_evaluate", interrupt)
+    assert lm.main(["--data", "synthetic", "--no-progress"]) == 130
+    error = capsys.readouterr().err
+    assert error.startswith("interrupted. No evaluation had finished, so nothing was written. Language-model")
+    assert os.listdir(tmp_path) == []
+
+
+def test_lm_interrupted_before_its_first_evaluation_does_not_claim_an_older_runs_results(
+    tmp_path, monkeypatch, capsys
+):
+    from experiments.lm import train as lm_train
+
+    (tmp_path / "results.json").write_text("{}\n")  # an earlier run's, in the --out-dir named again
+    monkeypatch.setattr(lm_train, "train_and_evaluate", interrupt)
+    assert lm.main(["--data", "synthetic", "--no-progress", "--out-dir", str(tmp_path)]) == 130
+    assert "No evaluation had finished, so nothing was written." in capsys.readouterr().err
+
+
+def test_compare_interrupted_before_its_first_run_leaves_no_run_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train, "train_and_evaluate", interrupt)
+    argv = ["--models", "resnet_tiny", "--precisions", "fp32", "--data", "synthetic", "--no-progress"]
+    assert compare.main(argv) == 130
+    assert capsys.readouterr().err.strip() == (
+        "interrupted. No run had finished, so nothing was written. Run the command again to start afresh."
+    )
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_benchmark_interrupted_before_any_measurement_says_so(tmp_path, monkeypatch, capsys):
+    from experiments.benchmark import sections
+
+    monkeypatch.setattr(sections, "run_sections", interrupt)
+    out_dir = tmp_path / "benchmark"
+    argv = ["--models", "resnet_tiny", "--precisions", "mixed", "--no-plots", "--out-dir", str(out_dir)]
+    assert benchmark.main(argv) == 130
+    assert capsys.readouterr().err.strip() == (
+        f"interrupted; no measurement had finished; the environment alone is in {out_dir}"
+    )
+    assert sorted(os.listdir(out_dir)) == ["results.json", "table.md"]  # never an empty folder
+
+
+def test_lm_on_paper_interrupted_before_its_first_compile_leaves_no_run_folder(tmp_path, monkeypatch, capsys):
+    import jaxamp
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(jaxamp.diagnostics, "cuda_plugin_available", lambda: True)
+    monkeypatch.setattr(on_paper, "compile_with_attention_fallback", interrupt)
+    assert on_paper.main(["--precisions", "mixed_bf16", "--routes", "apply_policy"]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted; no compile had finished, so nothing was written."
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_measurement_that_fails_leaves_no_folder_it_made_nor_their_parents(tmp_path, monkeypatch):
+    from experiments.measure import fp8_payoff
+    from experiments.measure.__main__ import main as measure
+
+    def failed(args, out):
+        raise RuntimeError("a measurement that fails before writing anything")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(fp8_payoff, "run", failed)
+    for out in ([], ["--out", "results/new/deep"]):
+        with pytest.raises(RuntimeError, match="fails before writing anything"):
+            measure(["fp8-payoff", *out])
+        assert os.listdir(tmp_path) == []

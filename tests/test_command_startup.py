@@ -9,6 +9,7 @@ timing: a fresh process runs the command and lists the heavy modules loaded.
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -26,7 +27,7 @@ HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax.checkpoint", "tensorflow", "te
 
 RUN_AND_LIST_HEAVY_MODULES = """
 import runpy, sys
-sys.argv = [{module!r}, "--no-such-flag"]
+sys.argv = [{module!r}, *{argv!r}]
 try:
     runpy.run_module({module!r}, run_name="__main__")
 except SystemExit as exit:
@@ -46,7 +47,7 @@ except SystemExit as exit:
 )
 def test_a_mistyped_flag_is_answered_before_any_heavy_import(module):
     process = subprocess.run(
-        [sys.executable, "-c", RUN_AND_LIST_HEAVY_MODULES.format(module=module, heavy=HEAVY)],
+        [sys.executable, "-c", RUN_AND_LIST_HEAVY_MODULES.format(module=module, argv=["--no-such-flag"], heavy=HEAVY)],
         check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert "error: unrecognized arguments: --no-such-flag" in process.stderr
@@ -69,16 +70,47 @@ def test_the_fp8_choices_on_paper_offers_are_those_the_benchmark_takes():
     assert on_paper.FP8_WHERE == targets.FP8_WHERE
 
 
-FAST_PATH_POLICIES = [name for name in config_lib.KNOWN_PRECISIONS if name not in ("fp32", "tf32")]
+def test_the_precisions_the_flags_take_are_the_names_jaxamp_knows_and_tf32():
+    """One vocabulary: every name jaxamp.get_policy knows is one --precision takes, each alias
+    beside its policy names the same policy there, and tf32 alone is no policy."""
+    from jaxamp import _policy
+
+    known_to_jaxamp = {*_policy._NAMED_POLICIES, *_policy._NAMED_FP8_POLICIES,
+                       *_policy._NAMED_UPDATE_POLICIES, *_policy.DTYPE_NAMES}  # fmt: skip
+    assert set(config_lib.KNOWN_PRECISIONS) - {config_lib.TF32} == known_to_jaxamp
+    for name, aliases in config_lib.POLICY_NAMES.items():
+        assert all(jaxamp.get_policy(alias) == jaxamp.get_policy(name) for alias in aliases), name
+    with pytest.raises(ValueError):
+        jaxamp.get_policy(config_lib.TF32)
 
 
-@pytest.mark.parametrize("name", FAST_PATH_POLICIES)
-def test_every_precision_accepted_without_jaxamp_is_one_jaxamp_accepts(name):
-    """The flag's fast path can never accept a name that jaxamp.get_policy would refuse."""
-    assert isinstance(jaxamp.get_policy(name), jaxamp.Policy)
+def test_a_mistyped_precision_is_answered_before_jax_loads_naming_the_nearest_and_each_name_once():
+    """It took 2 s (JAX loaded to ask jaxamp), printed every flag's usage, and a 628-character line
+    naming fp32 three times and tf32 not at all."""
+    process = subprocess.run(
+        [sys.executable, "-c", RUN_AND_LIST_HEAVY_MODULES.format(
+            module="experiments.cifar", argv=["--precision", "mixd"], heavy=HEAVY)],
+        check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert process.stdout.strip() == "2 []", process.stdout + process.stderr
+    usage, error, *choices = process.stderr.strip().splitlines()
+    assert usage == "usage: python -m experiments.cifar [flags]  (--help lists them, with their defaults)"
+    assert error == (
+        "python -m experiments.cifar: error: argument --precision: unknown precision 'mixd'. Did you mean "
+        "mixed? Choose one of:"
+    )
+    assert "\n".join(choices) == config_lib.PRECISION_CHOICES
+    for name in ("fp32", "tf32", "mixed", "mixed_float16", "bf16", "bfloat16_kahan"):
+        assert len(re.findall(rf"(?<![\w.]){name}(?!\w)", config_lib.PRECISION_CHOICES)) == 1, name
+    assert "tf32: float32 with JAX's default matmul precision" in config_lib.PRECISION_CHOICES
 
 
-def test_a_precision_outside_the_fast_path_is_still_checked_by_jaxamp():
+@pytest.mark.parametrize("name", [alias for aliases in config_lib.POLICY_NAMES.values() for alias in aliases])
+def test_every_alias_is_accepted_without_jaxamp(name):
+    assert config_lib.check_precision(name) == name
+
+
+def test_a_policy_spec_is_checked_by_jaxamp():
     assert config_lib.check_precision("p=f32,c=bf16,o=f32") == "p=f32,c=bf16,o=f32"
     with pytest.raises(ValueError, match="float17"):
-        config_lib.check_precision("float17")
+        config_lib.check_precision("p=f32,c=float17")

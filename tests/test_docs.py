@@ -17,7 +17,7 @@ import sys
 import textwrap
 
 import pytest
-from fresh_processes import FreshProcess
+from fresh_processes import FreshProcess, xla_flags
 from markdown_examples import ExampleFailed, python_blocks, run_file, run_page
 
 import jaxamp
@@ -336,3 +336,59 @@ def test_ci_installs_exactly_as_the_readmes_set_up_does():
     installs = [line for line in script if "pip install" in line]
     assert installs and all(" -q " in line for line in installs), installs
     assert any("--group experiments --group test" in line for line in installs)
+
+
+def test_a_continued_example_says_so_on_the_rendered_page(site_build):
+    """The ``<!-- continues -->`` mark was invisible on the site: a reader copying such a block alone
+    lacked the names of the block before it, with nothing on the page to say so."""
+    build, site = site_build
+    assert build.returncode == 0, build.stderr
+    shown = "Continues the example above: run it after that one, in the same Python session."
+    marked = {page: page.read_text(encoding="utf-8").count("\n<!-- continues -->\n") for page in PAGES}
+    for page, marks in marked.items():
+        if page.name == "README.md" or not marks:
+            continue
+        relative = page.relative_to(REPO / "docs").with_suffix("")
+        html_page = site / relative / "index.html" if relative.name != "index" else site / "index.html"
+        rendered = html_page.read_text(encoding="utf-8")
+        assert rendered.count(shown) == marks, relative
+        assert not re.search(re.escape(shown) + r"</em></p>\s*<p>", rendered), "not right above its code"
+    assert sum(marked.values()) >= 30
+
+
+def test_the_nnx_recipe_runs_verbatim_from_an_empty_folder(tmp_path):
+    """docs/guides/flax.md's NNX train step needs the library alone: run from an empty folder,
+    with only jaxamp importable beside the installed packages (no `experiments`)."""
+    page = (REPO / "docs" / "guides" / "flax.md").read_text(encoding="utf-8")
+    section = page.split("## Training an NNX model")[1]
+    recipe = python_blocks(section)[0]
+    assert not recipe.continues and recipe.expected_output
+    library, empty = tmp_path / "library", tmp_path / "empty"
+    library.mkdir()
+    empty.mkdir()
+    (library / "jaxamp").symlink_to(REPO / "jaxamp")
+    process = subprocess.run(
+        [sys.executable, "-c", recipe.code], check=False, cwd=empty, capture_output=True, text=True,
+        timeout=600, env={**os.environ, "PYTHONPATH": str(library), "XLA_FLAGS": xla_flags()},
+    )  # fmt: skip
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert process.stdout.splitlines() == recipe.expected_output.splitlines()
+    assert os.listdir(empty) == []
+
+
+def test_the_pages_write_the_projects_commands_as_the_readme_does():
+    """The experiments, the tests and the site run from the set-up's venv, `.venv/bin/python -m ...`,
+    as the README writes them; guides wrote a bare `python` or `pytest`, another Python than the
+    set-up's. The changelog (history) and docs/dev (runs in copies of the repository) are left out."""
+    bare = re.compile(r"^(python3? -m (experiments|pytest|mkdocs|mutmut)\b|pytest |mkdocs (build|serve)|python3? -c )")
+    fence = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+    found = []
+    for page in PAGES:
+        if page.name == "changelog.md" or "dev" in page.relative_to(REPO).parts:
+            continue
+        text = page.read_text(encoding="utf-8")
+        lines = [line.strip() for match in fence.finditer(text) if match[1] == "bash"
+                 for line in match[2].splitlines()]  # fmt: skip
+        lines += re.findall(r"`([^`]+)`", fence.sub("", text).replace("\n", " "))
+        found += [f"{page.relative_to(REPO)}: {line}" for line in lines if bare.match(line.strip())]
+    assert found == [], found

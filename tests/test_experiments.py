@@ -119,6 +119,9 @@ def test_a_compiled_step_of_the_tiny_resnet_trains_and_keeps_float32_state(preci
     "name, policy, matmul_precision",
     [
         ("fp32", "params=float32,compute=float32,output=float32", "highest"),
+        # every float32 name of jaxamp.get_policy is true float32 on the command line too
+        ("float32", "params=float32,compute=float32,output=float32", "highest"),
+        ("full", "params=float32,compute=float32,output=float32", "highest"),
         ("tf32", "params=float32,compute=float32,output=float32", "default"),
         ("mixed", "params=float32,compute=float16,output=float32", "default"),
         ("mixed_bf16", "params=float32,compute=bfloat16,output=float32", "default"),
@@ -239,7 +242,7 @@ def test_compare_writes_the_study_table_and_plots(tmp_path):
 def test_compare_rejects_an_unknown_model_with_the_choices(capsys):
     with pytest.raises(SystemExit):
         compare.main(["--models", "resnet18,vgg16"])
-    assert "invalid choice 'vgg16'" in capsys.readouterr().err
+    assert "argument --models: unknown model 'vgg16'. Choose one of: mobilenetv2, resnet101," in capsys.readouterr().err
 
 
 def test_the_progress_bar_draws_only_on_a_terminal(monkeypatch):

@@ -260,7 +260,8 @@ def test_bits_per_byte_are_held_out_nats_over_ln_2_and_8_for_an_untrained_model_
     "argv, message",
     [
         (["--precisions", "fp32,fp33"], "fp33"),
-        (["--model", "huge"], "invalid choice: 'huge'"),
+        (["--model", "huge"], "unknown model size 'huge'. Choose one of:"),
+        (["--model", "smal"], "unknown model size 'smal'. Did you mean small?"),
         (["--route", "autocat"], "autocat"),
         (["--context", "65"], "--context 65 is invalid: expected an integer from 1 to 64"),
         (["--vocab-size", "300"], "--vocab-size 300 is invalid"),

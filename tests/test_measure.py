@@ -6,6 +6,8 @@ tests/test_fp8_report.py; here, `fp8_payoff` (no compile) stands for all of
 them as the entry point sees them.
 """
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -101,7 +103,7 @@ def test_a_measurement_that_cannot_run_here_says_what_to_install_and_leaves_no_f
     with pytest.raises(SystemExit) as exit_:
         main(["mxfp8-b200"])
     assert str(exit_.value.code).startswith("error: Compiling for a GPU target needs the CUDA PJRT plugin")
-    assert os.listdir(tmp_path / "runs") == []
+    assert os.listdir(tmp_path) == []  # nor the runs/ it made for it
 
 
 def test_a_bad_flag_of_a_measurement_exits_2_naming_it(capsys):
@@ -115,3 +117,15 @@ def test_a_markdown_table_aligns_figures_right_and_refuses_a_ragged_row():
     assert table(["recipe", "ms"], [["float32", "3.1"]]) == "| recipe | ms |\n|---|---:|\n| float32 | 3.1 |\n"
     with pytest.raises(ValueError, match="a row of 1 cells in a table of 2 columns"):
         table(["recipe", "ms"], [["float32"]])
+
+
+def test_the_nnx_model_trains_end_to_end_and_its_skipped_step_counts_only_as_skipped(tmp_path):
+    """The NNX recipe of docs/guides/flax.md through the experiments: an inf in batch 2 of 4."""
+    out = tmp_path / "nnx"
+    argv = ["nnx-parity", "--data", "synthetic", "--steps", "4", "--batch-size", "8", "--test-examples", "16",
+            "--inject-inf-every", "2", "--precisions", "mixed_float16", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert run["steps_skipped"] == 1 and run["steps_applied"] == run["adam_count"] == 3
+    assert run["loss_scale"] == 2.0**14 and math.isfinite(run["last_loss"])
+    assert "| mixed_float16 |" in (out / "table.md").read_text()

@@ -1,5 +1,6 @@
 """Exact resume: checkpoints hold every counter, and a killed run resumes bit for bit."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -19,7 +20,7 @@ import pytest
 
 import jaxamp
 from experiments import cifar, train
-from experiments.checkpointing import Checkpointer, CheckpointError, Position
+from experiments.checkpointing import Checkpointer, CheckpointError, Position, signature
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIGNATURE = {"model": "tiny", "batch_size": 8, "device_count": 1}
@@ -85,6 +86,37 @@ def test_a_checkpoint_made_with_other_settings_is_refused_naming_each(tmp_path, 
     with pytest.raises(CheckpointError, match="Refusing to resume") as raised:
         Checkpointer(str(tmp_path), {**SIGNATURE, **changed}, resume=True)
     assert named in str(raised.value)
+
+
+def state_with_an_overflow_record():
+    """`fresh_state` as a ``--record-overflow`` run holds it: with the (cleared) record of one matmul."""
+
+    def loss(params):
+        return jaxamp.autocast(lambda w: jnp.sum(jnp.ones((2, 3)) @ w), "mixed_float16")(params["w"])
+
+    state = fresh_state()
+    *_, record = jaxamp.scaled_value_and_grad(loss, state.loss_scale, record_overflow=True)(state.params)
+    return state.replace(overflow_record=record.cleared())
+
+
+def test_a_resume_without_record_overflow_is_refused_naming_the_flag_not_calling_the_checkpoint_unreadable(
+    tmp_path,
+):
+    """The checkpoint of a --record-overflow run holds its overflow record, so a run without the flag
+    restores into a state of another structure. Were the flag's difference not caught first, orbax's
+    failure would read "cannot be read; delete that checkpoint": advice that deletes a good one."""
+    recorded = train.TrainConfig(model="resnet_tiny", record_overflow=True)
+    plain = dataclasses.replace(recorded, record_overflow=False)
+    Checkpointer(str(tmp_path), signature(recorded, 1), resume=False).save(
+        5, state_with_an_overflow_record(), position(), {"epochs": []}
+    )
+    with pytest.raises(CheckpointError) as raised:
+        Checkpointer(str(tmp_path), signature(plain, 1), resume=True).restore_latest(fresh_state())
+    assert str(raised.value) == (
+        f"Refusing to resume from {tmp_path / '5'}: it was made with other settings: --record-overflow "
+        "(checkpoint True, this run False). Resume with the checkpoint's settings, or start afresh in a new "
+        "folder."
+    )
 
 
 def test_a_new_run_never_writes_into_a_folder_that_holds_another_runs_checkpoints(tmp_path):

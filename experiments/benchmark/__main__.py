@@ -12,9 +12,11 @@ import time
 # Nothing heavy here: the flags are parsed before JAX, Flax or PyTorch load (in `main`), so a
 # mistyped flag is answered at once.
 from experiments import interrupts
+from experiments.cifar import precision_arg
 from experiments.config import MODEL_NAMES
 from experiments.flags import (
     GPU_TARGET_NAMES,
+    ArgumentParser,
     HelpFormatter,
     comma_list,
     output_directory,
@@ -40,7 +42,7 @@ QUICK = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m experiments.benchmark",
         description="Side-by-side benchmark: throughput, memory, distance to the hardware, loss-scale cost, "
         "input pipeline, PyTorch AMP, GPU targets compiled without a GPU.",
@@ -55,20 +57,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help=f"a reduced set for a CPU: {quick_flags}")
     parser.add_argument(
         "--sections",
-        type=comma_list(SECTIONS),
+        type=comma_list(SECTIONS, what="section"),
         default=None,
         help="comma-separated, run in the order given (default: throughput,loss_scale,attribution,"
         "pipeline,torch; only targets when --target is given; attribution compiles for --target too)",
     )
     parser.add_argument(
         "--models",
-        type=comma_list(models),
+        type=comma_list(models, what="model"),
         default=None,
         help="comma-separated " + default("models", STUDY_MODELS),
     )
     parser.add_argument(
         "--precisions",
-        type=comma_list(None),
+        type=comma_list(None, precision_arg),
         default=None,
         help="comma-separated " + default("precisions", ",".join(PRECISIONS)),
     )
@@ -92,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--loss-scale-models",
-        type=comma_list(["mlp", *models]),
+        type=comma_list(["mlp", *models], what="model"),
         default=None,
         help="models of the loss_scale and attribution sections "
         + default("loss_scale_models", "mlp,resnet18"),
@@ -105,13 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--torch-models",
-        type=comma_list(models),
+        type=comma_list(models, what="model"),
         default=None,
         help="models of the torch section (default: those of --models PyTorch has a reference for)",
     )
     parser.add_argument(
         "--target",
-        type=comma_list([*GPU_TARGET_NAMES, "all"]),
+        type=comma_list([*GPU_TARGET_NAMES, "all"], what="target"),
         default=None,
         help=f"GPU targets to compile for without a GPU: {', '.join(GPU_TARGET_NAMES)} or all "
         "(default: none; h200 when --sections names targets)",
@@ -271,7 +273,11 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
         else:
             output.write(results.data, out_dir)
     if interrupted:
-        print(f"interrupted; what had finished is in {out_dir}", file=sys.stderr)
+        measured = set(results.data) - {"environment", "skipped", "checks"}
+        kept = (
+            "what had finished is in" if measured else "no measurement had finished; the environment alone is in"
+        )
+        print(f"interrupted; {kept} {out_dir}", file=sys.stderr)
         return interrupts.exit_status(entry_point)
     print(output.table(results.data))
     print(f"wrote {out_dir}")

@@ -25,13 +25,15 @@ from typing import Any
 
 # Nothing heavy here: the flags are parsed before JAX, Flax or TensorFlow load (in `main`), so a
 # mistyped flag is answered at once.
-from experiments import interrupts
+from experiments import interrupts, outputs
 from experiments.cifar import loss_scale_arg, precision_arg
 from experiments.flags import (
+    ArgumentParser,
     HelpFormatter,
     add_process_flags,
     comma_list,
     integer_at_least,
+    one_of,
     output_directory,
     positive_float,
     positive_int,
@@ -64,7 +66,7 @@ def data_arg(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m experiments.lm",
         description="Train a GPT-style decoder on the bytes of Python's standard library (or of a "
         "prepared TFDS text data set) under jaxamp precisions; write results.json, table.md and plots of the held-out loss.",
@@ -76,7 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a first run of a few minutes on a CPU: --model tiny --precisions fp32,mixed_bf16 --steps 100 "
         "--eval-every 25, each unless given beside it (given flags win: --quick --steps 30 runs 30 steps)",
     )
-    parser.add_argument("--model", default=_DEFAULTS.model, choices=list(config_lib.SIZES), help="model size")
+    parser.add_argument(
+        "--model",
+        default=_DEFAULTS.model,
+        type=one_of(list(config_lib.SIZES), "model size"),
+        metavar="SIZE",
+        help=f"model size: {', '.join(config_lib.SIZES)}",
+    )
     parser.add_argument(
         "--precisions",
         type=comma_list(None, precision_arg),
@@ -88,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--route",
-        type=comma_list(list(config_lib.ROUTES)),
+        type=comma_list(list(config_lib.ROUTES), what="route"),
         default=None,
         help="how the policy is applied: apply_policy (on the model), autocast (on the loss of the plain "
         "model), or both (default: apply_policy)",
@@ -296,42 +304,46 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
         jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
     command = "python -m experiments.lm " + shlex.join(sys.argv[1:] if argv is None else argv)
     out_dir = None
+    results_before = outputs.file_version(args.out_dir and os.path.join(args.out_dir, "results.json"))
     try:
-        distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
-        main_process = jax.process_index() == 0
-        corpus = data_lib.load_corpus(
-            configs[0].data,
-            configs[0].data_dir,
-            configs[0].vocab_size or 256,
-            0,
-            jax.process_index(),
-            jax.process_count(),
-        )
-        print(f"corpus: {corpus.description}", flush=True)
-        # Made once the corpus is loaded: a run that cannot start leaves no empty folder behind.
-        out_dir = args.out_dir or (new_out_dir() if main_process else None)
-        if args.out_dir and main_process:
-            os.makedirs(out_dir, exist_ok=True)
-        payload: dict[str, Any] = {"command": command, "environment": environment(), "runs": []}
-
-        for config in configs:
-
-            def save(run, payload=payload):
-                if main_process:
-                    output.write_json(out_dir, {**payload, "runs": [*payload["runs"], run]})
-
-            run = train.train_and_evaluate(
-                config, corpus, log=lambda line: print(line, flush=True), on_record=save
+        # The run folder (and the runs/ above it) is removed again if the command fails leaving it empty.
+        with outputs.removed_if_left_empty(args.out_dir or outputs.RUNS_ROOT) as made:
+            distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+            main_process = jax.process_index() == 0
+            corpus = data_lib.load_corpus(
+                configs[0].data,
+                configs[0].data_dir,
+                configs[0].vocab_size or 256,
+                0,
+                jax.process_index(),
+                jax.process_count(),
             )
-            payload["runs"].append(run)
-            if main_process:
-                output.write_json(out_dir, payload)
-                output.write_table(out_dir, payload["runs"], command, payload["environment"])
+            print(f"corpus: {corpus.description}", flush=True)
+            out_dir = args.out_dir or (new_out_dir() if main_process else None)
+            if out_dir and main_process:
+                os.makedirs(out_dir, exist_ok=True)
+                made.append(out_dir)
+            payload: dict[str, Any] = {"command": command, "environment": environment(), "runs": []}
+
+            for config in configs:
+
+                def save(run, payload=payload):
+                    if main_process:
+                        output.write_json(out_dir, {**payload, "runs": [*payload["runs"], run]})
+
+                run = train.train_and_evaluate(
+                    config, corpus, log=lambda line: print(line, flush=True), on_record=save
+                )
+                payload["runs"].append(run)
+                if main_process:
+                    output.write_json(out_dir, payload)
+                    output.write_table(out_dir, payload["runs"], command, payload["environment"])
     except KeyboardInterrupt:
+        results = out_dir and os.path.join(out_dir, "results.json")
         kept = (
-            f" The evaluations finished so far are in {os.path.join(out_dir, 'results.json')}."
-            if out_dir and os.path.exists(os.path.join(out_dir, "results.json"))
-            else ""
+            f" The evaluations finished so far are in {results}."
+            if outputs.file_version(results) not in (None, results_before)
+            else " No evaluation had finished, so nothing was written."
         )
         print(
             f"interrupted.{kept} Language-model runs keep no checkpoints: run the command again to start "

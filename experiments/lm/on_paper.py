@@ -41,7 +41,8 @@ from typing import Any
 
 # Nothing heavy here: the flags are parsed before JAX or Flax load (in `main`, and in `compile_for`,
 # which imports them on use), so a mistyped flag is answered at once.
-from experiments.flags import GPU_TARGET_NAMES, HelpFormatter, output_directory
+from experiments import interrupts, outputs
+from experiments.flags import GPU_TARGET_NAMES, ArgumentParser, HelpFormatter, output_directory
 from experiments.lm.config import SIZES, GPTSize, LMConfig
 
 PRECISIONS = ("fp32", "tf32", "mixed_bf16", "mixed", "mixed_float8")
@@ -336,7 +337,7 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
             register quietly where no GPU is visible
             (`jaxamp.diagnostics.allow_compiling_without_gpu`).
     """
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m experiments.lm.on_paper",
         description="Compile the language model's train step for a GPU without one; write memory, "
         "bytes moved and the roofline bound per precision and route.",
@@ -369,13 +370,8 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
         help="where results.json and table.md go (default: runs/)",
     )
     args = parser.parse_args(argv)
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel  # after the flags: see the imports above
-
-    import jaxamp  # pylint: disable=import-outside-toplevel
-    from experiments.lm import output  # pylint: disable=import-outside-toplevel
+    import jaxamp  # pylint: disable=import-outside-toplevel  # after the flags: see the imports above
     from experiments.lm.__main__ import new_out_dir  # pylint: disable=import-outside-toplevel
-    from experiments.results import write_text_atomically  # pylint: disable=import-outside-toplevel
-    from experiments.train import resolve_precision  # pylint: disable=import-outside-toplevel
 
     if entry_point:
         jaxamp.diagnostics.allow_compiling_without_gpu()  # before JAX starts: no CUDA traceback without a GPU
@@ -386,23 +382,55 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
             file=sys.stderr,
         )
         return 1
-    fp8_wheres = args.fp8_where.split(",")
-    if any(where not in FP8_WHERE for where in fp8_wheres):
+    if any(where not in FP8_WHERE for where in args.fp8_where.split(",")):
         parser.error(f"--fp8-where {args.fp8_where!r}: choose from {', '.join(FP8_WHERE)}")
     try:
         size = gpt_size(args.model, args.d_model, args.layers)
     except ValueError as error:
         parser.error(str(error))
-    out_dir = args.out_dir or new_out_dir()
     command = "python -m experiments.lm.on_paper " + " ".join(sys.argv[1:] if argv is None else argv)
-    entries = []
+    entries: list[dict[str, Any]] = []
+    out_dir = args.out_dir
+    try:
+        # The run folder (and the runs/ above it) is removed again if the command fails leaving it empty.
+        with outputs.removed_if_left_empty(args.out_dir or outputs.RUNS_ROOT) as made:
+            if not out_dir:
+                out_dir = new_out_dir()
+                made.append(out_dir)
+            table = compile_each(args, size, command, out_dir, entries)
+    except KeyboardInterrupt:
+        kept = (
+            f"the {len(entries)} entries compiled so far are in {out_dir}"
+            if entries
+            else "no compile had finished, so nothing was written"
+        )
+        print(f"interrupted; {kept}.", file=sys.stderr)
+        return interrupts.exit_status(entry_point)
+    print(table)
+    print(f"results written to {out_dir}")
+    return 0
+
+
+def compile_each(
+    args: argparse.Namespace, size: GPTSize, command: str, out_dir: str, entries: list[dict[str, Any]]
+) -> str:
+    """Compiles every precision x route (x FP8 setting) in turn, appending each entry to `entries`
+    and writing results.json and table.md after each; returns the table."""
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+    from experiments.lm import output  # pylint: disable=import-outside-toplevel
+    from experiments.results import write_text_atomically  # pylint: disable=import-outside-toplevel
+    from experiments.train import resolve_precision  # pylint: disable=import-outside-toplevel
+
+    shown = ("precision", "route", "attention", "roofline_step_s", "roofline_per_kernel_s", "error")
+    table = ""
     for precision in args.precisions.split(","):
+        policy = resolve_precision(precision).policy
         for route in args.routes.split(","):
-            if route == HAND_CAST and resolve_precision(precision).policy.compute_dtype == jnp.float32:
+            if route == HAND_CAST and policy.compute_dtype == jnp.float32:
                 continue  # nothing to cast: the plain float32 step
             config = LMConfig(model=args.model, precision=precision, route=route, batch_size=args.batch_size)
-            wheres = fp8_wheres if resolve_precision(precision).policy.fp8_matmuls else ["pays"]
-            for where in wheres:
+            for where in args.fp8_where.split(",") if policy.fp8_matmuls else ["pays"]:
                 try:
                     entry = compile_with_attention_fallback(args.target, config, args.vocab_size, size, where)
                 except Exception as error:  # noqa: BLE001 (a compile failure is a finding to record, not a crash)
@@ -413,21 +441,11 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
                         "error": str(error).splitlines()[0][:200],
                     }
                 entries.append(entry)
-                shown = (
-                    "precision",
-                    "route",
-                    "attention",
-                    "roofline_step_s",
-                    "roofline_per_kernel_s",
-                    "error",
-                )
                 print({key: entry.get(key) for key in shown}, flush=True)
                 output.write_json(out_dir, {"command": command, "entries": entries})
                 table = markdown(entries, command)
                 write_text_atomically(f"{out_dir}/table.md", table)
-    print(table)
-    print(f"results written to {out_dir}")
-    return 0
+    return table
 
 
 if __name__ == "__main__":

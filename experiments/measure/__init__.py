@@ -27,6 +27,7 @@ MEASUREMENTS = (
     "overflow_attribution_cost",
     "communication_bytes",
     "optimizer_parity",
+    "nnx_parity",
     "optimizer_lm_parity",
     "optimizer_lm_cost",
     "fp8_proof",

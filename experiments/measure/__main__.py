@@ -24,7 +24,8 @@ import importlib
 import importlib.util
 import sys
 
-from experiments.flags import HelpFormatter, output_directory
+from experiments import outputs
+from experiments.flags import ArgumentParser, HelpFormatter, output_directory
 from experiments.measure import MEASUREMENTS
 from experiments.measure.run_folder import RunFolder
 
@@ -56,7 +57,7 @@ class _DescribedHelp(argparse.RawDescriptionHelpFormatter, HelpFormatter):
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(
+    return ArgumentParser(
         prog=PROG,
         usage=f"{PROG} NAME [--out DIR] [flags]",
         description=(
@@ -69,7 +70,7 @@ def _top_parser() -> argparse.ArgumentParser:
 
 
 def _measurement_parser(name: str, module) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog=f"{PROG} {name}", description=module.__doc__, formatter_class=_DescribedHelp
     )
     parser.add_argument(
@@ -105,13 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     jaxamp.diagnostics.allow_compiling_without_gpu()
     module = importlib.import_module(f"experiments.measure.{names[name]}")
     args = _measurement_parser(name, module).parse_args(argv[1:])
-    out = RunFolder.create(name, args.out, argv)
-    print(f"{name}: writing {out.path}", flush=True)
-    try:
+    # The folder (and the folders made above it) is removed again if the measurement fails leaving it empty.
+    with outputs.removed_if_left_empty(args.out or outputs.RUNS_ROOT) as made:
+        out = RunFolder.create(name, args.out, argv)
+        made.append(out.path)
+        print(f"{name}: writing {out.path}", flush=True)
         module.run(args, out)
-    except BaseException:
-        out.discard_if_empty()
-        raise
     out.finish()
     print(f"{name}: wrote {', '.join(out.written)} in {out.path}")
     return 0

@@ -19,7 +19,8 @@ make the folder again::
     wrote: autocast_cost.txt
 
 A measurement that fails writes no ``COMMAND``, and a folder it made and
-left empty is removed.
+left empty is removed, with the folders it made above it
+(`experiments.outputs.removed_if_left_empty`).
 """
 
 from __future__ import annotations
@@ -60,14 +61,12 @@ class RunFolder:
     Attributes:
         path: the folder.
         command: the command that runs the measurement again, as typed.
-        made: whether this run made the folder (so it may remove it if left empty).
         written: the files written so far, relative to `path`.
         printed: the lines `print` showed.
     """
 
     path: str
     command: str
-    made: bool
     written: list[str] = dataclasses.field(default_factory=list)
     printed: list[str] = dataclasses.field(default_factory=list)
 
@@ -83,12 +82,11 @@ class RunFolder:
         from experiments.results import run_directory  # pylint: disable=import-outside-toplevel  # loads JAX
 
         if out_dir is None:
-            path, made = run_directory(f"measure-{name}"), True
+            path = run_directory(f"measure-{name}")
         else:
-            made = not os.path.isdir(out_dir)
             os.makedirs(out_dir, exist_ok=True)
             path = out_dir
-        return cls(path, "python -m experiments.measure " + shlex.join(argv), made)
+        return cls(path, "python -m experiments.measure " + shlex.join(argv))
 
     def file(self, name: str) -> str:
         """The path of `name` inside the folder (its parent folders made), for a writer of its own."""
@@ -128,8 +126,3 @@ class RunFolder:
             f"wrote: {', '.join(self.written) or 'nothing'}",
         ]
         return self.write(COMMAND_FILE, "\n".join(record) + "\n")
-
-    def discard_if_empty(self) -> None:
-        """Removes the folder if this run made it and wrote nothing into it."""
-        if self.made and os.path.isdir(self.path) and not os.listdir(self.path):
-            os.rmdir(self.path)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jaxamp._finite import all_finite
 from jaxamp._probe import SLOTS
+from jaxamp._scaling import nnx_training
 from jaxamp._scaling.loss_scale import LossScale
 from jaxamp._scaling.overflow import overflow_session, with_backward
 
@@ -41,6 +42,12 @@ def scaled_value_and_grad(
     before scaling would change nothing; but a float16 *loss* overflows that
     first cotangent for any scale above 65504 (float16's largest value). Return
     the loss in float32, as a policy with a float32 output dtype does.
+
+    An argument that is a Flax NNX module is differentiated as by
+    ``nnx.value_and_grad``: its ``nnx.Param`` variables, whose gradients come
+    as an ``nnx.State``. What `fun` changes in the module (batch statistics,
+    RNG counts) is written back only where `grads_finite` is true, so with
+    `jaxamp.NNXOptimizer` a skipped step leaves the model as it was.
 
     Args:
         fun: the loss function; returns a scalar loss, or ``(loss, aux)`` when
@@ -89,13 +96,16 @@ def scaled_value_and_grad(
     if record_overflow:
         return _recording_overflow(fun, scaled_loss, loss_scale, argnums)
 
-    value_and_scaled_grad = jax.value_and_grad(scaled_loss, argnums=argnums, has_aux=True)
+    value_and_scaled_grad = nnx_training.value_and_grad(scaled_loss, argnums=argnums, has_aux=True)
 
     @functools.wraps(fun)
     def value_and_grads(*args, **kwargs):
+        before = nnx_training.variables_before(args)
         (_, value), scaled_grads = value_and_scaled_grad(*args, **kwargs)
         grads = loss_scale.unscale(scaled_grads)
-        return value, grads, all_finite(grads)
+        grads_finite = all_finite(grads)
+        nnx_training.keep_if_skipped(args, before, grads_finite)
+        return value, grads, grads_finite
 
     return value_and_grads
 
@@ -111,16 +121,19 @@ def _recording_overflow(fun, scaled_loss, loss_scale, argnums):
             scaled, output = scaled_loss(*args, **kwargs)
         return scaled, (output, session.records)
 
-    value_and_probed_grad = jax.value_and_grad(differentiable, argnums=shifted, has_aux=True)
+    value_and_probed_grad = nnx_training.value_and_grad(differentiable, argnums=shifted, has_aux=True)
 
     @functools.wraps(fun)
     def value_and_grads(*args, **kwargs):
         with overflow_session(None) as sizing:
             jax.eval_shape(lambda *leaves: scaled_loss(*leaves, **kwargs), *args)
         probe = jnp.zeros([sizing.size, SLOTS], jnp.float32)
+        before = nnx_training.variables_before(args)
         (_, (value, records)), (probe_grad, *scaled_grads) = value_and_probed_grad(probe, *args, **kwargs)
         grads = loss_scale.unscale(scaled_grads[0] if single else tuple(scaled_grads))
-        return value, grads, all_finite(grads), with_backward(records, sizing.offsets, probe_grad)
+        grads_finite = all_finite(grads)
+        nnx_training.keep_if_skipped(args, before, grads_finite)
+        return value, grads, grads_finite, with_backward(records, sizing.offsets, probe_grad)
 
     return value_and_grads
 
