@@ -70,7 +70,7 @@ class LowPrecisionState(NamedTuple):
 def stochastic_round(value: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     """Rounds `value` to `dtype` up or down at random, unbiased.
 
-    For any target floating dtype (bfloat16, float16, subnormals included):
+    For any target floating dtype (bfloat16, float16):
 
     ```text
     nearest = round_to_nearest(value, dtype)
@@ -81,6 +81,13 @@ def stochastic_round(value: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
 
     so the expected result is `value` itself. A value already representable,
     an infinity or a NaN is returned as rounded to nearest.
+
+    The arithmetic runs in float32, so what holds below float32's smallest
+    normal (2**-126, about 1.2e-38) depends on the backend. float16's
+    subnormals (6e-8 to 6e-5) are float32 normals and round stochastically
+    everywhere. bfloat16's subnormals lie below 2**-126, where XLA's CPU
+    backend flushes float32 arithmetic to zero: there a value computed that
+    small is already 0, and one passed in rounds to nearest.
 
     Args:
         value: the array to round (computed in float32).
@@ -168,6 +175,30 @@ def _check_field_names(state_dtype: Mapping, reference_state) -> None:
         )
 
 
+def _raw_key_and_impl(key: Any) -> tuple[jax.Array, Any]:
+    """The raw uint32 data of `key` (a typed PRNG key, its raw data or an int seed) and its implementation.
+
+    The state keeps the raw data (a plain array that checkpoints and shards
+    like any other); ``update`` wraps it again with the implementation kept
+    here, so a key of another implementation than the default (``"rbg"``)
+    stays that implementation.
+    """
+    seed = jax.random.key(0 if key is None else key) if isinstance(key, (int, type(None))) else jnp.asarray(key)
+    typed = jnp.issubdtype(seed.dtype, jax.dtypes.prng_key)
+    raw_key, impl = (jax.random.key_data(seed), jax.random.key_impl(seed)) if typed else (seed, None)
+    try:
+        if raw_key.dtype != jnp.uint32:
+            raise TypeError(raw_key.dtype)
+        if jax.random.wrap_key_data(raw_key, impl=impl).shape != ():
+            raise TypeError(raw_key.shape)
+    except TypeError:
+        raise ValueError(
+            f"low_precision_optimizer's key must be a PRNG key (jax.random.key(0), of any implementation), the "
+            f"raw uint32 data of a key of the default implementation, or an int seed; got {key!r}."
+        ) from None
+    return raw_key, impl
+
+
 def low_precision_optimizer(
     inner: optax.GradientTransformation,
     *,
@@ -232,7 +263,9 @@ def low_precision_optimizer(
             keep their dtype); or a callable ``(path, leaf) -> dtype or None``.
         rounding: ``"nearest"``, ``"stochastic"`` or ``"kahan"``: how each
             step's float32 result lands on the params.
-        key: a PRNG key or an int seed for stochastic rounding; 0 when None.
+        key: a PRNG key of any implementation (``jax.random.key(0,
+            impl="rbg")``), the raw uint32 data of a default-implementation
+            key, or an int seed, for stochastic rounding; 0 when None.
 
     Returns:
         An optax `GradientTransformationExtraArgs` whose state is a
@@ -256,15 +289,7 @@ def low_precision_optimizer(
         callable(state_dtype) and not _is_dtype_like(state_dtype)
     ):
         state_dtype = _floating_dtype(state_dtype, "state_dtype")
-    seed = (
-        jax.random.key(0 if key is None else key) if isinstance(key, (int, type(None))) else jnp.asarray(key)
-    )
-    raw_key = jax.random.key_data(seed) if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) else seed
-    if raw_key.dtype != jnp.uint32:
-        raise ValueError(
-            f"low_precision_optimizer's key must be a PRNG key (jax.random.key(0)), its raw uint32 data or an "
-            f"int seed; got {key!r}."
-        )
+    raw_key, key_impl = _raw_key_and_impl(key)
     inner = optax.with_extra_args_support(inner)
 
     def checked_float32_params(params):
@@ -328,7 +353,7 @@ def low_precision_optimizer(
         )
         updates32, new_inner_state32 = inner.update(grads32, inner_state32, params32, **extra_args)
 
-        step_key, params_key, state_key = jax.random.split(jax.random.wrap_key_data(state.key), 3)
+        step_key, params_key, state_key = jax.random.split(jax.random.wrap_key_data(state.key, impl=key_impl), 3)
         param_leaves, param_tree = jax.tree.flatten(params)
         compensations = (
             param_tree.flatten_up_to(state.compensation)

@@ -123,6 +123,29 @@ def test_stochastic_rounding_is_unbiased_between_two_neighbours_and_deterministi
     assert not (stochastic_round(jnp.full((1000,), value), dtype, jax.random.key(4)) == draws[:1000]).all()
 
 
+def test_float16_subnormals_round_stochastically_and_unbiased():
+    """float16's subnormals (below 6.1e-5, steps of 6e-8) are float32 normals: the float32 arithmetic keeps them."""
+    low = jnp.asarray(100 * 2.0**-24, jnp.float16)  # a subnormal: 100 of the smallest steps
+    high = jnp.nextafter(low, jnp.asarray(1.0, jnp.float16))
+    value = float(low) + 0.3 * (float(high) - float(low))
+    draws = stochastic_round(jnp.full((100_000,), value), jnp.float16, jax.random.key(3))
+    assert set(np.unique(np.asarray(draws.astype(jnp.float32)))) == {float(low), float(high)}
+    assert abs(float(jnp.mean(draws == high)) - 0.3) < 4 * np.sqrt(0.3 * 0.7 / draws.size)
+
+
+def test_on_the_cpu_a_value_below_float32s_smallest_normal_rounds_to_nearest_in_bfloat16():
+    """bfloat16's subnormals are float32 subnormals, which XLA's CPU flushes to zero in float32 arithmetic."""
+    below_normal = 3e-39  # 2**-126 is 1.2e-38
+    rounded = stochastic_round(jnp.full((10_000,), below_normal), jnp.bfloat16, jax.random.key(3))
+    assert set(np.unique(np.asarray(rounded.astype(jnp.float32)))) == {
+        float(jnp.asarray(below_normal, jnp.bfloat16).astype(jnp.float32))
+    }
+    computed = jax.jit(lambda x, key: stochastic_round(x * 1e-19, jnp.bfloat16, key))(
+        jnp.full((1000,), 3e-20), jax.random.key(3)
+    )
+    assert (computed.astype(jnp.float32) == 0.0).all()
+
+
 def test_stochastic_rounding_keeps_representable_values_infinities_and_nans():
     values = jnp.array([1.0, -2.5, 0.0, jnp.inf, -jnp.inf, jnp.nan])
     rounded = stochastic_round(values, jnp.bfloat16, jax.random.key(0)).astype(jnp.float32)
@@ -209,6 +232,20 @@ def test_a_resumed_run_is_bit_exact_against_an_uninterrupted_one(rounding):
         assert np.asarray(got).tobytes() == np.asarray(expected).tobytes()
 
 
+def test_a_key_of_another_implementation_than_the_default_stays_that_implementation_through_updates():
+    """An "rbg" key's data is 4 words, the default's 2: update must not rewrap it as the default."""
+    rbg = jax.random.key(5, impl="rbg")
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), key=rbg)
+    state, losses = train(tx, bf16_params(), steps=3)
+    assert losses[-1] < losses[0]
+    expected = rbg
+    for _ in range(3):
+        expected = jax.random.split(expected, 3)[0]
+    assert np.asarray(state.opt_state.key).tobytes() == np.asarray(jax.random.key_data(expected)).tobytes()
+    threefry, _ = train(jaxamp.low_precision_optimizer(optax.adam(1e-2), key=5), bf16_params(), steps=3)
+    assert state.opt_state.key.shape == (4,) and threefry.opt_state.key.shape == (2,)
+
+
 def _continue(state, steps):
     @jax.jit
     def train_step(state):
@@ -275,7 +312,9 @@ def test_mixed_param_dtypes_need_param_dtype_none():
         ({"state_dtype": "bf16"}, r"state_dtype must be a floating dtype.*'bf16'"),
         ({"state_dtype": {"m": jnp.bfloat16}}, r"names 'm', which .* fields are 'count', 'mu', 'nu'"),
         ({"state_dtype": lambda path, leaf: jnp.int32}, r"state_dtype \(at .*\) must be a floating dtype"),
-        ({"key": 1.5}, r"key must be a PRNG key \(jax.random.key\(0\)\), its raw uint32 data or an int seed"),
+        ({"key": 1.5}, r"key must be a PRNG key \(jax.random.key\(0\), of any implementation\), the raw uint32 data"),
+        ({"key": jnp.zeros(4, jnp.uint32)}, r"raw uint32 data of a key of the default implementation.*uint32"),
+        ({"key": jnp.zeros((3, 2), jnp.uint32)}, r"or an int seed; got Array\(\[\[0, 0\]"),
     ],
 )
 def test_bad_settings_name_the_valid_choices(settings, message):
