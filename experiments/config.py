@@ -28,6 +28,7 @@ KNOWN_PRECISIONS = (
     "float32", "mixed", "mixed_float16", "mixed_fp16", "mixed_bfloat16", "mixed_bf16",
     "float16", "fp16", "bfloat16", "bf16", "mixed_float8", "mixed_fp8",
     "bfloat16_nearest", "bfloat16_stochastic", "bfloat16_kahan", "bf16_nearest", "bf16_stochastic", "bf16_kahan",
+    "bfloat16_int8", "bfloat16_fp8", "bfloat16_int8_per_tensor", "bf16_int8", "bf16_fp8", "bf16_int8_per_tensor",
 )  # fmt: skip
 
 

@@ -6,7 +6,9 @@ For stochastic rounding and Kahan, five Adam steps of a small MLP with
 bfloat16 params and moments run through `jaxamp.TrainState`, once on one
 device and once with the state placed by `jaxamp.fsdp.fsdp_shardings` and the
 loss by `jaxamp.fsdp.fsdp_loss`. It reports how the buffers are sharded and
-how far the sharded params are from the unsharded ones.
+how far the sharded params are from the unsharded ones. With the moments in
+8 bits (int8, float8_e4m3fn), it reports where each block's codes and scale
+lie, and whether five steps of the sharded state match one device.
 """
 
 import json
@@ -131,7 +133,61 @@ def main():
             / np.max(np.abs(flat(mlp_one.params)))
         )
     results["loss_before"] = float(loss_fn(initial_params(), INPUTS, TARGETS))
+    for state_format in ("int8", "float8_e4m3fn"):
+        results[state_format] = quantized_state_run(mesh, state_format)
     print(json.dumps(results))
+
+
+def quantized_params():
+    """Two kernels of 16,384 elements (64 blocks of 256: 8 a device) and a bias too small to quantize."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    params = {
+        "w1": 0.3 * jax.random.normal(keys[0], (64, 256)),
+        "b1": jnp.zeros((256,)),
+        "w2": 0.3 * jax.random.normal(keys[1], (256, 64)),
+    }
+    return jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+
+
+def blocks_whole_on_each_device(quantized) -> bool:
+    """Whether every device holds whole blocks (all of a block's codes) and exactly those blocks' scales."""
+    scales_rows = {shard.device: shard.index[0] for shard in quantized.scales.addressable_shards}
+    return all(
+        shard.index[1] == slice(None) and scales_rows[shard.device] == shard.index[0]
+        for shard in quantized.codes.addressable_shards
+    )
+
+
+def quantized_state_run(mesh, state_format):
+    """Five Adam steps with the moments in `state_format`, one device against the state placed by fsdp_shardings."""
+    from jaxamp._quantized_state import QuantizedArray  # noqa: PLC0415 (the test's own look inside the state)
+
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), state_dtype=state_format, key=3)
+    state = jaxamp.TrainState.create(apply_fn=None, params=quantized_params(), tx=tx)
+    shardings = jaxamp.fsdp.fsdp_shardings(state, mesh)
+    one_device = train(state, elementwise_loss)
+    sharded = train(jax.device_put(state, shardings), elementwise_loss)
+    quantized = [
+        leaf
+        for leaf in jax.tree.leaves(sharded.opt_state, is_leaf=lambda x: isinstance(x, QuantizedArray))
+        if isinstance(leaf, QuantizedArray)
+    ]
+    return {
+        "quantized_leaves": len(quantized),
+        "codes_specs": sorted({str(q.codes.sharding.spec) for q in quantized}),
+        "scales_specs": sorted({str(q.scales.sharding.spec) for q in quantized}),
+        "blocks_per_device": sorted({q.codes.addressable_shards[0].data.shape[0] for q in quantized}),
+        "blocks_whole_on_each_device": all(blocks_whole_on_each_device(q) for q in quantized),
+        "state_bit_identical": all(
+            np.asarray(a).tobytes() == np.asarray(b).tobytes()
+            for a, b in zip(
+                jax.tree.leaves((one_device.params, one_device.opt_state)),
+                jax.tree.leaves((sharded.params, sharded.opt_state)),
+                strict=True,
+            )
+        ),
+        "params_changed": float(np.mean(flat(one_device.params) != flat(quantized_params()))),
+    }
 
 
 if __name__ == "__main__":

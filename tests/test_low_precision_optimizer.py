@@ -420,3 +420,19 @@ def test_through_fsdp_loss_the_sharded_run_is_as_close_to_one_device_as_optax_on
     )
     assert sharded_run["optax_adam_float32_mlp_params_max_relative_difference"] < 1e-6
     assert max(run["mlp_loss_after"]) < 0.5 * sharded_run["loss_before"]
+
+
+@pytest.mark.parametrize("state_format", ["int8", "float8_e4m3fn"])
+def test_on_eight_devices_8_bit_moments_split_by_whole_blocks_and_the_steps_match_one_device(
+    sharded_run, state_format
+):
+    """Adam with both moments in 8 bits, placed by jaxamp.fsdp.fsdp_shardings: two kernels of 64 blocks
+    of 256 each. Every device holds 8 whole blocks of each and exactly those blocks' scales, before and
+    after five jitted steps, and params and state match one device bit for bit."""
+    run = sharded_run[state_format]
+    assert run["quantized_leaves"] == 4  # mu and nu of both kernels; the bias is too small
+    assert run["codes_specs"] == ["P('data',)"] and run["scales_specs"] == ["P('data',)"]
+    assert run["blocks_per_device"] == [8]
+    assert run["blocks_whole_on_each_device"]
+    assert run["state_bit_identical"]
+    assert run["params_changed"] > 0.9
