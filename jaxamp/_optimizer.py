@@ -177,7 +177,9 @@ def _state_storage(value: Any, setting: str, block_size: int | None) -> np.dtype
 
 def _is_single_setting(state_dtype: StateDtype) -> bool:
     """Whether `state_dtype` is one dtype or format for every leaf (not a mapping, not a callable)."""
-    return not isinstance(state_dtype, Mapping) and not (callable(state_dtype) and not _is_dtype_like(state_dtype))
+    return not isinstance(state_dtype, Mapping) and not (
+        callable(state_dtype) and not _is_dtype_like(state_dtype)
+    )
 
 
 def _storages(state_dtype: StateDtype, reference_state, block_size: int | None) -> list:
@@ -227,12 +229,16 @@ def _check_quantized_somewhere(state_dtype: StateDtype, reference_state, storage
     asked = (
         [canonical_state_format(value) for value in state_dtype.values()]
         if isinstance(state_dtype, Mapping)
-        else [canonical_state_format(state_dtype)] if _is_single_setting(state_dtype) else []
+        else [canonical_state_format(state_dtype)]
+        if _is_single_setting(state_dtype)
+        else []
     )
     if not any(asked) or any(isinstance(storage, _Quantized) for storage in storages):
         return
     leaves = jax.tree_util.tree_flatten_with_path(reference_state)[0]
-    floating = [f"{jax.tree_util.keystr(path)} {np.shape(leaf)}" for path, leaf in leaves if _is_floating(leaf)]
+    floating = [
+        f"{jax.tree_util.keystr(path)} {np.shape(leaf)}" for path, leaf in leaves if _is_floating(leaf)
+    ]
     if not floating:
         raise ValueError(
             f"low_precision_optimizer's state_dtype asks for 8-bit state ({next(filter(None, asked))}), but the "
@@ -284,7 +290,9 @@ def _raw_key_and_impl(key: Any) -> tuple[jax.Array, Any]:
     here, so a key of another implementation than the default (``"rbg"``)
     stays that implementation.
     """
-    seed = jax.random.key(0 if key is None else key) if isinstance(key, (int, type(None))) else jnp.asarray(key)
+    seed = (
+        jax.random.key(0 if key is None else key) if isinstance(key, (int, type(None))) else jnp.asarray(key)
+    )
     typed = jnp.issubdtype(seed.dtype, jax.dtypes.prng_key)
     raw_key, impl = (jax.random.key_data(seed), jax.random.key_impl(seed)) if typed else (seed, None)
     try:
@@ -423,7 +431,9 @@ def low_precision_optimizer(
             f"low_precision_optimizer's rounding must be one of {', '.join(map(repr, ROUNDINGS))}; got {rounding!r}."
         )
     param_dtype = None if param_dtype is None else _floating_dtype(param_dtype, "param_dtype")
-    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
+    if block_size is not None and (
+        isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
+    ):
         raise ValueError(
             f"low_precision_optimizer's block_size must be a positive integer (elements per scale of an 8-bit "
             f"state leaf; 256 by default) or None (one scale per leaf); got {block_size!r}."
@@ -500,7 +510,9 @@ def low_precision_optimizer(
         )
         updates32, new_inner_state32 = inner.update(grads32, inner_state32, params32, **extra_args)
 
-        step_key, params_key, state_key = jax.random.split(jax.random.wrap_key_data(state.key, impl=key_impl), 3)
+        step_key, params_key, state_key = jax.random.split(
+            jax.random.wrap_key_data(state.key, impl=key_impl), 3
+        )
         param_leaves, param_tree = jax.tree.flatten(params)
         compensations = (
             param_tree.flatten_up_to(state.compensation)

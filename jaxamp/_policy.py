@@ -139,6 +139,23 @@ _GRAMMAR_KEYS = {
 }
 
 
+# The grammar's keys that take one of a few words: field -> (what it is, the words, what they do, the default).
+_GRAMMAR_CHOICES = {
+    "matmul_dtype": (
+        "matmul dtype", tuple(_MATMUL_DTYPE_ALIASES), "FP8 matmuls under jaxamp.autocast",
+        "matmuls in the compute dtype",
+    ),
+    "update_rounding": (
+        "update rounding", UPDATE_ROUNDINGS, "how jaxamp.low_precision_optimizer lands each update on the params",
+        "the optimizer's own update",
+    ),
+    "state_format": (
+        "optimizer state format", tuple(STATE_FORMAT_ALIASES),
+        "8-bit state with a scale per block, jaxamp.low_precision_optimizer", "the state in the param dtype",
+    ),
+}  # fmt: skip
+
+
 DTYPE_NAMES = (*sorted(_DTYPE_ALIASES), "half")
 """The dtype names every jaxamp setting accepts (``half``: jmp's half dtype,
 bfloat16 on TPU and float16 elsewhere)."""
@@ -424,29 +441,16 @@ def _parse_grammar(spec: str) -> Policy:
     dtypes = {
         name: parse_dtype(value, f"The {name.removesuffix('_dtype')} dtype {value!r} of precision policy {spec!r}")
         for name, value in fields.items()
-        if name not in ("matmul_dtype", "update_rounding", "state_format", "state_block_size")
+        if name not in (*_GRAMMAR_CHOICES, "state_block_size")
     }
-    matmul = fields.get("matmul_dtype")
-    if matmul is not None and matmul not in _MATMUL_DTYPE_ALIASES:
-        raise ValueError(
-            f"Unknown matmul dtype {matmul!r} in precision policy {spec!r}. Valid: "
-            f"{', '.join(_MATMUL_DTYPE_ALIASES)} (FP8 matmuls under jaxamp.autocast); leave "
-            "the key out for matmuls in the compute dtype."
-        )
-    update = fields.get("update_rounding")
-    if update is not None and update not in UPDATE_ROUNDINGS:
-        raise ValueError(
-            f"Unknown update rounding {update!r} in precision policy {spec!r}. Valid: "
-            f"{', '.join(UPDATE_ROUNDINGS)} (how jaxamp.low_precision_optimizer lands each update on the "
-            "params); leave the key out for the optimizer's own update."
-        )
-    state = fields.get("state_format")
-    if state is not None and state not in STATE_FORMAT_ALIASES:
-        raise ValueError(
-            f"Unknown optimizer state format {state!r} in precision policy {spec!r}. Valid: "
-            f"{', '.join(STATE_FORMAT_ALIASES)} (8-bit state with a scale per block, jaxamp.low_precision_optimizer); "
-            "leave the key out for the state in the param dtype."
-        )
+    for name, (what, valid, purpose, left_out) in _GRAMMAR_CHOICES.items():
+        value = fields.get(name)
+        if value is not None and value not in valid:
+            raise ValueError(
+                f"Unknown {what} {value!r} in precision policy {spec!r}. Valid: {', '.join(valid)} ({purpose}); "
+                f"leave the key out for {left_out}."
+            )
+    matmul, update, state = (fields.get(name) for name in _GRAMMAR_CHOICES)
     block = fields.get("state_block_size")
     if block is not None and not (block == "tensor" or (block.isdigit() and int(block) > 0)):
         raise ValueError(

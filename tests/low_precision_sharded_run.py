@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 import jaxamp
 import jaxamp.fsdp
+from jaxamp._quantized_state import QuantizedArray
 
 # Every matmul in float32 on both sides: the runs then differ only in the order of cross-device sums.
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -41,12 +42,13 @@ def loss_fn(params, inputs, targets):
     return jnp.mean((hidden @ params["w2"] - targets) ** 2)
 
 
-def initial_params():
+def initial_params(inputs=16, hidden=64, outputs=8):
+    """The bfloat16 params of a one-hidden-layer MLP (the loss's, by default)."""
     keys = jax.random.split(jax.random.key(0), 2)
     params = {
-        "w1": 0.3 * jax.random.normal(keys[0], (16, 64)),
-        "b1": jnp.zeros((64,)),
-        "w2": 0.3 * jax.random.normal(keys[1], (64, 8)),
+        "w1": 0.3 * jax.random.normal(keys[0], (inputs, hidden)),
+        "b1": jnp.zeros((hidden,)),
+        "w2": 0.3 * jax.random.normal(keys[1], (hidden, outputs)),
     }
     return jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
 
@@ -66,6 +68,18 @@ def elementwise_loss(params, inputs, targets):
     """A loss whose gradient needs no sum across devices: sharded and unsharded gradients agree bit for bit."""
     del inputs, targets
     return sum(jnp.sum(jnp.sin(3.0 * p.astype(jnp.float32)) ** 2) for p in jax.tree.leaves(params))
+
+
+def bit_identical(state, other) -> bool:
+    """Whether two train states hold the same params and optimizer state, bit for bit."""
+    return all(
+        np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        for a, b in zip(
+            jax.tree.leaves((state.params, state.opt_state)),
+            jax.tree.leaves((other.params, other.opt_state)),
+            strict=True,
+        )
+    )
 
 
 def flat(params):
@@ -98,14 +112,7 @@ def main():
                 name: sorted({str(leaf.dtype) for leaf in jax.tree.leaves(tree)})
                 for name, tree in buffers.items()
             },
-            "state_bit_identical": all(
-                np.asarray(a).tobytes() == np.asarray(b).tobytes()
-                for a, b in zip(
-                    jax.tree.leaves((one_device.params, one_device.opt_state)),
-                    jax.tree.leaves((sharded.params, sharded.opt_state)),
-                    strict=True,
-                )
-            ),
+            "state_bit_identical": bit_identical(one_device, sharded),
             "params_changed": float(np.mean(flat(one_device.params) != flat(initial_params()))),
         }
 
@@ -140,13 +147,7 @@ def main():
 
 def quantized_params():
     """Two kernels of 16,384 elements (64 blocks of 256: 8 a device) and a bias too small to quantize."""
-    keys = jax.random.split(jax.random.key(0), 2)
-    params = {
-        "w1": 0.3 * jax.random.normal(keys[0], (64, 256)),
-        "b1": jnp.zeros((256,)),
-        "w2": 0.3 * jax.random.normal(keys[1], (256, 64)),
-    }
-    return jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    return initial_params(inputs=64, hidden=256, outputs=64)
 
 
 def blocks_whole_on_each_device(quantized) -> bool:
@@ -160,8 +161,6 @@ def blocks_whole_on_each_device(quantized) -> bool:
 
 def quantized_state_run(mesh, state_format):
     """Five Adam steps with the moments in `state_format`, one device against the state placed by fsdp_shardings."""
-    from jaxamp._quantized_state import QuantizedArray  # noqa: PLC0415 (the test's own look inside the state)
-
     tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), state_dtype=state_format, key=3)
     state = jaxamp.TrainState.create(apply_fn=None, params=quantized_params(), tx=tx)
     shardings = jaxamp.fsdp.fsdp_shardings(state, mesh)
@@ -178,14 +177,7 @@ def quantized_state_run(mesh, state_format):
         "scales_specs": sorted({str(q.scales.sharding.spec) for q in quantized}),
         "blocks_per_device": sorted({q.codes.addressable_shards[0].data.shape[0] for q in quantized}),
         "blocks_whole_on_each_device": all(blocks_whole_on_each_device(q) for q in quantized),
-        "state_bit_identical": all(
-            np.asarray(a).tobytes() == np.asarray(b).tobytes()
-            for a, b in zip(
-                jax.tree.leaves((one_device.params, one_device.opt_state)),
-                jax.tree.leaves((sharded.params, sharded.opt_state)),
-                strict=True,
-            )
-        ),
+        "state_bit_identical": bit_identical(one_device, sharded),
         "params_changed": float(np.mean(flat(one_device.params) != flat(quantized_params()))),
     }
 

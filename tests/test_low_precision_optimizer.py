@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import optimizer_training
 import pytest
 from fresh_processes import FreshProcess, xla_flags
 
@@ -30,21 +31,7 @@ def mse(params):
 
 def train(tx, params, steps, poison_at=()):
     """`steps` jitted steps of `tx` through jaxamp.TrainState; a step in `poison_at` gets inf gradients."""
-    state = jaxamp.TrainState.create(
-        apply_fn=None, params=params, tx=tx, loss_scale=jaxamp.DynamicLossScale()
-    )
-
-    @jax.jit
-    def train_step(state, poison):
-        loss, grads, grads_finite = jaxamp.scaled_value_and_grad(mse, state.loss_scale)(state.params)
-        grads = jax.tree.map(lambda grad: grad * poison, grads)
-        return state.apply_gradients(grads=grads, grads_finite=grads_finite & jaxamp.all_finite(grads)), loss
-
-    losses = []
-    for step in range(steps):
-        state, loss = train_step(state, jnp.inf if step in poison_at else 1.0)
-        losses.append(float(loss))
-    return state, losses
+    return optimizer_training.train(tx, params, mse, steps, poison_at)
 
 
 def dtypes(tree):

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import optimizer_training
 import pytest
 
 import jaxamp
@@ -26,24 +27,9 @@ def mse(params):
     return jnp.mean((INPUTS @ params["kernel"] + params["bias"] - TARGETS) ** 2)
 
 
-def train(tx, steps, params=None, poison_at=()):
-    """`steps` jitted steps through jaxamp.TrainState; a step in `poison_at` gets inf gradients."""
-    state = jaxamp.TrainState.create(
-        apply_fn=None, params=bf16_params() if params is None else params, tx=tx,
-        loss_scale=jaxamp.DynamicLossScale(),
-    )  # fmt: skip
-
-    @jax.jit
-    def train_step(state, poison):
-        loss, grads, grads_finite = jaxamp.scaled_value_and_grad(mse, state.loss_scale)(state.params)
-        grads = jax.tree.map(lambda grad: grad * poison, grads)
-        return state.apply_gradients(grads=grads, grads_finite=grads_finite & jaxamp.all_finite(grads)), loss
-
-    losses = []
-    for step in range(steps):
-        state, loss = train_step(state, jnp.inf if step in poison_at else 1.0)
-        losses.append(float(loss))
-    return state, losses
+def train(tx, steps, params=None, poison_at=(), state=None):
+    """`steps` jitted steps of `tx` on the regression (tests/optimizer_training.py)."""
+    return optimizer_training.train(tx, bf16_params() if params is None else params, mse, steps, poison_at, state)
 
 
 def tree_bytes(tree):
@@ -111,9 +97,7 @@ def test_stochastic_codes_are_unbiased_and_nearest_codes_are_not(state_format, s
     assert len(np.unique(np.asarray(stochastic[:, 2:]))) == 2  # the two codes around 0.37
 
 
-@pytest.mark.parametrize(
-    "state_format, smallest", [("int8", 1e-7), ("float8_e4m3fn", (2.0**-9 / 448) ** 2)]
-)
+@pytest.mark.parametrize("state_format, smallest", [("int8", 1e-7), ("float8_e4m3fn", (2.0**-9 / 448) ** 2)])
 def test_in_a_block_with_no_negative_element_a_positive_value_never_rounds_to_zero(state_format, smallest):
     """A second moment rounded to zero would make Adam's m / (sqrt(v) + eps) explode."""
     block = jnp.zeros((1, 256)).at[0, 0].set(1.0).at[0, 1].set(1e-15)
@@ -165,7 +149,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_every_optimizer_trains_with_8_bit_state_as_with_bfloat16_state(name, state_format):
     """60 steps: the loss falls by as much as with bfloat16 state, within 10% of it."""
-    reference, reference_losses = train(jaxamp.low_precision_optimizer(OPTIMIZERS[name]), steps=60)
+    _reference, reference_losses = train(jaxamp.low_precision_optimizer(OPTIMIZERS[name]), steps=60)
     tx = jaxamp.low_precision_optimizer(OPTIMIZERS[name], state_dtype=state_format)
     state, losses = train(tx, steps=60)
     assert losses[-1] < 0.2 * losses[0]
@@ -174,7 +158,9 @@ def test_every_optimizer_trains_with_8_bit_state_as_with_bfloat16_state(name, st
     assert stored and {leaf.format for leaf in stored} == {state_format}
     assert all(leaf.codes.shape == (16, 256) and leaf.scales.shape == (16,) for leaf in stored)
     # The bias (64 elements) keeps its float32 state, the count its int32.
-    small = [leaf for leaf in jax.tree.leaves(state.opt_state.inner_state) if leaf.ndim == 1 and leaf.size == 64]
+    small = [
+        leaf for leaf in jax.tree.leaves(state.opt_state.inner_state) if leaf.ndim == 1 and leaf.size == 64
+    ]
     assert small and {leaf.dtype for leaf in small} == {jnp.dtype(jnp.float32)}
 
 
@@ -207,7 +193,7 @@ def test_a_second_moment_in_8_bits_decays_by_b2_each_step_below_its_blocks_stead
 
     @jax.jit
     def run(params):
-        step = lambda _, opt_state: tx.update(grads, opt_state, params)[1]  # noqa: E731
+        step = lambda _, opt_state: tx.update(grads, opt_state, params)[1]
         return jax.lax.fori_loop(0, 1000, step, tx.init(params))
 
     v = dequantize(run(params).inner_state["v"]).reshape(16, 256)
@@ -222,7 +208,10 @@ def test_a_skipped_step_leaves_every_byte_of_the_8_bit_state_identical(state_for
     before, _ = train(tx, steps=2)
     state, _ = train(tx, steps=3, poison_at=(2,))
     assert int(state.skipped_steps) == 1
-    leaves, expected = jax.tree.leaves((state.params, state.opt_state)), jax.tree.leaves((before.params, before.opt_state))
+    leaves, expected = (
+        jax.tree.leaves((state.params, state.opt_state)),
+        jax.tree.leaves((before.params, before.opt_state)),
+    )
     assert len(leaves) == len(expected)
     for kept, want in zip(leaves, expected, strict=True):
         assert kept.dtype == want.dtype and np.asarray(kept).tobytes() == np.asarray(want).tobytes()
@@ -234,25 +223,11 @@ def test_a_run_resumed_from_the_8_bit_state_is_bit_exact(state_format):
     tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), state_dtype=state_format, key=jax.random.key(5))
     whole, _ = train(tx, steps=4)
     half, _ = train(tx, steps=2)
-    params, opt_state = jax.tree.map(lambda leaf: jnp.asarray(np.asarray(leaf)), (half.params, half.opt_state))
-    resumed, _ = train(tx, steps=0, params=params)
-    resumed, _ = _continue(resumed.replace(opt_state=opt_state), steps=2)
-    for got, expected in zip(
-        jax.tree.leaves((resumed.params, resumed.opt_state)), jax.tree.leaves((whole.params, whole.opt_state)),
-        strict=True,
-    ):  # fmt: skip
+    checkpoint = jax.tree.map(np.asarray, half)  # every leaf of the train state to NumPy, and back
+    resumed, _ = train(tx, steps=2, state=jax.tree.map(jnp.asarray, checkpoint))
+    assert quantized_leaves(resumed.opt_state)
+    for got, expected in zip(jax.tree.leaves(resumed), jax.tree.leaves(whole), strict=True):
         assert np.asarray(got).tobytes() == np.asarray(expected).tobytes()
-
-
-def _continue(state, steps):
-    @jax.jit
-    def train_step(state):
-        loss, grads, grads_finite = jaxamp.scaled_value_and_grad(mse, state.loss_scale)(state.params)
-        return state.apply_gradients(grads=grads, grads_finite=grads_finite), loss
-
-    for _ in range(steps):
-        state, loss = train_step(state)
-    return state, loss
 
 
 def test_the_8_bit_state_passes_through_jit_tree_map_and_lower():
@@ -264,7 +239,9 @@ def test_the_8_bit_state_passes_through_jit_tree_map_and_lower():
     grads = jax.tree.map(jnp.ones_like, params)
     assert "func" in jax.jit(tx.update).lower(grads, opt_state, params).as_text()
     abstract = jax.eval_shape(tx.update, grads, opt_state, params)[1]
-    assert [leaf.dtype for leaf in jax.tree.leaves(abstract)] == [leaf.dtype for leaf in jax.tree.leaves(opt_state)]
+    assert [leaf.dtype for leaf in jax.tree.leaves(abstract)] == [
+        leaf.dtype for leaf in jax.tree.leaves(opt_state)
+    ]
 
 
 def test_a_mapping_stores_one_moment_in_8_bits_and_the_other_in_bfloat16():
@@ -283,17 +260,17 @@ def test_a_mapping_stores_one_moment_in_8_bits_and_the_other_in_bfloat16():
         (
             {"state_dtype": "int8", "block_size": 384},
             None,
-            r"^low_precision_optimizer's block_size 384 does not divide the state leaf at .*\['kernel'\] "
+            (r"^low_precision_optimizer's block_size 384 does not divide the state leaf at .*\['kernel'\] "
             r"\(shape \(64, 64\), 4096 elements\), which is stored in int8 in blocks of block_size elements\. "
             r"Choose a block_size that divides it \(the largest power of two that does: 4096\), block_size=None "
-            r"for one scale per leaf, or keep that field in a floating dtype",
+            r"for one scale per leaf, or keep that field in a floating dtype"),
         ),
         (
             {"state_dtype": "int4"},
             None,
-            r"^low_precision_optimizer's state_dtype must be a floating dtype such as jnp.bfloat16, jnp.float16 "
+            (r"^low_precision_optimizer's state_dtype must be a floating dtype such as jnp.bfloat16, jnp.float16 "
             r"or jnp.float32 \(stored as is\), or an 8-bit format with a scale per block of block_size "
-            r"elements: 'int8', 'float8_e4m3fn' \(or jnp.int8, jnp.float8_e4m3fn\); got int4\.$",
+            r"elements: 'int8', 'float8_e4m3fn' \(or jnp.int8, jnp.float8_e4m3fn\); got int4\.$"),
         ),
         ({"state_dtype": jnp.int16}, None, r"8-bit format .*; got int16\.$"),
         ({"state_dtype": jnp.float8_e5m2}, None, r"8-bit format .*; got float8_e5m2\.$"),
@@ -303,8 +280,8 @@ def test_a_mapping_stores_one_moment_in_8_bits_and_the_other_in_bfloat16():
         (
             {"state_dtype": "int8"},
             {"kernel": jnp.zeros((8, 8), jnp.bfloat16)},
-            r"asks for 8-bit state \(int8\), but no floating leaf .* has 4096 elements or more .*"
-            r"are \.mu\['kernel'\] \(8, 8\), \.nu\['kernel'\] \(8, 8\)\)\. Leave state_dtype at a floating",
+            (r"asks for 8-bit state \(int8\), but no floating leaf .* has 4096 elements or more .*"
+            r"are \.mu\['kernel'\] \(8, 8\), \.nu\['kernel'\] \(8, 8\)\)\. Leave state_dtype at a floating"),
         ),
     ],
     ids=["block-does-not-divide", "int4", "int16", "float8_e5m2", "uint8-in-mapping", "block-0", "block-2.5",
@@ -319,7 +296,9 @@ def test_bad_8_bit_settings_name_the_value_the_valid_choices_and_the_fix(setting
 
 @pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.scale(-0.1)], ids=["sgd", "scale"])
 def test_an_optimizer_without_floating_state_asked_for_8_bits_says_there_is_nothing_to_quantize(inner):
-    with pytest.raises(ValueError, match=r"has no floating leaf to store in it .* optax.sgd without momentum"):
+    with pytest.raises(
+        ValueError, match=r"has no floating leaf to store in it .* optax.sgd without momentum"
+    ):
         jaxamp.low_precision_optimizer(inner, state_dtype=jnp.float8_e4m3fn).init(bf16_params())
 
 
@@ -352,8 +331,8 @@ def test_a_policy_naming_an_8_bit_state_stores_adams_moments_in_it(spec, state_f
     [
         ("p=bf16,state=int8", r"names an optimizer state format without an update rounding: add ',update=stochastic'"),
         ("p=bf16,u=stochastic,block=64", r"gives a block size but no optimizer state format: add ',state=int8'"),
-        ("p=bf16,u=stochastic,state=int4", r"Unknown optimizer state format 'int4' .* Valid: int8, float8_e4m3fn, "
-                                           r"float8, fp8, f8"),
+        ("p=bf16,u=stochastic,state=int4", (r"Unknown optimizer state format 'int4' .* Valid: int8, float8_e4m3fn, "
+                                           r"float8, fp8, f8")),
         ("p=bf16,u=stochastic,state=int8,block=-4", r"Unknown block size '-4' .* a positive integer .* or 'tensor'"),
     ],
 )  # fmt: skip
