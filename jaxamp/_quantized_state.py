@@ -62,18 +62,18 @@ _E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 _E4M3_SMALLEST = float(jnp.finfo(jnp.float8_e4m3fn).smallest_subnormal)  # 2**-9
 
 
-def _dynamic_code() -> np.ndarray:
-    """The unsigned dynamic code's 256 values, ascending: 0, then ``10**-(7-n) * (0.1 + 0.9 k / 2**n)``."""
+def unsigned_code() -> np.ndarray:
+    """The unsigned dynamic code's 256 values, ascending: 0, then ``10**-(7-n) * (0.1 + 0.9 k / 2**n)``.
+
+    The signed code's magnitudes are 0 and its odd entries from 3 on. Built
+    when a program is traced, not on import.
+    """
     values = [0.0]
     for index in range(1, 256):
         leading = index.bit_length() - 1  # n: 2**n <= index < 2**(n+1)
         step = index - 2**leading + 1  # k in 1..2**n
         values.append(10.0 ** -(7 - leading) * (0.1 + 0.9 * step / 2**leading))
     return np.asarray(values, np.float32)
-
-
-UNSIGNED_CODE = _dynamic_code()
-"""The unsigned dynamic code's 256 magnitudes; the signed code's magnitudes are 0 and its odd entries."""
 
 
 @jax.tree_util.register_dataclass
@@ -163,8 +163,9 @@ def _round_between(low, high, position, uniform):
 
 
 def _encode_int8(ratios, signed, uniform):
-    """int8 codes: in a signed block ``sign * j`` (magnitude ``UNSIGNED_CODE[2j + 1]``, 0 for j = 0), else ``i - 128``."""
-    table = jnp.asarray(UNSIGNED_CODE)
+    """int8 codes: in a signed block ``sign * j`` (magnitude ``unsigned_code()[2j + 1]``, or 0 for j = 0),
+    else ``i - 128`` for the unsigned code's entry i."""
+    table = jnp.asarray(unsigned_code())
     magnitude = jnp.abs(ratios)
     below = jnp.zeros(ratios.shape, jnp.int32)  # the last index whose value is <= magnitude
     for step in (128, 64, 32, 16, 8, 4, 2, 1):
@@ -184,7 +185,7 @@ def _encode_int8(ratios, signed, uniform):
 
 
 def _decode_int8(codes, signed):
-    table = jnp.asarray(UNSIGNED_CODE)
+    table = jnp.asarray(unsigned_code())
     codes = codes.astype(jnp.int32)
     magnitude = jnp.minimum(jnp.abs(codes), 127)
     signed_value = jnp.sign(codes) * table[jnp.where(magnitude > 0, 2 * magnitude + 1, 0)]
@@ -217,9 +218,3 @@ def _encode_e4m3(ratios, signed, uniform):
 def _decode_e4m3(codes, signed):
     ratios = codes.astype(jnp.float32) / _E4M3_MAX
     return jnp.where(signed, ratios, ratios * ratios)
-
-
-def storage_bytes(shape: tuple[int, ...], block_size: int | None) -> int:
-    """Bytes of a `QuantizedArray` of `shape`: one per element and four per block."""
-    num_blocks, block = quantized_shapes(shape, block_size)
-    return num_blocks * block + 4 * num_blocks

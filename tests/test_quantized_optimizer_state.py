@@ -9,7 +9,7 @@ import pytest
 
 import jaxamp
 from jaxamp._optimizer import LowPrecisionState
-from jaxamp._quantized_state import UNSIGNED_CODE, QuantizedArray, dequantize, quantize
+from jaxamp._quantized_state import QuantizedArray, dequantize, quantize, unsigned_code
 
 FORMATS = ("int8", "float8_e4m3fn")
 INPUTS = jax.random.normal(jax.random.key(1), (32, 64))
@@ -71,15 +71,16 @@ def test_bfloat16_params_and_adamws_two_8_bit_moments_take_about_4_bytes_a_param
 
 
 def test_the_unsigned_dynamic_code_spans_seven_decades_and_the_signed_one_is_every_other_value():
-    assert UNSIGNED_CODE[0] == 0 and UNSIGNED_CODE[1] == np.float32(1e-7) and UNSIGNED_CODE[255] == 1
-    assert (np.diff(UNSIGNED_CODE) > 0).all()
+    code = unsigned_code()
+    assert code[0] == 0 and code[1] == np.float32(1e-7) and code[255] == 1
+    assert (np.diff(code) > 0).all()
     # 128 values linearly spaced in (0.1, 1], 64 in (0.01, 0.1], ...: one decade per leading zero.
-    np.testing.assert_allclose(UNSIGNED_CODE[128:], 0.1 + 0.9 * np.arange(1, 129) / 128, rtol=1e-6)
-    np.testing.assert_allclose(UNSIGNED_CODE[64:128], 0.01 + 0.09 * np.arange(1, 65) / 64, rtol=1e-6)
+    np.testing.assert_allclose(code[128:], 0.1 + 0.9 * np.arange(1, 129) / 128, rtol=1e-6)
+    np.testing.assert_allclose(code[64:128], 0.01 + 0.09 * np.arange(1, 65) / 64, rtol=1e-6)
     # A block with a negative element decodes every code to 0 or +-(an odd entry from 3 on: 1e-6 to 1).
     codes = jnp.arange(-127, 128, dtype=jnp.int8).reshape(1, 255)
     decoded = dequantize(QuantizedArray(codes, jnp.array([-1.0]), "int8", (255,)))
-    magnitudes = np.concatenate([[0.0], UNSIGNED_CODE[3::2]])
+    magnitudes = np.concatenate([[0.0], code[3::2]])
     np.testing.assert_array_equal(np.asarray(decoded), np.concatenate([-magnitudes[:0:-1], magnitudes]))
 
 
@@ -266,6 +267,12 @@ def test_a_mapping_stores_one_moment_in_8_bits_and_the_other_in_bfloat16():
             r"for one scale per leaf, or keep that field in a floating dtype"),
         ),
         (
+            {"state_dtype": "int8", "block_size": 4096},
+            {"kernel": jnp.zeros((96, 64), jnp.bfloat16)},
+            r"block_size 4096 does not divide .* \(shape \(96, 64\), 6144 elements\).* largest power of two that "
+            r"does: 2048\)",
+        ),
+        (
             {"state_dtype": "int4"},
             None,
             (r"^low_precision_optimizer's state_dtype must be a floating dtype such as jnp.bfloat16, jnp.float16 "
@@ -284,7 +291,7 @@ def test_a_mapping_stores_one_moment_in_8_bits_and_the_other_in_bfloat16():
             r"are \.mu\['kernel'\] \(8, 8\), \.nu\['kernel'\] \(8, 8\)\)\. Leave state_dtype at a floating"),
         ),
     ],
-    ids=["block-does-not-divide", "int4", "int16", "float8_e5m2", "uint8-in-mapping", "block-0", "block-2.5",
+    ids=["block-does-not-divide", "block-does-not-divide-6144", "int4", "int16", "float8_e5m2", "uint8-in-mapping", "block-0", "block-2.5",
          "too-small"],
 )  # fmt: skip
 def test_bad_8_bit_settings_name_the_value_the_valid_choices_and_the_fix(settings, params, message):
