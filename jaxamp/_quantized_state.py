@@ -62,18 +62,47 @@ _E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 _E4M3_SMALLEST = float(jnp.finfo(jnp.float8_e4m3fn).smallest_subnormal)  # 2**-9
 
 
+# The unsigned dynamic code's decades: the n-th (n = 0..7) holds its 2**n values in (tops[n - 1], tops[n]].
+_DECADE_TOPS = tuple(np.float32(10.0 ** (decade - 7)) for decade in range(8))
+
+
+def _decade_top(decade: jax.Array) -> jax.Array:
+    """``10**(decade - 7)`` in float32, exactly the constant, for int32 `decade` in 0..7."""
+    top = jnp.full(decade.shape, _DECADE_TOPS[0])
+    for index in range(1, 8):
+        top = jnp.where(decade == index, _DECADE_TOPS[index], top)
+    return top
+
+
+def _code_value(index: jax.Array) -> jax.Array:
+    """The unsigned code's value of int32 `index` in 0..255: 0, or ``tops[n] * (0.1 + 0.9 k / 2**n)``
+    with ``n = floor(log2(index))`` and ``k = index - 2**n + 1`` (computed, not looked up: XLA's CPU
+    gathers from a table several times slower)."""
+    decade = 31 - jax.lax.clz(jnp.maximum(index, 1))
+    step = (index - (1 << decade) + 1).astype(jnp.float32)
+    fraction = np.float32(0.1) + (np.float32(0.9) * step) * jnp.ldexp(np.float32(1.0), -decade)
+    return jnp.where(index > 0, _decade_top(decade) * fraction, 0.0)
+
+
+def _code_below(magnitude: jax.Array) -> jax.Array:
+    """The unsigned code's last index whose value is at most `magnitude` (in [0, 1])."""
+    decade = sum((magnitude > top).astype(jnp.int32) for top in _DECADE_TOPS[:7])
+    position = (magnitude / _decade_top(decade) - np.float32(0.1)) * (
+        jnp.ldexp(np.float32(1.0), decade) / np.float32(0.9)
+    )
+    below = jnp.clip((1 << decade) - 1 + jnp.maximum(jnp.floor(position).astype(jnp.int32), 0), 0, 255)
+    # The float32 position can be one off at a value of the code: compare with the values themselves.
+    below = jnp.where(_code_value(below) > magnitude, below - 1, below)
+    above = jnp.minimum(below + 1, 255)
+    return jnp.where((below < 255) & (_code_value(above) <= magnitude), above, below)
+
+
 def unsigned_code() -> np.ndarray:
     """The unsigned dynamic code's 256 values, ascending: 0, then ``10**-(7-n) * (0.1 + 0.9 k / 2**n)``.
 
-    The signed code's magnitudes are 0 and its odd entries from 3 on. Built
-    when a program is traced, not on import.
+    The signed code's magnitudes are 0 and its odd entries from 3 on.
     """
-    values = [0.0]
-    for index in range(1, 256):
-        leading = index.bit_length() - 1  # n: 2**n <= index < 2**(n+1)
-        step = index - 2**leading + 1  # k in 1..2**n
-        values.append(10.0 ** -(7 - leading) * (0.1 + 0.9 * step / 2**leading))
-    return np.asarray(values, np.float32)
+    return np.asarray(_code_value(jnp.arange(256, dtype=jnp.int32)))
 
 
 @jax.tree_util.register_dataclass
@@ -165,16 +194,13 @@ def _round_between(low, high, position, uniform):
 def _encode_int8(ratios, signed, uniform):
     """int8 codes: in a signed block ``sign * j`` (magnitude ``unsigned_code()[2j + 1]``, or 0 for j = 0),
     else ``i - 128`` for the unsigned code's entry i."""
-    table = jnp.asarray(unsigned_code())
     magnitude = jnp.abs(ratios)
-    below = jnp.zeros(ratios.shape, jnp.int32)  # the last index whose value is <= magnitude
-    for step in (128, 64, 32, 16, 8, 4, 2, 1):
-        below = jnp.where(table[below + step] <= magnitude, below + step, below)
+    below = _code_below(magnitude)
     # A signed block rounds between the odd entries from 3 on (1e-6 to 1) and 0: j stands for entry 2j + 1.
     signed_below = jnp.maximum((below - 1) // 2, 0)
     low = jnp.where(signed, jnp.where(signed_below > 0, 2 * signed_below + 1, 0), below)
     high = jnp.minimum(jnp.where(signed, 2 * signed_below + 3, below + 1), 255)
-    low_value, high_value = table[low], table[high]
+    low_value, high_value = _code_value(low), _code_value(high)
     gap = high_value - low_value
     position = jnp.where(gap > 0, (magnitude - low_value) / jnp.where(gap > 0, gap, 1.0), 0.0)
     index = _round_between(low, high, position, uniform)
@@ -185,11 +211,10 @@ def _encode_int8(ratios, signed, uniform):
 
 
 def _decode_int8(codes, signed):
-    table = jnp.asarray(unsigned_code())
     codes = codes.astype(jnp.int32)
     magnitude = jnp.minimum(jnp.abs(codes), 127)
-    signed_value = jnp.sign(codes) * table[jnp.where(magnitude > 0, 2 * magnitude + 1, 0)]
-    return jnp.where(signed, signed_value, table[codes + 128])
+    signed_value = jnp.sign(codes) * _code_value(jnp.where(magnitude > 0, 2 * magnitude + 1, 0))
+    return jnp.where(signed, signed_value, _code_value(codes + 128))
 
 
 def _encode_e4m3(ratios, signed, uniform):
