@@ -253,12 +253,13 @@ def _check_quantized_somewhere(state_dtype: StateDtype, reference_state, storage
     )
 
 
-def _store(leaf32: jax.Array, storage, key: jax.Array | None):
-    """`leaf32` as stored: as is, rounded to its dtype (stochastically with a key), or quantized."""
+def _store(leaf32: jax.Array, storage, key: jax.Array | None, scales_from: jax.Array | None = None):
+    """`leaf32` as stored: as is, rounded to its dtype (stochastically with a key), or quantized (its block
+    scales from `scales_from`, the same leaf computed apart, when given)."""
     if storage is None or (not isinstance(storage, _Quantized) and leaf32.dtype == storage):
         return leaf32
     if isinstance(storage, _Quantized):
-        return quantize(leaf32, storage.format, storage.block_size, key)
+        return quantize(leaf32, storage.format, storage.block_size, key, scales_from=scales_from)
     return leaf32.astype(storage) if key is None else stochastic_round(leaf32, storage, key)
 
 
@@ -497,18 +498,31 @@ def low_precision_optimizer(
                 "low_precision_optimizer's update needs the params (tx.update(grads, state, params)): "
                 "the updates it returns are chosen to land on them."
             )
-        params32 = checked_float32_params(params)
-        reference = jax.eval_shape(inner.init, params32)
+        reference = jax.eval_shape(inner.init, checked_float32_params(params))
         references, reference_tree = jax.tree.flatten(reference)
         storages = _storages(state_dtype, reference, block_size)
-        inner_state32 = reference_tree.unflatten([
-            _load(stored, storage, ref)
-            for stored, storage, ref in zip(reference_tree.flatten_up_to(state.inner_state), storages, references)
-        ])  # fmt: skip
-        grads32 = jax.tree.map(
-            lambda grad: grad.astype(jnp.float32) if is_floating_array(grad) else grad, grads
+
+        def inner_update(grads, stored_state, params):
+            """The inner optimizer's update and new state, in float32, from the stored state."""
+            inner_state32 = reference_tree.unflatten([
+                _load(stored, storage, ref)
+                for stored, storage, ref in zip(reference_tree.flatten_up_to(stored_state), storages, references)
+            ])  # fmt: skip
+            grads32 = jax.tree.map(
+                lambda grad: grad.astype(jnp.float32) if is_floating_array(grad) else grad, grads
+            )
+            return inner.update(grads32, inner_state32, checked_float32_params(params), **extra_args)
+
+        updates32, new_inner_state32 = inner_update(grads, state.inner_state, params)
+        # An 8-bit leaf's block scales are the largest magnitudes of its new value, which XLA would
+        # write out in float32 and read back to quantize it. Computed a second time from the same
+        # inputs behind a barrier (which XLA may not merge with the first), they cost one more read
+        # of the inputs instead (GPT-2's update, compiled for an H200: see the guide).
+        scale_sources = (
+            jax.tree.leaves(inner_update(*jax.lax.optimization_barrier((grads, state.inner_state, params)))[1])
+            if any(isinstance(storage, _Quantized) for storage in storages)
+            else [None] * len(storages)
         )
-        updates32, new_inner_state32 = inner.update(grads32, inner_state32, params32, **extra_args)
 
         step_key, params_key, state_key = jax.random.split(
             jax.random.wrap_key_data(state.key, impl=key_impl), 3
@@ -530,8 +544,10 @@ def low_precision_optimizer(
 
         state_leaves, state_tree = jax.tree.flatten(new_inner_state32)
         stored_leaves = [
-            _store(leaf, storage, jax.random.fold_in(state_key, index))
-            for index, (leaf, storage) in enumerate(zip(state_leaves, storages, strict=True))
+            _store(leaf, storage, jax.random.fold_in(state_key, index), scales_from)
+            for index, (leaf, storage, scales_from) in enumerate(
+                zip(state_leaves, storages, scale_sources, strict=True)
+            )
         ]
         return param_tree.unflatten([update for update, _ in landed]), LowPrecisionState(
             inner_state=state_tree.unflatten(stored_leaves),

@@ -4,13 +4,14 @@ One job: store a float32 array (a leaf of an optimizer's state) in 8 bits
 and read it back, for `jaxamp.low_precision_optimizer`'s ``state_dtype="int8"``
 or ``jnp.float8_e4m3fn``.
 
-The array, its largest dimension moved first, is flattened and cut into
-blocks of `block_size` consecutive elements (8-bit optimizers via block-wise
-quantization, Dettmers et al. 2021): each block is divided by its own
-largest magnitude, so an outlier costs precision in its own block only.
-Moving the largest dimension first makes a split of that dimension, the one
-`jaxamp.fsdp.fsdp_shardings` splits a leaf along, a split into whole blocks:
-each device quantizes its own part. Per block::
+The array is flattened and cut into blocks of `block_size` consecutive
+elements (8-bit optimizers via block-wise quantization, Dettmers et al.
+2021): each block is divided by its own largest magnitude, so an outlier
+costs precision in its own block only. The codes keep the array's shape and
+layout, and no dimension is moved: a GPU computes each code where it
+computes the value, and a split of the first dimension into parts of whole
+blocks (as `jaxamp.fsdp.fsdp_shardings` makes) lets each device quantize its
+own part. Per block::
 
     absmax = max(|block|)
     r      = block / absmax                     # in [-1, 1]
@@ -62,70 +63,58 @@ _E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 _E4M3_SMALLEST = float(jnp.finfo(jnp.float8_e4m3fn).smallest_subnormal)  # 2**-9
 
 
-# The unsigned dynamic code's decades: the n-th (n = 0..7) holds its 2**n values in (tops[n - 1], tops[n]].
+# The dynamic code's decades: the n-th (n = 0..7) holds its values in (tops[n - 1], tops[n]], spaced
+# linearly: 2**n of them in the unsigned code, 2**(n - 1) in the signed one (which has no decade 0).
 _DECADE_TOPS = tuple(np.float32(10.0 ** (decade - 7)) for decade in range(8))
 
 
-def _decade_top(decade: jax.Array) -> jax.Array:
-    """``10**(decade - 7)`` in float32, exactly the constant, for int32 `decade` in 0..7."""
-    top = jnp.full(decade.shape, _DECADE_TOPS[0])
-    for index in range(1, 8):
-        top = jnp.where(decade == index, _DECADE_TOPS[index], top)
-    return top
-
-
-def _code_value(index: jax.Array) -> jax.Array:
-    """The unsigned code's value of int32 `index` in 0..255: 0, or ``tops[n] * (0.1 + 0.9 k / 2**n)``
-    with ``n = floor(log2(index))`` and ``k = index - 2**n + 1`` (computed, not looked up: XLA's CPU
-    gathers from a table several times slower)."""
-    decade = 31 - jax.lax.clz(jnp.maximum(index, 1))
-    step = (index - (1 << decade) + 1).astype(jnp.float32)
-    fraction = np.float32(0.1) + (np.float32(0.9) * step) * jnp.ldexp(np.float32(1.0), -decade)
-    return jnp.where(index > 0, _decade_top(decade) * fraction, 0.0)
-
-
-def _code_below(magnitude: jax.Array) -> jax.Array:
-    """The unsigned code's last index whose value is at most `magnitude` (in [0, 1])."""
-    decade = sum((magnitude > top).astype(jnp.int32) for top in _DECADE_TOPS[:7])
-    position = (magnitude / _decade_top(decade) - np.float32(0.1)) * (
-        jnp.ldexp(np.float32(1.0), decade) / np.float32(0.9)
-    )
-    below = jnp.clip((1 << decade) - 1 + jnp.maximum(jnp.floor(position).astype(jnp.int32), 0), 0, 255)
-    # The float32 position can be one off at a value of the code: compare with the values themselves.
-    below = jnp.where(_code_value(below) > magnitude, below - 1, below)
-    above = jnp.minimum(below + 1, 255)
-    return jnp.where((below < 255) & (_code_value(above) <= magnitude), above, below)
-
-
 def unsigned_code() -> np.ndarray:
-    """The unsigned dynamic code's 256 values, ascending: 0, then ``10**-(7-n) * (0.1 + 0.9 k / 2**n)``.
+    """The unsigned dynamic code's 256 values, ascending: 0, then ``tops[n] * (0.1 + 0.9 k / 2**n)`` for
+    index ``2**n + k - 1`` (n = 0..7, k = 1..2**n), in float32 arithmetic.
 
     The signed code's magnitudes are 0 and its odd entries from 3 on.
     """
-    return np.asarray(_code_value(jnp.arange(256, dtype=jnp.int32)))
+    values = [np.float32(0.0)]
+    for index in range(1, 256):
+        decade = index.bit_length() - 1
+        step = np.float32(index - 2**decade + 1)
+        fraction = np.float32(0.1) + (np.float32(0.9) * step) * np.float32(2.0**-decade)
+        values.append(_DECADE_TOPS[decade] * fraction)
+    return np.asarray(values, np.float32)
+
+
+def _select(index: jax.Array, constants) -> jax.Array:
+    """``constants[index]`` for int32 `index`, as a chain of selects (XLA's GPU fuses it into the
+    computation around it, and XLA's CPU runs it several times faster than a gather)."""
+    value = jnp.full(index.shape, constants[0], jnp.float32)
+    for position in range(1, len(constants)):
+        value = jnp.where(index == position, constants[position], value)
+    return value
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedArray:
-    """A float32 array stored as 8-bit codes and a float32 scale per block.
+    """A float32 array stored as 8-bit codes of its shape and a float32 scale per block.
 
     Attributes:
-        codes: ``(num_blocks, block_size)`` codes, int8 or float8_e4m3fn.
+        codes: int8 or float8_e4m3fn codes, shaped like the array.
         scales: ``(num_blocks,)`` float32: each block's largest magnitude,
             negative for a block with a negative element (the signed code).
         format: ``"int8"`` or ``"float8_e4m3fn"`` (static).
-        shape: the array's shape (static).
     """
 
     codes: jax.Array
     scales: jax.Array
     format: str = dataclasses.field(metadata={"static": True})
-    shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape)
 
     @property
     def block_size(self) -> int:
-        return self.codes.shape[-1]
+        return math.prod(self.codes.shape) // self.scales.shape[0]
 
 
 def quantized_shapes(shape: tuple[int, ...], block_size: int | None) -> tuple[int, int]:
@@ -135,54 +124,56 @@ def quantized_shapes(shape: tuple[int, ...], block_size: int | None) -> tuple[in
     return size // block, block
 
 
-def _leading_dimension(shape: tuple[int, ...]) -> int:
-    """The dimension the blocks are laid out along first: the largest (the first of equals), as FSDP splits."""
-    return max(range(len(shape)), key=lambda dimension: (shape[dimension], -dimension), default=0)
+def _per_element(per_block: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """A value per block, repeated over the block's elements, in the array's shape."""
+    num_blocks = per_block.shape[0]
+    return jnp.broadcast_to(per_block[:, None], (num_blocks, math.prod(shape) // num_blocks)).reshape(shape)
 
 
-def _to_blocks(values: jax.Array, block_size: int | None) -> jax.Array:
-    """`values` with its leading dimension first, as ``(num_blocks, block_size)``."""
-    moved = jnp.moveaxis(values, _leading_dimension(values.shape), 0) if values.ndim else values
-    return moved.reshape(quantized_shapes(values.shape, block_size))
-
-
-def _from_blocks(blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    if not shape:
-        return blocks.reshape(shape)
-    leading = _leading_dimension(shape)
-    moved = (shape[leading], *shape[:leading], *shape[leading + 1 :])
-    return jnp.moveaxis(blocks.reshape(moved), 0, leading)
-
-
-def quantize(values: jax.Array, format: str, block_size: int | None, key: jax.Array | None) -> QuantizedArray:
+def quantize(
+    values: jax.Array,
+    format: str,
+    block_size: int | None,
+    key: jax.Array | None,
+    *,
+    scales_from: jax.Array | None = None,
+) -> QuantizedArray:
     """`values` (float32) as a `QuantizedArray` of `format`, in blocks of `block_size` (None: one block).
 
     Args:
         values: the array; its size must be a multiple of `block_size`.
-        format: one of `STATE_FORMATS`.
+        format: ``"int8"`` or ``"float8_e4m3fn"``.
         block_size: elements per block, or None for one scale for the whole array.
         key: a PRNG key for stochastic rounding (unbiased: the expected
             decoded value is `values`), or None to round to the nearest code.
+        scales_from: the same values computed apart, from which the blocks'
+            scales are taken (`values` when None). A GPU program then reads
+            the inputs of a computed array twice, once for the blocks'
+            largest magnitudes and once for the codes, instead of writing
+            the array in float32 and reading it back.
 
     Returns:
         The codes and scales.
     """
-    blocks = _to_blocks(jnp.asarray(values, jnp.float32), block_size)
-    absmax = jnp.max(jnp.abs(blocks), axis=1)
-    signed = jnp.any(blocks < 0, axis=1)
-    ratios = blocks / jnp.where(absmax > 0, absmax, 1.0)[:, None]
-    uniform = None if key is None else jax.random.uniform(key, blocks.shape, jnp.float32)
+    values = jnp.asarray(values, jnp.float32)
+    source = values if scales_from is None else jnp.asarray(scales_from, jnp.float32)
+    scale_blocks = source.reshape(quantized_shapes(values.shape, block_size))
+    absmax = jnp.max(jnp.abs(scale_blocks), axis=1)
+    signed = jnp.any(scale_blocks < 0, axis=1)
+    # Codes are computed in the array's shape, each element beside its block's scale: XLA's GPU then
+    # fuses the quantization into the computation of the values.
+    ratios = values / _per_element(jnp.where(absmax > 0, absmax, 1.0), values.shape)
+    uniform = None if key is None else jax.random.uniform(key, values.shape, jnp.float32)
     encode = _encode_int8 if format == "int8" else _encode_e4m3
-    codes = encode(ratios, signed[:, None], uniform)
-    return QuantizedArray(codes, jnp.where(signed, -absmax, absmax), format, tuple(values.shape))
+    codes = encode(ratios, _per_element(signed, values.shape), uniform)
+    return QuantizedArray(codes, jnp.where(signed, -absmax, absmax), format)
 
 
 def dequantize(quantized: QuantizedArray) -> jax.Array:
     """The float32 array `quantized` stands for."""
-    signed = (quantized.scales < 0)[:, None]
+    signed = _per_element(quantized.scales < 0, quantized.shape)
     decode = _decode_int8 if quantized.format == "int8" else _decode_e4m3
-    ratios = decode(quantized.codes, signed)
-    return _from_blocks(ratios * jnp.abs(quantized.scales)[:, None], quantized.shape)
+    return decode(quantized.codes, signed) * _per_element(jnp.abs(quantized.scales), quantized.shape)
 
 
 def _round_between(low, high, position, uniform):
@@ -192,29 +183,42 @@ def _round_between(low, high, position, uniform):
 
 
 def _encode_int8(ratios, signed, uniform):
-    """int8 codes: in a signed block ``sign * j`` (magnitude ``unsigned_code()[2j + 1]``, or 0 for j = 0),
-    else ``i - 128`` for the unsigned code's entry i."""
+    """int8 codes: ``sign * c`` in a signed block (c in 0..127), ``c - 128`` in the others (c in 0..255).
+
+    The value's decade ``n`` comes from comparisons with the decades' tops,
+    its position in the decade from one multiplication, so that the two codes
+    around it and the chance of the upper one take no division or lookup::
+
+        n     = count of tops[0..6] below |r|, at least 1 in a signed block
+        f     = n, or n - 1 in a signed block          # fraction bits of the decade
+        step  = 0.9 * tops[n] / 2**f                   # tops[n] in the lowest decade (0 .. tops[n])
+        base  = 0.1 * tops[n]                          # 0 in the lowest decade
+        k     = floor((|r| - base) / step)             # the code below: c = 2**f + k - 1
+        c     = c + 1 with probability (|r| - base - k step) / step  (or where that is at least 1/2)
+    """
     magnitude = jnp.abs(ratios)
-    below = _code_below(magnitude)
-    # A signed block rounds between the odd entries from 3 on (1e-6 to 1) and 0: j stands for entry 2j + 1.
-    signed_below = jnp.maximum((below - 1) // 2, 0)
-    low = jnp.where(signed, jnp.where(signed_below > 0, 2 * signed_below + 1, 0), below)
-    high = jnp.minimum(jnp.where(signed, 2 * signed_below + 3, below + 1), 255)
-    low_value, high_value = _code_value(low), _code_value(high)
-    gap = high_value - low_value
-    position = jnp.where(gap > 0, (magnitude - low_value) / jnp.where(gap > 0, gap, 1.0), 0.0)
-    index = _round_between(low, high, position, uniform)
+    signed_bit = signed.astype(jnp.int32)
+    decade = jnp.maximum(sum((magnitude > top).astype(jnp.int32) for top in _DECADE_TOPS[:7]), signed_bit)
+    fraction_bits = decade - signed_bit
+    steps = _select(fraction_bits, [np.float32(2.0**bits) for bits in range(8)])
+    scaled = magnitude * _select(decade, [np.float32(1.0 / top) for top in _DECADE_TOPS])  # in (0.1, 1]
+    position = jnp.where(fraction_bits == 0, scaled, (scaled - np.float32(0.1)) * (steps / np.float32(0.9)))
+    below = jnp.clip(jnp.floor(position), 0.0, steps)
+    code = (steps - 1 + below).astype(jnp.int32)
+    code = _round_between(code, code + 1, jnp.clip(position - below, 0.0, 1.0), uniform)
+    code = jnp.minimum(code, jnp.where(signed, 127, 255))
     # A non-negative block's positive element never rounds to zero (the second moment's zero point).
-    index = jnp.where(~signed & (magnitude > 0), jnp.maximum(index, 1), index)
-    signed_code = jnp.where(ratios < 0, -1, 1) * (index // 2)
-    return jnp.where(signed, signed_code, index - 128).astype(jnp.int8)
+    code = jnp.where(~signed & (magnitude > 0), jnp.maximum(code, 1), code)
+    return jnp.where(signed, jnp.where(ratios < 0, -code, code), code - 128).astype(jnp.int8)
 
 
 def _decode_int8(codes, signed):
+    """The values of int8 codes: one lookup in the unsigned code (a signed code j is its entry 2j + 1)."""
     codes = codes.astype(jnp.int32)
     magnitude = jnp.minimum(jnp.abs(codes), 127)
-    signed_value = jnp.sign(codes) * _code_value(jnp.where(magnitude > 0, 2 * magnitude + 1, 0))
-    return jnp.where(signed, signed_value, _code_value(codes + 128))
+    index = jnp.where(signed, jnp.where(magnitude > 0, 2 * magnitude + 1, 0), codes + 128)
+    value = jnp.asarray(unsigned_code())[index]
+    return jnp.where(signed & (codes < 0), -value, value)
 
 
 def _encode_e4m3(ratios, signed, uniform):

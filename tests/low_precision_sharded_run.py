@@ -11,6 +11,7 @@ how far the sharded params are from the unsharded ones. With the moments in
 lie, and whether five steps of the sharded state match one device.
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -53,8 +54,10 @@ def initial_params(inputs=16, hidden=64, outputs=8):
     return jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
 
 
-def train(state, step_loss, steps=5):
-    @jax.jit
+def train(state, step_loss, steps=5, out_shardings=None):
+    """`steps` jitted steps; with `out_shardings` (an FSDP loop's placement) the state keeps it."""
+
+    @functools.partial(jax.jit, out_shardings=out_shardings)
     def train_step(state):
         grads = jax.grad(step_loss)(state.params, INPUTS, TARGETS)
         return state.apply_gradients(grads=grads)
@@ -151,12 +154,23 @@ def quantized_params():
 
 
 def blocks_whole_on_each_device(quantized) -> bool:
-    """Whether every device holds whole blocks (all of a block's codes) and exactly those blocks' scales."""
+    """Whether every device holds whole blocks (all of a block's codes) and exactly those blocks' scales.
+
+    A block is `block_size` consecutive elements of the flattened leaf; a device's codes are rows
+    ``[start, stop)`` of its first dimension, so elements ``[start, stop) * row`` of the flattened leaf.
+    """
+    row = int(np.prod(quantized.shape[1:]))
     scales_rows = {shard.device: shard.index[0] for shard in quantized.scales.addressable_shards}
-    return all(
-        shard.index[1] == slice(None) and scales_rows[shard.device] == shard.index[0]
-        for shard in quantized.codes.addressable_shards
-    )
+    for shard in quantized.codes.addressable_shards:
+        rows = range(*shard.index[0].indices(quantized.shape[0]))
+        first, end = rows.start * row, rows.stop * row
+        blocks = range(*scales_rows[shard.device].indices(quantized.scales.shape[0]))
+        whole = first % quantized.block_size == 0 and end % quantized.block_size == 0
+        if not (whole and all(index == slice(None) for index in shard.index[1:])):
+            return False
+        if (blocks.start, blocks.stop) != (first // quantized.block_size, end // quantized.block_size):
+            return False
+    return True
 
 
 def quantized_state_run(mesh, state_format):
@@ -165,7 +179,7 @@ def quantized_state_run(mesh, state_format):
     state = jaxamp.TrainState.create(apply_fn=None, params=quantized_params(), tx=tx)
     shardings = jaxamp.fsdp.fsdp_shardings(state, mesh)
     one_device = train(state, elementwise_loss)
-    sharded = train(jax.device_put(state, shardings), elementwise_loss)
+    sharded = train(jax.device_put(state, shardings), elementwise_loss, out_shardings=shardings)
     quantized = [
         leaf
         for leaf in jax.tree.leaves(sharded.opt_state, is_leaf=lambda x: isinstance(x, QuantizedArray))
@@ -175,7 +189,7 @@ def quantized_state_run(mesh, state_format):
         "quantized_leaves": len(quantized),
         "codes_specs": sorted({str(q.codes.sharding.spec) for q in quantized}),
         "scales_specs": sorted({str(q.scales.sharding.spec) for q in quantized}),
-        "blocks_per_device": sorted({q.codes.addressable_shards[0].data.shape[0] for q in quantized}),
+        "rows_per_device": sorted({q.codes.addressable_shards[0].data.shape[0] for q in quantized}),
         "blocks_whole_on_each_device": all(blocks_whole_on_each_device(q) for q in quantized),
         "state_bit_identical": bit_identical(one_device, sharded),
         "params_changed": float(np.mean(flat(one_device.params) != flat(quantized_params()))),

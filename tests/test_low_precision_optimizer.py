@@ -413,13 +413,14 @@ def test_through_fsdp_loss_the_sharded_run_is_as_close_to_one_device_as_optax_on
 def test_on_eight_devices_8_bit_moments_split_by_whole_blocks_and_the_steps_match_one_device(
     sharded_run, state_format
 ):
-    """Adam with both moments in 8 bits, placed by jaxamp.fsdp.fsdp_shardings: two kernels of 64 blocks
-    of 256 each. Every device holds 8 whole blocks of each and exactly those blocks' scales, before and
-    after five jitted steps, and params and state match one device bit for bit."""
+    """Adam with both moments in 8 bits, placed by jaxamp.fsdp.fsdp_shardings (and kept there by the
+    step's out_shardings, as an FSDP loop does): kernels of 64 x 256 and 256 x 64, 64 blocks of 256
+    each. Their codes split along the first dimension, so every device holds 8 whole blocks of each and
+    exactly those blocks' scales after five jitted steps; params and state match one device bit for bit."""
     run = sharded_run[state_format]
     assert run["quantized_leaves"] == 4  # mu and nu of both kernels; the bias is too small
     assert run["codes_specs"] == ["P('data',)"] and run["scales_specs"] == ["P('data',)"]
-    assert run["blocks_per_device"] == [8]
+    assert run["rows_per_device"] == [8, 32]
     assert run["blocks_whole_on_each_device"]
     assert run["state_bit_identical"]
     assert run["params_changed"] > 0.9

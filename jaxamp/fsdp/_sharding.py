@@ -276,9 +276,10 @@ def fsdp_shardings(tree: Any, mesh: Mesh, *, axis: str = "data") -> Any:
     split along the dimension `shard_dimension` picks (the same one
     `fsdp_loss` gathers along); scalars and leaves with no divisible
     dimension are replicated. An 8-bit optimizer state leaf of
-    `jaxamp.low_precision_optimizer` (codes in blocks and a scale per block)
-    is split by whole blocks, each device holding its blocks' codes and
-    scales; it is replicated where the blocks do not divide evenly.
+    `jaxamp.low_precision_optimizer` (codes shaped like the array, a scale
+    per block of its flattened elements) is split along its first dimension,
+    each device holding whole blocks and their scales, or replicated where
+    its blocks would straddle devices.
 
     Args:
         tree: a pytree of arrays (or ``ShapeDtypeStruct``s).
@@ -292,13 +293,13 @@ def fsdp_shardings(tree: Any, mesh: Mesh, *, axis: str = "data") -> Any:
 
     def sharding(leaf):
         if isinstance(leaf, QuantizedArray):
-            num_blocks = np.shape(leaf.codes)[0]
-            blocks = axis if num_blocks % axis_size == 0 else None
+            # Blocks are runs of the flattened array: a split of its first dimension into parts of whole
+            # blocks gives each device its blocks' codes and scales. Otherwise the leaf stays whole.
+            shape = np.shape(leaf.codes)
+            whole_blocks = bool(shape) and shape[0] % axis_size == 0 and np.shape(leaf.scales)[0] % axis_size == 0
+            blocks = axis if whole_blocks else None
             return QuantizedArray(
-                NamedSharding(mesh, PartitionSpec(blocks, None)),
-                NamedSharding(mesh, PartitionSpec(blocks)),
-                leaf.format,
-                leaf.shape,
+                NamedSharding(mesh, PartitionSpec(blocks)), NamedSharding(mesh, PartitionSpec(blocks)), leaf.format
             )
         return NamedSharding(mesh, _param_spec(np.shape(leaf), axis, axis_size))
 
