@@ -201,8 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="mixed",
         help="a jaxamp policy: mixed (float16 compute), mixed_bf16, mixed_float8, fp32 (true float32), bf16, "
         "bfloat16_kahan (bfloat16 params and optimizer state, updates by Kahan summation; or _stochastic, "
-        "_nearest), 'p=f32,c=f16,o=f32', ...; or tf32, which is no policy: float32 at JAX's default matmul "
-        "precision (default: %(default)s)",
+        "_nearest), bfloat16_int8 (bfloat16_stochastic with the momentum in 8 bits, a scale per 256 elements; "
+        "or _fp8, _int8_per_tensor), 'p=f32,c=f16,o=f32', 'p=bf16,u=kahan,state=int8,block=64', ...; or tf32, "
+        "which is no policy: float32 at JAX's default matmul precision (default: %(default)s)",
     )
     parser.add_argument(
         "--route",

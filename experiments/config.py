@@ -35,6 +35,9 @@ POLICY_NAMES: dict[str, tuple[str, ...]] = {
     "bfloat16_nearest": ("bf16_nearest",),
     "bfloat16_stochastic": ("bf16_stochastic",),
     "bfloat16_kahan": ("bf16_kahan",),
+    "bfloat16_int8": ("bf16_int8",),
+    "bfloat16_fp8": ("bf16_fp8",),
+    "bfloat16_int8_per_tensor": ("bf16_int8_per_tensor",),
 }
 TF32 = "tf32"
 
@@ -49,8 +52,9 @@ PRECISION_CHOICES = """\
   all one dtype:    float32 (fp32, f32, full), float16 (fp16, f16), bfloat16 (bf16), float64 (f64),
                     half (float16; bfloat16 on TPU)
   bfloat16 params:  bfloat16_nearest, bfloat16_stochastic, bfloat16_kahan (each also bf16_...)
+  8-bit state:      bfloat16_int8, bfloat16_fp8, bfloat16_int8_per_tensor (each also bf16_...)
   not a policy:     tf32: float32 with JAX's default matmul precision (TF32 on NVIDIA GPUs)
-  or a spec:        p=f32,c=f16,o=f32 (keys p, c, o, m, u: see jaxamp.get_policy)"""
+  or a spec:        p=f32,c=f16,o=f32 (keys p, c, o, m, u, state, block: see jaxamp.get_policy)"""
 """The precisions, grouped, each with its aliases: what a mistyped ``--precision`` is answered with."""
 
 

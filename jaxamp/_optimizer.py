@@ -34,6 +34,7 @@ asks for.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -42,7 +43,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp._policy import UPDATE_ROUNDINGS, PolicySpec, get_policy, is_floating_array
+from jaxamp._policy import (
+    DEFAULT_BLOCK_SIZE,
+    STATE_FORMATS,
+    UPDATE_ROUNDINGS,
+    PolicySpec,
+    canonical_state_format,
+    get_policy,
+    is_floating_array,
+)
+from jaxamp._quantized_state import MIN_QUANTIZED_SIZE, dequantize, quantize
 
 ROUNDINGS = UPDATE_ROUNDINGS
 
@@ -70,7 +80,7 @@ class LowPrecisionState(NamedTuple):
 def stochastic_round(value: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     """Rounds `value` to `dtype` up or down at random, unbiased.
 
-    For any target floating dtype (bfloat16, float16, subnormals included):
+    For any target floating dtype (bfloat16, float16):
 
     ```text
     nearest = round_to_nearest(value, dtype)
@@ -81,6 +91,13 @@ def stochastic_round(value: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
 
     so the expected result is `value` itself. A value already representable,
     an infinity or a NaN is returned as rounded to nearest.
+
+    The arithmetic runs in float32, so what holds below float32's smallest
+    normal (2**-126, about 1.2e-38) depends on the backend. float16's
+    subnormals (6e-8 to 6e-5) are float32 normals and round stochastically
+    everywhere. bfloat16's subnormals lie below 2**-126, where XLA's CPU
+    backend flushes float32 arithmetic to zero: there a value computed that
+    small is already 0, and one passed in rounds to nearest.
 
     Args:
         value: the array to round (computed in float32).
@@ -131,8 +148,47 @@ def _is_floating(leaf) -> bool:
     return jnp.issubdtype(getattr(leaf, "dtype", np.dtype(object)), jnp.floating)
 
 
-def _storage_dtypes(state_dtype: StateDtype, reference_state) -> list:
-    """For each leaf of the inner state, in flattening order, its storage dtype (None: as the inner makes it)."""
+@dataclasses.dataclass(frozen=True)
+class _Quantized:
+    """How a state leaf is stored in 8 bits: its format and block size (None: one block)."""
+
+    format: str
+    block_size: int | None
+
+
+def _state_storage(value: Any, setting: str, block_size: int | None) -> np.dtype | _Quantized:
+    """A state leaf's storage that `value` names: a floating dtype, or an 8-bit format with a scale per block."""
+    state_format = canonical_state_format(value)
+    if state_format is not None:
+        return _Quantized(state_format, block_size)
+    try:
+        dtype = None if value is None else jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize > 1:
+        return dtype
+    raise ValueError(
+        f"low_precision_optimizer's {setting} must be a floating dtype such as jnp.bfloat16, jnp.float16 or "
+        f"jnp.float32 (stored as is), or an 8-bit format with a scale per block of block_size elements: "
+        f"{', '.join(map(repr, STATE_FORMATS))} (or jnp.int8, jnp.float8_e4m3fn); got "
+        f"{dtype.name if dtype is not None else repr(value)}."
+    )
+
+
+def _is_single_setting(state_dtype: StateDtype) -> bool:
+    """Whether `state_dtype` is one dtype or format for every leaf (not a mapping, not a callable)."""
+    return not isinstance(state_dtype, Mapping) and not (
+        callable(state_dtype) and not _is_dtype_like(state_dtype)
+    )
+
+
+def _storages(state_dtype: StateDtype, reference_state, block_size: int | None) -> list:
+    """For each leaf of the inner state, in flattening order: None (kept as the inner optimizer makes it),
+    the dtype it is stored in, or the `_Quantized` storage of an 8-bit format.
+
+    A leaf asked for an 8-bit format that has fewer than `MIN_QUANTIZED_SIZE`
+    elements keeps its dtype (a scalar, a bias: its state costs nothing).
+    """
 
     def choose(path, leaf):
         if not _is_floating(leaf):
@@ -141,17 +197,76 @@ def _storage_dtypes(state_dtype: StateDtype, reference_state) -> list:
             chosen = next(
                 (state_dtype[name] for name in reversed(_field_names(path)) if name in state_dtype), None
             )
-        elif callable(state_dtype) and not _is_dtype_like(state_dtype):
+        elif not _is_single_setting(state_dtype):
             chosen = state_dtype(path, leaf)
         else:
             chosen = state_dtype if np.ndim(leaf) > 0 else None
-        return (
-            None
-            if chosen is None
-            else _floating_dtype(chosen, f"state_dtype (at {jax.tree_util.keystr(path)})")
-        )
+        where = f"state_dtype (at {jax.tree_util.keystr(path)})"
+        storage = None if chosen is None else _state_storage(chosen, where, block_size)
+        if isinstance(storage, _Quantized):
+            if np.size(leaf) < MIN_QUANTIZED_SIZE:
+                return None
+            if block_size is not None and np.size(leaf) % block_size:
+                raise ValueError(
+                    f"low_precision_optimizer's block_size {block_size} does not divide the state leaf at "
+                    f"{jax.tree_util.keystr(path)} (shape {np.shape(leaf)}, {np.size(leaf)} elements), which "
+                    f"is stored in {storage.format} in blocks of block_size elements. Choose a block_size that "
+                    f"divides it (the largest power of two that does: {_largest_power_of_two(np.size(leaf))}), "
+                    "block_size=None for one scale per leaf, or keep that field in a floating dtype (a mapping "
+                    "or callable state_dtype)."
+                )
+        return storage
 
     return [choose(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(reference_state)[0]]
+
+
+def _largest_power_of_two(size: int) -> int:
+    return size & -size
+
+
+def _check_quantized_somewhere(state_dtype: StateDtype, reference_state, storages: list) -> None:
+    """Raises if an 8-bit format was asked for and no leaf of the inner state can take it."""
+    asked = (
+        [canonical_state_format(value) for value in state_dtype.values()]
+        if isinstance(state_dtype, Mapping)
+        else [canonical_state_format(state_dtype)]
+        if _is_single_setting(state_dtype)
+        else []
+    )
+    if not any(asked) or any(isinstance(storage, _Quantized) for storage in storages):
+        return
+    leaves = jax.tree_util.tree_flatten_with_path(reference_state)[0]
+    floating = [
+        f"{jax.tree_util.keystr(path)} {np.shape(leaf)}" for path, leaf in leaves if _is_floating(leaf)
+    ]
+    if not floating:
+        raise ValueError(
+            f"low_precision_optimizer's state_dtype asks for 8-bit state ({next(filter(None, asked))}), but the "
+            "inner optimizer's state has no floating leaf to store in it (an optimizer without momentum or "
+            "moments, such as optax.sgd without momentum, keeps only counters). Leave state_dtype at its default."
+        )
+    raise ValueError(
+        f"low_precision_optimizer's state_dtype asks for 8-bit state ({next(filter(None, asked))}), but no "
+        f"floating leaf of the inner optimizer's state it applies to has {MIN_QUANTIZED_SIZE} elements or more "
+        f"(smaller leaves keep their dtype; the floating leaves are {', '.join(floating[:6])}"
+        f"{', ...' if len(floating) > 6 else ''}). Leave state_dtype at a floating dtype for so small a model."
+    )
+
+
+def _store(leaf32: jax.Array, storage, key: jax.Array | None, scales_from: jax.Array | None = None):
+    """`leaf32` as stored: as is, rounded to its dtype (stochastically with a key), or quantized (its block
+    scales from `scales_from`, the same leaf computed apart, when given)."""
+    if storage is None or (not isinstance(storage, _Quantized) and leaf32.dtype == storage):
+        return leaf32
+    if isinstance(storage, _Quantized):
+        return quantize(leaf32, storage.format, storage.block_size, key, scales_from=scales_from)
+    return leaf32.astype(storage) if key is None else stochastic_round(leaf32, storage, key)
+
+
+def _load(stored, storage, reference) -> jax.Array:
+    """A stored leaf read back in the dtype the inner optimizer made it in."""
+    value = dequantize(stored) if isinstance(storage, _Quantized) else stored
+    return value.astype(reference.dtype)
 
 
 def _check_field_names(state_dtype: Mapping, reference_state) -> None:
@@ -168,6 +283,32 @@ def _check_field_names(state_dtype: Mapping, reference_state) -> None:
         )
 
 
+def _raw_key_and_impl(key: Any) -> tuple[jax.Array, Any]:
+    """The raw uint32 data of `key` (a typed PRNG key, its raw data or an int seed) and its implementation.
+
+    The state keeps the raw data (a plain array that checkpoints and shards
+    like any other); ``update`` wraps it again with the implementation kept
+    here, so a key of another implementation than the default (``"rbg"``)
+    stays that implementation.
+    """
+    seed = (
+        jax.random.key(0 if key is None else key) if isinstance(key, (int, type(None))) else jnp.asarray(key)
+    )
+    typed = jnp.issubdtype(seed.dtype, jax.dtypes.prng_key)
+    raw_key, impl = (jax.random.key_data(seed), jax.random.key_impl(seed)) if typed else (seed, None)
+    try:
+        if raw_key.dtype != jnp.uint32:
+            raise TypeError(raw_key.dtype)
+        if jax.random.wrap_key_data(raw_key, impl=impl).shape != ():
+            raise TypeError(raw_key.shape)
+    except TypeError:
+        raise ValueError(
+            f"low_precision_optimizer's key must be a PRNG key (jax.random.key(0), of any implementation), the "
+            f"raw uint32 data of a key of the default implementation, or an int seed; got {key!r}."
+        ) from None
+    return raw_key, impl
+
+
 def low_precision_optimizer(
     inner: optax.GradientTransformation,
     *,
@@ -175,6 +316,7 @@ def low_precision_optimizer(
     state_dtype: StateDtype = jnp.bfloat16,
     rounding: str = "stochastic",
     key: jax.Array | int | None = None,
+    block_size: int | None = DEFAULT_BLOCK_SIZE,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax optimizer to keep params and state in a low precision, computing in float32.
 
@@ -191,7 +333,8 @@ def low_precision_optimizer(
                                      new_p = round_to_nearest(exact)
                                      compensation = stochastic_round(exact - new_p, params_key)
         update = new_p - p                                            # in param_dtype
-    inner_state = each floating leaf stochastic_round(leaf32, its storage dtype, state_key)
+    inner_state = each floating leaf stochastic_round(leaf32, its storage dtype, state_key),
+                  or quantize(leaf32, its 8-bit format, block_size, state_key)
     ```
 
     and returns ``update`` for ``optax.apply_updates``. ``new_p - p`` is exact
@@ -210,12 +353,36 @@ def low_precision_optimizer(
     1e-4 to 1.0 end at 2.03125 instead of 2.0, against 2.0 with the buffer
     rounded stochastically).
 
+    With an 8-bit ``state_dtype`` (``"int8"`` or ``jnp.float8_e4m3fn``), each
+    floating state leaf of at least 4096 elements is stored as one byte per
+    element and a float32 scale per block of `block_size` elements: about a
+    quarter of float32's bytes (4.03 bytes per parameter for bfloat16 params
+    and Adam's two moments). Reading it back, ``update`` dequantizes it to
+    float32 before the inner optimizer's update, and requantizes the result:
+
+    ```text
+    blocks = leaf32 cut into blocks of block_size consecutive elements (flattened)
+    scale  = max(|block|), negative where the block has a negative element
+    codes  = stochastic_round(block / max(|block|), the format's code, state_key)
+    ```
+
+    A block with no negative element (every block of a second moment, Adam's
+    ``nu``, whatever the optimizer calls it) gets a code of its own, and none
+    of its positive elements rounds to zero, so that ``m / sqrt(v)`` cannot
+    explode: int8 uses the unsigned dynamic code (one more bit of fraction
+    and one more decade: values from 1e-7 to 1 of the block's largest),
+    float8_e4m3fn stores the square root (ratios down to 2e-11). A block
+    with negatives uses the signed dynamic code (1e-6 to 1) or e4m3 itself.
+    The codes are in `jaxamp`'s private ``_quantized_state`` module.
+
     Composition: put `jaxamp.loss_scaling` outside this wrapper (or pass it as
     ``tx`` to `jaxamp.TrainState`), so that a step with non-finite gradients
     keeps the params, every state leaf, the compensation buffer and the key
     bit-identical. ``optax.MultiSteps`` and any ``chain`` go inside. The
     Kahan buffer is shaped like the params and the moments too, so
-    `jaxamp.fsdp.fsdp_shardings` of the state splits them alike.
+    `jaxamp.fsdp.fsdp_shardings` of the state splits them alike; it splits an
+    8-bit leaf by whole blocks, with each block's scale on the device that
+    holds its codes.
 
     Args:
         inner: the optax optimizer (any `GradientTransformation`,
@@ -230,18 +397,31 @@ def low_precision_optimizer(
             named tuples to dtypes (``{"mu": jnp.bfloat16, "nu": jnp.float32}``;
             the innermost named field of a leaf's path decides, unnamed leaves
             keep their dtype); or a callable ``(path, leaf) -> dtype or None``.
+            Where a dtype goes, an 8-bit format may: ``"int8"`` (or
+            ``jnp.int8``: the dynamic code) or ``jnp.float8_e4m3fn`` (or
+            ``"float8"``), stored with a scale per block (see above; a leaf
+            smaller than 4096 elements keeps its float32 state).
         rounding: ``"nearest"``, ``"stochastic"`` or ``"kahan"``: how each
             step's float32 result lands on the params.
-        key: a PRNG key or an int seed for stochastic rounding; 0 when None.
+        key: a PRNG key of any implementation (``jax.random.key(0,
+            impl="rbg")``), the raw uint32 data of a default-implementation
+            key, or an int seed, for stochastic rounding; 0 when None.
+        block_size: elements per scale of an 8-bit state leaf (256, as
+            torchao; bitsandbytes uses 2048): it must divide the size of
+            every leaf stored in 8 bits. None gives each leaf one scale,
+            which the measurements in the guide show to be worse.
 
     Returns:
         An optax `GradientTransformationExtraArgs` whose state is a
         `LowPrecisionState`; extra arguments of ``update`` go to `inner`.
 
     Raises:
-        ValueError: an unknown `rounding`, a dtype that is not floating, a
-            `state_dtype` mapping naming no field of the inner state, a param
-            not in `param_dtype`, or ``update`` called without params.
+        ValueError: an unknown `rounding`, a dtype that is neither floating
+            nor an 8-bit format, a `state_dtype` mapping naming no field of
+            the inner state, a `block_size` that is not a positive integer or
+            does not divide a leaf stored in 8 bits, an 8-bit state for an
+            optimizer with no floating state leaf large enough, a param not in
+            `param_dtype`, or ``update`` called without params.
     """
     if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
         raise TypeError(
@@ -252,19 +432,16 @@ def low_precision_optimizer(
             f"low_precision_optimizer's rounding must be one of {', '.join(map(repr, ROUNDINGS))}; got {rounding!r}."
         )
     param_dtype = None if param_dtype is None else _floating_dtype(param_dtype, "param_dtype")
-    if not isinstance(state_dtype, Mapping) and not (
-        callable(state_dtype) and not _is_dtype_like(state_dtype)
+    if block_size is not None and (
+        isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
     ):
-        state_dtype = _floating_dtype(state_dtype, "state_dtype")
-    seed = (
-        jax.random.key(0 if key is None else key) if isinstance(key, (int, type(None))) else jnp.asarray(key)
-    )
-    raw_key = jax.random.key_data(seed) if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) else seed
-    if raw_key.dtype != jnp.uint32:
         raise ValueError(
-            f"low_precision_optimizer's key must be a PRNG key (jax.random.key(0)), its raw uint32 data or an "
-            f"int seed; got {key!r}."
+            f"low_precision_optimizer's block_size must be a positive integer (elements per scale of an 8-bit "
+            f"state leaf; 256 by default) or None (one scale per leaf); got {block_size!r}."
         )
+    if _is_single_setting(state_dtype):
+        _state_storage(state_dtype, "state_dtype", block_size)
+    raw_key, key_impl = _raw_key_and_impl(key)
     inner = optax.with_extra_args_support(inner)
 
     def checked_float32_params(params):
@@ -305,10 +482,11 @@ def low_precision_optimizer(
         if isinstance(state_dtype, Mapping):
             _check_field_names(state_dtype, inner_state32)
         leaves, state_tree = jax.tree.flatten(inner_state32)
-        storage = _storage_dtypes(state_dtype, inner_state32)
+        storages = _storages(state_dtype, inner_state32, block_size)
+        _check_quantized_somewhere(state_dtype, inner_state32, storages)
         return LowPrecisionState(
             inner_state=state_tree.unflatten(
-                [leaf if dtype is None else leaf.astype(dtype) for leaf, dtype in zip(leaves, storage, strict=True)]
+                [_store(leaf, storage, None) for leaf, storage in zip(leaves, storages, strict=True)]
             ),
             compensation=jax.tree.map(jnp.zeros_like, params) if rounding == "kahan" else None,
             key=raw_key,
@@ -320,15 +498,35 @@ def low_precision_optimizer(
                 "low_precision_optimizer's update needs the params (tx.update(grads, state, params)): "
                 "the updates it returns are chosen to land on them."
             )
-        params32 = checked_float32_params(params)
-        reference = jax.eval_shape(inner.init, params32)
-        inner_state32 = jax.tree.map(lambda leaf, ref: leaf.astype(ref.dtype), state.inner_state, reference)
-        grads32 = jax.tree.map(
-            lambda grad: grad.astype(jnp.float32) if is_floating_array(grad) else grad, grads
-        )
-        updates32, new_inner_state32 = inner.update(grads32, inner_state32, params32, **extra_args)
+        reference = jax.eval_shape(inner.init, checked_float32_params(params))
+        references, reference_tree = jax.tree.flatten(reference)
+        storages = _storages(state_dtype, reference, block_size)
 
-        step_key, params_key, state_key = jax.random.split(jax.random.wrap_key_data(state.key), 3)
+        def inner_update(grads, stored_state, params):
+            """The inner optimizer's update and new state, in float32, from the stored state."""
+            inner_state32 = reference_tree.unflatten([
+                _load(stored, storage, ref)
+                for stored, storage, ref in zip(reference_tree.flatten_up_to(stored_state), storages, references)
+            ])  # fmt: skip
+            grads32 = jax.tree.map(
+                lambda grad: grad.astype(jnp.float32) if is_floating_array(grad) else grad, grads
+            )
+            return inner.update(grads32, inner_state32, checked_float32_params(params), **extra_args)
+
+        updates32, new_inner_state32 = inner_update(grads, state.inner_state, params)
+        # An 8-bit leaf's block scales are the largest magnitudes of its new value, which XLA would
+        # write out in float32 and read back to quantize it. Computed a second time from the same
+        # inputs behind a barrier (which XLA may not merge with the first), they cost one more read
+        # of the inputs instead (GPT-2's update, compiled for an H200: see the guide).
+        scale_sources = (
+            jax.tree.leaves(inner_update(*jax.lax.optimization_barrier((grads, state.inner_state, params)))[1])
+            if any(isinstance(storage, _Quantized) for storage in storages)
+            else [None] * len(storages)
+        )
+
+        step_key, params_key, state_key = jax.random.split(
+            jax.random.wrap_key_data(state.key, impl=key_impl), 3
+        )
         param_leaves, param_tree = jax.tree.flatten(params)
         compensations = (
             param_tree.flatten_up_to(state.compensation)
@@ -344,13 +542,13 @@ def low_precision_optimizer(
             )
         ]
 
-        storage = _storage_dtypes(state_dtype, reference)
         state_leaves, state_tree = jax.tree.flatten(new_inner_state32)
         stored_leaves = [
-            leaf if dtype is None or leaf.dtype == dtype
-            else stochastic_round(leaf, dtype, jax.random.fold_in(state_key, index))
-            for index, (leaf, dtype) in enumerate(zip(state_leaves, storage, strict=True))
-        ]  # fmt: skip
+            _store(leaf, storage, jax.random.fold_in(state_key, index), scales_from)
+            for index, (leaf, storage, scales_from) in enumerate(
+                zip(state_leaves, storages, scale_sources, strict=True)
+            )
+        ]
         return param_tree.unflatten([update for update, _ in landed]), LowPrecisionState(
             inner_state=state_tree.unflatten(stored_leaves),
             compensation=param_tree.unflatten([buffer for _, buffer in landed])
@@ -374,12 +572,14 @@ def optimizer_for_policy(
 
     ```python
     low_precision_optimizer(inner, param_dtype=policy.param_dtype,
-                            state_dtype=policy.param_dtype,
-                            rounding=policy.update_rounding, key=key)
+                            state_dtype=policy.state_format or policy.param_dtype,
+                            rounding=policy.update_rounding, key=key,
+                            block_size=policy.state_block_size)
     ```
 
-    so params and the optimizer's state are stored in the policy's param
-    dtype, and each update lands by the rounding the policy names.
+    so params are stored in the policy's param dtype, the optimizer's state
+    in its 8-bit format (``"bfloat16_int8"``, ``state=int8``) or else in the
+    param dtype, and each update lands by the rounding the policy names.
 
     Examples:
         >>> tx = optimizer_for_policy(optax.adamw(1e-3), "bfloat16_kahan", key=0)  # Kahan around AdamW
@@ -402,7 +602,8 @@ def optimizer_for_policy(
     return low_precision_optimizer(
         inner,
         param_dtype=policy.param_dtype,
-        state_dtype=policy.param_dtype,
+        state_dtype=policy.state_format or policy.param_dtype,
         rounding=policy.update_rounding,
         key=key,
+        block_size=policy.state_block_size,
     )

@@ -10,7 +10,9 @@ key of jaxamp's own: ``matmul=float8`` runs the eligible matrix
 multiplications in FP8 under `jaxamp.autocast` (``"mixed_float8"``), and
 ``update=nearest|stochastic|kahan`` names how the optimizer lands each update
 on low-precision params (``"bfloat16_kahan"``; read by
-`jaxamp.optimizer_for_policy`, not by autocast).
+`jaxamp.optimizer_for_policy`, not by autocast), and ``state=int8|float8``
+with ``block=N|tensor`` stores the optimizer's state in 8 bits with a scale
+per block (``"bfloat16_int8"``).
 """
 
 from __future__ import annotations
@@ -82,6 +84,43 @@ _NAMED_UPDATE_POLICIES: dict[str, str] = {
     f"{prefix}_{rounding}": rounding for prefix in ("bfloat16", "bf16") for rounding in UPDATE_ROUNDINGS
 }
 
+# 8-bit optimizer state (`jaxamp.low_precision_optimizer`'s state_dtype, stored by
+# jaxamp._quantized_state): the formats, the spellings each is accepted by, and the block size.
+STATE_FORMATS = ("int8", "float8_e4m3fn")
+STATE_FORMAT_ALIASES = {
+    "int8": "int8",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "float8": "float8_e4m3fn",
+    "fp8": "float8_e4m3fn",
+    "f8": "float8_e4m3fn",
+}
+DEFAULT_BLOCK_SIZE = 256
+
+
+def canonical_state_format(value: Any) -> str | None:
+    """The 8-bit state format `value` names (a name of `STATE_FORMAT_ALIASES`, any case, ``jnp.int8``,
+    ``jnp.float8_e4m3fn``), or None where it names none."""
+    if isinstance(value, str):
+        return STATE_FORMAT_ALIASES.get(value.strip().lower())
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        return None
+    return dtype.name if dtype.name in STATE_FORMATS else None
+
+
+# Named policies with 8-bit optimizer state are
+# bfloat16_stochastic with the state in that format, in blocks of 256 or one block per leaf.
+_NAMED_STATE_POLICIES: dict[str, tuple[str, int | None]] = {
+    f"{prefix}_{suffix}": setting
+    for prefix in ("bfloat16", "bf16")
+    for suffix, setting in (
+        ("int8", ("int8", DEFAULT_BLOCK_SIZE)),
+        ("fp8", ("float8_e4m3fn", DEFAULT_BLOCK_SIZE)),
+        ("int8_per_tensor", ("int8", None)),
+    )
+}
+
 _GRAMMAR_KEYS = {
     "p": "param_dtype",
     "params": "param_dtype",
@@ -93,7 +132,28 @@ _GRAMMAR_KEYS = {
     "matmul": "matmul_dtype",
     "u": "update_rounding",
     "update": "update_rounding",
+    "s": "state_format",
+    "state": "state_format",
+    "b": "state_block_size",
+    "block": "state_block_size",
 }
+
+
+# The grammar's keys that take one of a few words: field -> (what it is, the words, what they do, the default).
+_GRAMMAR_CHOICES = {
+    "matmul_dtype": (
+        "matmul dtype", tuple(_MATMUL_DTYPE_ALIASES), "FP8 matmuls under jaxamp.autocast",
+        "matmuls in the compute dtype",
+    ),
+    "update_rounding": (
+        "update rounding", UPDATE_ROUNDINGS, "how jaxamp.low_precision_optimizer lands each update on the params",
+        "the optimizer's own update",
+    ),
+    "state_format": (
+        "optimizer state format", tuple(STATE_FORMAT_ALIASES),
+        "8-bit state with a scale per block, jaxamp.low_precision_optimizer", "the state in the param dtype",
+    ),
+}  # fmt: skip
 
 
 DTYPE_NAMES = (*sorted(_DTYPE_ALIASES), "half")
@@ -170,6 +230,30 @@ def _canonical_update_rounding(rounding: Any) -> str | None:
         f"Policy update_rounding must be None (the optimizer's update as optax applies it) or one of "
         f"{', '.join(UPDATE_ROUNDINGS)} (how jaxamp.low_precision_optimizer lands each update on the "
         f"params); got {rounding!r}."
+    )
+
+
+def _canonical_state_format(state_format: Any) -> str | None:
+    """None (the optimizer state in the param dtype) or one of the 8-bit formats."""
+    if state_format is None:
+        return None
+    canonical = canonical_state_format(state_format)
+    if canonical is None:
+        raise ValueError(
+            f"Policy state_format must be None (optimizer state in the param dtype) or an 8-bit format with a "
+            f"scale per block: {', '.join(STATE_FORMAT_ALIASES)} (int8: the dynamic code; the others: "
+            f"float8_e4m3fn); got {state_format!r}."
+        )
+    return canonical
+
+
+def _canonical_block_size(block_size: Any) -> int | None:
+    """A positive number of elements per scale, or None (one scale per leaf)."""
+    if block_size is None or (isinstance(block_size, int) and not isinstance(block_size, bool) and block_size > 0):
+        return block_size
+    raise ValueError(
+        f"Policy state_block_size must be a positive integer (elements per scale of the 8-bit optimizer state; "
+        f"{DEFAULT_BLOCK_SIZE} by default) or None (one scale per leaf); got {block_size!r}."
     )
 
 
@@ -267,6 +351,13 @@ class Policy:
             ``param_dtype``. Autocast does not read it; the optimizer does,
             through `jaxamp.optimizer_for_policy`
             (``get_policy("bfloat16_kahan")``).
+        state_format: None (the optimizer state in ``param_dtype``), or an
+            8-bit format, ``int8`` or ``float8_e4m3fn`` (also ``float8``,
+            ``fp8``, ``f8``): the state stored in it with a scale per block
+            of ``state_block_size`` elements (``get_policy("bfloat16_int8")``).
+            Needs an update rounding.
+        state_block_size: elements per scale of the 8-bit state (256), or
+            None for one scale per leaf.
     """
 
     param_dtype: np.dtype
@@ -274,12 +365,23 @@ class Policy:
     output_dtype: np.dtype
     matmul_dtype: np.dtype | None = None
     update_rounding: str | None = None
+    state_format: str | None = None
+    state_block_size: int | None = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self):
         for name in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, name, parse_dtype(getattr(self, name), f"Policy {name}"))
         object.__setattr__(self, "matmul_dtype", _canonical_matmul_dtype(self.matmul_dtype))
         object.__setattr__(self, "update_rounding", _canonical_update_rounding(self.update_rounding))
+        object.__setattr__(self, "state_format", _canonical_state_format(self.state_format))
+        object.__setattr__(self, "state_block_size", _canonical_block_size(self.state_block_size))
+        if self.state_format is not None and self.update_rounding is None:
+            raise ValueError(
+                f"Policy state_format {self.state_format!r} needs an update rounding: the 8-bit state is kept "
+                "by jaxamp.low_precision_optimizer, which a policy without one does not use. Add "
+                "update_rounding='stochastic' (',update=stochastic' in the grammar), or name "
+                "'bfloat16_int8' or 'bfloat16_fp8'."
+            )
 
     @property
     def fp8_matmuls(self) -> bool:
@@ -317,7 +419,12 @@ class Policy:
             f"output={self.output_dtype.name}"
         )
         text += ",matmul=float8" if self.fp8_matmuls else ""
-        return text + (f",update={self.update_rounding}" if self.update_rounding else "")
+        text += f",update={self.update_rounding}" if self.update_rounding else ""
+        if self.state_format is not None:
+            text += f",state={self.state_format}"
+            if self.state_block_size != DEFAULT_BLOCK_SIZE:
+                text += f",block={self.state_block_size or 'tensor'}"
+        return text
 
 
 PolicySpec = Policy | jmp.Policy | str
@@ -334,26 +441,39 @@ def _parse_grammar(spec: str) -> Policy:
     dtypes = {
         name: parse_dtype(value, f"The {name.removesuffix('_dtype')} dtype {value!r} of precision policy {spec!r}")
         for name, value in fields.items()
-        if name not in ("matmul_dtype", "update_rounding")
+        if name not in (*_GRAMMAR_CHOICES, "state_block_size")
     }
-    matmul = fields.get("matmul_dtype")
-    if matmul is not None and matmul not in _MATMUL_DTYPE_ALIASES:
+    for name, (what, valid, purpose, left_out) in _GRAMMAR_CHOICES.items():
+        value = fields.get(name)
+        if value is not None and value not in valid:
+            raise ValueError(
+                f"Unknown {what} {value!r} in precision policy {spec!r}. Valid: {', '.join(valid)} ({purpose}); "
+                f"leave the key out for {left_out}."
+            )
+    matmul, update, state = (fields.get(name) for name in _GRAMMAR_CHOICES)
+    block = fields.get("state_block_size")
+    if block is not None and not (block == "tensor" or (block.isdigit() and int(block) > 0)):
         raise ValueError(
-            f"Unknown matmul dtype {matmul!r} in precision policy {spec!r}. Valid: "
-            f"{', '.join(_MATMUL_DTYPE_ALIASES)} (FP8 matmuls under jaxamp.autocast); leave "
-            "the key out for matmuls in the compute dtype."
+            f"Unknown block size {block!r} in precision policy {spec!r}. Valid: a positive integer (elements "
+            f"per scale of the 8-bit optimizer state, {DEFAULT_BLOCK_SIZE} by default) or 'tensor' (one scale "
+            "per leaf)."
         )
-    update = fields.get("update_rounding")
-    if update is not None and update not in UPDATE_ROUNDINGS:
+    if block is not None and state is None:
         raise ValueError(
-            f"Unknown update rounding {update!r} in precision policy {spec!r}. Valid: "
-            f"{', '.join(UPDATE_ROUNDINGS)} (how jaxamp.low_precision_optimizer lands each update on the "
-            "params); leave the key out for the optimizer's own update."
+            f"Precision policy {spec!r} gives a block size but no optimizer state format: add ',state=int8' "
+            "or ',state=float8' (the block size is that of the 8-bit state)."
         )
+    if state is not None and update is None:
+        raise ValueError(
+            f"Precision policy {spec!r} names an optimizer state format without an update rounding: add "
+            "',update=stochastic' (the 8-bit state is kept by jaxamp.low_precision_optimizer, which lands "
+            "each update by that rounding)."
+        )
+    block_size = DEFAULT_BLOCK_SIZE if block is None else None if block == "tensor" else int(block)
     param_dtype = dtypes.get("param_dtype", jnp.float32)
     compute_dtype = dtypes.get("compute_dtype", param_dtype)
     output_dtype = dtypes.get("output_dtype", compute_dtype)
-    return Policy(param_dtype, compute_dtype, output_dtype, matmul, update)
+    return Policy(param_dtype, compute_dtype, output_dtype, matmul, update, state, block_size)
 
 
 def get_policy(spec: PolicySpec) -> Policy:
@@ -374,7 +494,12 @@ def get_policy(spec: PolicySpec) -> Policy:
               ``bfloat16_stochastic``/``bf16_stochastic`` and
               ``bfloat16_kahan``/``bf16_kahan`` (all three dtypes bfloat16,
               params and optimizer state too, updates landed by that rounding
-              of `jaxamp.low_precision_optimizer`);
+              of `jaxamp.low_precision_optimizer`); ``bfloat16_int8``/
+              ``bf16_int8`` and ``bfloat16_fp8``/``bf16_fp8``
+              (``bfloat16_stochastic`` with the optimizer state in 8 bits,
+              int8's dynamic code or float8_e4m3fn, a scale per 256
+              elements), ``bfloat16_int8_per_tensor``/``bf16_int8_per_tensor``
+              (int8 with one scale per leaf, for comparison);
             * a single dtype alias such as ``f16`` or ``half`` (all three);
             * jmp's grammar, e.g. ``params=float32,compute=float16,output=float32``
               with keys ``p``/``params``, ``c``/``compute``, ``o``/``output``
@@ -384,7 +509,10 @@ def get_policy(spec: PolicySpec) -> Policy:
               jmp does not have: ``m``/``matmul`` with ``float8``/``fp8``/
               ``f8`` (FP8 matmuls; e.g. ``p=f32,c=bf16,o=f32,matmul=float8``);
               and ``u``/``update`` with ``nearest``/``stochastic``/``kahan``
-              (the update rounding; e.g. ``p=bf16,update=kahan``).
+              (the update rounding; e.g. ``p=bf16,update=kahan``), with
+              ``s``/``state`` ``int8``/``float8`` (8-bit optimizer state)
+              and ``b``/``block`` a number of elements or ``tensor``
+              (e.g. ``p=bf16,update=kahan,state=int8,block=2048``).
 
     Returns:
         The policy.
@@ -412,13 +540,17 @@ def get_policy(spec: PolicySpec) -> Policy:
         return Policy(*_NAMED_FP8_POLICIES[normalized], matmul_dtype=jnp.float8_e4m3fn)
     if normalized in _NAMED_UPDATE_POLICIES:
         return Policy(_BF16, _BF16, _BF16, update_rounding=_NAMED_UPDATE_POLICIES[normalized])
+    if normalized in _NAMED_STATE_POLICIES:
+        state_format, block_size = _NAMED_STATE_POLICIES[normalized]
+        return Policy(_BF16, _BF16, _BF16, None, "stochastic", state_format, block_size)
     if normalized in DTYPE_NAMES:
         dtype = parse_dtype(normalized, "A policy's dtype")
         return Policy(dtype, dtype, dtype)
     raise ValueError(
         f"Unknown precision policy {spec!r}. Valid names: "
-        f"{', '.join([*_NAMED_POLICIES, *_NAMED_FP8_POLICIES, *_NAMED_UPDATE_POLICIES])}; a dtype alias "
+        f"{', '.join([*_NAMED_POLICIES, *_NAMED_FP8_POLICIES, *_NAMED_UPDATE_POLICIES, *_NAMED_STATE_POLICIES])}; "
+        "a dtype alias "
         f"({', '.join(DTYPE_NAMES)}); or jmp's grammar such as "
         "'params=float32,compute=float16,output=float32' (add ',matmul=float8' for FP8 matmuls, "
-        "',update=kahan' for an update rounding)."
+        "',update=kahan' for an update rounding, ',state=int8' for 8-bit optimizer state)."
     )

@@ -6,9 +6,12 @@ For stochastic rounding and Kahan, five Adam steps of a small MLP with
 bfloat16 params and moments run through `jaxamp.TrainState`, once on one
 device and once with the state placed by `jaxamp.fsdp.fsdp_shardings` and the
 loss by `jaxamp.fsdp.fsdp_loss`. It reports how the buffers are sharded and
-how far the sharded params are from the unsharded ones.
+how far the sharded params are from the unsharded ones. With the moments in
+8 bits (int8, float8_e4m3fn), it reports where each block's codes and scale
+lie, and whether five steps of the sharded state match one device.
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -25,6 +28,7 @@ from jax.sharding import Mesh
 
 import jaxamp
 import jaxamp.fsdp
+from jaxamp._quantized_state import QuantizedArray
 
 # Every matmul in float32 on both sides: the runs then differ only in the order of cross-device sums.
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -39,18 +43,21 @@ def loss_fn(params, inputs, targets):
     return jnp.mean((hidden @ params["w2"] - targets) ** 2)
 
 
-def initial_params():
+def initial_params(inputs=16, hidden=64, outputs=8):
+    """The bfloat16 params of a one-hidden-layer MLP (the loss's, by default)."""
     keys = jax.random.split(jax.random.key(0), 2)
     params = {
-        "w1": 0.3 * jax.random.normal(keys[0], (16, 64)),
-        "b1": jnp.zeros((64,)),
-        "w2": 0.3 * jax.random.normal(keys[1], (64, 8)),
+        "w1": 0.3 * jax.random.normal(keys[0], (inputs, hidden)),
+        "b1": jnp.zeros((hidden,)),
+        "w2": 0.3 * jax.random.normal(keys[1], (hidden, outputs)),
     }
     return jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
 
 
-def train(state, step_loss, steps=5):
-    @jax.jit
+def train(state, step_loss, steps=5, out_shardings=None):
+    """`steps` jitted steps; with `out_shardings` (an FSDP loop's placement) the state keeps it."""
+
+    @functools.partial(jax.jit, out_shardings=out_shardings)
     def train_step(state):
         grads = jax.grad(step_loss)(state.params, INPUTS, TARGETS)
         return state.apply_gradients(grads=grads)
@@ -64,6 +71,18 @@ def elementwise_loss(params, inputs, targets):
     """A loss whose gradient needs no sum across devices: sharded and unsharded gradients agree bit for bit."""
     del inputs, targets
     return sum(jnp.sum(jnp.sin(3.0 * p.astype(jnp.float32)) ** 2) for p in jax.tree.leaves(params))
+
+
+def bit_identical(state, other) -> bool:
+    """Whether two train states hold the same params and optimizer state, bit for bit."""
+    return all(
+        np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        for a, b in zip(
+            jax.tree.leaves((state.params, state.opt_state)),
+            jax.tree.leaves((other.params, other.opt_state)),
+            strict=True,
+        )
+    )
 
 
 def flat(params):
@@ -96,14 +115,7 @@ def main():
                 name: sorted({str(leaf.dtype) for leaf in jax.tree.leaves(tree)})
                 for name, tree in buffers.items()
             },
-            "state_bit_identical": all(
-                np.asarray(a).tobytes() == np.asarray(b).tobytes()
-                for a, b in zip(
-                    jax.tree.leaves((one_device.params, one_device.opt_state)),
-                    jax.tree.leaves((sharded.params, sharded.opt_state)),
-                    strict=True,
-                )
-            ),
+            "state_bit_identical": bit_identical(one_device, sharded),
             "params_changed": float(np.mean(flat(one_device.params) != flat(initial_params()))),
         }
 
@@ -131,7 +143,57 @@ def main():
             / np.max(np.abs(flat(mlp_one.params)))
         )
     results["loss_before"] = float(loss_fn(initial_params(), INPUTS, TARGETS))
+    for state_format in ("int8", "float8_e4m3fn"):
+        results[state_format] = quantized_state_run(mesh, state_format)
     print(json.dumps(results))
+
+
+def quantized_params():
+    """Two kernels of 16,384 elements (64 blocks of 256: 8 a device) and a bias too small to quantize."""
+    return initial_params(inputs=64, hidden=256, outputs=64)
+
+
+def blocks_whole_on_each_device(quantized) -> bool:
+    """Whether every device holds whole blocks (all of a block's codes) and exactly those blocks' scales.
+
+    A block is `block_size` consecutive elements of the flattened leaf; a device's codes are rows
+    ``[start, stop)`` of its first dimension, so elements ``[start, stop) * row`` of the flattened leaf.
+    """
+    row = int(np.prod(quantized.shape[1:]))
+    scales_rows = {shard.device: shard.index[0] for shard in quantized.scales.addressable_shards}
+    for shard in quantized.codes.addressable_shards:
+        rows = range(*shard.index[0].indices(quantized.shape[0]))
+        first, end = rows.start * row, rows.stop * row
+        blocks = range(*scales_rows[shard.device].indices(quantized.scales.shape[0]))
+        whole = first % quantized.block_size == 0 and end % quantized.block_size == 0
+        if not (whole and all(index == slice(None) for index in shard.index[1:])):
+            return False
+        if (blocks.start, blocks.stop) != (first // quantized.block_size, end // quantized.block_size):
+            return False
+    return True
+
+
+def quantized_state_run(mesh, state_format):
+    """Five Adam steps with the moments in `state_format`, one device against the state placed by fsdp_shardings."""
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), state_dtype=state_format, key=3)
+    state = jaxamp.TrainState.create(apply_fn=None, params=quantized_params(), tx=tx)
+    shardings = jaxamp.fsdp.fsdp_shardings(state, mesh)
+    one_device = train(state, elementwise_loss)
+    sharded = train(jax.device_put(state, shardings), elementwise_loss, out_shardings=shardings)
+    quantized = [
+        leaf
+        for leaf in jax.tree.leaves(sharded.opt_state, is_leaf=lambda x: isinstance(x, QuantizedArray))
+        if isinstance(leaf, QuantizedArray)
+    ]
+    return {
+        "quantized_leaves": len(quantized),
+        "codes_specs": sorted({str(q.codes.sharding.spec) for q in quantized}),
+        "scales_specs": sorted({str(q.scales.sharding.spec) for q in quantized}),
+        "rows_per_device": sorted({q.codes.addressable_shards[0].data.shape[0] for q in quantized}),
+        "blocks_whole_on_each_device": all(blocks_whole_on_each_device(q) for q in quantized),
+        "state_bit_identical": bit_identical(one_device, sharded),
+        "params_changed": float(np.mean(flat(one_device.params) != flat(quantized_params()))),
+    }
 
 
 if __name__ == "__main__":

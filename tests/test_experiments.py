@@ -15,6 +15,7 @@ from experiments import cifar, compare, train
 from experiments import data as data_lib
 from experiments.models import MODELS
 from jaxamp._optimizer import LowPrecisionState
+from jaxamp._quantized_state import QuantizedArray
 
 QUICK_RUN = ["--model", "resnet_tiny", "--data", "synthetic", "--steps-per-epoch", "2", "--no-progress"]
 
@@ -94,6 +95,32 @@ def test_a_precision_naming_an_update_rounding_trains_bfloat16_params_and_moment
     assert (opt_state.compensation is not None) == (precision == "bfloat16_kahan")
     if opt_state.compensation is not None:
         assert {leaf.dtype for leaf in jax.tree.leaves(opt_state.compensation)} == bfloat16
+
+
+@pytest.mark.parametrize(
+    "precision, state_format", [("bfloat16_int8", "int8"), ("bf16_fp8", "float8_e4m3fn")]
+)
+def test_a_precision_naming_an_8_bit_state_keeps_the_resnets_momentum_in_it(precision, state_format):
+    """The 8-bit state of ``--precision`` reaches SGD's momentum: each convolution kernel of 4096
+    elements or more is stored as codes and block scales, the smaller leaves in float32."""
+    dataset = tiny_dataset()
+    config = train.TrainConfig(model="resnet_tiny", precision=precision, batch_size=2)
+    resolved = train.resolve_precision(precision)
+    state = jax.eval_shape(lambda: train.create_train_state(config, resolved, 10, steps_per_epoch=1))
+    step = jax.jit(train.make_train_step(config, dataset))
+    images = jax.ShapeDtypeStruct(dataset.train_images.shape, jnp.uint8)
+    labels = jax.ShapeDtypeStruct(dataset.train_labels.shape, jnp.int32)
+    rng = jax.eval_shape(lambda: jax.random.key(0))
+    new_state, _ = jax.eval_shape(step, state, images, labels, jax.ShapeDtypeStruct((2,), jnp.int32), rng)
+    momentum = jax.tree.leaves(
+        new_state.opt_state.inner_state, is_leaf=lambda leaf: isinstance(leaf, QuantizedArray)
+    )
+    quantized = [leaf for leaf in momentum if isinstance(leaf, QuantizedArray)]
+    assert sorted(leaf.shape for leaf in quantized) == [(3, 3, 16, 32), (3, 3, 32, 32), (3, 3, 32, 64), (3, 3, 64, 64)]
+    assert {leaf.format for leaf in quantized} == {state_format}
+    others = {leaf.dtype for leaf in momentum if not isinstance(leaf, QuantizedArray) and leaf.ndim > 0}
+    assert others == {jnp.dtype(jnp.float32)}
+    assert {leaf.dtype for leaf in jax.tree.leaves(new_state.params)} == {jnp.dtype(jnp.bfloat16)}
 
 
 @pytest.mark.parametrize("precision", ["mixed_float16", "mixed_bfloat16"])

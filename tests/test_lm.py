@@ -23,6 +23,7 @@ from experiments.lm import model as model_lib
 from experiments.lm import train
 from experiments.train import resolve_loss_scale, resolve_precision
 from jaxamp._optimizer import LowPrecisionState
+from jaxamp._quantized_state import QuantizedArray
 
 TINY_RUN = ["--model", "tiny", "--context", "16", "--batch-size", "4", "--eval-batches", "1", "--no-progress"]
 
@@ -183,6 +184,29 @@ def test_a_precision_naming_an_update_rounding_keeps_params_and_adamw_state_in_b
     adam = opt_state.inner_state[1][0]  # chain(clip, adamw): adamw's ScaleByAdamState
     assert {leaf.dtype for leaf in jax.tree.leaves((adam.mu, adam.nu, new_state.params))} == bfloat16
     assert (opt_state.compensation is not None) == precision.endswith("kahan")
+
+
+@pytest.mark.parametrize(
+    "precision, state_format", [("bfloat16_int8", "int8"), ("bfloat16_fp8", "float8_e4m3fn")]
+)
+def test_a_precision_naming_an_8_bit_state_keeps_adamws_moments_in_it(precision, state_format):
+    """--precisions bfloat16_int8 reaches AdamW: the moments of every param of 4096 elements or more
+    (embeddings, attention and MLP kernels) are codes and block scales."""
+    config = config_lib.LMConfig(model="tiny", precision=precision, context=16, batch_size=2)
+    resolved = resolve_precision(precision)
+    model, _ = train.create_model(config, resolved, 256, "cpu")
+    tx = train.create_optimizer(config)
+    state = jax.eval_shape(lambda: train.create_train_state(config, resolved, model, 16, tx))
+    step = train.make_train_step(train.make_loss_fn(model.apply, config.route, resolved.policy))
+    new_state, _ = jax.eval_shape(step, state, jax.ShapeDtypeStruct((2, 17), jnp.int32))
+    adam = new_state.opt_state.inner_state[1][0]  # chain(clip, adamw): adamw's ScaleByAdamState
+    large = [param for param in jax.tree.leaves(new_state.params) if param.size >= 4096]
+    for moment in (adam.mu, adam.nu):
+        leaves = jax.tree.leaves(moment, is_leaf=lambda leaf: isinstance(leaf, QuantizedArray))
+        quantized = [leaf for leaf in leaves if isinstance(leaf, QuantizedArray)]
+        assert sorted(leaf.shape for leaf in quantized) == sorted(param.shape for param in large)
+        assert {leaf.format for leaf in quantized} == {state_format}
+    assert {leaf.dtype for leaf in jax.tree.leaves(new_state.params)} == {jnp.dtype(jnp.bfloat16)}
 
 
 @pytest.mark.parametrize("precision", ["mixed", "mixed_bf16"])

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import optimizer_training
 import pytest
 from fresh_processes import FreshProcess, xla_flags
 
@@ -30,21 +31,7 @@ def mse(params):
 
 def train(tx, params, steps, poison_at=()):
     """`steps` jitted steps of `tx` through jaxamp.TrainState; a step in `poison_at` gets inf gradients."""
-    state = jaxamp.TrainState.create(
-        apply_fn=None, params=params, tx=tx, loss_scale=jaxamp.DynamicLossScale()
-    )
-
-    @jax.jit
-    def train_step(state, poison):
-        loss, grads, grads_finite = jaxamp.scaled_value_and_grad(mse, state.loss_scale)(state.params)
-        grads = jax.tree.map(lambda grad: grad * poison, grads)
-        return state.apply_gradients(grads=grads, grads_finite=grads_finite & jaxamp.all_finite(grads)), loss
-
-    losses = []
-    for step in range(steps):
-        state, loss = train_step(state, jnp.inf if step in poison_at else 1.0)
-        losses.append(float(loss))
-    return state, losses
+    return optimizer_training.train(tx, params, mse, steps, poison_at)
 
 
 def dtypes(tree):
@@ -121,6 +108,29 @@ def test_stochastic_rounding_is_unbiased_between_two_neighbours_and_deterministi
     assert abs(fraction_up - 0.3) < 4 * standard_error
     assert (stochastic_round(jnp.full((1000,), value), dtype, jax.random.key(3)) == draws[:1000]).all()
     assert not (stochastic_round(jnp.full((1000,), value), dtype, jax.random.key(4)) == draws[:1000]).all()
+
+
+def test_float16_subnormals_round_stochastically_and_unbiased():
+    """float16's subnormals (below 6.1e-5, steps of 6e-8) are float32 normals: the float32 arithmetic keeps them."""
+    low = jnp.asarray(100 * 2.0**-24, jnp.float16)  # a subnormal: 100 of the smallest steps
+    high = jnp.nextafter(low, jnp.asarray(1.0, jnp.float16))
+    value = float(low) + 0.3 * (float(high) - float(low))
+    draws = stochastic_round(jnp.full((100_000,), value), jnp.float16, jax.random.key(3))
+    assert set(np.unique(np.asarray(draws.astype(jnp.float32)))) == {float(low), float(high)}
+    assert abs(float(jnp.mean(draws == high)) - 0.3) < 4 * np.sqrt(0.3 * 0.7 / draws.size)
+
+
+def test_on_the_cpu_a_value_below_float32s_smallest_normal_rounds_to_nearest_in_bfloat16():
+    """bfloat16's subnormals are float32 subnormals, which XLA's CPU flushes to zero in float32 arithmetic."""
+    below_normal = 3e-39  # 2**-126 is 1.2e-38
+    rounded = stochastic_round(jnp.full((10_000,), below_normal), jnp.bfloat16, jax.random.key(3))
+    assert set(np.unique(np.asarray(rounded.astype(jnp.float32)))) == {
+        float(jnp.asarray(below_normal, jnp.bfloat16).astype(jnp.float32))
+    }
+    computed = jax.jit(lambda x, key: stochastic_round(x * 1e-19, jnp.bfloat16, key))(
+        jnp.full((1000,), 3e-20), jax.random.key(3)
+    )
+    assert (computed.astype(jnp.float32) == 0.0).all()
 
 
 def test_stochastic_rounding_keeps_representable_values_infinities_and_nans():
@@ -209,6 +219,20 @@ def test_a_resumed_run_is_bit_exact_against_an_uninterrupted_one(rounding):
         assert np.asarray(got).tobytes() == np.asarray(expected).tobytes()
 
 
+def test_a_key_of_another_implementation_than_the_default_stays_that_implementation_through_updates():
+    """An "rbg" key's data is 4 words, the default's 2: update must not rewrap it as the default."""
+    rbg = jax.random.key(5, impl="rbg")
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), key=rbg)
+    state, losses = train(tx, bf16_params(), steps=3)
+    assert losses[-1] < losses[0]
+    expected = rbg
+    for _ in range(3):
+        expected = jax.random.split(expected, 3)[0]
+    assert np.asarray(state.opt_state.key).tobytes() == np.asarray(jax.random.key_data(expected)).tobytes()
+    threefry, _ = train(jaxamp.low_precision_optimizer(optax.adam(1e-2), key=5), bf16_params(), steps=3)
+    assert state.opt_state.key.shape == (4,) and threefry.opt_state.key.shape == (2,)
+
+
 def _continue(state, steps):
     @jax.jit
     def train_step(state):
@@ -275,7 +299,9 @@ def test_mixed_param_dtypes_need_param_dtype_none():
         ({"state_dtype": "bf16"}, r"state_dtype must be a floating dtype.*'bf16'"),
         ({"state_dtype": {"m": jnp.bfloat16}}, r"names 'm', which .* fields are 'count', 'mu', 'nu'"),
         ({"state_dtype": lambda path, leaf: jnp.int32}, r"state_dtype \(at .*\) must be a floating dtype"),
-        ({"key": 1.5}, r"key must be a PRNG key \(jax.random.key\(0\)\), its raw uint32 data or an int seed"),
+        ({"key": 1.5}, r"key must be a PRNG key \(jax.random.key\(0\), of any implementation\), the raw uint32 data"),
+        ({"key": jnp.zeros(4, jnp.uint32)}, r"raw uint32 data of a key of the default implementation.*uint32"),
+        ({"key": jnp.zeros((3, 2), jnp.uint32)}, r"or an int seed; got Array\(\[\[0, 0\]"),
     ],
 )
 def test_bad_settings_name_the_valid_choices(settings, message):
@@ -381,3 +407,20 @@ def test_through_fsdp_loss_the_sharded_run_is_as_close_to_one_device_as_optax_on
     )
     assert sharded_run["optax_adam_float32_mlp_params_max_relative_difference"] < 1e-6
     assert max(run["mlp_loss_after"]) < 0.5 * sharded_run["loss_before"]
+
+
+@pytest.mark.parametrize("state_format", ["int8", "float8_e4m3fn"])
+def test_on_eight_devices_8_bit_moments_split_by_whole_blocks_and_the_steps_match_one_device(
+    sharded_run, state_format
+):
+    """Adam with both moments in 8 bits, placed by jaxamp.fsdp.fsdp_shardings (and kept there by the
+    step's out_shardings, as an FSDP loop does): kernels of 64 x 256 and 256 x 64, 64 blocks of 256
+    each. Their codes split along the first dimension, so every device holds 8 whole blocks of each and
+    exactly those blocks' scales after five jitted steps; params and state match one device bit for bit."""
+    run = sharded_run[state_format]
+    assert run["quantized_leaves"] == 4  # mu and nu of both kernels; the bias is too small
+    assert run["codes_specs"] == ["P('data',)"] and run["scales_specs"] == ["P('data',)"]
+    assert run["rows_per_device"] == [8, 32]
+    assert run["blocks_whole_on_each_device"]
+    assert run["state_bit_identical"]
+    assert run["params_changed"] > 0.9

@@ -475,9 +475,10 @@ _GRAMMAR_EXAMPLE = "'params=float32,compute=float16,output=float32'"
 _UNKNOWN_NAME = (
     "Unknown precision policy {spec!r}. Valid names: float32, fp32, full, mixed, mixed_float16, "
     "mixed_fp16, mixed_bfloat16, mixed_bf16, float16, fp16, bfloat16, bf16, mixed_float8, mixed_fp8, "
-    "bfloat16_nearest, bfloat16_stochastic, bfloat16_kahan, bf16_nearest, bf16_stochastic, bf16_kahan; "
+    "bfloat16_nearest, bfloat16_stochastic, bfloat16_kahan, bf16_nearest, bf16_stochastic, bf16_kahan, "
+    "bfloat16_int8, bfloat16_fp8, bfloat16_int8_per_tensor, bf16_int8, bf16_fp8, bf16_int8_per_tensor; "
     f"a dtype alias ({_ALIASES}); or jmp's grammar such as {_GRAMMAR_EXAMPLE} (add ',matmul=float8' "
-    "for FP8 matmuls, ',update=kahan' for an update rounding)."
+    "for FP8 matmuls, ',update=kahan' for an update rounding, ',state=int8' for 8-bit optimizer state)."
 )
 
 
@@ -507,7 +508,7 @@ _UNKNOWN_NAME = (
             lambda: jaxamp.get_policy("p=f32,x=f16"),
             ValueError,
             ("Unknown key 'x' in precision policy 'p=f32,x=f16'. Valid keys: p, params, c, compute, o, output, "
-             f"m, matmul, u, update; e.g. {_GRAMMAR_EXAMPLE}."),
+             f"m, matmul, u, update, s, state, b, block; e.g. {_GRAMMAR_EXAMPLE}."),
         ),
         (
             lambda: jaxamp.get_policy("p=f32,c"),

@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated: fp32 (float32, matmuls at highest precision), tf32 (float32 at the default "
         "precision), mixed_bf16 (bfloat16 compute, no loss scale), mixed (float16 compute, dynamic loss "
         "scale), mixed_float8 (mixed_bf16 with FP8 matmuls), bfloat16_nearest/_stochastic/_kahan (bfloat16 "
-        "params and AdamW state, each update rounded that way), or any jaxamp policy",
+        "params and AdamW state, each update rounded that way), bfloat16_int8/_fp8/_int8_per_tensor "
+        "(bfloat16_stochastic with AdamW's moments in 8 bits, a scale per 256 elements or per leaf), or any "
+        "jaxamp policy",
     )
     parser.add_argument(
         "--route",

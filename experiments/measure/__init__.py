@@ -30,6 +30,7 @@ MEASUREMENTS = (
     "nnx_parity",
     "optimizer_lm_parity",
     "optimizer_lm_cost",
+    "quantized_optimizer_cost",
     "fp8_proof",
     "fp8_scaling_cost",
     "fp8_layer",

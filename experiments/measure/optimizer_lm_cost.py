@@ -51,6 +51,9 @@ RECIPES = {
     "bfloat16_nearest": "bfloat16 nearest",
     "bfloat16_stochastic": "bfloat16 stochastic",
     "bfloat16_kahan": "bfloat16 Kahan",
+    "bfloat16_int8": "8-bit state, int8 code",
+    "bfloat16_fp8": "8-bit state, float8_e4m3fn",
+    "bfloat16_int8_per_tensor": "8-bit state, int8, one scale per leaf",
 }
 GIB = 2**30
 

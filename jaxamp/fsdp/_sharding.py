@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxamp._policy import PolicySpec, get_policy, parse_dtype, parse_fields
+from jaxamp._quantized_state import QuantizedArray
 from jaxamp.fsdp._fp8_gather import FP8_GATHER_DTYPES, fp8_gather_eligible, gather_fp8
 
 _OWN_DTYPE = ("param", "params", "none")  # each parameter's own dtype
@@ -274,7 +275,11 @@ def fsdp_shardings(tree: Any, mesh: Mesh, *, axis: str = "data") -> Any:
     ``jax.device_put(state, fsdp_shardings(state, mesh))``. Each leaf is
     split along the dimension `shard_dimension` picks (the same one
     `fsdp_loss` gathers along); scalars and leaves with no divisible
-    dimension are replicated.
+    dimension are replicated. An 8-bit optimizer state leaf of
+    `jaxamp.low_precision_optimizer` (codes shaped like the array, a scale
+    per block of its flattened elements) is split along its first dimension,
+    each device holding whole blocks and their scales, or replicated where
+    its blocks would straddle devices.
 
     Args:
         tree: a pytree of arrays (or ``ShapeDtypeStruct``s).
@@ -285,7 +290,20 @@ def fsdp_shardings(tree: Any, mesh: Mesh, *, axis: str = "data") -> Any:
         A pytree of `NamedSharding` with the structure of `tree`.
     """
     axis_size = _check_axis(mesh, axis)
-    return jax.tree.map(lambda leaf: NamedSharding(mesh, _param_spec(np.shape(leaf), axis, axis_size)), tree)
+
+    def sharding(leaf):
+        if isinstance(leaf, QuantizedArray):
+            # Blocks are runs of the flattened array: a split of its first dimension into parts of whole
+            # blocks gives each device its blocks' codes and scales. Otherwise the leaf stays whole.
+            shape = np.shape(leaf.codes)
+            whole_blocks = bool(shape) and shape[0] % axis_size == 0 and np.shape(leaf.scales)[0] % axis_size == 0
+            blocks = axis if whole_blocks else None
+            return QuantizedArray(
+                NamedSharding(mesh, PartitionSpec(blocks)), NamedSharding(mesh, PartitionSpec(blocks)), leaf.format
+            )
+        return NamedSharding(mesh, _param_spec(np.shape(leaf), axis, axis_size))
+
+    return jax.tree.map(sharding, tree, is_leaf=lambda leaf: isinstance(leaf, QuantizedArray))
 
 
 def _key_name(path) -> str:

@@ -1,0 +1,249 @@
+"""8-bit optimizer state: codes of one byte per element and a float32 scale per block.
+
+One job: store a float32 array (a leaf of an optimizer's state) in 8 bits
+and read it back, for `jaxamp.low_precision_optimizer`'s ``state_dtype="int8"``
+or ``jnp.float8_e4m3fn``.
+
+The array is flattened and cut into blocks of `block_size` consecutive
+elements (8-bit optimizers via block-wise quantization, Dettmers et al.
+2021): each block is divided by its own largest magnitude, so an outlier
+costs precision in its own block only. The codes keep the array's shape and
+layout, and no dimension is moved: a GPU computes each code where it
+computes the value, and a split of the first dimension into parts of whole
+blocks (as `jaxamp.fsdp.fsdp_shardings` makes) lets each device quantize its
+own part. Per block::
+
+    absmax = max(|block|)
+    r      = block / absmax                     # in [-1, 1]
+    codes  = round(r) in the format's code      # stochastically: unbiased
+    scale  = -absmax if any(block < 0) else +absmax
+    block  = decode(codes) * |scale|            # when read back
+
+The sign of the scale says which code the block uses. An optimizer's second
+moment (Adam's ``nu``) is never negative, and its range is wide: a squared
+gradient a thousand times smaller than its block's largest is a millionth of
+it, and rounded to zero it would make Adam's step ``m / (sqrt(v) + eps)``
+explode. The anchors give such a state a code of its own (bitsandbytes'
+and torchao's unsigned dynamic code; torchao's 4-bit second moment has no
+zero in its code). Here any block with no negative element, which is every
+block of a second moment, whatever the optimizer calls it, gets:
+
+* ``int8``: the unsigned dynamic code: the sign bit becomes one more bit of
+  fraction in each decade and one more decade (256 values from 1e-7 to 1,
+  and 0), where a block with negatives uses the signed code (0 and +-127
+  values from 1e-6 to 1: every other value of the unsigned code);
+* ``float8_e4m3fn``: the square root of ``r``, scaled to 448: half the
+  range in decades (a fixed case of COAT's dynamic range expansion,
+  Xi et al. 2024, ``sign(x) |x|**k``), so that e4m3's 2**-9 .. 448 holds
+  ratios down to 2e-11 instead of 4e-6;
+
+and a positive element of such a block never rounds to zero, only down to
+the code's smallest positive value (1e-7 of the block's largest, or 2e-11
+under e4m3).
+
+The dynamic code (Dettmers 2016) spends a decade per leading zero: in the
+unsigned code an index ``i`` in 1..255 with ``n = floor(log2(i))`` stands for
+``10**-(7 - n) * (0.1 + 0.9 * (i - 2**n + 1) / 2**n)``: 128 values spaced
+linearly in (0.1, 1], 64 in (0.01, 0.1], ..., and 1e-7 alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# As bitsandbytes and torchao do: a leaf smaller than this keeps its float32 state (it costs nothing).
+MIN_QUANTIZED_SIZE = 4096
+
+_E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
+_E4M3_SMALLEST = float(jnp.finfo(jnp.float8_e4m3fn).smallest_subnormal)  # 2**-9
+
+
+# The dynamic code's decades: the n-th (n = 0..7) holds its values in (tops[n - 1], tops[n]], spaced
+# linearly: 2**n of them in the unsigned code, 2**(n - 1) in the signed one (which has no decade 0).
+_DECADE_TOPS = tuple(np.float32(10.0 ** (decade - 7)) for decade in range(8))
+
+
+def unsigned_code() -> np.ndarray:
+    """The unsigned dynamic code's 256 values, ascending: 0, then ``tops[n] * (0.1 + 0.9 k / 2**n)`` for
+    index ``2**n + k - 1`` (n = 0..7, k = 1..2**n), in float32 arithmetic.
+
+    The signed code's magnitudes are 0 and its odd entries from 3 on.
+    """
+    values = [np.float32(0.0)]
+    for index in range(1, 256):
+        decade = index.bit_length() - 1
+        step = np.float32(index - 2**decade + 1)
+        fraction = np.float32(0.1) + (np.float32(0.9) * step) * np.float32(2.0**-decade)
+        values.append(_DECADE_TOPS[decade] * fraction)
+    return np.asarray(values, np.float32)
+
+
+def _select(index: jax.Array, constants) -> jax.Array:
+    """``constants[index]`` for int32 `index`, as a chain of selects (XLA's GPU fuses it into the
+    computation around it, and XLA's CPU runs it several times faster than a gather)."""
+    value = jnp.full(index.shape, constants[0], jnp.float32)
+    for position in range(1, len(constants)):
+        value = jnp.where(index == position, constants[position], value)
+    return value
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+    """A float32 array stored as 8-bit codes of its shape and a float32 scale per block.
+
+    Attributes:
+        codes: int8 or float8_e4m3fn codes, shaped like the array.
+        scales: ``(num_blocks,)`` float32: each block's largest magnitude,
+            negative for a block with a negative element (the signed code).
+        format: ``"int8"`` or ``"float8_e4m3fn"`` (static).
+    """
+
+    codes: jax.Array
+    scales: jax.Array
+    format: str = dataclasses.field(metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape)
+
+    @property
+    def block_size(self) -> int:
+        return math.prod(self.codes.shape) // self.scales.shape[0]
+
+
+def quantized_shapes(shape: tuple[int, ...], block_size: int | None) -> tuple[int, int]:
+    """``(num_blocks, block_size)`` for an array of `shape`: blocks of `block_size`, or one block when None."""
+    size = math.prod(shape)
+    block = size if block_size is None else block_size
+    return size // block, block
+
+
+def _per_element(per_block: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """A value per block, repeated over the block's elements, in the array's shape."""
+    num_blocks = per_block.shape[0]
+    return jnp.broadcast_to(per_block[:, None], (num_blocks, math.prod(shape) // num_blocks)).reshape(shape)
+
+
+def quantize(
+    values: jax.Array,
+    format: str,
+    block_size: int | None,
+    key: jax.Array | None,
+    *,
+    scales_from: jax.Array | None = None,
+) -> QuantizedArray:
+    """`values` (float32) as a `QuantizedArray` of `format`, in blocks of `block_size` (None: one block).
+
+    Args:
+        values: the array; its size must be a multiple of `block_size`.
+        format: ``"int8"`` or ``"float8_e4m3fn"``.
+        block_size: elements per block, or None for one scale for the whole array.
+        key: a PRNG key for stochastic rounding (unbiased: the expected
+            decoded value is `values`), or None to round to the nearest code.
+        scales_from: the same values computed apart, from which the blocks'
+            scales are taken (`values` when None). A GPU program then reads
+            the inputs of a computed array twice, once for the blocks'
+            largest magnitudes and once for the codes, instead of writing
+            the array in float32 and reading it back.
+
+    Returns:
+        The codes and scales.
+    """
+    values = jnp.asarray(values, jnp.float32)
+    source = values if scales_from is None else jnp.asarray(scales_from, jnp.float32)
+    scale_blocks = source.reshape(quantized_shapes(values.shape, block_size))
+    absmax = jnp.max(jnp.abs(scale_blocks), axis=1)
+    signed = jnp.any(scale_blocks < 0, axis=1)
+    # Codes are computed in the array's shape, each element beside its block's scale: XLA's GPU then
+    # fuses the quantization into the computation of the values.
+    ratios = values / _per_element(jnp.where(absmax > 0, absmax, 1.0), values.shape)
+    uniform = None if key is None else jax.random.uniform(key, values.shape, jnp.float32)
+    encode = _encode_int8 if format == "int8" else _encode_e4m3
+    codes = encode(ratios, _per_element(signed, values.shape), uniform)
+    return QuantizedArray(codes, jnp.where(signed, -absmax, absmax), format)
+
+
+def dequantize(quantized: QuantizedArray) -> jax.Array:
+    """The float32 array `quantized` stands for."""
+    signed = _per_element(quantized.scales < 0, quantized.shape)
+    decode = _decode_int8 if quantized.format == "int8" else _decode_e4m3
+    return decode(quantized.codes, signed) * _per_element(jnp.abs(quantized.scales), quantized.shape)
+
+
+def _round_between(low, high, position, uniform):
+    """`high` where `position` (in [0, 1] from `low` to `high`) rounds up, else `low`: nearest or at random."""
+    up = position >= 0.5 if uniform is None else uniform < position
+    return jnp.where(up, high, low)
+
+
+def _encode_int8(ratios, signed, uniform):
+    """int8 codes: ``sign * c`` in a signed block (c in 0..127), ``c - 128`` in the others (c in 0..255).
+
+    The value's decade ``n`` comes from comparisons with the decades' tops,
+    its position in the decade from one multiplication, so that the two codes
+    around it and the chance of the upper one take no division or lookup::
+
+        n     = count of tops[0..6] below |r|, at least 1 in a signed block
+        f     = n, or n - 1 in a signed block          # fraction bits of the decade
+        step  = 0.9 * tops[n] / 2**f                   # tops[n] in the lowest decade (0 .. tops[n])
+        base  = 0.1 * tops[n]                          # 0 in the lowest decade
+        k     = floor((|r| - base) / step)             # the code below: c = 2**f + k - 1
+        c     = c + 1 with probability (|r| - base - k step) / step  (or where that is at least 1/2)
+    """
+    magnitude = jnp.abs(ratios)
+    signed_bit = signed.astype(jnp.int32)
+    decade = jnp.maximum(sum((magnitude > top).astype(jnp.int32) for top in _DECADE_TOPS[:7]), signed_bit)
+    fraction_bits = decade - signed_bit
+    steps = _select(fraction_bits, [np.float32(2.0**bits) for bits in range(8)])
+    scaled = magnitude * _select(decade, [np.float32(1.0 / top) for top in _DECADE_TOPS])  # in (0.1, 1]
+    position = jnp.where(fraction_bits == 0, scaled, (scaled - np.float32(0.1)) * (steps / np.float32(0.9)))
+    below = jnp.clip(jnp.floor(position), 0.0, steps)
+    code = (steps - 1 + below).astype(jnp.int32)
+    code = _round_between(code, code + 1, jnp.clip(position - below, 0.0, 1.0), uniform)
+    code = jnp.minimum(code, jnp.where(signed, 127, 255))
+    # A non-negative block's positive element never rounds to zero (the second moment's zero point).
+    code = jnp.where(~signed & (magnitude > 0), jnp.maximum(code, 1), code)
+    return jnp.where(signed, jnp.where(ratios < 0, -code, code), code - 128).astype(jnp.int8)
+
+
+def _decode_int8(codes, signed):
+    """The values of int8 codes: one lookup in the unsigned code (a signed code j is its entry 2j + 1)."""
+    codes = codes.astype(jnp.int32)
+    magnitude = jnp.minimum(jnp.abs(codes), 127)
+    index = jnp.where(signed, jnp.where(magnitude > 0, 2 * magnitude + 1, 0), codes + 128)
+    value = jnp.asarray(unsigned_code())[index]
+    return jnp.where(signed & (codes < 0), -value, value)
+
+
+def _encode_e4m3(ratios, signed, uniform):
+    """float8_e4m3fn codes of ``r * 448``, or of ``sqrt(r) * 448`` in a block with no negative element.
+
+    The two codes around the value are e4m3's neighbours of the scaled value;
+    the chance of the upper one is the value's position between the two
+    *decoded* values, so that the square root does not bias the decoded mean.
+    """
+    scaled = jnp.where(signed, ratios, jnp.sqrt(jnp.abs(ratios))) * _E4M3_MAX
+    nearest = scaled.astype(jnp.float8_e4m3fn)
+    # e4m3fn has no infinity: step toward the largest finite value on the value's side.
+    toward = jnp.where(nearest.astype(jnp.float32) < scaled, _E4M3_MAX, -_E4M3_MAX).astype(jnp.float8_e4m3fn)
+    other = jnp.nextafter(nearest, toward)
+    if uniform is None:
+        codes = nearest
+    else:
+        nearest_value, other_value = _decode_e4m3(nearest, signed), _decode_e4m3(other, signed)
+        gap = other_value - nearest_value
+        position = jnp.where(gap != 0, (ratios - nearest_value) / jnp.where(gap != 0, gap, 1.0), 0.0)
+        codes = _round_between(nearest, other, position, uniform)
+    smallest = jnp.asarray(_E4M3_SMALLEST, jnp.float8_e4m3fn)
+    return jnp.where(~signed & (scaled > 0) & (codes.astype(jnp.float32) == 0), smallest, codes)
+
+
+def _decode_e4m3(codes, signed):
+    ratios = codes.astype(jnp.float32) / _E4M3_MAX
+    return jnp.where(signed, ratios, ratios * ratios)

@@ -1,0 +1,350 @@
+"""8-bit optimizer state: `low_precision_optimizer(..., state_dtype="int8" or jnp.float8_e4m3fn)`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optimizer_training
+import pytest
+
+import jaxamp
+from jaxamp._optimizer import LowPrecisionState
+from jaxamp._quantized_state import QuantizedArray, dequantize, quantize, unsigned_code
+
+FORMATS = ("int8", "float8_e4m3fn")
+INPUTS = jax.random.normal(jax.random.key(1), (32, 64))
+TARGETS = INPUTS @ (0.1 * jax.random.normal(jax.random.key(2), (64, 64)))
+
+
+def bf16_params():
+    """A 64 x 64 kernel (4096 elements: the smallest leaf whose state is stored in 8 bits) and a bias."""
+    kernel = 0.1 * jax.random.normal(jax.random.key(0), (64, 64))
+    return {"kernel": kernel.astype(jnp.bfloat16), "bias": jnp.zeros((64,), jnp.bfloat16)}
+
+
+def mse(params):
+    params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    return jnp.mean((INPUTS @ params["kernel"] + params["bias"] - TARGETS) ** 2)
+
+
+def train(tx, steps, params=None, poison_at=(), state=None):
+    """`steps` jitted steps of `tx` on the regression (tests/optimizer_training.py)."""
+    return optimizer_training.train(tx, bf16_params() if params is None else params, mse, steps, poison_at, state)
+
+
+def tree_bytes(tree):
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
+def quantized_leaves(tree):
+    return [leaf for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QuantizedArray))
+            if isinstance(leaf, QuantizedArray)]  # fmt: skip
+
+
+# --- memory -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "state_dtype, block_size, bytes_per_param",
+    [
+        ("int8", 256, 2 + 2 * (1 + 4 / 256)),  # 4.03
+        (jnp.float8_e4m3fn, 256, 2 + 2 * (1 + 4 / 256)),
+        ("int8", 2048, 2 + 2 * (1 + 4 / 2048)),
+        ("int8", None, 2 + 2 * 1),  # one scale per leaf
+        (jnp.bfloat16, 256, 6),
+    ],
+)
+def test_bfloat16_params_and_adamws_two_8_bit_moments_take_about_4_bytes_a_parameter(
+    state_dtype, block_size, bytes_per_param
+):
+    params = {"kernel": jnp.zeros((1024, 1024), jnp.bfloat16)}
+    tx = jaxamp.low_precision_optimizer(optax.adamw(1e-3), state_dtype=state_dtype, block_size=block_size)
+    opt_state = tx.init(params)
+    measured = (tree_bytes(params) + tree_bytes(opt_state)) / params["kernel"].size
+    # Beyond the moments: AdamW's count (4 bytes), the key (8), the scale of a per-leaf moment (4 each).
+    overhead = (4 + 8 + (8 if block_size is None and state_dtype == "int8" else 0)) / params["kernel"].size
+    assert measured == pytest.approx(bytes_per_param + overhead, rel=1e-9)
+    assert measured <= 4.1 or state_dtype == jnp.bfloat16
+
+
+# --- the codes ----------------------------------------------------------------------
+
+
+def test_the_unsigned_dynamic_code_spans_seven_decades_and_the_signed_one_is_every_other_value():
+    code = unsigned_code()
+    assert code[0] == 0 and code[1] == np.float32(1e-7) and code[255] == 1
+    assert (np.diff(code) > 0).all()
+    # 128 values linearly spaced in (0.1, 1], 64 in (0.01, 0.1], ...: one decade per leading zero.
+    np.testing.assert_allclose(code[128:], 0.1 + 0.9 * np.arange(1, 129) / 128, rtol=1e-6)
+    np.testing.assert_allclose(code[64:128], 0.01 + 0.09 * np.arange(1, 65) / 64, rtol=1e-6)
+    # A block with a negative element decodes every code to 0 or +-(an odd entry from 3 on: 1e-6 to 1).
+    codes = jnp.arange(-127, 128, dtype=jnp.int8).reshape(1, 255)
+    decoded = dequantize(QuantizedArray(codes.reshape(255), jnp.array([-1.0]), "int8"))
+    magnitudes = np.concatenate([[0.0], code[3::2]])
+    np.testing.assert_array_equal(np.asarray(decoded), np.concatenate([-magnitudes[:0:-1], magnitudes]))
+
+
+@pytest.mark.parametrize("state_format", FORMATS)
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["non-negative block", "block with a negative"])
+def test_stochastic_codes_are_unbiased_and_nearest_codes_are_not(state_format, sign):
+    """Each row is a block: its largest element 1 (exact), one element of `sign` * 0.5 choosing the code,
+    and 0.37 elsewhere, between two codes: the decoded mean over 2000 blocks is 0.37 within 0.1%."""
+    blocks = jnp.full((2000, 256), 0.37).at[:, 0].set(1.0).at[:, 1].set(sign * 0.5)
+    stochastic = dequantize(quantize(blocks, state_format, 256, jax.random.key(0)))
+    nearest = dequantize(quantize(blocks, state_format, 256, None))
+    assert (stochastic[:, 0] == 1.0).all() and (nearest[:, 0] == 1.0).all()
+    assert float(stochastic[:, 2:].mean()) == pytest.approx(0.37, rel=1e-3)
+    assert float(nearest[:, 2:].mean()) != pytest.approx(0.37, rel=1e-3)
+    assert len(np.unique(np.asarray(stochastic[:, 2:]))) == 2  # the two codes around 0.37
+
+
+@pytest.mark.parametrize("state_format, smallest", [("int8", 1e-7), ("float8_e4m3fn", (2.0**-9 / 448) ** 2)])
+def test_in_a_block_with_no_negative_element_a_positive_value_never_rounds_to_zero(state_format, smallest):
+    """A second moment rounded to zero would make Adam's m / (sqrt(v) + eps) explode."""
+    block = jnp.zeros((1, 256)).at[0, 0].set(1.0).at[0, 1].set(1e-15)
+    for key in (None, *jax.random.split(jax.random.key(0), 20)):
+        decoded = dequantize(quantize(block, state_format, 256, key))
+        assert float(decoded[0, 1]) == pytest.approx(smallest, rel=1e-6)
+        assert float(decoded[0, 2]) == 0.0  # an exact zero stays zero
+
+
+@pytest.mark.parametrize("state_format", FORMATS)
+def test_a_second_moments_small_values_keep_their_size_where_a_signed_block_loses_them(state_format):
+    """Squared gradients a thousand times apart are a million apart: 1e-6 of the largest, both formats
+    keep within 30% in a non-negative block; with one negative element the block falls back on the
+    signed code (int8: 1e-6 is its smallest value) or on e4m3 itself (its smallest is 4e-6 of the largest)."""
+    second_moment = jnp.full((1, 256), 1e-6).at[0, 0].set(1.0)
+    decoded = dequantize(quantize(second_moment, state_format, 256, None))
+    assert float(decoded[0, 2:].mean()) == pytest.approx(1e-6, rel=0.3)
+    signed = dequantize(quantize(second_moment.at[0, 1].set(-1.0), state_format, 256, None))
+    error_signed = abs(float(signed[0, 2:].mean()) - 1e-6)
+    assert error_signed > 3 * abs(float(decoded[0, 2:].mean()) - 1e-6) or state_format == "int8"
+
+
+def test_an_outlier_costs_precision_in_its_own_block_only():
+    """Two blocks: one with an outlier 1000 times its other values. The other block keeps its precision
+    with a scale per block, and loses it with one scale for the whole array."""
+    values = jax.random.uniform(jax.random.key(0), (512,), minval=0.5, maxval=1.0)
+    values = values.at[0].set(1000.0)
+    for block_size, worst_allowed in ((256, 0.9 / 128 / 2 / 0.5), (None, None)):
+        decoded = dequantize(quantize(values, "int8", block_size, None))
+        error = float(jnp.max(jnp.abs(decoded[256:] - values[256:]) / values[256:]))
+        if worst_allowed:
+            assert error <= worst_allowed  # half a step of the top decade (0.9/128/2 of the largest), at 0.5
+        else:
+            assert error > 0.02
+
+
+# --- training ------------------------------------------------------------------------
+
+OPTIMIZERS = {
+    "adamw": optax.adamw(0.01, weight_decay=1e-4),
+    "lion": optax.lion(0.003),
+    "sgd momentum": optax.sgd(0.05, momentum=0.9),
+    "MultiSteps adam": optax.MultiSteps(optax.adam(0.01), every_k_schedule=2),
+    "inject_hyperparams adam": optax.inject_hyperparams(optax.adam)(learning_rate=0.01),
+}
+
+
+@pytest.mark.parametrize("state_format", FORMATS)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_optimizer_trains_with_8_bit_state_as_with_bfloat16_state(name, state_format):
+    """60 steps: the loss falls by as much as with bfloat16 state, within 10% of it."""
+    _reference, reference_losses = train(jaxamp.low_precision_optimizer(OPTIMIZERS[name]), steps=60)
+    tx = jaxamp.low_precision_optimizer(OPTIMIZERS[name], state_dtype=state_format)
+    state, losses = train(tx, steps=60)
+    assert losses[-1] < 0.2 * losses[0]
+    assert losses[-1] == pytest.approx(reference_losses[-1], rel=0.1)
+    stored = quantized_leaves(state.opt_state)
+    assert stored and {leaf.format for leaf in stored} == {state_format}
+    # Codes shaped like the kernel, a scale per 256 of its 4096 elements.
+    assert all(leaf.codes.shape == (64, 64) and leaf.scales.shape == (16,) for leaf in stored)
+    # The bias (64 elements) keeps its float32 state, the count its int32.
+    small = [
+        leaf for leaf in jax.tree.leaves(state.opt_state.inner_state) if leaf.ndim == 1 and leaf.size == 64
+    ]
+    assert small and {leaf.dtype for leaf in small} == {jnp.dtype(jnp.float32)}
+
+
+class HeldMovingAverage:
+    """An optax-style transformation: an average of squared gradients, ``v = b2 v + (1 - b2) g**2``,
+    that starts at 0.5 but for the first element of each block of 256, held at 1 by a gradient of 1; the
+    others get none."""
+
+    @staticmethod
+    def init(params):
+        return {"v": jnp.full(params.shape, 0.5).at[::256].set(1.0)}
+
+    @staticmethod
+    def update(grads, state, params=None):
+        del params
+        return grads, {"v": 0.999 * state["v"] + 0.001 * grads**2}
+
+
+@pytest.mark.parametrize("state_format", FORMATS)
+def test_a_second_moment_in_8_bits_decays_by_b2_each_step_below_its_blocks_steady_largest(state_format):
+    """0.1% a step is far below a code's step near 0.5 (1.4% for int8, 10% of the square root for e4m3):
+    rounded to the nearest code, the moment would stay put; rounded stochastically, after 1000 steps the
+    mean over 16 blocks is 0.5 * 0.999**1000 = 0.184 within 2%."""
+    tx = jaxamp.low_precision_optimizer(
+        optax.GradientTransformation(HeldMovingAverage.init, HeldMovingAverage.update),
+        state_dtype=state_format, key=3,
+    )  # fmt: skip
+    params = jnp.zeros((4096,), jnp.bfloat16)
+    grads = jnp.zeros((4096,)).at[::256].set(1.0)  # the first element of each block held at 1
+
+    @jax.jit
+    def run(params):
+        step = lambda _, opt_state: tx.update(grads, opt_state, params)[1]
+        return jax.lax.fori_loop(0, 1000, step, tx.init(params))
+
+    v = dequantize(run(params).inner_state["v"]).reshape(16, 256)
+    assert (v[:, 0] == 1.0).all()
+    assert float(v[:, 1:].mean()) == pytest.approx(0.5 * 0.999**1000, rel=0.02)
+
+
+@pytest.mark.parametrize("state_format", FORMATS)
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_a_skipped_step_leaves_every_byte_of_the_8_bit_state_identical(state_format, rounding):
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), rounding=rounding, state_dtype=state_format)
+    before, _ = train(tx, steps=2)
+    state, _ = train(tx, steps=3, poison_at=(2,))
+    assert int(state.skipped_steps) == 1
+    leaves, expected = (
+        jax.tree.leaves((state.params, state.opt_state)),
+        jax.tree.leaves((before.params, before.opt_state)),
+    )
+    assert len(leaves) == len(expected)
+    for kept, want in zip(leaves, expected, strict=True):
+        assert kept.dtype == want.dtype and np.asarray(kept).tobytes() == np.asarray(want).tobytes()
+    assert quantized_leaves(state.opt_state)
+
+
+@pytest.mark.parametrize("state_format", FORMATS)
+def test_a_run_resumed_from_the_8_bit_state_is_bit_exact(state_format):
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), state_dtype=state_format, key=jax.random.key(5))
+    whole, _ = train(tx, steps=4)
+    half, _ = train(tx, steps=2)
+    checkpoint = jax.tree.map(np.asarray, half)  # every leaf of the train state to NumPy, and back
+    resumed, _ = train(tx, steps=2, state=jax.tree.map(jnp.asarray, checkpoint))
+    assert quantized_leaves(resumed.opt_state)
+    for got, expected in zip(jax.tree.leaves(resumed), jax.tree.leaves(whole), strict=True):
+        assert np.asarray(got).tobytes() == np.asarray(expected).tobytes()
+
+
+def test_the_8_bit_state_passes_through_jit_tree_map_and_lower():
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-3), state_dtype="int8")
+    params = bf16_params()
+    opt_state = jax.jit(tx.init)(params)
+    assert isinstance(opt_state, LowPrecisionState) and quantized_leaves(opt_state)
+    assert jax.tree.structure(jax.tree.map(lambda leaf: leaf, opt_state)) == jax.tree.structure(opt_state)
+    grads = jax.tree.map(jnp.ones_like, params)
+    assert "func" in jax.jit(tx.update).lower(grads, opt_state, params).as_text()
+    abstract = jax.eval_shape(tx.update, grads, opt_state, params)[1]
+    assert [leaf.dtype for leaf in jax.tree.leaves(abstract)] == [
+        leaf.dtype for leaf in jax.tree.leaves(opt_state)
+    ]
+
+
+def test_a_mapping_stores_one_moment_in_8_bits_and_the_other_in_bfloat16():
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-3), state_dtype={"mu": jnp.bfloat16, "nu": "int8"})
+    adam = tx.init(bf16_params())[0][0]
+    assert adam.mu["kernel"].dtype == jnp.bfloat16 and adam.mu["bias"].dtype == jnp.bfloat16
+    assert isinstance(adam.nu["kernel"], QuantizedArray) and adam.nu["bias"].dtype == jnp.float32
+
+
+# --- errors -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "settings, params, message",
+    [
+        (
+            {"state_dtype": "int8", "block_size": 384},
+            None,
+            (r"^low_precision_optimizer's block_size 384 does not divide the state leaf at .*\['kernel'\] "
+            r"\(shape \(64, 64\), 4096 elements\), which is stored in int8 in blocks of block_size elements\. "
+            r"Choose a block_size that divides it \(the largest power of two that does: 4096\), block_size=None "
+            r"for one scale per leaf, or keep that field in a floating dtype"),
+        ),
+        (
+            {"state_dtype": "int8", "block_size": 4096},
+            {"kernel": jnp.zeros((96, 64), jnp.bfloat16)},
+            (r"block_size 4096 does not divide .* \(shape \(96, 64\), 6144 elements\).* largest power of two that "
+            r"does: 2048\)"),
+        ),
+        (
+            {"state_dtype": "int4"},
+            None,
+            (r"^low_precision_optimizer's state_dtype must be a floating dtype such as jnp.bfloat16, jnp.float16 "
+            r"or jnp.float32 \(stored as is\), or an 8-bit format with a scale per block of block_size "
+            r"elements: 'int8', 'float8_e4m3fn' \(or jnp.int8, jnp.float8_e4m3fn\); got int4\.$"),
+        ),
+        ({"state_dtype": jnp.int16}, None, r"8-bit format .*; got int16\.$"),
+        ({"state_dtype": jnp.float8_e5m2}, None, r"8-bit format .*; got float8_e5m2\.$"),
+        ({"state_dtype": {"nu": jnp.uint8}}, None, r"state_dtype \(at .*nu.*\) must be .*; got uint8\.$"),
+        ({"state_dtype": "int8", "block_size": 0}, None, r"block_size must be a positive integer .*; got 0\.$"),
+        ({"state_dtype": "int8", "block_size": 2.5}, None, r"block_size must be a positive integer .*; got 2.5"),
+        (
+            {"state_dtype": "int8"},
+            {"kernel": jnp.zeros((8, 8), jnp.bfloat16)},
+            (r"asks for 8-bit state \(int8\), but no floating leaf .* has 4096 elements or more .*"
+            r"are \.mu\['kernel'\] \(8, 8\), \.nu\['kernel'\] \(8, 8\)\)\. Leave state_dtype at a floating"),
+        ),
+    ],
+    ids=["block-does-not-divide", "block-does-not-divide-6144", "int4", "int16", "float8_e5m2", "uint8-in-mapping", "block-0", "block-2.5",
+         "too-small"],
+)  # fmt: skip
+def test_bad_8_bit_settings_name_the_value_the_valid_choices_and_the_fix(settings, params, message):
+    with pytest.raises(ValueError, match=message):
+        jaxamp.low_precision_optimizer(optax.scale_by_adam(), **settings).init(
+            bf16_params() if params is None else params
+        )
+
+
+@pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.scale(-0.1)], ids=["sgd", "scale"])
+def test_an_optimizer_without_floating_state_asked_for_8_bits_says_there_is_nothing_to_quantize(inner):
+    with pytest.raises(
+        ValueError, match=r"has no floating leaf to store in it .* optax.sgd without momentum"
+    ):
+        jaxamp.low_precision_optimizer(inner, state_dtype=jnp.float8_e4m3fn).init(bf16_params())
+
+
+# --- policies -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, state_format, num_blocks",
+    [
+        ("bfloat16_int8", "int8", 16),
+        ("bf16_fp8", "float8_e4m3fn", 16),
+        ("bfloat16_int8_per_tensor", "int8", 1),
+        ("p=bf16,u=kahan,state=float8,block=64", "float8_e4m3fn", 64),
+    ],
+)
+def test_a_policy_naming_an_8_bit_state_stores_adams_moments_in_it(spec, state_format, num_blocks):
+    policy = jaxamp.get_policy(spec)
+    assert jaxamp.get_policy(str(policy)) == policy
+    state, losses = train(jaxamp.optimizer_for_policy(optax.adam(1e-2), policy, key=0), steps=3)
+    assert losses[-1] < losses[0]
+    adam = state.opt_state.inner_state[0]
+    for moment in (adam.mu["kernel"], adam.nu["kernel"]):
+        assert isinstance(moment, QuantizedArray)
+        assert moment.format == state_format and moment.codes.shape == (64, 64)
+        assert moment.scales.shape == (num_blocks,)
+    assert (state.opt_state.compensation is not None) == (policy.update_rounding == "kahan")
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("p=bf16,state=int8", r"names an optimizer state format without an update rounding: add ',update=stochastic'"),
+        ("p=bf16,u=stochastic,block=64", r"gives a block size but no optimizer state format: add ',state=int8'"),
+        ("p=bf16,u=stochastic,state=int4", (r"Unknown optimizer state format 'int4' .* Valid: int8, float8_e4m3fn, "
+                                           r"float8, fp8, f8")),
+        ("p=bf16,u=stochastic,state=int8,block=-4", r"Unknown block size '-4' .* a positive integer .* or 'tensor'"),
+    ],
+)  # fmt: skip
+def test_a_bad_8_bit_state_in_a_policy_names_the_fix(spec, message):
+    with pytest.raises(ValueError, match=message):
+        jaxamp.get_policy(spec)
