@@ -76,7 +76,8 @@ def test_the_precisions_the_flags_take_are_the_names_jaxamp_knows_and_tf32():
     from jaxamp import _policy
 
     known_to_jaxamp = {*_policy._NAMED_POLICIES, *_policy._NAMED_FP8_POLICIES,
-                       *_policy._NAMED_UPDATE_POLICIES, *_policy.DTYPE_NAMES}  # fmt: skip
+                       *_policy._NAMED_UPDATE_POLICIES, *_policy._NAMED_STATE_POLICIES,
+                       *_policy.DTYPE_NAMES}  # fmt: skip
     assert set(config_lib.KNOWN_PRECISIONS) - {config_lib.TF32} == known_to_jaxamp
     for name, aliases in config_lib.POLICY_NAMES.items():
         assert all(jaxamp.get_policy(alias) == jaxamp.get_policy(name) for alias in aliases), name

@@ -242,6 +242,30 @@ def test_a_layer_pinned_to_float32_by_its_author_stays_float32_and_an_override_p
     assert jaxamp.precision_report(overridden.apply, variables, x).count_by_dtype() == {HALF[policy].name: 2}
 
 
+class BridgedMlp(nnx.Module):
+    def __init__(self, rngs):
+        self.first = nnx.Linear(8, 16, rngs=rngs)
+        self.second = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.second(nnx.relu(self.first(x)))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_an_nnx_model_bridged_to_linen_runs_in_half(policy):
+    """MaxText's layers are NNX modules behind ``nnx.bridge.ToLinen``, whose ``__getattr__`` runs a
+    module method: reading its ``dtype`` from inside the policy's interceptor re-entered the
+    interceptor until Python's recursion limit."""
+    from flax.nnx import bridge
+
+    x = jnp.linspace(-1.0, 1.0, 16).reshape(2, 8)
+    model = bridge.to_linen(BridgedMlp)
+    variables = model.init(jax.random.key(0), x)
+    half = jaxamp.apply_policy(model, policy)
+    assert jaxamp.precision_report(half.apply, variables, x).count_by_dtype() == {HALF[policy].name: 2}
+    np.testing.assert_allclose(half.apply(variables, x), model.apply(variables, x), rtol=2e-2, atol=2e-2)
+
+
 class NnxZoo(nnx.Module):
     def __init__(self, rngs, dtype=jnp.float32):
         self.dtype = dtype

@@ -142,3 +142,17 @@ def test_recording_overflows_of_an_nnx_model_names_its_matmuls():
 def test_a_loss_scale_that_does_not_count_skipped_steps_is_refused_naming_the_fix():
     with pytest.raises(TypeError, match=r"jaxamp.NNXOptimizer needs a jaxamp loss scale .* jmp loss scale"):
         jaxamp.NNXOptimizer(Net(nnx.Rngs(0)), optax.sgd(0.1), jmp.DynamicLossScale(jnp.float32(2.0**15)))
+
+
+def test_an_optimizer_of_the_head_alone_updates_the_head_alone():
+    """``wrt`` reaches ``nnx.Optimizer``: fine-tuning one layer (as with ``nnx.LoRAParam``)."""
+    head_only = nnx.All(nnx.Param, nnx.PathContains("head"))
+    model = Net(nnx.Rngs(0))
+    optimizer = jaxamp.NNXOptimizer(model, optax.sgd(0.1), jaxamp.StaticLossScale(1.0), wrt=head_only)
+    before = arrays(model)
+    grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, head_only))(model, X)
+    optimizer.update(model, grads)
+    after = arrays(model)
+    changed = {path[0] for path in before if not np.array_equal(before[path], after[path])}
+    assert "head" in changed and "dense" not in changed
+    assert int(optimizer.step[...]) == 1

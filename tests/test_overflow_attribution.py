@@ -360,3 +360,15 @@ def test_over_8_devices_an_overflow_on_one_device_is_named_once(overflow_sharded
     assert finding["skipped"] == 1
     assert finding["nonfinite_paths"] == sorted(leaves_of_layers(1, 2, 3))
     assert finding["first_overflow"] == ["layer_3", "backward"]
+
+
+def test_an_autocast_function_called_inside_another_is_one_site_per_matmul():
+    """An autocast call traced inside another's rewrite is part of it: its matmul is a site of the
+    outer record, once, not a second block of rows the outer call's sizing did not count."""
+    inner = jaxamp.autocast(lambda h, w: h @ w, "mixed_float16")
+    outer = jaxamp.autocast(lambda x, w: jnp.tanh(inner(jnp.tanh(x @ w), w)), "mixed_float16")
+    x = jnp.ones((2, 4))
+    outputs, record = record_overflow(outer)(x, jnp.eye(4))
+    np.testing.assert_allclose(outputs, np.tanh(np.tanh(np.ones((2, 4)))), rtol=1e-3)
+    assert len(record.sites) == 2 and record.unrecorded == 0
+    assert record.forward_amax.shape == (2,)

@@ -127,12 +127,17 @@ def test_the_public_name_check_refuses_private_and_internal_names():
     assert not is_public("jaxamp.fsdp._communication_dtype")
 
 
-# Two measurements look inside the library on purpose, where no public name does what they measure:
-# the float32-reduction-inputs rule switched off (its cost, off against on), and the optimized HLO's
-# kernels sorted by what they do (an FP8 GEMM's amax passes). Nothing else in the experiments may.
+# Three measurements look inside the library on purpose, where no public name does what they measure:
+# the float32-reduction-inputs rule switched off (its cost, off against on), the optimized HLO's
+# kernels sorted by what they do (an FP8 GEMM's amax passes), and 8-bit state with its codes rounded
+# to nearest (what stochastic rounding buys; the library offers no nearest codes). Nothing else in
+# the experiments may.
 INTERNAL_ON_PURPOSE = {
     ("experiments/measure/reduction_cost.py", "jaxamp._autocast.lineage._reduction_inputs_disabled"),
     ("experiments/measure/fp8_scaling_cost.py", "jaxamp.diagnostics._hlo_report"),
+    ("experiments/measure/quantized_optimizer_cost.py", "jaxamp._optimizer"),
+    ("experiments/measure/quantized_optimizer_cost.py", "jaxamp._quantized_state.quantize"),
+    ("experiments/measure/quantized_optimizer_cost.py", "jaxamp._quantized_state.dequantize"),
 }
 
 

@@ -1,4 +1,4 @@
-"""A small CNN written in Flax NNX: plain NNX, no dtype anywhere, as the linen models are.
+"""A small CNN written in Flax NNX: plain NNX with no precision argument anywhere, as the linen models are.
 
 Two 3x3 convolutions with batch normalization and ReLU, each followed by a
 2x2 max pool, dropout, and a dense classifier. Images [B, 32, 32, 3] in,

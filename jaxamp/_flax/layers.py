@@ -164,7 +164,11 @@ class ModulePolicies:
 
 def declared_dtype(module: Any) -> Any:
     """The compute dtype `module` declares (its ``dtype`` field), or None."""
-    value = getattr(module, "dtype", None)
+    return as_dtype(getattr(module, "dtype", None))
+
+
+def as_dtype(value: Any) -> Any:
+    """`value`, a declared ``dtype`` field, as a dtype; None where it names none."""
     try:
         return None if value is None else jnp.dtype(value)
     except TypeError:
@@ -183,9 +187,9 @@ def declares_float32(module_class: type, declared: Any, holder_declared: Any, *,
 
 
 @contextlib.contextmanager
-def declared_dtype_dropped(module: Any, drop: bool) -> Iterator[None]:
-    """Inside, `module` declares no compute dtype (``dtype=None``) if `drop`; restored after."""
-    original = getattr(module, "dtype", None)
+def declared_dtype_dropped(module: Any, drop: bool, original: Any) -> Iterator[None]:
+    """Inside, `module` declares no compute dtype (``dtype=None``) if `drop`; restored after to
+    `original`, its ``dtype`` as read before."""
     dropped = False
     if drop and original is not None:
         try:

@@ -38,7 +38,7 @@ from jaxamp._flax.layers import (
     ModulePolicies,
     cast_by_owner,
     cast_inputs_at_entry,
-    declared_dtype,
+    as_dtype,
     declared_dtype_dropped,
     declares_float32,
     scope_of,
@@ -79,16 +79,30 @@ def _active_call(active: _ActiveCall):
         _ACTIVE_CALL.reset(token)
 
 
+def _read_dtype(module: nn.Module) -> Any:
+    """``module.dtype`` as declared, or None, read with the interceptor passing through: reading an
+    attribute can run one of the module's methods (``nnx.bridge.ToLinen.__getattr__`` does), which
+    the interceptor would otherwise enter again to read the same attribute."""
+    with _active_call(None):
+        return getattr(module, "dtype", None)
+
+
 def _scope_interceptor(next_fun, args, kwargs, context):
     """Traces a module method in the policy scope of its class, where that differs from its caller's."""
     active = _ACTIVE_CALL.get()
     module = context.module
     if active is None or module.scope is None or context.method_name == "setup":
         return next_fun(*args, **kwargs)
-    declared = active.declared.setdefault(id(module), declared_dtype(module))
+    value = _read_dtype(module)
+    declared = active.declared.setdefault(id(module), as_dtype(value))
     parent = module.parent
     root = not isinstance(parent, nn.Module) or isinstance(parent, PolicyModule)
-    holder = None if root else active.declared.get(id(parent), declared_dtype(parent))
+    if root:
+        holder = None
+    elif id(parent) in active.declared:
+        holder = active.declared[id(parent)]
+    else:
+        holder = as_dtype(_read_dtype(parent))
     drops = active.module_policies.drops_declared_dtypes()
     float32_layer = drops and declares_float32(type(module), declared, holder, root=root)
     policy = active.module_policies.policy_for(type(module), active.policy, float32_layer=float32_layer)
@@ -98,7 +112,7 @@ def _scope_interceptor(next_fun, args, kwargs, context):
     with (
         _active_call(dataclasses.replace(active, policy=policy)),
         scope,
-        declared_dtype_dropped(module, drops and not float32_layer),
+        declared_dtype_dropped(module, drops and not float32_layer, value),
     ):
         return next_fun(*args, **kwargs)
 
