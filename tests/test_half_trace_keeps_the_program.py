@@ -242,6 +242,59 @@ def test_a_layer_pinned_to_float32_by_its_author_stays_float32_and_an_override_p
     assert jaxamp.precision_report(overridden.apply, variables, x).count_by_dtype() == {HALF[policy].name: 2}
 
 
+class Layers(nn.Module):
+    """A block that declares no dtype between a model's ``dtype`` and its layers (a stack of them)."""
+
+    layer_dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(2):
+            x = nn.relu(nn.Dense(8, dtype=self.layer_dtype)(x))
+        return x
+
+
+class ZooWithLayers(nn.Module):
+    dtype: str = "float32"
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4, dtype=self.dtype)(Layers(layer_dtype=self.dtype)(x))
+
+
+class NnxLayers(nnx.Module):
+    def __init__(self, rngs, dtype):
+        self.layers = nnx.List([nnx.Linear(8, 8, dtype=dtype, rngs=rngs) for _ in range(2)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = nnx.relu(layer(x))
+        return x
+
+
+class NnxZooWithLayers(nnx.Module):
+    def __init__(self, rngs, dtype=jnp.float32):
+        self.dtype = dtype
+        self.body = NnxLayers(rngs, dtype)
+        self.head = nnx.Linear(8, 4, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_model_wide_float32_default_reaches_half_through_a_block_that_declares_no_dtype(policy):
+    """EasyDeL's layout: the model's ``dtype`` reaches its layers through blocks and lists that
+    declare none; the layers are not pinned to float32 by their authors, and compute in half."""
+    x = jnp.linspace(-1.0, 1.0, 16).reshape(2, 8)
+    linen_model = ZooWithLayers()
+    variables = linen_model.init(jax.random.key(0), x)
+    linen_half = jaxamp.apply_policy(linen_model, policy)
+    assert jaxamp.precision_report(linen_half.apply, variables, x).count_by_dtype() == {HALF[policy].name: 3}
+    nnx_half = jaxamp.apply_policy(NnxZooWithLayers(nnx.Rngs(0)), policy)
+    assert jaxamp.precision_report(nnx_half, x).count_by_dtype() == {HALF[policy].name: 3}
+
+
 class BridgedMlp(nnx.Module):
     def __init__(self, rngs):
         self.first = nnx.Linear(8, 16, rngs=rngs)

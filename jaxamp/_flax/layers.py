@@ -177,7 +177,7 @@ def as_dtype(value: Any) -> Any:
 
 def declares_float32(module_class: type, declared: Any, holder_declared: Any, *, root: bool) -> bool:
     """Whether a layer declares float32 deliberately: not the model root, not a normalization layer,
-    and held by a layer that declares another compute dtype or none."""
+    and `holder_declared` (the dtype of the nearest holder that declares one) another or None."""
     return (
         not root
         and not issubclass(module_class, NORMALIZATION_LAYERS)

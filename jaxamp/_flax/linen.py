@@ -87,6 +87,18 @@ def _read_dtype(module: nn.Module) -> Any:
         return getattr(module, "dtype", None)
 
 
+def _nearest_declared(active: _ActiveCall, holder: nn.Module) -> Any:
+    """The compute dtype declared by `holder` or, where it declares none, by the nearest module
+    above it that does (a block between a model's ``dtype`` and its layers may declare none)."""
+    while isinstance(holder, nn.Module) and not isinstance(holder, PolicyModule):
+        if id(holder) not in active.declared:
+            active.declared[id(holder)] = as_dtype(_read_dtype(holder))
+        if active.declared[id(holder)] is not None:
+            return active.declared[id(holder)]
+        holder = holder.parent
+    return None
+
+
 def _scope_interceptor(next_fun, args, kwargs, context):
     """Traces a module method in the policy scope of its class, where that differs from its caller's."""
     active = _ACTIVE_CALL.get()
@@ -97,12 +109,7 @@ def _scope_interceptor(next_fun, args, kwargs, context):
     declared = active.declared.setdefault(id(module), as_dtype(value))
     parent = module.parent
     root = not isinstance(parent, nn.Module) or isinstance(parent, PolicyModule)
-    if root:
-        holder = None
-    elif id(parent) in active.declared:
-        holder = active.declared[id(parent)]
-    else:
-        holder = as_dtype(_read_dtype(parent))
+    holder = None if root else _nearest_declared(active, parent)
     drops = active.module_policies.drops_declared_dtypes()
     float32_layer = drops and declares_float32(type(module), declared, holder, root=root)
     policy = active.module_policies.policy_for(type(module), active.policy, float32_layer=float32_layer)

@@ -77,7 +77,9 @@ def _policies_by_path(
 
     A module inherits its policy from the module that holds it: the module at
     the longest proper prefix of its path; the root's holder policy is the
-    model's own policy.
+    model's own policy. Whether a layer declares float32 deliberately is read
+    against the nearest holder that declares a dtype at all (a list or block
+    between a model's ``dtype`` and its layers' declares none).
     """
     policies: dict[tuple, tuple[Policy, Policy, bool]] = {}
     drops = module_policies.drops_declared_dtypes()
@@ -87,7 +89,11 @@ def _policies_by_path(
         )
         holder_policy = module_policies.policy if holder is None else policies[holder][0]
         module = modules[path]
-        holder_declared = None if holder is None else declared_dtype(modules[holder])
+        holders = (path[:depth] for depth in range(len(path) - 1, -1, -1) if path[:depth] in modules)
+        holder_declared = next(
+            (dtype for dtype in (declared_dtype(modules[prefix]) for prefix in holders) if dtype is not None),
+            None,
+        )
         float32_layer = drops and declares_float32(
             type(module), declared_dtype(module), holder_declared, root=holder is None
         )
