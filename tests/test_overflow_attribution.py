@@ -310,6 +310,9 @@ def test_linen_names_the_module_path():
     assert site.site.name == "LinenMLP/Dense_2"
     site = forward_overflow_site(jaxamp.apply_policy(model, "mixed_float16").apply, variables, x)
     assert site.site.name == "Dense_2", "under apply_policy, the path inside its wrapper: the params' path"
+    overridden = jaxamp.apply_policy(model, "mixed_float16", overrides={nn.Dense: "p=f32,c=f16,o=f16"})
+    site = forward_overflow_site(overridden.apply, variables, x)
+    assert site.site.name == "Dense_2", "the policy scope of an overridden layer is jaxamp's, not a name"
 
 
 def test_nnx_names_the_users_source_line():
