@@ -375,3 +375,16 @@ def test_an_autocast_function_called_inside_another_is_one_site_per_matmul():
     np.testing.assert_allclose(outputs, np.tanh(np.tanh(np.ones((2, 4)))), rtol=1e-3)
     assert len(record.sites) == 2 and record.unrecorded == 0
     assert record.forward_amax.shape == (2,)
+
+
+def test_a_convolution_is_a_site_and_its_overflow_is_named():
+    """A ResNet's layers are convolutions: a record watches them as it watches matmuls."""
+    x = jnp.ones((1, 4, 4, 2))
+    w = jnp.full((3, 3, 2, 2), 1e4)  # each output sums 18 products of 1e4: beyond float16's 65504
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    _, record = record_overflow(jaxamp.autocast(conv, "mixed_float16"))(x, w)
+    assert [site.primitive for site in record.sites] == ["conv_general_dilated"]
+    assert record.first_overflow() is not None and record.first_overflow().pass_ == "forward"
