@@ -57,6 +57,13 @@ def test_overflows_with_the_scale_at_its_minimum_stop_the_run_before_the_skip_li
     assert raised.value.min_loss_scale == 1.0
 
 
+def test_overflows_at_the_minimum_that_a_clean_step_interrupted_do_not_stop_the_run():
+    """The limit counts overflows in a row, not every skip the run has had."""
+    state = state_after([False, False, False, True, False, False], jaxamp.DynamicLossScale(4.0, min_loss_scale=1.0))
+    assert float(state.loss_scale.loss_scale) == 1.0 and int(state.loss_scale.skipped_steps) == 5
+    jaxamp.OverflowGuard(max_consecutive_skips=100, max_overflows_at_min_scale=3).check(state)
+
+
 def test_skips_at_a_scale_above_its_minimum_do_not_count_as_stuck_at_the_minimum():
     state = state_after([False] * 3, jaxamp.DynamicLossScale(2.0**10, min_loss_scale=1.0))
     jaxamp.OverflowGuard(max_overflows_at_min_scale=3).check(state)
