@@ -155,6 +155,18 @@ def add_tiny_updates(rounding, steps, update=1e-4, width=1000, tx=None):
     return params.astype(jnp.float32), opt_state
 
 
+def test_two_params_with_the_same_values_and_gradients_round_with_independent_draws():
+    """Each leaf draws its own random numbers: one draw for all would round twin params alike and
+    make their rounding errors add up instead of averaging out."""
+    twin = jnp.full((4096,), 1.0, jnp.bfloat16)
+    params = {"a": twin, "b": twin}
+    tx = jaxamp.low_precision_optimizer(optax.sgd(1e-3), rounding="stochastic", key=0)
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 1.0, jnp.float32), params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    new = optax.apply_updates(params, updates)
+    assert not np.array_equal(np.asarray(new["a"]), np.asarray(new["b"]))
+
+
 def test_one_update_below_half_an_ulp_is_lost_to_nearest_and_kept_in_kahans_buffer():
     """bfloat16's half ulp at 1.0 is 0.0039; 1e-4 cannot move the param, and Kahan keeps it for later."""
     nearest, _ = add_tiny_updates("nearest", steps=1)
