@@ -318,6 +318,15 @@ def test_a_records_summary_names_what_it_watched_and_an_op_named_by_its_source_l
     )
 
 
+def test_the_worst_of_two_records_takes_inf_over_nan_and_the_larger_finite_amax_site_by_site():
+    """The micro-batches of one step are combined by `worst`: an inf (an overflow) outranks a NaN
+    (what an inf turns into further on), and of two finite amaxes the larger is the one to report."""
+    nan, inf = jnp.nan, jnp.inf
+    combined = record_of([nan, 2.0, 5.0], [inf, 1.0, 3.0]).worst(record_of([inf, 4.0, 1.0], [nan, nan, 7.0]))
+    np.testing.assert_array_equal(combined.forward_amax, [inf, 4.0, 5.0])
+    np.testing.assert_array_equal(combined.backward_amax, [inf, nan, 7.0])
+
+
 def test_records_of_different_step_functions_are_not_combined_naming_both_site_counts():
     message = (
         "OverflowRecord.worst got records of different step functions: one watches 3 sites, the other 2, "
