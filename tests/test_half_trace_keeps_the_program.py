@@ -102,6 +102,16 @@ def test_a_fully_masked_row_softmaxes_to_a_uniform_row_not_to_nan(policy, route,
     np.testing.assert_allclose(got, [[0.5, 0.5, 0.0, 0.0], [0.25] * 4], atol=1e-3)
 
 
+def test_a_product_of_constants_beyond_float16_keeps_its_op_in_float32():
+    """300 * 300 fits float16 factor by factor, not as a product: the product's size is what a
+    constant's lineage carries (the sum of the factors would say 600, and the op would overflow)."""
+    def shifted(x, w):
+        return x @ w - jnp.full((4,), 300.0) * jnp.full((4,), 300.0)
+
+    got = jaxamp.autocast(shifted, "mixed_float16")(jnp.ones((2, 4)), jnp.eye(4))
+    np.testing.assert_allclose(got, np.full((2, 4), 1.0 - 9e4), rtol=1e-3)
+
+
 # --- 3. float32 islands ------------------------------------------------------------------------
 
 
