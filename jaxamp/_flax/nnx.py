@@ -79,7 +79,7 @@ def _policies_by_path(
     the longest proper prefix of its path; the root's holder policy is the
     model's own policy. Whether a layer declares float32 deliberately is read
     against the nearest holder that declares a dtype at all (a list or block
-    between a model's ``dtype`` and its layers' declares none).
+    between a model's ``dtype`` and its layers declares none).
     """
     policies: dict[tuple, tuple[Policy, Policy, bool]] = {}
     drops = module_policies.drops_declared_dtypes()
