@@ -162,9 +162,9 @@ def memory_table(rows: list[dict], args, device_kind: str, command: str) -> str:
         ),
         "",
         (
-            "| recipe | params B/param | state B/param | params + state B/param | vs float32 master "
+            f"| recipe | params B/param | state B/param | params + state B/param | vs `{base['name']}` "
             "| + grads B/param | step arguments GiB | step temp GiB | step outputs GiB | step total GiB "
-            "| step GB moved | optimizer GB moved | optimizer bytes vs float32 master |"
+            f"| step GB moved | optimizer GB moved | optimizer bytes vs `{base['name']}` |"
         ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -253,7 +253,7 @@ def count(args, out) -> str:
     lines = [
         f"Counted, not compiled: `{out.command}` (`jax.eval_shape` of the recipe's train state).",
         "",
-        "| recipe | params B/param | state B/param | params + state B/param | vs float32 master |",
+        f"| recipe | params B/param | state B/param | params + state B/param | vs `{args.recipes[0]}` |",
         "|---|---:|---:|---:|---:|",
     ]
     base = None
