@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -175,15 +175,22 @@ def as_dtype(value: Any) -> Any:
         return None
 
 
-def declares_float32(module_class: type, declared: Any, holder_declared: Any, *, root: bool) -> bool:
+def declares_float32(module_class: type, declared: Any, holders_declared: Iterable[Any], *, root: bool) -> bool:
     """Whether a layer declares float32 deliberately: not the model root, not a normalization layer,
-    and `holder_declared` (the dtype of the nearest holder that declares one) another or None."""
-    return (
-        not root
-        and not issubclass(module_class, NORMALIZATION_LAYERS)
-        and declared == jnp.float32
-        and holder_declared != jnp.float32
-    )
+    and the nearest layer above it that declares a dtype declares another, or none above does.
+
+    Args:
+        module_class: the layer's class.
+        declared: the compute dtype the layer declares, or None.
+        holders_declared: the dtypes the layers above it declare, nearest first, None for one
+            that declares none (a block or list between a model's ``dtype`` and its layers);
+            read lazily, only as far as the nearest declared one, and only for a float32 layer.
+        root: whether the layer is the model itself.
+    """
+    if root or issubclass(module_class, NORMALIZATION_LAYERS) or declared != jnp.float32:
+        return False
+    nearest = next((dtype for dtype in holders_declared if dtype is not None), None)
+    return nearest != jnp.float32
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 from flax import linen as nn
@@ -87,16 +88,19 @@ def _read_dtype(module: nn.Module) -> Any:
         return getattr(module, "dtype", None)
 
 
-def _nearest_declared(active: _ActiveCall, holder: nn.Module) -> Any:
-    """The compute dtype declared by `holder` or, where it declares none, by the nearest module
-    above it that does (a block between a model's ``dtype`` and its layers may declare none)."""
+def _holders(module: nn.Module) -> Iterator[nn.Module]:
+    """The modules above `module` inside the policy's wrapper, nearest first."""
+    holder = module.parent
     while isinstance(holder, nn.Module) and not isinstance(holder, PolicyModule):
-        if id(holder) not in active.declared:
-            active.declared[id(holder)] = as_dtype(_read_dtype(holder))
-        if active.declared[id(holder)] is not None:
-            return active.declared[id(holder)]
+        yield holder
         holder = holder.parent
-    return None
+
+
+def _declared(active: _ActiveCall, module: nn.Module) -> Any:
+    """The compute dtype `module` declares, as first read in this call (before it was dropped)."""
+    if id(module) not in active.declared:
+        active.declared[id(module)] = as_dtype(_read_dtype(module))
+    return active.declared[id(module)]
 
 
 def _scope_interceptor(next_fun, args, kwargs, context):
@@ -109,9 +113,9 @@ def _scope_interceptor(next_fun, args, kwargs, context):
     declared = active.declared.setdefault(id(module), as_dtype(value))
     parent = module.parent
     root = not isinstance(parent, nn.Module) or isinstance(parent, PolicyModule)
-    holder = None if root else _nearest_declared(active, parent)
     drops = active.module_policies.drops_declared_dtypes()
-    float32_layer = drops and declares_float32(type(module), declared, holder, root=root)
+    holders_declared = (_declared(active, holder) for holder in _holders(module))
+    float32_layer = drops and declares_float32(type(module), declared, holders_declared, root=root)
     policy = active.module_policies.policy_for(type(module), active.policy, float32_layer=float32_layer)
     if active.owners is not None:
         active.owners[tuple(module.scope.path)] = policy

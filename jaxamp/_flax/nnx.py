@@ -77,9 +77,7 @@ def _policies_by_path(
 
     A module inherits its policy from the module that holds it: the module at
     the longest proper prefix of its path; the root's holder policy is the
-    model's own policy. Whether a layer declares float32 deliberately is read
-    against the nearest holder that declares a dtype at all (a list or block
-    between a model's ``dtype`` and its layers declares none).
+    model's own policy.
     """
     policies: dict[tuple, tuple[Policy, Policy, bool]] = {}
     drops = module_policies.drops_declared_dtypes()
@@ -89,13 +87,9 @@ def _policies_by_path(
         )
         holder_policy = module_policies.policy if holder is None else policies[holder][0]
         module = modules[path]
-        holders = (path[:depth] for depth in range(len(path) - 1, -1, -1) if path[:depth] in modules)
-        holder_declared = next(
-            (dtype for dtype in (declared_dtype(modules[prefix]) for prefix in holders) if dtype is not None),
-            None,
-        )
+        holders = (modules[path[:depth]] for depth in range(len(path) - 1, -1, -1) if path[:depth] in modules)
         float32_layer = drops and declares_float32(
-            type(module), declared_dtype(module), holder_declared, root=holder is None
+            type(module), declared_dtype(module), map(declared_dtype, holders), root=holder is None
         )
         policy = module_policies.policy_for(type(module), holder_policy, float32_layer=float32_layer)
         policies[path] = (policy, holder_policy, float32_layer)
