@@ -39,11 +39,10 @@ from jaxamp._quantized_state import dequantize, quantize
 
 def nearest_codes():
     """A context in which the wrapper rounds its 8-bit codes to nearest (the library rounds them stochastically)."""
-    return unittest.mock.patch.object(
-        _optimizer, "quantize", lambda values, state_format, block_size, key: quantize(
-            values, state_format, block_size, None
-        )
-    )  # fmt: skip
+    def to_nearest(values, state_format, block_size, key, **options):
+        return quantize(values, state_format, block_size, None, **options)
+
+    return unittest.mock.patch.object(_optimizer, "quantize", to_nearest)
 
 
 def mlp_recipes(learning_rate, steps, seed):
