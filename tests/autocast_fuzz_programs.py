@@ -59,6 +59,8 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
+import jaxamp
+
 ARGUMENTS = ("x", "w1", "w2", "pos", "keep", "pad")
 FLOAT32_ARGNAMES = ("keep",)
 ROWS, FEATURES = 4, 8
@@ -113,8 +115,6 @@ def inputs(seed: int) -> dict[str, np.ndarray]:
 
 def closed_over() -> dict[str, Any]:
     """The names a program's source may use besides its arguments."""
-    import jaxamp  # noqa: PLC0415 (the tests import it; kept out of this module's import time)
-
     namespace: dict[str, Any] = {"jax": jax, "jnp": jnp, "lax": jax.lax, "np": np, "jaxamp": jaxamp}
     exec(CLOSED_OVER_SOURCE, namespace)  # noqa: S102
     return namespace
@@ -884,8 +884,6 @@ def _call(program: Program, *arguments):
 def _autocast_call(policy: str) -> Callable[..., tuple]:
     """One autocast wrapper per policy, the program a static argument (applying autocast resolves
     its rules tables, which costs more than a small program's rewrite)."""
-    import jaxamp  # noqa: PLC0415
-
     return jaxamp.autocast(_call, policy, float32_argnums=1 + ARGUMENTS.index("keep"))
 
 
