@@ -34,7 +34,7 @@ from flax import linen as nn
 
 from jaxamp._autocast.arguments import LeafOrigin
 from jaxamp._autocast.scope import policy_scope
-from jaxamp._autocast.transform import make_autocast
+from jaxamp._autocast.transform import make_autocast, model_outputs
 from jaxamp._flax.layers import (
     ModulePolicies,
     cast_by_owner,
@@ -205,7 +205,7 @@ class PolicyModule(nn.Module):
         scope = policy_scope(scope_of(policy)) if policy != active.policy else contextlib.nullcontext()
         with _active_call(own), scope:
             outputs = call(*args, **kwargs)
-        return policy.cast_to_output(outputs)
+        return model_outputs(policy.cast_to_output(outputs))
 
     def _run_method(self, *args, jaxamp_method, **kwargs):
         return self._run(jaxamp_method, *args, **kwargs)
@@ -283,7 +283,7 @@ class PolicyModule(nn.Module):
                     return nn.Module.apply(self, variables, *args, **kwargs)
 
             cached = self.__dict__["_jaxamp_autocast_apply"] = make_autocast(
-                apply, self.policy, traced_in_compute=_params_and_inputs, outputs_as_traced=True
+                apply, self.policy, traced_in_compute=_params_and_inputs, outputs_as_rewritten=True
             )
         return cached
 

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from flax import nnx
 
 from jaxamp._autocast.scope import ScopePolicy, policy_scope
-from jaxamp._autocast.transform import make_autocast
+from jaxamp._autocast.transform import make_autocast, model_outputs
 from jaxamp._flax.layers import (
     ModulePolicies,
     cast_by_owner,
@@ -126,7 +126,7 @@ def _run_method(method: Callable, policy: Policy, model: nnx.Module, *args, **kw
         outputs = method(model, *args, **kwargs)
     finally:
         _IN_MODEL_CALL.reset(token)
-    return policy.cast_to_output(outputs)
+    return model_outputs(policy.cast_to_output(outputs))
 
 
 @functools.lru_cache(maxsize=256)
@@ -140,7 +140,7 @@ def _root_class(module_class: type, module_policies: ModulePolicies) -> type:
 
     def through_autocast(method):
         rewritten = make_autocast(
-            functools.partial(_run_method, method, policy), policy, outputs_as_traced=True
+            functools.partial(_run_method, method, policy), policy, outputs_as_rewritten=True
         )
 
         @functools.wraps(method)
