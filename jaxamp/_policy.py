@@ -304,6 +304,17 @@ def parse_fields(spec: str, keys: dict[str, str], *, kind: str, example: str, fl
     return fields
 
 
+def policy_of(model: Any) -> Policy | None:
+    """The policy `jaxamp.apply_policy` gave `model`, or None for a model it did not make.
+
+    `model` may also be a linen model's bound ``apply`` (a train state's ``apply_fn``).
+    Every model `jaxamp.apply_policy` makes answers ``jaxamp_policy`` with its policy.
+    """
+    owner = getattr(model, "__self__", model)
+    policy = getattr(owner, "jaxamp_policy", None)
+    return policy if isinstance(policy, Policy) else None
+
+
 def is_floating_array(leaf: Any) -> bool:
     """Whether `leaf` is a floating-point JAX array, NumPy array or NumPy scalar."""
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(leaf.dtype, jnp.floating)

@@ -156,3 +156,18 @@ def test_an_optimizer_of_the_head_alone_updates_the_head_alone():
     changed = {path[0] for path in before if not np.array_equal(before[path], after[path])}
     assert "head" in changed and "dense" not in changed
     assert int(optimizer.step[...]) == 1
+
+
+@pytest.mark.parametrize(
+    ("make_model", "expected"),
+    [
+        (lambda: jaxamp.apply_policy(Net(nnx.Rngs(0)), "mixed_float16"), jaxamp.DynamicLossScale()),
+        (lambda: jaxamp.apply_policy(Net(nnx.Rngs(0)), "mixed_bfloat16"), jaxamp.NoOpLossScale()),
+        (lambda: nnx.Linear(4, 3, param_dtype=jnp.float16, rngs=nnx.Rngs(0)), jaxamp.DynamicLossScale()),
+        (lambda: Net(nnx.Rngs(0)), jaxamp.NoOpLossScale()),
+    ],
+    ids=["mixed_float16", "mixed_bfloat16", "float16_params", "float32"],
+)
+def test_an_optimizer_made_without_a_loss_scale_takes_the_one_the_models_dtypes_need(make_model, expected):
+    """A float16 model's optimizer made without a loss scale had none: its small gradients underflowed."""
+    assert jaxamp.NNXOptimizer(make_model(), optax.sgd(0.1)).loss_scale == expected

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxamp._finite import all_finite
-from jaxamp._scaling.loss_scale import LossScale, NoOpLossScale
+from jaxamp._scaling.loss_scale import LossScale, loss_scale_for_model
 from jaxamp._scaling.loss_scaling import loss_scale_of, loss_scaling, require_skip_counting
 
 
@@ -122,7 +122,11 @@ class NNXOptimizer(nnx.Optimizer):
     Args:
         model: the NNX model whose ``wrt`` variables the optimizer updates.
         tx: the optax optimizer.
-        loss_scale: a jaxamp loss scale; `NoOpLossScale` when None.
+        loss_scale: a jaxamp loss scale. When None, the one the model's dtypes
+            need: `jaxamp.default_loss_scale` of the policy of a model made by
+            `jaxamp.apply_policy` (so `DynamicLossScale()` for float16
+            computation); for another model, `DynamicLossScale()` where a
+            param is float16, else `NoOpLossScale()`.
         wrt: which variables it updates (default ``nnx.Param``), as for
             ``nnx.Optimizer`` and ``nnx.grad``.
         **kwargs: passed on to ``nnx.Optimizer``.
@@ -144,7 +148,8 @@ class NNXOptimizer(nnx.Optimizer):
         wrt: Any = nnx.Param,
         **kwargs: Any,
     ):
-        loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
+        if loss_scale is None:
+            loss_scale = loss_scale_for_model(model, nnx.state(model, wrt))
         require_skip_counting(loss_scale, "jaxamp.NNXOptimizer")
         super().__init__(model, loss_scaling(tx, loss_scale), wrt=wrt, **kwargs)
 
