@@ -62,8 +62,8 @@ def test_a_mistyped_name_is_refused_with_the_nearest_one_before_jax_loads():
         timeout=120,
     )
     assert process.stdout.split() == ["2", "False"], process.stdout + process.stderr
-    assert "unknown measurement 'autocats-cost'; did you mean autocast-cost?" in process.stderr
-    assert "The measurements: autocast-cost, trace-cost" in process.stderr
+    assert "unknown measurement 'autocats-cost'. Did you mean autocast-cost?" in process.stderr
+    assert "Choose one of: autocast-cost, trace-cost" in process.stderr
 
 
 def test_a_measurement_writes_a_new_folder_under_runs_with_its_command_and_commit(tmp_path, monkeypatch):

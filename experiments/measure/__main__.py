@@ -6,7 +6,7 @@
     python -m experiments.measure NAME --out DIR   # writes DIR (made if missing), e.g. results/<question>/...
 
 NAME is checked before anything loads, so a mistyped one is answered at once
-with the nearest names (exit status 2). The measurement's module is then
+with the nearest name (exit status 2). The measurement's module is then
 imported (JAX loads with it) and parses its own flags before any work
 starts; a bad flag also exits 2. The folder gets the measurement's files,
 each written atomically, and once it has finished a ``COMMAND`` file with
@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import ast
-import difflib
 import importlib
 import importlib.util
 import sys
 
 from experiments import interrupts, outputs
-from experiments.flags import ArgumentParser, HelpFormatter, output_directory
+from experiments.flags import ArgumentParser, HelpFormatter, output_directory, unknown_name
 from experiments.measure import MEASUREMENTS
 from experiments.measure.run_folder import RunFolder
 
@@ -104,9 +103,7 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
         top.error(f"name a measurement first, one of: {', '.join(names)}")
     name = argv[0]
     if name not in names:
-        close = difflib.get_close_matches(name, names, n=2, cutoff=0.7)
-        hint = f"did you mean {' or '.join(close)}? " if close else ""
-        top.error(f"unknown measurement {name!r}; {hint}The measurements: {', '.join(names)}")
+        top.error(unknown_name("measurement", name, list(names)))
     import jaxamp  # pylint: disable=import-outside-toplevel  # loads JAX (starts no backend)
 
     # Before any backend starts: a CUDA plugin without a GPU registers quietly, for the GPU targets.
