@@ -58,7 +58,7 @@ def watched() -> Iterator[None]:
 
     Algorithm::
 
-        on entry:            forget any earlier SIGINT; install the handler
+        on entry:            install the handler
         on a SIGINT:         keep its arrival; raise KeyboardInterrupt (as Python does)
         stop_if_interrupted: raise KeyboardInterrupt if a SIGINT arrived
         at the block's end:  restore the previous handler; if a SIGINT arrived and
@@ -76,14 +76,13 @@ def watched() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread() or not _pythons_own(previous):
         yield
         return
-    _arrived.clear()
     signal.signal(signal.SIGINT, _keep_and_interrupt)
     try:
         yield
         stop_if_interrupted()
     finally:
         signal.signal(signal.SIGINT, previous)
-        _arrived.clear()
+        _arrived.clear()  # the next command starts afresh
 
 
 def stop_if_interrupted() -> None:
@@ -127,7 +126,8 @@ def deferred() -> Iterator[None]:
     received = []
 
     def hold(signum, frame):
-        _arrived.set()
+        if previous is _keep_and_interrupt:  # inside `watched`: kept for its readers too
+            _arrived.set()
         if received:
             signal.signal(signal.SIGINT, previous)
             raise KeyboardInterrupt

@@ -152,6 +152,14 @@ def test_a_ctrl_c_under_watch_raises_at_once_and_is_held_back_through_a_save(pyt
     assert reached == ["the save", "after the save"]
 
 
+def test_a_ctrl_c_held_back_through_a_save_outside_a_command_leaves_no_stop_behind(python_handles_ctrl_c):
+    with pytest.raises(KeyboardInterrupt), interrupts.deferred():
+        ctrl_c()
+    interrupts.stop_if_interrupted()
+    with interrupts.watched():
+        interrupts.stop_if_interrupted()
+
+
 def test_watch_leaves_an_ignored_ctrl_c_and_a_handler_of_the_callers_own_alone(python_handles_ctrl_c):
     for handler in (signal.SIG_IGN, lambda signum, frame: None):
         signal.signal(signal.SIGINT, handler)
