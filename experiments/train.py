@@ -39,6 +39,7 @@ import optax
 
 import jaxamp
 from experiments import data as data_lib
+from experiments import interrupts
 from experiments.checkpointing import (
     Checkpointer,
     CheckpointError,
@@ -553,6 +554,7 @@ def train_and_evaluate(
             resumed_at = position if epoch == position.epoch else None
             state = _run_epoch(run, state, epoch, resumed_at)
     results["summary"] = summarize(results["epochs"])
+    interrupts.stop_if_interrupted()
     if config.out and data_parallel.is_main_process:
         write_json_atomically(config.out, results)
     return results
@@ -592,6 +594,7 @@ def _run_epoch(run: _Run, state, epoch: int, resumed_at: Position | None):
     )
     pending: list[dict[str, jax.Array]] = []
     for step in range(steps_done, steps):
+        interrupts.stop_if_interrupted()
         state, metrics = run.train_step(
             state, run.device_data.train_images, run.device_data.train_labels, batches[step], step_rngs[step]
         )
@@ -633,6 +636,7 @@ def _run_epoch(run: _Run, state, epoch: int, resumed_at: Position | None):
     run.log(format_epoch(record, config.epochs))
     if skipped_line:
         run.log(f"  {skipped_line}")
+    interrupts.stop_if_interrupted()
     if config.out and run.data_parallel.is_main_process:
         write_json_atomically(config.out, run.results)
     run.guard.check(state)
@@ -670,12 +674,14 @@ def _compile(config, dataset, state, device_data, steps_per_epoch, data_parallel
         .lower(rng)
         .compile()
     )
+    interrupts.stop_if_interrupted()  # between compiles: each takes seconds
     train_step = (
         jax.jit(make_train_step(config, dataset, data_parallel), donate_argnums=0, out_shardings=replicated)
         .lower(state, device_data.train_images, device_data.train_labels, batch_indices, rng)
         .compile()
     )
     train_compile = time.perf_counter() - start
+    interrupts.stop_if_interrupted()
     start = time.perf_counter()
     eval_step = (
         jax.jit(make_eval_step(dataset), out_shardings=replicated)

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
+from jaxamp._unknown_name import unknown_name
+
 T = TypeVar("T")
 
 # Dtype aliases of jmp's grammar, plus the "fp" spellings people type.
@@ -120,6 +122,13 @@ _NAMED_STATE_POLICIES: dict[str, tuple[str, int | None]] = {
         ("int8_per_tensor", ("int8", None)),
     )
 }
+
+# The names a mistyped one is answered with, grouped; the aliases are left to get_policy's docstring.
+_POLICY_CHOICES = """\
+  half compute:  mixed_float16 (mixed), mixed_bfloat16, mixed_float8
+  one dtype:     float32, float16, bfloat16, half (float16; bfloat16 on TPU)
+  bf16 params:   bfloat16_kahan, bfloat16_stochastic, bfloat16_nearest, bfloat16_int8, bfloat16_fp8
+  or a spec:     'p=f32,c=f16,o=f32'; help(jaxamp.get_policy) lists every alias and key"""
 
 _GRAMMAR_KEYS = {
     "p": "param_dtype",
@@ -293,6 +302,17 @@ def parse_fields(spec: str, keys: dict[str, str], *, kind: str, example: str, fl
             )
         fields[keys[key]] = value
     return fields
+
+
+def policy_of(model: Any) -> Policy | None:
+    """The policy `jaxamp.apply_policy` gave `model`, or None for a model it did not make.
+
+    `model` may also be a linen model's bound ``apply`` (a train state's ``apply_fn``).
+    Every model `jaxamp.apply_policy` makes answers ``jaxamp_policy`` with its policy.
+    """
+    owner = getattr(model, "__self__", model)
+    policy = getattr(owner, "jaxamp_policy", None)
+    return policy if isinstance(policy, Policy) else None
 
 
 def is_floating_array(leaf: Any) -> bool:
@@ -518,8 +538,8 @@ def get_policy(spec: PolicySpec) -> Policy:
         The policy.
 
     Raises:
-        ValueError: the string names no policy; the message names the bad token
-            and lists the valid names.
+        ValueError: the string names no policy; the message names the bad token,
+            the nearest valid name and the valid names, grouped.
         TypeError: `spec` is neither a policy nor a string.
     """
     if isinstance(spec, Policy):
@@ -546,11 +566,6 @@ def get_policy(spec: PolicySpec) -> Policy:
     if normalized in DTYPE_NAMES:
         dtype = parse_dtype(normalized, "A policy's dtype")
         return Policy(dtype, dtype, dtype)
-    raise ValueError(
-        f"Unknown precision policy {spec!r}. Valid names: "
-        f"{', '.join([*_NAMED_POLICIES, *_NAMED_FP8_POLICIES, *_NAMED_UPDATE_POLICIES, *_NAMED_STATE_POLICIES])}; "
-        "a dtype alias "
-        f"({', '.join(DTYPE_NAMES)}); or jmp's grammar such as "
-        "'params=float32,compute=float16,output=float32' (add ',matmul=float8' for FP8 matmuls, "
-        "',update=kahan' for an update rounding, ',state=int8' for 8-bit optimizer state)."
-    )
+    every_name = (*_NAMED_POLICIES, *_NAMED_FP8_POLICIES, *_NAMED_UPDATE_POLICIES, *_NAMED_STATE_POLICIES,
+                  *DTYPE_NAMES)  # fmt: skip
+    raise ValueError(unknown_name("precision policy", spec, every_name, _POLICY_CHOICES))

@@ -156,3 +156,33 @@ def test_an_optimizer_of_the_head_alone_updates_the_head_alone():
     changed = {path[0] for path in before if not np.array_equal(before[path], after[path])}
     assert "head" in changed and "dense" not in changed
     assert int(optimizer.step[...]) == 1
+
+
+@pytest.mark.parametrize(
+    ("make_model", "expected"),
+    [
+        (lambda: jaxamp.apply_policy(Net(nnx.Rngs(0)), "mixed_float16"), jaxamp.DynamicLossScale()),
+        (lambda: jaxamp.apply_policy(Net(nnx.Rngs(0)), "mixed_bfloat16"), jaxamp.NoOpLossScale()),
+        (lambda: nnx.Linear(4, 3, param_dtype=jnp.float16, rngs=nnx.Rngs(0)), jaxamp.DynamicLossScale()),
+        (lambda: Net(nnx.Rngs(0)), jaxamp.NoOpLossScale()),
+    ],
+    ids=["mixed_float16", "mixed_bfloat16", "float16_params", "float32"],
+)
+def test_an_optimizer_made_without_a_loss_scale_takes_the_one_the_models_dtypes_need(make_model, expected):
+    """A float16 model's optimizer made without a loss scale had none: its small gradients underflowed."""
+    assert jaxamp.NNXOptimizer(make_model(), optax.sgd(0.1)).loss_scale == expected
+
+
+def test_the_optimizer_names_the_leaves_whose_gradients_were_not_finite():
+    """`nonfinite_grads_of(optimizer)` raised "this NNXOptimizer keeps no record of non-finite
+    gradients", though the record was in its state."""
+    model = Net(nnx.Rngs(0))
+    optimizer = jaxamp.NNXOptimizer(model, optax.sgd(0.1))
+    grads = jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
+    grads["head"]["bias"] = jax.tree.map(lambda grad: jnp.full_like(grad, jnp.inf), grads["head"]["bias"])
+    optimizer.update(model, grads)
+
+    record = jaxamp.diagnostics.nonfinite_grads_of(optimizer)
+    assert [path.split("/")[:2] for path in record.nonfinite_paths()] == [["head", "bias"]]
+    assert record.summary().startswith("step 1 skipped: non-finite grads in 1 of 6 leaves: head/bias")
+    assert int(record.skipped_at) == 0 and isinstance(record.nonfinite, jax.Array)

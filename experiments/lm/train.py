@@ -35,6 +35,7 @@ import numpy as np
 import optax
 
 import jaxamp
+from experiments import interrupts
 from experiments.distributed import host_value
 from experiments.lm import data as data_lib
 from experiments.lm import figures
@@ -361,6 +362,7 @@ def train_and_evaluate(
             else:
                 progress.write(line, log)
         if on_record:
+            interrupts.stop_if_interrupted()
             on_record(results)
 
     record(0)
@@ -368,6 +370,7 @@ def train_and_evaluate(
     progress = Progress(config.steps, description, config.progress, tokens_per_step, rate_name="tokens_s")
     start = time.perf_counter()
     for step in range(1, config.steps + 1):
+        interrupts.stop_if_interrupted()
         offsets = data_lib.batch_offsets(corpus.train.size, config.batch_size, context, config.seed, step)
         state, loss = compiled.train_step(state, batch(corpus.train, offsets))
         pending.append(loss)

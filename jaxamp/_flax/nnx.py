@@ -152,7 +152,9 @@ def _root_class(module_class: type, module_policies: ModulePolicies) -> type:
         return model_method
 
     methods = {name: through_autocast(method) for name, method in _model_methods(module_class).items()}
-    return _subclass(module_class, methods, jaxamp_policies=module_policies)
+    return _subclass(
+        module_class, methods, jaxamp_policies=module_policies, jaxamp_policy=module_policies.policy
+    )
 
 
 def _already_under_a_policy(module: nnx.Module) -> bool:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp._policy import get_policy, is_floating_array
+from jaxamp._policy import get_policy, is_floating_array, policy_of
 
 T = TypeVar("T")
 
@@ -463,3 +463,26 @@ def default_loss_scale(policy: Any) -> NoOpLossScale | DynamicLossScale:
     if get_policy(policy).compute_dtype == jnp.float16:
         return DynamicLossScale()
     return NoOpLossScale()
+
+
+def loss_scale_for_model(model: Any, params: Any) -> NoOpLossScale | DynamicLossScale:
+    """The loss scale of a train state or optimizer made without one: what the model's dtypes need.
+
+    * a model made by `jaxamp.apply_policy` (or its bound ``apply``):
+      `default_loss_scale` of its policy, so `DynamicLossScale()` for float16
+      computation;
+    * any other model: `DynamicLossScale()` where a leaf of `params` is
+      float16, else `NoOpLossScale()`. A model whose float32 params are
+      computed in float16 by `jaxamp.autocast` is not recognised: pass
+      ``loss_scale=jaxamp.default_loss_scale(policy)``.
+
+    Args:
+        model: the model, or a linen model's ``apply``.
+        params: the params the optimizer updates.
+    """
+    policy = policy_of(model)
+    if policy is not None:
+        return default_loss_scale(policy)
+    # By dtype alone, so that abstract params (jax.eval_shape's) are read too.
+    float16_leaf = any(getattr(leaf, "dtype", None) == jnp.float16 for leaf in jax.tree.leaves(params))
+    return DynamicLossScale() if float16_leaf else NoOpLossScale()
