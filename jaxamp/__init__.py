@@ -35,6 +35,7 @@ from jaxamp import _supported_jax
 _supported_jax.check()  # before the modules that use JAX's APIs
 
 from jaxamp._autocast.primitives import NoAutocastRuleWarning
+from jaxamp._autocast.reference import LiteralNotRecoveredWarning
 from jaxamp._autocast.scope import float32_scope
 from jaxamp._autocast.transform import autocast
 from jaxamp._finite import all_finite, select_tree
@@ -63,6 +64,7 @@ __version__ = "0.1.0"
 __all__ = [
     "NORMALIZATION_LAYERS",
     "DynamicLossScale",
+    "LiteralNotRecoveredWarning",
     "LossScale",
     "LossScaleStuckError",
     "LossScalingState",

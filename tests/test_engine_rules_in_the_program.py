@@ -24,7 +24,7 @@ from jax import lax
 
 import jaxamp
 from jaxamp._autocast.primitives import subjaxprs
-from jaxamp._autocast.reference import LiteralNotRecoveredWarning, recovered
+from jaxamp._autocast.reference import recovered
 
 F16, F32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
 X, W = jnp.ones((2, 4)), jnp.full((4, 4), 0.25)
@@ -233,7 +233,7 @@ def test_a_body_shared_by_two_calls_whose_twins_disagree_keeps_the_half_literal_
         warnings.simplefilter("always")
         found = recovered(half.jaxpr, reference.jaxpr, calls(None, None).__code__)
     assert found == {}
-    assert any(issubclass(w.category, LiteralNotRecoveredWarning) for w in caught) or _warned_before()
+    assert any(issubclass(w.category, jaxamp.LiteralNotRecoveredWarning) for w in caught) or _warned_before()
 
 
 def _warned_before() -> bool:
