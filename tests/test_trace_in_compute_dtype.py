@@ -429,3 +429,25 @@ def test_a_function_that_refuses_half_inputs_is_traced_as_given_with_a_warning_n
         match="it raised NotImplementedError: NotImplementedError Kernels",
     ):
         jaxamp.autocast(float32_only_without_a_message)(x)
+
+
+def test_a_function_that_refuses_half_inputs_and_takes_an_integer_too_is_traced_as_given():
+    """A float32-only function with a step count beside its floating arguments: the integer is traced
+    as given either way, the floating arguments are not, so the function is traced again as given
+    and runs, with the warning.
+
+    Fails if the fallback is refused as soon as any argument was traced as given (the integer), not
+    only when all of them were: the half trace's TypeError would reach the user.
+    """
+
+    def float32_only(x, w, step):
+        if x.dtype != jnp.float32:
+            raise TypeError(f"float32_only takes float32, got {x.dtype}")
+        return jnp.tanh(x @ w) * step
+
+    x, w, step = jnp.ones((4, 8)), jnp.ones((8, 8)) / 8, jnp.array(3, jnp.int32)
+    refused = jaxamp._autocast.interpreter.HalfTraceRefusedWarning
+    with pytest.warns(refused, match="float32_only takes float32"):
+        out = jaxamp.autocast(float32_only)(x, w, step)
+    np.testing.assert_allclose(out, float32_only(x, w, step), rtol=2e-3)
+
