@@ -451,3 +451,34 @@ def test_a_function_that_refuses_half_inputs_and_takes_an_integer_too_is_traced_
         out = jaxamp.autocast(float32_only)(x, w, step)
     np.testing.assert_allclose(out, float32_only(x, w, step), rtol=2e-3)
 
+
+class NnxDenseBatchNorm(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 4, kernel_init=nnx.initializers.ones, rngs=rngs)
+        self.dense.kernel[...] = jnp.eye(4)
+        self.norm = nnx.BatchNorm(4, momentum=0.99, rngs=rngs)
+        self.seen = []
+
+    def __call__(self, x):
+        self.seen.append((self.dense.kernel[...].dtype, self.norm.mean[...].dtype))
+        return self.norm(self.dense(x))
+
+
+def test_nnx_batchnorm_running_statistics_are_traced_and_updated_in_float32_like_a_float32_model():
+    """NNX state other than ``nnx.Param`` keeps its dtype while traced: the kernel is traced in
+    bfloat16, the running mean in float32, and 50 updates of momentum 0.99 toward a mean near 3 end
+    where float32's do (a bfloat16 mean would stall, as in the linen test above).
+
+    Fails if a leaf's variable type is lost on the way to the trace (every NNX leaf then counts as a
+    param and is traced in the compute dtype)."""
+    batches = [jax.random.normal(jax.random.key(step), (8, 4)) + 3.0 for step in range(50)]
+    reference, model = NnxDenseBatchNorm(nnx.Rngs(0)), NnxDenseBatchNorm(nnx.Rngs(0))
+    model = jaxamp.apply_policy(model, "mixed_bfloat16")
+    step, reference_step = nnx.jit(lambda model, x: model(x)), nnx.jit(lambda model, x: model(x))
+    for batch in batches:
+        step(model, batch)
+        reference_step(reference, batch)
+    assert (BF16, F32) in model.seen and (BF16, BF16) not in model.seen
+    assert model.norm.mean[...].dtype == F32
+    np.testing.assert_allclose(model.norm.mean[...], reference.norm.mean[...], rtol=2e-3)
+    np.testing.assert_allclose(model.norm.var[...], reference.norm.var[...], rtol=2e-2)
