@@ -119,6 +119,49 @@ def test_update_without_grads_finite_reads_it_from_the_grads():
     assert int(optimizer.step[...]) == 0 and int(optimizer.skipped_steps) == 1
 
 
+def test_a_step_the_caller_skips_with_finite_gradients_changes_nothing_but_the_loss_scale():
+    """A training loop may skip a step of its own (a loss spike, one bad micro-batch): it passes
+    ``grads_finite=False`` with gradients that are all finite. Fails if the caller's flag is not
+    passed on to `jaxamp.loss_scaling`, which would read the gradients as finite and apply them."""
+    model = Net(nnx.Rngs(0))
+    optimizer = jaxamp.NNXOptimizer(model, optax.adam(1e-2), jaxamp.DynamicLossScale(2.0**10))
+    _, grads, grads_finite = jaxamp.scaled_value_and_grad(loss_fn, optimizer.loss_scale)(model, X)
+    assert bool(grads_finite)
+    model_before, optimizer_before = arrays(model), kept(optimizer)
+
+    optimizer.update(model, grads, grads_finite=jnp.asarray(False))
+
+    assert_same(model_before, arrays(model))
+    assert_same(optimizer_before, kept(optimizer))
+    assert int(optimizer.step[...]) == 0 and int(optimizer.skipped_steps) == 1
+    assert float(optimizer.loss_scale.loss_scale) == 2.0**9
+
+
+def loss_of_data_then_model(x, model):
+    return loss_fn(model, x)
+
+
+@pytest.mark.parametrize("jitted", [True, False], ids=["nnx.jit", "eager"])
+def test_a_model_that_is_the_second_argument_of_the_loss_is_differentiated_and_kept_when_skipped(jitted):
+    """``loss(x, model)`` with ``argnums=1``: the gradients are the model's params' (an ``nnx.State``,
+    as ``nnx.value_and_grad`` gives them), and a step skipped for an inf in the data puts back the
+    batch statistics and the dropout's RNG count that the call moved."""
+    model, twin = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+    grad_fn = jaxamp.scaled_value_and_grad(loss_of_data_then_model, jaxamp.StaticLossScale(4.0), argnums=1)
+    grad_fn = nnx.jit(grad_fn) if jitted else grad_fn
+    loss, grads, grads_finite = grad_fn(X, model)
+    expected_loss, expected = nnx.value_and_grad(loss_of_data_then_model, argnums=1)(X, twin)
+    assert bool(grads_finite) and float(loss) == pytest.approx(float(expected_loss), rel=1e-6)
+    assert jax.tree.structure(grads) == jax.tree.structure(expected)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+    before = arrays(model)
+    *_, grads_finite = grad_fn(X_INF, model)
+    assert not bool(grads_finite)
+    assert_same(before, arrays(model))
+
+
 def test_the_gradients_of_a_model_with_an_rng_stream_are_its_params_gradients():
     """``jax.value_and_grad`` refused the dropout's uint32 RNG count ("grad requires real- or
     complex-valued inputs"); an NNX module is differentiated as ``nnx.value_and_grad`` does."""
@@ -156,3 +199,13 @@ def test_an_optimizer_of_the_head_alone_updates_the_head_alone():
     changed = {path[0] for path in before if not np.array_equal(before[path], after[path])}
     assert "head" in changed and "dense" not in changed
     assert int(optimizer.step[...]) == 1
+
+
+def test_skipped_steps_count_every_skip_and_consecutive_ones_only_those_in_a_row():
+    model = Net(nnx.Rngs(0))
+    optimizer = jaxamp.NNXOptimizer(model, optax.sgd(0.1), jaxamp.DynamicLossScale(2.0**10))
+    for x in (X_INF, X, X_INF):
+        step(model, optimizer, x)
+    assert int(optimizer.step[...]) == 1 and int(optimizer.skipped_steps) == 2
+    assert int(optimizer.loss_scale.consecutive_skipped_steps) == 1
+
