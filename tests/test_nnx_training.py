@@ -209,3 +209,53 @@ def test_skipped_steps_count_every_skip_and_consecutive_ones_only_those_in_a_row
     assert int(optimizer.step[...]) == 1 and int(optimizer.skipped_steps) == 2
     assert int(optimizer.loss_scale.consecutive_skipped_steps) == 1
 
+
+class OverflowingMLP(nnx.Module):
+    """Four layers in an ``nnx.List``; the third one's weights 10,000 times too large for float16."""
+
+    def __init__(self, rngs):
+        sizes = [(32, 16), (16, 16), (16, 16), (16, 10)]
+        self.layers = nnx.List([nnx.Linear(fan_in, fan_out, rngs=rngs) for fan_in, fan_out in sizes])
+        self.layers[2].kernel[...] = self.layers[2].kernel[...] * 1e4
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = nnx.relu(layer(x))
+        return self.layers[-1](x)
+
+
+def test_an_nnx_run_stuck_on_overflows_is_stopped_naming_its_layers_and_leaves_by_their_paths():
+    """The linen guide's MLP, in NNX: every step overflows backward in ``layers/3`` (whose weight
+    gradient multiplies ``layers/2``'s large outputs by the scaled cotangent). The record names the
+    layer as linen's names ``Dense_3``, the non-finite leaves are named by their paths in the model
+    (no NNX ``/value``), and `jaxamp.OverflowGuard` on the `NNXOptimizer` lists them and the layer
+    where they start, as it does for a `jaxamp.TrainState`."""
+    model = jaxamp.apply_policy(OverflowingMLP(nnx.Rngs(1)), "mixed_float16")
+    optimizer = jaxamp.NNXOptimizer(model, optax.adam(1e-3), jaxamp.DynamicLossScale())
+    x, labels = jax.random.normal(jax.random.key(0), (8, 32)), jnp.arange(8)
+
+    @nnx.jit
+    def recording_step(model, optimizer):
+        def loss_fn(model):
+            return optax.softmax_cross_entropy_with_integer_labels(model(x), labels).mean()
+
+        *_, grads, grads_finite, record = jaxamp.scaled_value_and_grad(
+            loss_fn, optimizer.loss_scale, record_overflow=True
+        )(model)
+        optimizer.update(model, grads, grads_finite=grads_finite)
+        return record
+
+    first = recording_step(model, optimizer).first_overflow()
+    assert (first.site.name, first.pass_) == ("layers/3", "backward")
+    skipped = ["layers/0/bias", "layers/0/kernel", "layers/1/bias", "layers/1/kernel", "layers/3/kernel"]
+    assert optimizer.nonfinite_grads.nonfinite_paths() == skipped
+    assert jaxamp.diagnostics.nonfinite_grads_of(optimizer).summary().startswith(
+        "step 1 skipped: non-finite grads in 5 of 8 leaves: layers/0/bias, layers/0/kernel"
+    )
+    for _ in range(5):
+        recording_step(model, optimizer)
+    with pytest.raises(jaxamp.LossScaleStuckError) as stuck:
+        jaxamp.OverflowGuard(max_consecutive_skips=5).check(optimizer)
+    assert stuck.value.nonfinite_paths == skipped
+    assert stuck.value.deepest_layers == ["layers/3"]
+    assert "non-finite gradients start at layers/3" in str(stuck.value)
