@@ -162,45 +162,6 @@ def test_a_model_that_is_the_second_argument_of_the_loss_is_differentiated_and_k
     assert_same(before, arrays(model))
 
 
-def test_the_gradients_of_a_model_with_an_rng_stream_are_its_params_gradients():
-    """``jax.value_and_grad`` refused the dropout's uint32 RNG count ("grad requires real- or
-    complex-valued inputs"); an NNX module is differentiated as ``nnx.value_and_grad`` does."""
-    model, twin = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
-    loss, grads, grads_finite = jaxamp.scaled_value_and_grad(loss_fn, jaxamp.StaticLossScale(4.0))(model, X)
-    expected_loss, expected = nnx.value_and_grad(loss_fn)(twin, X)
-    assert bool(grads_finite) and float(loss) == float(expected_loss)
-    assert jax.tree.structure(grads) == jax.tree.structure(expected)
-    jax.tree.map(np.testing.assert_array_equal, grads, expected)
-    assert_same(arrays(twin), arrays(model))  # the batch statistics and RNG count moved alike
-
-
-def test_recording_overflows_of_an_nnx_model_names_its_matmuls():
-    model = jaxamp.apply_policy(Net(nnx.Rngs(0)), "mixed_float16")
-    *_, grads_finite, record = jaxamp.scaled_value_and_grad(
-        loss_fn, jaxamp.StaticLossScale(1.0), record_overflow=True
-    )(model, X)
-    assert bool(grads_finite) and len(record.sites) == 2 and record.first_overflow() is None
-
-
-def test_a_loss_scale_that_does_not_count_skipped_steps_is_refused_naming_the_fix():
-    with pytest.raises(TypeError, match=r"jaxamp.NNXOptimizer needs a jaxamp loss scale .* jmp loss scale"):
-        jaxamp.NNXOptimizer(Net(nnx.Rngs(0)), optax.sgd(0.1), jmp.DynamicLossScale(jnp.float32(2.0**15)))
-
-
-def test_an_optimizer_of_the_head_alone_updates_the_head_alone():
-    """``wrt`` reaches ``nnx.Optimizer``: fine-tuning one layer (as with ``nnx.LoRAParam``)."""
-    head_only = nnx.All(nnx.Param, nnx.PathContains("head"))
-    model = Net(nnx.Rngs(0))
-    optimizer = jaxamp.NNXOptimizer(model, optax.sgd(0.1), jaxamp.StaticLossScale(1.0), wrt=head_only)
-    before = arrays(model)
-    grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, head_only))(model, X)
-    optimizer.update(model, grads)
-    after = arrays(model)
-    changed = {path[0] for path in before if not np.array_equal(before[path], after[path])}
-    assert "head" in changed and "dense" not in changed
-    assert int(optimizer.step[...]) == 1
-
-
 def test_skipped_steps_count_every_skip_and_consecutive_ones_only_those_in_a_row():
     model = Net(nnx.Rngs(0))
     optimizer = jaxamp.NNXOptimizer(model, optax.sgd(0.1), jaxamp.DynamicLossScale(2.0**10))
@@ -259,3 +220,41 @@ def test_an_nnx_run_stuck_on_overflows_is_stopped_naming_its_layers_and_leaves_b
     assert stuck.value.nonfinite_paths == skipped
     assert stuck.value.deepest_layers == ["layers/3"]
     assert "non-finite gradients start at layers/3" in str(stuck.value)
+
+def test_the_gradients_of_a_model_with_an_rng_stream_are_its_params_gradients():
+    """``jax.value_and_grad`` refused the dropout's uint32 RNG count ("grad requires real- or
+    complex-valued inputs"); an NNX module is differentiated as ``nnx.value_and_grad`` does."""
+    model, twin = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+    loss, grads, grads_finite = jaxamp.scaled_value_and_grad(loss_fn, jaxamp.StaticLossScale(4.0))(model, X)
+    expected_loss, expected = nnx.value_and_grad(loss_fn)(twin, X)
+    assert bool(grads_finite) and float(loss) == float(expected_loss)
+    assert jax.tree.structure(grads) == jax.tree.structure(expected)
+    jax.tree.map(np.testing.assert_array_equal, grads, expected)
+    assert_same(arrays(twin), arrays(model))  # the batch statistics and RNG count moved alike
+
+
+def test_recording_overflows_of_an_nnx_model_names_its_matmuls():
+    model = jaxamp.apply_policy(Net(nnx.Rngs(0)), "mixed_float16")
+    *_, grads_finite, record = jaxamp.scaled_value_and_grad(
+        loss_fn, jaxamp.StaticLossScale(1.0), record_overflow=True
+    )(model, X)
+    assert bool(grads_finite) and len(record.sites) == 2 and record.first_overflow() is None
+
+
+def test_a_loss_scale_that_does_not_count_skipped_steps_is_refused_naming_the_fix():
+    with pytest.raises(TypeError, match=r"jaxamp.NNXOptimizer needs a jaxamp loss scale .* jmp loss scale"):
+        jaxamp.NNXOptimizer(Net(nnx.Rngs(0)), optax.sgd(0.1), jmp.DynamicLossScale(jnp.float32(2.0**15)))
+
+
+def test_an_optimizer_of_the_head_alone_updates_the_head_alone():
+    """``wrt`` reaches ``nnx.Optimizer``: fine-tuning one layer (as with ``nnx.LoRAParam``)."""
+    head_only = nnx.All(nnx.Param, nnx.PathContains("head"))
+    model = Net(nnx.Rngs(0))
+    optimizer = jaxamp.NNXOptimizer(model, optax.sgd(0.1), jaxamp.StaticLossScale(1.0), wrt=head_only)
+    before = arrays(model)
+    grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, head_only))(model, X)
+    optimizer.update(model, grads)
+    after = arrays(model)
+    changed = {path[0] for path in before if not np.array_equal(before[path], after[path])}
+    assert "head" in changed and "dense" not in changed
+    assert int(optimizer.step[...]) == 1

@@ -42,8 +42,7 @@ from flax import nnx
 
 from jaxamp._finite import all_finite
 from jaxamp._scaling.loss_scale import LossScale, NoOpLossScale
-from jaxamp._scaling.loss_scaling import loss_scale_of, loss_scaling, require_skip_counting, scaling_state_of
-from jaxamp._scaling.nonfinite import NonFiniteGradients
+from jaxamp._scaling.loss_scaling import loss_scale_of, loss_scaling, require_skip_counting
 
 
 def _is_nnx_node(value: Any) -> bool:
@@ -99,13 +98,6 @@ def keep_if_skipped(
             variable[...] = jnp.where(grads_finite, variable[...], old)
 
 
-def _values(tree: Any) -> Any:
-    """`tree` (part of an ``nnx.Optimizer``'s state) with each NNX variable replaced by its value."""
-    return jax.tree.map(
-        lambda variable: variable[...], tree, is_leaf=lambda node: isinstance(node, nnx.Variable)
-    )
-
-
 class NNXOptimizer(nnx.Optimizer):
     """``flax.nnx.Optimizer`` with loss scaling: a skipped step changes only the loss scale.
 
@@ -138,11 +130,6 @@ class NNXOptimizer(nnx.Optimizer):
     Attributes:
         step: the steps applied (``nnx.Optimizer``'s counter); a skipped step
             does not count, so ``step + skipped_steps`` is every call.
-        loss_scale: the loss scale for the next step, with its skip counters.
-        skipped_steps: the steps skipped so far.
-        nonfinite_grads: the non-finite gradient leaves of the last skipped
-            step (`jaxamp.diagnostics.NonFiniteGradients`), which
-            `jaxamp.OverflowGuard` names as it does a `jaxamp.TrainState`'s.
 
     Raises:
         TypeError: `loss_scale` does not count skipped steps (a jmp loss scale).
@@ -164,18 +151,16 @@ class NNXOptimizer(nnx.Optimizer):
     @property
     def loss_scale(self) -> LossScale:
         """The loss scale for the next step (with its skip counters), as arrays."""
-        return _values(loss_scale_of(self.opt_state))
+        return jax.tree.map(
+            lambda variable: variable[...],
+            loss_scale_of(self.opt_state),
+            is_leaf=lambda node: isinstance(node, nnx.Variable),
+        )
 
     @property
     def skipped_steps(self) -> jax.Array:
         """The steps skipped because their gradients were not finite: the loss scale's counter."""
         return self.loss_scale.skipped_steps
-
-    @property
-    def nonfinite_grads(self) -> NonFiniteGradients:
-        """Which gradient leaves were not finite in the last skipped step, by their paths in the
-        model (``blocks/0/attn/kernel``), as arrays; `jaxamp.OverflowGuard` names them."""
-        return _values(scaling_state_of(self.opt_state, "NNXOptimizer.nonfinite_grads").nonfinite_grads)
 
     def update(self, model: Any, grads: Any, /, *, grads_finite: jax.Array | None = None, **kwargs: Any):
         """Applies `grads` to `model` where `grads_finite`, else skips the step; see the class.
