@@ -121,6 +121,20 @@ def _subclass(module_class: type, methods: dict[str, Callable], **attributes) ->
 
 
 @contextlib.contextmanager
+def _layers_named_in(model: nnx.Module) -> Iterator[None]:
+    """While a root method of `model` runs: its layers' methods are named by their paths in it."""
+    paths: dict[int, tuple] = {}
+    for path, module in nnx.iter_modules(model):
+        paths.setdefault(id(module), path)
+    tokens = (_MODULE_PATHS.set(paths), _RUNNING_PATH.set(()))
+    try:
+        yield
+    finally:
+        for token in reversed(tokens):
+            token.var.reset(token)
+
+
+@contextlib.contextmanager
 def _named_by_path(module: nnx.Module) -> Iterator[None]:
     """Runs a method of `module` inside a ``jax.named_scope`` per component of its path in the model,
     from the path of the module running now (the whole path where it does not start with that)."""
@@ -161,15 +175,12 @@ def _layer_class(module_class: type, scope: ScopePolicy | None) -> type:
 def _run_method(method: Callable, policy: Policy, model: nnx.Module, *args, **kwargs):
     """``method(model, ...)``, its inputs cast at entry, its outputs in the output dtype."""
     args, kwargs = cast_inputs_at_entry(policy, (args, kwargs))
-    paths: dict[int, tuple] = {}
-    for path, module in nnx.iter_modules(model):
-        paths.setdefault(id(module), path)
-    tokens = (_IN_MODEL_CALL.set(True), _MODULE_PATHS.set(paths), _RUNNING_PATH.set(()))
+    token = _IN_MODEL_CALL.set(True)
     try:
-        outputs = method(model, *args, **kwargs)
+        with _layers_named_in(model):
+            outputs = method(model, *args, **kwargs)
     finally:
-        for token in reversed(tokens):
-            token.var.reset(token)
+        _IN_MODEL_CALL.reset(token)
     return policy.cast_to_output(outputs)
 
 
