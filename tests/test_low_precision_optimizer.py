@@ -194,6 +194,24 @@ def test_after_a_thousand_tiny_updates_kahan_holds_bfloat16s_nearest_to_the_floa
     assert float(total.mean()) == pytest.approx(1.1, abs=2e-4)
 
 
+def test_after_a_step_that_more_than_doubles_a_param_kahans_buffer_holds_where_it_landed():
+    """Params from 1 to 200 become 2.7 p + 0.3 in one SGD step. ``new_p - p`` is then not exact in
+    bfloat16 for some of them, so ``optax.apply_updates`` lands them a bfloat16 ulp (up to 2.0 at
+    these sizes) from the nearest value; the buffer must carry what was lost from where the param
+    really landed, so that param + buffer is the float32 sum within the buffer's own rounding."""
+    params = jnp.linspace(1.0, 200.0, 4096).astype(jnp.bfloat16)
+    exact = 2.7 * params.astype(jnp.float32) + 0.3
+    grads = params.astype(jnp.float32) - exact  # SGD(1.0) adds -grads
+    tx = jaxamp.low_precision_optimizer(optax.sgd(1.0), rounding="kahan", key=0)
+    updates, opt_state = tx.update(grads, tx.init(params), params)
+    landed = optax.apply_updates(params, updates).astype(jnp.float32)
+    nearest = exact.astype(jnp.bfloat16).astype(jnp.float32)
+    assert float(jnp.max(jnp.abs(landed - nearest))) == 2.0, "the scenario: some params land an ulp off"
+    total = landed + opt_state.compensation.astype(jnp.float32)
+    # The buffer is at most an ulp of the param (2.0): bfloat16 holds it within 2**-7 of itself.
+    assert float(jnp.max(jnp.abs(total - exact))) < 0.02
+
+
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 def test_a_skipped_step_leaves_params_moments_buffer_and_key_bit_identical(rounding):
     tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), rounding=rounding)

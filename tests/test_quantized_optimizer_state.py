@@ -121,6 +121,85 @@ def test_a_second_moments_small_values_keep_their_size_where_a_signed_block_lose
     assert error_signed > 3 * abs(float(decoded[0, 2:].mean()) - 1e-6) or state_format == "int8"
 
 
+# A momentum's entries, as fractions of their block's largest (1) beside a negative one (-0.5): within
+# the codes' range (int8's 1e-6 to 1, e4m3's 4.4e-6 to 1), and below it.
+SMALL_ENTRIES = (3.7e-3, -3.7e-3, 4.3e-5, -4.3e-5, 7e-7, -7e-7, 2e-8, -2e-8)
+
+
+def round_trip(values, state_format, key):
+    """`values` (rows of 256, each a block) stored in 8 bits and read back (in float32: the code
+    values below are compared within float32's rounding)."""
+    return np.asarray(dequantize(quantize(values, state_format, 256, key)), np.float64)
+
+
+def signed_block_values(state_format):
+    """Every value a block with a negative element decodes to, ascending, as fractions of its largest."""
+    if state_format == "int8":
+        magnitudes = np.concatenate([[0.0], unsigned_code()[3::2]])  # 0 and +-127 values from 1e-6 to 1
+    else:
+        codes = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
+        magnitudes = np.abs(codes[np.isfinite(codes)]) / np.float32(448)  # decoded in float32
+    return np.unique(np.concatenate([-magnitudes, magnitudes]).astype(np.float64))
+
+
+def momentum_blocks(rows):
+    """`rows` blocks per small entry: 1, -0.5, then 254 copies of the entry."""
+    entries = jnp.repeat(jnp.asarray(SMALL_ENTRIES), rows)[:, None]
+    return jnp.broadcast_to(entries, (entries.shape[0], 256)).at[:, 0].set(1.0).at[:, 1].set(-0.5), rows
+
+
+@pytest.mark.parametrize("state_format", FORMATS)
+def test_a_momentums_small_entries_beside_a_large_one_round_to_the_nearest_value_of_the_signed_code(
+    state_format,
+):
+    """An entry the code cannot hold (2e-8, 7e-7 under e4m3) rounds to zero or its nearest neighbour,
+    never up to the code's smallest: e4m3's is 4.4e-6, 6 to 220 times these entries."""
+    blocks, rows = momentum_blocks(1)
+    decoded = round_trip(blocks, state_format, None)[:, 2:]
+    values = signed_block_values(state_format)
+    for entry, got in zip(SMALL_ENTRIES, decoded, strict=True):
+        nearest = values[np.argmin(np.abs(values - entry))]
+        np.testing.assert_allclose(got, nearest, rtol=1e-6, atol=0, err_msg=f"entry {entry}")
+
+
+@pytest.mark.parametrize("state_format", FORMATS)
+def test_a_momentums_small_entries_beside_a_large_one_decode_unbiased_when_rounded_stochastically(
+    state_format,
+):
+    """Each entry decodes to one of the two code values around it, the upper one as often as makes
+    the mean the entry itself: over 400 blocks (101,600 draws) the mean is the entry within five
+    standard errors, for entries inside the code's range and far below it (2e-8, a fiftieth of
+    int8's smallest)."""
+    blocks, rows = momentum_blocks(400)
+    decoded = round_trip(blocks, state_format, jax.random.key(0))[:, 2:]
+    values = signed_block_values(state_format)
+    for index, entry in enumerate(SMALL_ENTRIES):
+        got = decoded[index * rows : (index + 1) * rows].ravel()
+        lower, upper = values[values <= entry].max(), values[values >= entry].min()
+        either = np.isclose(got, lower, rtol=1e-6, atol=0) | np.isclose(got, upper, rtol=1e-6, atol=0)
+        assert either.all(), (entry, lower, upper, np.unique(got[~either])[:4])
+        p_upper = (entry - lower) / (upper - lower) if upper > lower else 0.0
+        standard_error = (upper - lower) * np.sqrt(p_upper * (1 - p_upper) / got.size)
+        assert abs(got.mean() - entry) <= 5 * standard_error + 1e-6 * abs(entry), (entry, got.mean())
+
+
+@pytest.mark.parametrize("state_format", FORMATS)
+def test_sgd_momentums_small_entries_come_back_from_8_bit_state_unbiased(state_format):
+    """Through the optimizer: a momentum (``optax.trace``, decay 1) holds one step's gradients, whose
+    blocks have a large entry and tiny ones; the next step, with zero gradients and the params put
+    back at zero, updates by the momentum as stored. The tiny entries (7e-7 of the largest: between
+    int8's 0 and 1e-6, e4m3's 0 and 4.4e-6) keep their mean within 5% (five standard errors)."""
+    tx = jaxamp.low_precision_optimizer(
+        optax.trace(decay=1.0), param_dtype=jnp.float32, state_dtype=state_format, rounding="nearest", key=1
+    )
+    params = jnp.zeros((256, 256))
+    grads = jnp.full((256, 256), -7e-7).at[:, 0].set(1.0)
+    _, opt_state = tx.update(grads, tx.init(params), params)
+    momentum, _ = tx.update(jnp.zeros_like(grads), opt_state, params)
+    assert float(momentum[:, 1:].mean()) == pytest.approx(-7e-7, rel=0.05)
+    assert (momentum[:, 0] == 1.0).all()
+
+
 def test_an_outlier_costs_precision_in_its_own_block_only():
     """Two blocks: one with an outlier 1000 times its other values. The other block keeps its precision
     with a scale per block, and loses it with one scale for the whole array."""
