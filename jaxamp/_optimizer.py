@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from jaxamp._policy import (
     DEFAULT_BLOCK_SIZE,
@@ -52,7 +53,7 @@ from jaxamp._policy import (
     get_policy,
     is_floating_array,
 )
-from jaxamp._quantized_state import MIN_QUANTIZED_SIZE, dequantize, quantize
+from jaxamp._quantized_state import MIN_QUANTIZED_SIZE, QuantizedArray, dequantize, quantize
 
 ROUNDINGS = UPDATE_ROUNDINGS
 
@@ -269,6 +270,63 @@ def _load(stored, storage, reference) -> jax.Array:
     return value.astype(reference.dtype)
 
 
+def _is_variable(node) -> bool:
+    return isinstance(node, nnx.Variable)
+
+
+def _value(node):
+    return node.get_value() if _is_variable(node) else node
+
+
+def _stored_tree(state32, stored_leaves: list):
+    """`stored_leaves` (one per leaf of `state32`, in its flattening order) in `state32`'s tree.
+
+    A leaf stored as a `QuantizedArray` where `state32` holds it in an NNX
+    ``Variable`` (the state of an optimizer of an NNX model: optax maps the
+    model's ``nnx.Param``s into its moments) takes the Variable inside: its
+    codes and its scales each in a Variable of that kind. NNX holds arrays in
+    Variables and reads any other pytree as a node of its graph, so the state
+    ``nnx.Optimizer`` wraps at ``init`` then has the tree of the pure state
+    each ``update`` returns. The scales' Variable drops the sharding
+    annotation, which names the dimensions of the codes.
+    """
+    units, unit_tree = jax.tree.flatten(state32, is_leaf=_is_variable)
+    stored_units, position = [], 0
+    for unit in units:
+        count = len(jax.tree.leaves(unit))
+        stored = stored_leaves[position : position + count]
+        position += count
+        if _is_variable(unit) and count == 1 and isinstance(stored[0], QuantizedArray):
+            metadata = {
+                name: value
+                for name, value in unit.get_metadata().items()
+                if name not in ("out_sharding", "sharding", "sharding_names", "optimizer_sharding")
+            }
+            stored_units.append(
+                dataclasses.replace(
+                    stored[0],
+                    codes=unit.replace(stored[0].codes),
+                    scales=type(unit).from_metadata(stored[0].scales, metadata),
+                )
+            )
+        else:
+            stored_units.append(jax.tree.structure(unit).unflatten(stored))
+    return unit_tree.unflatten(stored_units)
+
+
+def _stored_leaves(reference, stored_state) -> list:
+    """The stored leaves of `stored_state`, one per leaf of the inner state `reference` (an 8-bit leaf as
+    one `QuantizedArray` of arrays, unwrapped from the Variables `_stored_tree` put it in)."""
+    units, unit_tree = jax.tree.flatten(reference, is_leaf=_is_variable)
+    leaves = []
+    for stored in unit_tree.flatten_up_to(stored_state):
+        if isinstance(stored, QuantizedArray):
+            leaves.append(dataclasses.replace(stored, codes=_value(stored.codes), scales=_value(stored.scales)))
+        else:
+            leaves.extend(jax.tree.leaves(stored))
+    return leaves
+
+
 def _check_field_names(state_dtype: Mapping, reference_state) -> None:
     fields = {
         name
@@ -481,12 +539,13 @@ def low_precision_optimizer(
         inner_state32 = inner.init(params32)
         if isinstance(state_dtype, Mapping):
             _check_field_names(state_dtype, inner_state32)
-        leaves, state_tree = jax.tree.flatten(inner_state32)
+        leaves = jax.tree.leaves(inner_state32)
         storages = _storages(state_dtype, inner_state32, block_size)
         _check_quantized_somewhere(state_dtype, inner_state32, storages)
         return LowPrecisionState(
-            inner_state=state_tree.unflatten(
-                [_store(leaf, storage, None) for leaf, storage in zip(leaves, storages, strict=True)]
+            inner_state=_stored_tree(
+                inner_state32,
+                [_store(leaf, storage, None) for leaf, storage in zip(leaves, storages, strict=True)],
             ),
             compensation=jax.tree.map(jnp.zeros_like, params) if rounding == "kahan" else None,
             key=raw_key,
@@ -506,7 +565,7 @@ def low_precision_optimizer(
             """The inner optimizer's update and new state, in float32, from the stored state."""
             inner_state32 = reference_tree.unflatten([
                 _load(stored, storage, ref)
-                for stored, storage, ref in zip(reference_tree.flatten_up_to(stored_state), storages, references)
+                for stored, storage, ref in zip(_stored_leaves(reference, stored_state), storages, references)
             ])  # fmt: skip
             grads32 = jax.tree.map(
                 lambda grad: grad.astype(jnp.float32) if is_floating_array(grad) else grad, grads
@@ -542,7 +601,7 @@ def low_precision_optimizer(
             )
         ]
 
-        state_leaves, state_tree = jax.tree.flatten(new_inner_state32)
+        state_leaves = jax.tree.leaves(new_inner_state32)
         stored_leaves = [
             _store(leaf, storage, jax.random.fold_in(state_key, index), scales_from)
             for index, (leaf, storage, scales_from) in enumerate(
@@ -550,7 +609,7 @@ def low_precision_optimizer(
             )
         ]
         return param_tree.unflatten([update for update, _ in landed]), LowPrecisionState(
-            inner_state=state_tree.unflatten(stored_leaves),
+            inner_state=_stored_tree(new_inner_state32, stored_leaves),
             compensation=param_tree.unflatten([buffer for _, buffer in landed])
             if rounding == "kahan"
             else None,
