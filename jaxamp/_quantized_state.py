@@ -49,12 +49,12 @@ linearly in (0.1, 1], 64 in (0.01, 0.1], ..., and 1e-7 alone.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 # As bitsandbytes and torchao do: a leaf smaller than this keeps its float32 state (it costs nothing).
 MIN_QUANTIZED_SIZE = 4096
@@ -92,10 +92,13 @@ def _select(index: jax.Array, constants) -> jax.Array:
     return value
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class QuantizedArray:
     """A float32 array stored as 8-bit codes of its shape and a float32 scale per block.
+
+    A `flax.struct` dataclass: a pytree of its codes and scales, which
+    `flax.serialization` (``to_bytes``, ``to_state_dict``) and orbax save and
+    restore as two arrays, and whose format is static.
 
     Attributes:
         codes: int8 or float8_e4m3fn codes, shaped like the array.
@@ -106,7 +109,7 @@ class QuantizedArray:
 
     codes: jax.Array
     scales: jax.Array
-    format: str = dataclasses.field(metadata={"static": True})
+    format: str = struct.field(pytree_node=False)
 
     @property
     def shape(self) -> tuple[int, ...]:
