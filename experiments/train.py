@@ -198,9 +198,11 @@ def create_train_state(
     """Builds the mixed-precision model and its `jaxamp.TrainState`.
 
     The policy reaches the model by ``config.route`` (`resolve_route`). Both
-    routes start from the same float32 params: ``apply_policy`` adds no
-    variables, and ``autocast`` initializes the plain model and rewrites only
-    its ``apply``.
+    routes start from the same params, in the policy's param dtype:
+    ``apply_policy`` adds no variables, and ``autocast`` initializes the plain
+    model (in float32, cast here) and rewrites only its ``apply``. The
+    optimizer is `jaxamp.optimizer_for_policy`'s, which computes in float32
+    for half params.
     """
     plain_model = create_model(config.model, num_classes)
     if resolve_route(config.route, precision) == "autocast":
@@ -211,8 +213,7 @@ def create_train_state(
     sample = jnp.zeros((1, 32, 32, 3), jnp.float32)
     variables = jax.jit(lambda rng: model.init(rng, sample, train=False))(jax.random.key(config.seed))
     params = variables["params"]
-    if precision.policy.update_rounding is not None:  # the wrapper stores params in the policy's dtype
-        params = precision.policy.cast_to_param(params)
+    params = precision.policy.cast_to_param(params)  # the autocast route's plain model makes float32
     return jaxamp.TrainState.create(
         apply_fn=apply_fn,
         params=params,

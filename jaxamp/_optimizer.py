@@ -619,15 +619,74 @@ def low_precision_optimizer(
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+def _holds_low_precision_state(opt_state) -> bool:
+    """Whether `low_precision_optimizer`'s state is anywhere in `opt_state` (inside a chain, MultiSteps,
+    `jaxamp.loss_scaling`)."""
+    is_state = lambda node: isinstance(node, LowPrecisionState)  # noqa: E731
+    return any(map(is_state, jax.tree.leaves(opt_state, is_leaf=is_state)))
+
+
+def require_float32_update(params, opt_state, where: str) -> None:
+    """Refuses float16 or bfloat16 params whose optimizer computes its update in their dtype.
+
+    An optax optimizer computes its update and keeps its state in the params'
+    dtype. In float16 Adam's ``eps=1e-8`` is 0 and a squared gradient below
+    6e-8 is 0, so the first applied step writes NaN params; in bfloat16 an
+    update below half an ulp of its param is lost. `low_precision_optimizer`
+    computes in float32; an optimizer state that holds its state anywhere
+    passes.
+
+    Args:
+        params: the params (a pytree, an ``nnx.State``).
+        opt_state: the optimizer's state for them.
+        where: who checks, to start the message (``"TrainState.create"``).
+
+    Raises:
+        ValueError: a floating param is float16 or bfloat16 and `opt_state`
+            holds no `low_precision_optimizer` state.
+    """
+    half = [
+        (path, _value(leaf).dtype)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
+        if is_floating_array(_value(leaf)) and _value(leaf).dtype in (jnp.float16, jnp.bfloat16)
+    ]
+    if not half or _holds_low_precision_state(opt_state):
+        return
+    path, dtype = half[0]
+    at = f"the param at {jax.tree_util.keystr(path) or 'the root'} is {dtype.name}"
+    if dtype == jnp.float16:
+        raise ValueError(
+            f"{where}: {at}, and the optimizer would compute its update and keep its state in float16, where "
+            "Adam's eps=1e-8 is 0 and a squared gradient below 6e-8 is 0 (the first applied step writes NaN "
+            "params). Compute it in float32: tx=jaxamp.low_precision_optimizer(tx, param_dtype=jnp.float16, "
+            "state_dtype=jnp.float32), or keep the params in float32 (a mixed policy: 'mixed_float16')."
+        )
+    raise ValueError(
+        f"{where}: {at}, and the optimizer would compute its update and keep its state in bfloat16, where an "
+        "update below half an ulp of its param (0.2% to 0.4% of it) is lost. Compute it in float32: "
+        "tx=jaxamp.low_precision_optimizer(tx) (bfloat16 state, updates rounded stochastically), or keep the "
+        "params in float32 (a mixed policy: 'mixed_bfloat16')."
+    )
+
+
 def optimizer_for_policy(
     inner: optax.GradientTransformation, policy: PolicySpec, *, key: jax.Array | int | None = None
 ) -> optax.GradientTransformation:
     """The optimizer a precision policy asks for: `inner`, or `inner` wrapped by its update rounding.
 
-    A policy without an update rounding (``"mixed_bf16"``, ``"bfloat16"``)
-    returns `inner` itself: optax applies its updates as usual. One with an
-    update rounding (``"bfloat16_kahan"``, ``"p=bf16,c=bf16,update=stochastic"``)
-    returns:
+    A policy with float32 params and no update rounding (``"mixed_bf16"``)
+    returns `inner` itself: optax applies its updates as usual. One with
+    float16 or bfloat16 params and no update rounding (``"float16"``,
+    ``"bfloat16"``) returns the wrapper that computes the update in float32
+    and lands it as optax would, rounded to nearest, with the state in
+    bfloat16 for bfloat16 params and in float32 for float16 params (float16
+    cannot hold Adam's ``eps`` nor a small second moment)::
+
+        low_precision_optimizer(inner, param_dtype=policy.param_dtype, rounding="nearest",
+                                state_dtype=jnp.float32 if float16 params else jnp.bfloat16)
+
+    One with an update rounding (``"bfloat16_kahan"``,
+    ``"p=bf16,c=bf16,update=stochastic"``) returns:
 
     ```python
     low_precision_optimizer(inner, param_dtype=policy.param_dtype,
@@ -657,7 +716,15 @@ def optimizer_for_policy(
     """
     policy = get_policy(policy)
     if policy.update_rounding is None:
-        return inner
+        if policy.param_dtype not in (jnp.float16, jnp.bfloat16):
+            return inner
+        return low_precision_optimizer(
+            inner,
+            param_dtype=policy.param_dtype,
+            state_dtype=jnp.float32 if policy.param_dtype == jnp.float16 else jnp.bfloat16,
+            rounding="nearest",
+            key=key,
+        )
     return low_precision_optimizer(
         inner,
         param_dtype=policy.param_dtype,

@@ -105,8 +105,7 @@ def create_train_state(
     """Initializes params from ``config.seed`` and builds the `jaxamp.TrainState` around `tx`."""
     sample = jnp.zeros((1, context), jnp.int32)
     params = model_for_init(model).init(jax.random.key(config.seed), sample)["params"]
-    if precision.policy.update_rounding is not None:  # the wrapper stores params in the policy's dtype
-        params = precision.policy.cast_to_param(params)
+    params = precision.policy.cast_to_param(params)  # the autocast route's plain model makes float32
     return jaxamp.TrainState.create(
         apply_fn=model.apply,
         params=params,
