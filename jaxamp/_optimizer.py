@@ -176,6 +176,21 @@ def _state_storage(value: Any, setting: str, block_size: int | None) -> np.dtype
     )
 
 
+def _check_block_size(block_size: Any, setting: str) -> None:
+    """Raises unless `block_size` is None or a power of two: every leaf stored in 8 bits has at least
+    `MIN_QUANTIZED_SIZE` (4096, a power of two) elements, and arrays' sizes are multiples of powers of two."""
+    if block_size is None or (
+        isinstance(block_size, int) and not isinstance(block_size, bool) and block_size > 0
+        and block_size & (block_size - 1) == 0
+    ):
+        return
+    raise ValueError(
+        f"{setting} must be a power of two (elements per scale of an 8-bit state leaf, which must divide the "
+        f"leaf's size; {DEFAULT_BLOCK_SIZE} by default, bitsandbytes uses 2048) or None (one scale per leaf); "
+        f"got {block_size!r}."
+    )
+
+
 def _is_single_setting(state_dtype: StateDtype) -> bool:
     """Whether `state_dtype` is one dtype or format for every leaf (not a mapping, not a callable)."""
     return not isinstance(state_dtype, Mapping) and not (
@@ -464,22 +479,27 @@ def low_precision_optimizer(
         key: a PRNG key of any implementation (``jax.random.key(0,
             impl="rbg")``), the raw uint32 data of a default-implementation
             key, or an int seed, for stochastic rounding; 0 when None.
-        block_size: elements per scale of an 8-bit state leaf (256, as
-            torchao; bitsandbytes uses 2048): it must divide the size of
-            every leaf stored in 8 bits. None gives each leaf one scale,
-            which the measurements in the guide show to be worse.
+        block_size: elements per scale of an 8-bit state leaf, a power of
+            two (256, as torchao; bitsandbytes uses 2048): it must divide the
+            size of every leaf stored in 8 bits. None gives each leaf one
+            scale.
 
     Returns:
         An optax `GradientTransformationExtraArgs` whose state is a
         `LowPrecisionState`; extra arguments of ``update`` go to `inner`.
 
     Raises:
-        ValueError: an unknown `rounding`, a dtype that is neither floating
-            nor an 8-bit format, a `state_dtype` mapping naming no field of
-            the inner state, a `block_size` that is not a positive integer or
-            does not divide a leaf stored in 8 bits, an 8-bit state for an
-            optimizer with no floating state leaf large enough, a param not in
-            `param_dtype`, or ``update`` called without params.
+        ValueError: here, when the optimizer is built: an unknown
+            `rounding`, a `param_dtype` that is not floating, a `state_dtype`
+            (or a value of a mapping) that is neither a floating dtype nor an
+            8-bit format, a `block_size` that is not a power of two, a `key`
+            that is no PRNG key. At ``init``, where the inner optimizer's
+            state is first known (it is made from the params): a mapping
+            naming no field of that state, a dtype a callable `state_dtype`
+            returns, a `block_size` that does not divide a leaf stored in 8
+            bits, an 8-bit state for an optimizer with no floating state leaf
+            of 4096 elements; and a param not in `param_dtype`. At
+            ``update``: a call without params.
     """
     if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
         raise TypeError(
@@ -490,15 +510,12 @@ def low_precision_optimizer(
             f"low_precision_optimizer's rounding must be one of {', '.join(map(repr, ROUNDINGS))}; got {rounding!r}."
         )
     param_dtype = None if param_dtype is None else _floating_dtype(param_dtype, "param_dtype")
-    if block_size is not None and (
-        isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
-    ):
-        raise ValueError(
-            f"low_precision_optimizer's block_size must be a positive integer (elements per scale of an 8-bit "
-            f"state leaf; 256 by default) or None (one scale per leaf); got {block_size!r}."
-        )
+    _check_block_size(block_size, "low_precision_optimizer's block_size")
     if _is_single_setting(state_dtype):
         _state_storage(state_dtype, "state_dtype", block_size)
+    elif isinstance(state_dtype, Mapping):
+        for name, value in state_dtype.items():
+            _state_storage(value, f"state_dtype[{name!r}]", block_size)
     raw_key, key_impl = _raw_key_and_impl(key)
     inner = optax.with_extra_args_support(inner)
 
