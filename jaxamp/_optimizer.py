@@ -27,9 +27,9 @@ Examples:
     >>> updates, opt_state = tx.update(grads, opt_state, params)
     >>> params = optax.apply_updates(params, updates)
 
-A precision policy can name the rounding (``"bfloat16_kahan"``, or the
-grammar key ``update=kahan``); `optimizer_for_policy` builds the optimizer it
-asks for.
+`jaxamp.OptimizerStorage` holds the storage arguments as one value;
+`jaxamp.optimizer_for_policy` builds the optimizer a precision name asks for
+(``"bfloat16_kahan"``).
 """
 
 from __future__ import annotations
@@ -48,9 +48,7 @@ from jaxamp._policy import (
     DEFAULT_BLOCK_SIZE,
     STATE_FORMATS,
     UPDATE_ROUNDINGS,
-    PolicySpec,
     canonical_state_format,
-    get_policy,
     is_floating_array,
 )
 from jaxamp._quantized_state import MIN_QUANTIZED_SIZE, QuantizedArray, dequantize, quantize
@@ -683,70 +681,4 @@ def require_float32_update(params, opt_state, where: str) -> None:
         "update below half an ulp of its param (0.2% to 0.4% of it) is lost. Compute it in float32: "
         "tx=jaxamp.low_precision_optimizer(tx) (bfloat16 state, updates rounded stochastically), or keep the "
         "params in float32 (a mixed policy: 'mixed_bfloat16')."
-    )
-
-
-def optimizer_for_policy(
-    inner: optax.GradientTransformation, policy: PolicySpec, *, key: jax.Array | int | None = None
-) -> optax.GradientTransformation:
-    """The optimizer a precision policy asks for: `inner`, or `inner` wrapped by its update rounding.
-
-    A policy with float32 params and no update rounding (``"mixed_bf16"``)
-    returns `inner` itself: optax applies its updates as usual. One with
-    float16 or bfloat16 params and no update rounding (``"float16"``,
-    ``"bfloat16"``) returns the wrapper that computes the update in float32
-    and lands it as optax would, rounded to nearest, with the state in
-    bfloat16 for bfloat16 params and in float32 for float16 params (float16
-    cannot hold Adam's ``eps`` nor a small second moment)::
-
-        low_precision_optimizer(inner, param_dtype=policy.param_dtype, rounding="nearest",
-                                state_dtype=jnp.float32 if float16 params else jnp.bfloat16)
-
-    One with an update rounding (``"bfloat16_kahan"``,
-    ``"p=bf16,c=bf16,update=stochastic"``) returns:
-
-    ```python
-    low_precision_optimizer(inner, param_dtype=policy.param_dtype,
-                            state_dtype=policy.state_format or policy.param_dtype,
-                            rounding=policy.update_rounding, key=key,
-                            block_size=policy.state_block_size)
-    ```
-
-    so params are stored in the policy's param dtype, the optimizer's state
-    in its 8-bit format (``"bfloat16_int8"``, ``state=int8``) or else in the
-    param dtype, and each update lands by the rounding the policy names.
-
-    Examples:
-        >>> tx = optimizer_for_policy(optax.adamw(1e-3), "bfloat16_kahan", key=0)  # Kahan around AdamW
-        >>> sgd = optax.sgd(0.1)
-        >>> optimizer_for_policy(sgd, "mixed_bf16") is sgd
-        True
-
-    Args:
-        inner: any optax optimizer.
-        policy: a `jaxamp.Policy` or anything `jaxamp.get_policy` reads.
-        key: the PRNG key or int seed of stochastic rounding (see
-            `low_precision_optimizer`).
-
-    Returns:
-        `inner`, or the `low_precision_optimizer` around it.
-    """
-    policy = get_policy(policy)
-    if policy.update_rounding is None:
-        if policy.param_dtype not in (jnp.float16, jnp.bfloat16):
-            return inner
-        return low_precision_optimizer(
-            inner,
-            param_dtype=policy.param_dtype,
-            state_dtype=jnp.float32 if policy.param_dtype == jnp.float16 else jnp.bfloat16,
-            rounding="nearest",
-            key=key,
-        )
-    return low_precision_optimizer(
-        inner,
-        param_dtype=policy.param_dtype,
-        state_dtype=policy.state_format or policy.param_dtype,
-        rounding=policy.update_rounding,
-        key=key,
-        block_size=policy.state_block_size,
     )

@@ -81,7 +81,7 @@ def create_optimizer(config: LMConfig) -> optax.GradientTransformation:
             mask=lambda params: jax.tree.map(lambda param: param.ndim >= 2, params),
         ),
     )
-    return jaxamp.optimizer_for_policy(adamw, resolve_precision(config.precision).policy, key=config.seed)
+    return resolve_precision(config.precision).optimizer(adamw, key=config.seed)
 
 
 def model_for_init(model):
@@ -307,7 +307,7 @@ def train_and_evaluate(
     results: dict[str, Any] = {
         "config": dataclasses.asdict(config),
         "precision": {
-            "policy": str(precision.policy),
+            "policy": precision.describe(),
             "matmul_precision": precision.matmul_precision,
         },
         "attention": attention,
