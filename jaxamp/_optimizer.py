@@ -51,6 +51,7 @@ from jaxamp._policy import (
     canonical_state_format,
     is_floating_array,
 )
+from jaxamp import _draws as draws
 from jaxamp._quantized_state import MIN_QUANTIZED_SIZE, QuantizedArray, dequantize, quantize
 
 ROUNDINGS = UPDATE_ROUNDINGS
@@ -98,6 +99,9 @@ def stochastic_round(value: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     backend flushes float32 arithmetic to zero: there a value computed that
     small is already 0, and one passed in rounds to nearest.
 
+    The uniform draws are `jaxamp._draws`' hash of each element's index,
+    seeded by `key`.
+
     Args:
         value: the array to round (computed in float32).
         dtype: the dtype to round to.
@@ -107,13 +111,31 @@ def stochastic_round(value: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
         An array of `dtype` and `value`'s shape.
     """
     value = jnp.asarray(value, jnp.float32)
+    return round_with_draws(value, dtype, draws.bits(draws.seed_of(key), 0, value.shape))
+
+
+def round_with_draws(value: jax.Array, dtype: Any, random_bits: jax.Array) -> jax.Array:
+    """`stochastic_round` of `value` (float32) to `dtype` with the given uint32 draws, one per element.
+
+    To bfloat16, whose values are float32's with the low 16 bits cleared, the
+    rounding is on the bits: a uniform 16-bit number added to the low half
+    carries into the high half with probability ``low half / 2**16``, which
+    is the value's position between its two bfloat16 neighbours (infinities
+    and NaNs stay what they are, and float32's subnormals round as the rest).
+    A few integer operations per element, against ``nextafter``'s dozen.
+    """
+    value = jnp.asarray(value, jnp.float32)
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        dithered = jax.lax.bitcast_convert_type(value, jnp.uint32) + (random_bits >> 16)
+        rounded = jax.lax.bitcast_convert_type(dithered & np.uint32(0xFFFF0000), jnp.float32)
+        return jnp.where(jnp.isfinite(value), rounded, value).astype(jnp.bfloat16)
     nearest = value.astype(dtype)
     nearest32 = nearest.astype(jnp.float32)
     toward = jnp.where(nearest32 < value, jnp.inf, -jnp.inf).astype(dtype)
     other = jnp.nextafter(nearest, toward)
     gap = other.astype(jnp.float32) - nearest32
     p_other = (value - nearest32) / gap  # NaN for infinities: the comparison below is False
-    return jnp.where(jax.random.uniform(key, value.shape, jnp.float32) < p_other, other, nearest)
+    return jnp.where(draws.uniform_of(random_bits) < p_other, other, nearest)
 
 
 def _floating_dtype(value: Any, setting: str) -> np.dtype:
@@ -267,14 +289,17 @@ def _check_quantized_somewhere(state_dtype: StateDtype, reference_state, storage
     )
 
 
-def _store(leaf32: jax.Array, storage, key: jax.Array | None, scales_from: jax.Array | None = None):
-    """`leaf32` as stored: as is, rounded to its dtype (stochastically with a key), or quantized (its block
-    scales from `scales_from`, the same leaf computed apart, when given)."""
+def _store(leaf32: jax.Array, storage, stream: tuple | None, scales_from: jax.Array | None = None):
+    """`leaf32` as stored: as is, rounded to its dtype (stochastically with a ``(seed, stream number)``
+    for its draws, else to nearest), or quantized (its block scales from `scales_from`, the same leaf
+    computed apart, when given)."""
     if storage is None or (not isinstance(storage, _Quantized) and leaf32.dtype == storage):
         return leaf32
+    random_bits = None if stream is None else draws.bits(*stream, leaf32.shape)
     if isinstance(storage, _Quantized):
-        return quantize(leaf32, storage.format, storage.block_size, key, scales_from=scales_from)
-    return leaf32.astype(storage) if key is None else stochastic_round(leaf32, storage, key)
+        uniform = None if random_bits is None else draws.uniform_of(random_bits)
+        return quantize(leaf32, storage.format, storage.block_size, None, scales_from=scales_from, draws=uniform)
+    return leaf32.astype(storage) if random_bits is None else round_with_draws(leaf32, storage, random_bits)
 
 
 def _load(stored, storage, reference) -> jax.Array:
@@ -531,14 +556,15 @@ def low_precision_optimizer(
             lambda leaf: leaf.astype(jnp.float32) if is_floating_array(leaf) else leaf, params
         )
 
-    def land(param, update32, compensation, leaf_key):
+    def land(param, update32, compensation, stream):
         """The update that lands `param` on its rounded float32 sum, and Kahan's new buffer (or None)."""
         param32 = param.astype(jnp.float32)
         exact = param32 + jnp.asarray(update32, jnp.float32)
         if rounding == "kahan":
             exact = exact + compensation.astype(jnp.float32)
+        random_bits = draws.bits(*stream, param.shape) if rounding != "nearest" else None
         if rounding == "stochastic":
-            new_param = stochastic_round(exact, param.dtype, leaf_key)
+            new_param = round_with_draws(exact, param.dtype, random_bits)
         else:
             new_param = exact.astype(param.dtype)
         update = (new_param.astype(jnp.float32) - param32).astype(param.dtype)
@@ -547,7 +573,7 @@ def low_precision_optimizer(
         # optax.apply_updates puts the param at p + update in its dtype: new_param whenever
         # new_param - p was exact, else within half an ulp of it. The buffer keeps what was lost.
         landed = (param32 + update.astype(jnp.float32)).astype(param.dtype)
-        return update, stochastic_round(exact - landed.astype(jnp.float32), param.dtype, leaf_key)
+        return update, round_with_draws(exact - landed.astype(jnp.float32), param.dtype, random_bits)
 
     def init(params) -> LowPrecisionState:
         params32 = checked_float32_params(params)
@@ -601,6 +627,7 @@ def low_precision_optimizer(
         step_key, params_key, state_key = jax.random.split(
             jax.random.wrap_key_data(state.key, impl=key_impl), 3
         )
+        params_seed, state_seed = draws.seed_of(params_key), draws.seed_of(state_key)
         param_leaves, param_tree = jax.tree.flatten(params)
         compensations = (
             param_tree.flatten_up_to(state.compensation)
@@ -608,7 +635,7 @@ def low_precision_optimizer(
             else [None] * len(param_leaves)
         )
         landed = [
-            land(param, update, compensation, jax.random.fold_in(params_key, index))
+            land(param, update, compensation, (params_seed, index))
             if is_floating_array(param)
             else (update, compensation)
             for index, (param, update, compensation) in enumerate(
@@ -618,7 +645,7 @@ def low_precision_optimizer(
 
         state_leaves = jax.tree.leaves(new_inner_state32)
         stored_leaves = [
-            _store(leaf, storage, jax.random.fold_in(state_key, index), scales_from)
+            _store(leaf, storage, (state_seed, index), scales_from)
             for index, (leaf, storage, scales_from) in enumerate(
                 zip(state_leaves, storages, scale_sources, strict=True)
             )

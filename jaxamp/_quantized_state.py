@@ -56,6 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxamp import _draws
+
 # As bitsandbytes and torchao do: a leaf smaller than this keeps its float32 state (it costs nothing).
 MIN_QUANTIZED_SIZE = 4096
 
@@ -140,6 +142,7 @@ def quantize(
     key: jax.Array | None,
     *,
     scales_from: jax.Array | None = None,
+    draws: jax.Array | None = None,
 ) -> QuantizedArray:
     """`values` (float32) as a `QuantizedArray` of `format`, in blocks of `block_size` (None: one block).
 
@@ -154,6 +157,8 @@ def quantize(
             the inputs of a computed array twice, once for the blocks'
             largest magnitudes and once for the codes, instead of writing
             the array in float32 and reading it back.
+        draws: uniform draws in [0, 1) of `values`' shape for stochastic
+            rounding, in place of a `key`'s (`jaxamp._draws`).
 
     Returns:
         The codes and scales.
@@ -166,7 +171,9 @@ def quantize(
     # Codes are computed in the array's shape, each element beside its block's scale: XLA's GPU then
     # fuses the quantization into the computation of the values.
     ratios = values / _per_element(jnp.where(absmax > 0, absmax, 1.0), values.shape)
-    uniform = None if key is None else jax.random.uniform(key, values.shape, jnp.float32)
+    uniform = draws
+    if uniform is None and key is not None:
+        uniform = _draws.uniform(_draws.seed_of(key), 0, values.shape)
     encode = _encode_int8 if format == "int8" else _encode_e4m3
     codes = encode(ratios, _per_element(signed, values.shape), uniform)
     return QuantizedArray(codes, jnp.where(signed, -absmax, absmax), format)
