@@ -65,7 +65,9 @@ def bits(seed: jax.Array, stream: int, shape: tuple[int, ...]) -> jax.Array:
         ValueError: the array has more than 2**32 elements (its indices would repeat).
     """
     if math.prod(shape) > 2**32:
-        raise ValueError(f"stochastic rounding draws for at most 2**32 elements per array; got shape {shape}.")
+        raise ValueError(
+            f"stochastic rounding draws for at most 2**32 elements per array; got shape {shape}."
+        )
     offset = seed[0] + np.uint32(stream * _GOLDEN % 2**32)
     return _mix(_mix(_flat_index(tuple(shape)) ^ offset) ^ seed[1])
 

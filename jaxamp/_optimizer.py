@@ -205,9 +205,9 @@ def _check_block_size(block_size: Any, setting: str) -> None:
     ):
         return
     raise ValueError(
-        f"{setting} must be a power of two (elements per scale of an 8-bit state leaf, which must divide the "
-        f"leaf's size; {DEFAULT_BLOCK_SIZE} by default, bitsandbytes uses 2048) or None (one scale per leaf); "
-        f"got {block_size!r}."
+        f"{setting} must be a power of two (elements per scale of an 8-bit state leaf, which must divide "
+        f"the leaf's size; {DEFAULT_BLOCK_SIZE} by default, bitsandbytes uses 2048) or None (one scale per "
+        f"leaf); got {block_size!r}."
     )
 
 
@@ -298,7 +298,9 @@ def _store(leaf32: jax.Array, storage, stream: tuple | None, scales_from: jax.Ar
     random_bits = None if stream is None else draws.bits(*stream, leaf32.shape)
     if isinstance(storage, _Quantized):
         uniform = None if random_bits is None else draws.uniform_of(random_bits)
-        return quantize(leaf32, storage.format, storage.block_size, None, scales_from=scales_from, draws=uniform)
+        return quantize(
+            leaf32, storage.format, storage.block_size, None, scales_from=scales_from, draws=uniform
+        )
     return leaf32.astype(storage) if random_bits is None else round_with_draws(leaf32, storage, random_bits)
 
 
@@ -359,7 +361,9 @@ def _stored_leaves(reference, stored_state) -> list:
     leaves = []
     for stored in unit_tree.flatten_up_to(stored_state):
         if isinstance(stored, QuantizedArray):
-            leaves.append(dataclasses.replace(stored, codes=_value(stored.codes), scales=_value(stored.scales)))
+            leaves.append(
+                dataclasses.replace(stored, codes=_value(stored.codes), scales=_value(stored.scales))
+            )
         else:
             leaves.extend(jax.tree.leaves(stored))
     return leaves

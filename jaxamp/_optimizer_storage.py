@@ -19,7 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp._optimizer import ROUNDINGS, _check_block_size, _Quantized, _state_storage, low_precision_optimizer
+from jaxamp._optimizer import (
+    ROUNDINGS,
+    _check_block_size,
+    _Quantized,
+    _state_storage,
+    low_precision_optimizer,
+)
 from jaxamp._policy import DEFAULT_BLOCK_SIZE, Policy, PolicySpec, get_policy, reading_a_precision_name
 
 
@@ -57,12 +63,14 @@ class OptimizerStorage:
     def __post_init__(self):
         if self.rounding not in ROUNDINGS:
             raise ValueError(
-                f"OptimizerStorage rounding must be one of {', '.join(map(repr, ROUNDINGS))}; got {self.rounding!r}."
+                f"OptimizerStorage rounding must be one of {', '.join(map(repr, ROUNDINGS))}; "
+                f"got {self.rounding!r}."
             )
         _check_block_size(self.block_size, "OptimizerStorage block_size")
         if self.state_dtype is not None:
             storage = _state_storage(self.state_dtype, "state_dtype", self.block_size)
-            object.__setattr__(self, "state_dtype", storage.format if isinstance(storage, _Quantized) else storage)
+            canonical = storage.format if isinstance(storage, _Quantized) else storage
+            object.__setattr__(self, "state_dtype", canonical)
 
     @property
     def is_8_bit(self) -> bool:

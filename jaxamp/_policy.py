@@ -392,8 +392,8 @@ class Policy:
         object.__setattr__(self, "state_block_size", _canonical_block_size(self.state_block_size))
         if self.update_rounding is not None and not _READING_A_PRECISION_NAME.get():
             warnings.warn(
-                f"A Policy names dtypes alone; the optimizer's storage in policy {str(self)!r} (update_rounding, "
-                "state_format, state_block_size) is deprecated there. For a name that says both, "
+                f"A Policy names dtypes alone; the optimizer's storage in policy {str(self)!r} "
+                "(update_rounding, state_format, state_block_size) is deprecated there. For a name that says both, "
                 "jaxamp.split_precision(name) gives (policy, jaxamp.OptimizerStorage), and "
                 "jaxamp.optimizer_for_policy(tx, name) the optimizer; or pass the storage to "
                 "jaxamp.low_precision_optimizer(tx, rounding=..., state_dtype=..., block_size=...).",

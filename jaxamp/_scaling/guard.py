@@ -268,7 +268,7 @@ class OverflowGuard:
 
 
 def _nonfinite_leaves(params: Any) -> list[str] | None:
-    """The paths of the floating leaves of `params` that hold an inf or a NaN (host), or None without params."""
+    """The paths of the floating leaves of `params` holding an inf or a NaN (host); None without params."""
     if params is None:
         return None
     is_variable = lambda node: isinstance(node, nnx.Variable)  # noqa: E731

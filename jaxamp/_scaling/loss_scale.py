@@ -104,7 +104,8 @@ def _register_pytree(cls):
                 f"fields {', '.join(sorted(state)) or 'none'}: it has {', '.join(data_fields)}."
             )
         children = tuple(
-            serialization.from_state_dict(getattr(target, name), state[name], name=name) for name in data_fields
+            serialization.from_state_dict(getattr(target, name), state[name], name=name)
+            for name in data_fields
         )
         return unflatten(tuple(getattr(target, name) for name in meta_fields), children)
 
