@@ -157,10 +157,12 @@ def optimizer_for_policy(
 ) -> optax.GradientTransformation:
     """The optimizer a precision name asks for: `inner`, or `inner` in `jaxamp.low_precision_optimizer`.
 
-    Reads `policy` with `jaxamp.split_precision` and returns::
+    Reads `policy` with `jaxamp.split_precision` and returns:
 
-        policy, storage = split_precision(policy)
-        inner if storage is None else storage.optimizer(inner, param_dtype=policy.param_dtype, key=key)
+    ```python
+    policy, storage = split_precision(policy)
+    inner if storage is None else storage.optimizer(inner, param_dtype=policy.param_dtype, key=key)
+    ```
 
     so a name with float32 params and no storage (``"mixed_bf16"``) keeps
     `inner` as optax applies it; ``"bfloat16_kahan"`` and ``"bfloat16_int8"``
