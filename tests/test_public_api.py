@@ -51,7 +51,9 @@ def test_every_public_name_has_a_docstring_and_an_entry_in_the_api_reference(nam
 
 def test_the_core_namespace_is_small_and_holds_no_diagnostics():
     core = set(public_names("jaxamp"))
-    assert len(core) <= 27, sorted(core)  # 26 until NNXOptimizer, NNX's counterpart of TrainState
+    # 26 until NNXOptimizer, NNX's counterpart of TrainState; 29 with OptimizerStorage and split_precision,
+    # the optimizer's storage moved out of Policy (issue 49).
+    assert len(core) <= 29, sorted(core)
     assert not core & set(public_names("jaxamp.diagnostics"))
     assert not core & set(public_names("jaxamp.fsdp"))
 

@@ -336,34 +336,51 @@ def test_a_mapping_stores_one_moment_in_8_bits_and_the_other_in_bfloat16():
 
 
 @pytest.mark.parametrize(
-    "settings, params, message",
+    "settings, message",
     [
         (
-            {"state_dtype": "int8", "block_size": 384},
-            None,
-            (r"^low_precision_optimizer's block_size 384 does not divide the state leaf at .*\['kernel'\] "
-            r"\(shape \(64, 64\), 4096 elements\), which is stored in int8 in blocks of block_size elements\. "
-            r"Choose a block_size that divides it \(the largest power of two that does: 4096\), block_size=None "
-            r"for one scale per leaf, or keep that field in a floating dtype"),
-        ),
-        (
-            {"state_dtype": "int8", "block_size": 4096},
-            {"kernel": jnp.zeros((96, 64), jnp.bfloat16)},
-            (r"block_size 4096 does not divide .* \(shape \(96, 64\), 6144 elements\).* largest power of two that "
-            r"does: 2048\)"),
-        ),
-        (
             {"state_dtype": "int4"},
-            None,
             (r"^low_precision_optimizer's state_dtype must be a floating dtype such as jnp.bfloat16, jnp.float16 "
             r"or jnp.float32 \(stored as is\), or an 8-bit format with a scale per block of block_size "
             r"elements: 'int8', 'float8_e4m3fn' \(or jnp.int8, jnp.float8_e4m3fn\); got int4\.$"),
         ),
-        ({"state_dtype": jnp.int16}, None, r"8-bit format .*; got int16\.$"),
-        ({"state_dtype": jnp.float8_e5m2}, None, r"8-bit format .*; got float8_e5m2\.$"),
-        ({"state_dtype": {"nu": jnp.uint8}}, None, r"state_dtype \(at .*nu.*\) must be .*; got uint8\.$"),
-        ({"state_dtype": "int8", "block_size": 0}, None, r"block_size must be a positive integer .*; got 0\.$"),
-        ({"state_dtype": "int8", "block_size": 2.5}, None, r"block_size must be a positive integer .*; got 2.5"),
+        ({"state_dtype": jnp.int16}, r"8-bit format .*; got int16\.$"),
+        ({"state_dtype": jnp.float8_e5m2}, r"8-bit format .*; got float8_e5m2\.$"),
+        ({"state_dtype": {"mu": "int8", "nu": jnp.uint8}}, r"^low_precision_optimizer's state_dtype\['nu'\] must be .*; got uint8\.$"),
+        (
+            {"state_dtype": "int8", "block_size": 300},
+            (r"^low_precision_optimizer's block_size must be a power of two \(elements per scale of an 8-bit "
+            r"state leaf, which must divide the leaf's size; 256 by default, bitsandbytes uses 2048\) or None "
+            r"\(one scale per leaf\); got 300\.$"),
+        ),
+        ({"state_dtype": "int8", "block_size": 0}, r"block_size must be a power of two .*; got 0\.$"),
+        ({"state_dtype": "int8", "block_size": 2.5}, r"block_size must be a power of two .*; got 2.5\.$"),
+        ({"state_dtype": "int8", "block_size": True}, r"block_size must be a power of two .*; got True\.$"),
+    ],
+    ids=["int4", "int16", "float8_e5m2", "uint8-in-mapping", "block-300", "block-0", "block-2.5", "block-True"],
+)  # fmt: skip
+def test_settings_bad_in_themselves_are_refused_when_the_optimizer_is_built(settings, message):
+    with pytest.raises(ValueError, match=message):
+        jaxamp.low_precision_optimizer(optax.scale_by_adam(), **settings)
+
+
+@pytest.mark.parametrize(
+    "settings, params, message",
+    [
+        (
+            {"state_dtype": "int8", "block_size": 4096},
+            {"kernel": jnp.zeros((96, 64), jnp.bfloat16)},
+            (r"^low_precision_optimizer's block_size 4096 does not divide the state leaf at .*\['kernel'\] "
+            r"\(shape \(96, 64\), 6144 elements\), which is stored in int8 in blocks of block_size elements\. "
+            r"Choose a block_size that divides it \(the largest power of two that does: 2048\), block_size=None "
+            r"for one scale per leaf, or keep that field in a floating dtype"),
+        ),
+        (
+            {"state_dtype": lambda path, leaf: jnp.uint8},
+            None,
+            r"state_dtype \(at .*mu.*\) must be .*; got uint8\.$",
+        ),
+        ({"state_dtype": {"momentum": "int8"}}, None, r"state_dtype names 'momentum', which the inner optimizer"),
         (
             {"state_dtype": "int8"},
             {"kernel": jnp.zeros((8, 8), jnp.bfloat16)},
@@ -371,14 +388,14 @@ def test_a_mapping_stores_one_moment_in_8_bits_and_the_other_in_bfloat16():
             r"are \.mu\['kernel'\] \(8, 8\), \.nu\['kernel'\] \(8, 8\)\)\. Leave state_dtype at a floating"),
         ),
     ],
-    ids=["block-does-not-divide", "block-does-not-divide-6144", "int4", "int16", "float8_e5m2", "uint8-in-mapping", "block-0", "block-2.5",
-         "too-small"],
+    ids=["block-does-not-divide", "callable-returns-uint8", "mapping-names-no-field", "too-small"],
 )  # fmt: skip
-def test_bad_8_bit_settings_name_the_value_the_valid_choices_and_the_fix(settings, params, message):
+def test_settings_that_depend_on_the_state_are_refused_at_init_naming_the_leaf(settings, params, message):
+    """What the inner optimizer's state holds is known at ``init``, from the params: built, the optimizer
+    has no complaint yet."""
+    tx = jaxamp.low_precision_optimizer(optax.scale_by_adam(), **settings)
     with pytest.raises(ValueError, match=message):
-        jaxamp.low_precision_optimizer(optax.scale_by_adam(), **settings).init(
-            bf16_params() if params is None else params
-        )
+        tx.init(bf16_params() if params is None else params)
 
 
 @pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.scale(-0.1)], ids=["sgd", "scale"])

@@ -82,7 +82,7 @@ def create_optimizer(config: LMConfig) -> optax.GradientTransformation:
             mask=lambda params: jax.tree.map(lambda param: param.ndim >= 2, params),
         ),
     )
-    return jaxamp.optimizer_for_policy(adamw, resolve_precision(config.precision).policy, key=config.seed)
+    return resolve_precision(config.precision).optimizer(adamw, key=config.seed)
 
 
 def model_for_init(model):
@@ -106,8 +106,7 @@ def create_train_state(
     """Initializes params from ``config.seed`` and builds the `jaxamp.TrainState` around `tx`."""
     sample = jnp.zeros((1, context), jnp.int32)
     params = model_for_init(model).init(jax.random.key(config.seed), sample)["params"]
-    if precision.policy.update_rounding is not None:  # the wrapper stores params in the policy's dtype
-        params = precision.policy.cast_to_param(params)
+    params = precision.policy.cast_to_param(params)  # the autocast route's plain model makes float32
     return jaxamp.TrainState.create(
         apply_fn=model.apply,
         params=params,
@@ -309,7 +308,7 @@ def train_and_evaluate(
     results: dict[str, Any] = {
         "config": dataclasses.asdict(config),
         "precision": {
-            "policy": str(precision.policy),
+            "policy": precision.describe(),
             "matmul_precision": precision.matmul_precision,
         },
         "attention": attention,

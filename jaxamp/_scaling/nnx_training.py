@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxamp._finite import all_finite
+from jaxamp._optimizer import require_float32_update
 from jaxamp._scaling.loss_scale import LossScale, loss_scale_for_model
 from jaxamp._scaling.loss_scaling import loss_scale_of, loss_scaling, require_skip_counting, scaling_state_of
 from jaxamp._scaling.nonfinite import NonFiniteGradients
@@ -148,6 +149,8 @@ class NNXOptimizer(nnx.Optimizer):
 
     Raises:
         TypeError: `loss_scale` does not count skipped steps (a jmp loss scale).
+        ValueError: a param is float16 or bfloat16 and `tx` would compute its
+            update in that dtype: wrap it in `jaxamp.low_precision_optimizer`.
     """
 
     def __init__(
@@ -163,6 +166,7 @@ class NNXOptimizer(nnx.Optimizer):
             loss_scale = loss_scale_for_model(model, nnx.state(model, wrt))
         require_skip_counting(loss_scale, "jaxamp.NNXOptimizer")
         super().__init__(model, loss_scaling(tx, loss_scale), wrt=wrt, **kwargs)
+        require_float32_update(nnx.state(model, wrt), self.opt_state, "jaxamp.NNXOptimizer")
 
     @property
     def loss_scale(self) -> LossScale:

@@ -17,6 +17,7 @@ from flax import struct
 from flax.training import train_state
 
 from jaxamp._finite import all_finite, select_tree
+from jaxamp._optimizer import require_float32_update
 from jaxamp._scaling.loss_scale import LossScale, NoOpLossScale, loss_scale_for_model
 from jaxamp._scaling.loss_scaling import LossScalingState, loss_scaling, require_skip_counting
 from jaxamp._scaling.nonfinite import NonFiniteGradients
@@ -114,6 +115,10 @@ class TrainState(train_state.TrainState):
             apply_fn: usually ``model.apply``.
             params: the parameters (in the policy's param dtype).
             tx: the optax optimizer (a GradientTransformation, MultiSteps, ...).
+                With float16 or bfloat16 params it must compute in float32:
+                `jaxamp.low_precision_optimizer` around it (or anywhere in
+                it), which `jaxamp.optimizer_for_policy` gives for a policy
+                with half params.
             loss_scale: a jaxamp loss scale. When None, the one the model's
                 dtypes need (`jaxamp.default_loss_scale` of the policy of an
                 `apply_policy` model's ``apply``, so `DynamicLossScale()` for
@@ -122,6 +127,13 @@ class TrainState(train_state.TrainState):
                 `NoOpLossScale()`).
             batch_stats: the model's mutable state, if any.
             **kwargs: further fields of subclasses.
+
+        Raises:
+            TypeError: `tx` is no optax optimizer, or `loss_scale` counts no
+                skipped steps (a jmp loss scale).
+            ValueError: a param is float16 or bfloat16 and `tx` would compute
+                its update in that dtype (no `jaxamp.low_precision_optimizer`
+                in it); the message gives the wrapper's arguments.
         """
         # Duck-typed like Flax: optax.MultiSteps has init/update but is no
         # GradientTransformation instance.
@@ -131,12 +143,14 @@ class TrainState(train_state.TrainState):
             )
         loss_scale = loss_scale_for_model(apply_fn, params) if loss_scale is None else loss_scale
         require_skip_counting(loss_scale, "TrainState.create")
+        opt_state = tx.init(params)
+        require_float32_update(params, opt_state, "TrainState.create")
         return cls(
             step=jnp.zeros([], jnp.int32),
             apply_fn=apply_fn,
             params=params,
             tx=tx,
-            opt_state=tx.init(params),
+            opt_state=opt_state,
             loss_scale=loss_scale,
             batch_stats=batch_stats,
             nonfinite_grads=NonFiniteGradients.for_params(params),
