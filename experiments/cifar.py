@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
             args.process_id,
             from_cluster_environment=args.distributed,
         )
-        with outputs.removed_if_left_empty(config.checkpoint_dir, out_folder):
+        with interrupts.watched(), outputs.removed_if_left_empty(config.checkpoint_dir, out_folder):
             results = train.train_and_evaluate(config)
     except KeyboardInterrupt:
         argv = sys.argv[1:] if argv is None else argv

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
     out_dir = args.out_dir
     try:
         # The run folder (and the runs/ above it) is removed again if the command fails leaving it empty.
-        with outputs.removed_if_left_empty(args.out_dir or outputs.RUNS_ROOT) as made:
+        with interrupts.watched(), outputs.removed_if_left_empty(args.out_dir or outputs.RUNS_ROOT) as made:
             if out_dir:
                 os.makedirs(out_dir, exist_ok=True)
             else:
@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
                     print(f"\n=== {model} / {precision} ===", flush=True)
                     config = cifar.config_from_args(args, model=model, precision=precision)
                     results["runs"][f"{model}/{precision}"] = train.train_and_evaluate(config, dataset)
+                    interrupts.stop_if_interrupted()
                     train.write_json_atomically(results_path, results)
     except KeyboardInterrupt:
         print(

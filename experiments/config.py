@@ -109,7 +109,7 @@ def check_precision(name: str) -> str:
         raise ValueError(unknown_name("precision", name, KNOWN_PRECISIONS, PRECISION_CHOICES))
     import jaxamp  # pylint: disable=import-outside-toplevel  # loads JAX, so only for a spec
 
-    jaxamp.get_policy(name)
+    jaxamp.split_precision(name)
     return name
 
 

@@ -13,9 +13,10 @@ paths (``--out``, ``--out-dir``) are checked the same way (`output_file`,
 from __future__ import annotations
 
 import argparse
-import difflib
+import importlib.util
 import math
 import os
+import types
 from collections.abc import Callable, Sequence
 
 # The keys of jaxamp.diagnostics.GPU_TARGETS, for the flags that name a GPU to compile for
@@ -43,22 +44,23 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.format_usage()}{self.prog}: error: {message}\n")
 
 
-def unknown_name(what: str, text: str, names: Sequence[str], listing: str | None = None) -> str:
-    """The message for a name that is none of `names`: the nearest ones, then every valid one.
+def _library_module(name: str) -> types.ModuleType:
+    """jaxamp's module `name`, loaded from its file without jaxamp's ``__init__`` (which loads JAX).
 
-    ``unknown model 'resnet19'. Did you mean resnet18? Choose one of: mobilenetv2, resnet101, ...``
-
-    Args:
-        what: what a name names (``model``).
-        text: the name as given.
-        names: the valid names.
-        listing: the valid names as lines of their own, grouped (default: comma-separated, on
-            the message's line).
+    For a module of the library that imports nothing but the standard library,
+    so that the flags share its code and still parse before JAX loads.
     """
-    nearest = difflib.get_close_matches("".join(text.split()).lower(), names, n=1, cutoff=0.6)
-    hint = f" Did you mean {nearest[0]}?" if nearest else ""
-    choices = f":\n{listing}" if listing else f": {', '.join(names)}"
-    return f"unknown {what} {text!r}.{hint} Choose one of{choices}"
+    package = importlib.util.find_spec("jaxamp")
+    path = os.path.join(package.submodule_search_locations[0], f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"experiments.flags.{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The library's message for a mistyped name (jaxamp.get_policy answers with the same):
+# ``unknown model 'resnet19'. Did you mean resnet18? Choose one of: mobilenetv2, resnet101, ...``
+unknown_name = _library_module("_unknown_name").unknown_name
 
 
 def one_of(names: Sequence[str], what: str) -> Callable[[str], str]:

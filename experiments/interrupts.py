@@ -1,4 +1,13 @@
-"""Ctrl-C in the experiments' commands: held back where it must not land, and a clean exit.
+"""Ctrl-C in the experiments' commands: always stops them, held back where it must not land, a clean exit.
+
+A ``KeyboardInterrupt`` may never reach the command: Python drops an
+exception raised inside a garbage-collection callback (JAX registers one,
+``_xla_gc_callback``) with a line "Exception ignored in ...", and a Ctrl-C
+that lands there would let the run go on and exit 0. So each command runs
+`watched`: a SIGINT handler that raises ``KeyboardInterrupt`` as Python's own
+does and also keeps the signal's arrival, which the command reads between
+its steps and units of work (`stop_if_interrupted`) and once more at the
+end; it stops there as from the exception.
 
 A ``KeyboardInterrupt`` must not land in two places:
 
@@ -28,6 +37,66 @@ from collections.abc import Iterator
 # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C.
 INTERRUPTED = 130
 
+# Set by the SIGINT handler of `watched` (and `deferred`), read by `stop_if_interrupted`.
+_arrived = threading.Event()
+
+
+def _keep_and_interrupt(signum, frame):
+    """The SIGINT handler of `watched`: keeps the arrival, then does what Python's own handler does."""
+    _arrived.set()
+    raise KeyboardInterrupt
+
+
+def _pythons_own(handler) -> bool:
+    """Whether `handler` is Python's Ctrl-C handler, or `watched`'s, which stands in for it."""
+    return handler is signal.default_int_handler or handler is _keep_and_interrupt
+
+
+@contextlib.contextmanager
+def watched() -> Iterator[None]:
+    """Runs a command's work so that a Ctrl-C stops it, wherever the signal lands.
+
+    Algorithm::
+
+        on entry:            install the handler
+        on a SIGINT:         keep its arrival; raise KeyboardInterrupt (as Python does)
+        stop_if_interrupted: raise KeyboardInterrupt if a SIGINT arrived
+        at the block's end:  restore the previous handler; if a SIGINT arrived and
+                             no exception is on its way out, raise KeyboardInterrupt
+
+    As `deferred`, outside the main thread or where SIGINT is not Python's to
+    handle (ignored, or a handler of the caller's own) the block runs as it
+    would without this, and `stop_if_interrupted` never raises.
+
+    Raises:
+        KeyboardInterrupt: at the block's end, if a SIGINT arrived during it
+            whose exception did not reach the command.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not _pythons_own(previous):
+        yield
+        return
+    signal.signal(signal.SIGINT, _keep_and_interrupt)
+    try:
+        yield
+        stop_if_interrupted()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        _arrived.clear()  # the next command starts afresh
+
+
+def stop_if_interrupted() -> None:
+    """Raises KeyboardInterrupt if a SIGINT arrived in the `watched` block: called between steps.
+
+    Cheap (a flag read, no host sync), so a training loop calls it every step.
+
+    Raises:
+        KeyboardInterrupt: a SIGINT arrived, whether or not its own
+            ``KeyboardInterrupt`` reached the command.
+    """
+    if _arrived.is_set():
+        raise KeyboardInterrupt
+
 
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
@@ -51,12 +120,14 @@ def deferred() -> Iterator[None]:
         yield
         return
     previous = signal.getsignal(signal.SIGINT)
-    if previous is not signal.default_int_handler:
+    if not _pythons_own(previous):
         yield
         return
     received = []
 
     def hold(signum, frame):
+        if previous is _keep_and_interrupt:  # inside `watched`: kept for its readers too
+            _arrived.set()
         if received:
             signal.signal(signal.SIGINT, previous)
             raise KeyboardInterrupt

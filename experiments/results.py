@@ -55,7 +55,7 @@ def environment(config: Any, precision: Any) -> dict[str, Any]:
     return {
         **machine(),
         "precision": precision.name,
-        "policy": str(precision.policy),
+        "policy": precision.describe(),
         "matmul_precision": precision.matmul_precision,
         "model": config.model,
         "batch_size": config.batch_size,

@@ -39,6 +39,7 @@ import optax
 
 import jaxamp
 from experiments import data as data_lib
+from experiments import interrupts
 from experiments.checkpointing import (
     Checkpointer,
     CheckpointError,
@@ -113,18 +114,32 @@ def validate_config(config: TrainConfig) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
-    """A resolved ``--precision``: the policy and the matmul precision.
+    """A resolved ``--precision``: the policy, the optimizer's storage and the matmul precision.
 
     Attributes:
         name: what the user asked for (``fp32``, ``tf32``, ``mixed``, ...).
-        policy: the jaxamp policy.
+        policy: the jaxamp policy (its dtypes).
         matmul_precision: ``highest`` (true float32) or ``default`` (TF32 on
             Ampere and later GPUs for float32 inputs).
+        storage: how `jaxamp.low_precision_optimizer` stores params and
+            state (``bfloat16_int8``, and every name with half params), or
+            None: the optimizer as it is.
     """
 
     name: str
     policy: jaxamp.Policy
     matmul_precision: str
+    storage: jaxamp.OptimizerStorage | None = None
+
+    def optimizer(self, inner: optax.GradientTransformation, *, key: int) -> optax.GradientTransformation:
+        """`inner`, or `inner` in `jaxamp.low_precision_optimizer` as `storage` says."""
+        if self.storage is None:
+            return inner
+        return self.storage.optimizer(inner, param_dtype=self.policy.param_dtype, key=key)
+
+    def describe(self) -> str:
+        """The policy and the storage as one grammar string (``params=bfloat16,...,update=kahan``)."""
+        return str(self.policy) + ("" if self.storage is None else f",{self.storage}")
 
     def context(self) -> contextlib.AbstractContextManager:
         """The matmul-precision context that traces and compiles run in."""
@@ -136,7 +151,8 @@ def resolve_precision(name: str) -> Precision:
     key = "".join(name.split()).lower()
     if key in FLOAT32_PRECISIONS:
         return Precision(key, jaxamp.get_policy("float32"), FLOAT32_PRECISIONS[key])
-    return Precision(name, jaxamp.get_policy(name), "default")
+    policy, storage = jaxamp.split_precision(name)
+    return Precision(name, policy, "default", storage)
 
 
 def resolve_route(route: str, precision: Precision) -> str:
@@ -198,9 +214,11 @@ def create_train_state(
     """Builds the mixed-precision model and its `jaxamp.TrainState`.
 
     The policy reaches the model by ``config.route`` (`resolve_route`). Both
-    routes start from the same float32 params: ``apply_policy`` adds no
-    variables, and ``autocast`` initializes the plain model and rewrites only
-    its ``apply``.
+    routes start from the same params, in the policy's param dtype:
+    ``apply_policy`` adds no variables, and ``autocast`` initializes the plain
+    model (in float32, cast here) and rewrites only its ``apply``. The
+    optimizer is the precision's (`Precision.optimizer`), which computes in
+    float32 for half params.
     """
     plain_model = create_model(config.model, num_classes)
     if resolve_route(config.route, precision) == "autocast":
@@ -211,12 +229,11 @@ def create_train_state(
     sample = jnp.zeros((1, 32, 32, 3), jnp.float32)
     variables = jax.jit(lambda rng: model.init(rng, sample, train=False))(jax.random.key(config.seed))
     params = variables["params"]
-    if precision.policy.update_rounding is not None:  # the wrapper stores params in the policy's dtype
-        params = precision.policy.cast_to_param(params)
+    params = precision.policy.cast_to_param(params)  # the autocast route's plain model makes float32
     return jaxamp.TrainState.create(
         apply_fn=apply_fn,
         params=params,
-        tx=jaxamp.optimizer_for_policy(create_optimizer(config, steps_per_epoch), precision.policy, key=config.seed),
+        tx=precision.optimizer(create_optimizer(config, steps_per_epoch), key=config.seed),
         loss_scale=resolve_loss_scale(config.loss_scale, precision.policy),
         batch_stats=variables.get("batch_stats"),
     )
@@ -530,7 +547,7 @@ def train_and_evaluate(
         )
         results["compile_time_s"] = compile_times
         log(
-            f"{config.model} | {precision.name} ({precision.policy}, matmul "
+            f"{config.model} | {precision.name} ({precision.describe()}, matmul "
             f"{precision.matmul_precision}, route {resolve_route(config.route, precision)}) | "
             f"{jax.devices()[0].device_kind} x{data_parallel.device_count}"
             f" | compile: train {compile_times['train_step']:.1f}s, test {compile_times['eval_step']:.1f}s"
@@ -553,6 +570,7 @@ def train_and_evaluate(
             resumed_at = position if epoch == position.epoch else None
             state = _run_epoch(run, state, epoch, resumed_at)
     results["summary"] = summarize(results["epochs"])
+    interrupts.stop_if_interrupted()
     if config.out and data_parallel.is_main_process:
         write_json_atomically(config.out, results)
     return results
@@ -592,6 +610,7 @@ def _run_epoch(run: _Run, state, epoch: int, resumed_at: Position | None):
     )
     pending: list[dict[str, jax.Array]] = []
     for step in range(steps_done, steps):
+        interrupts.stop_if_interrupted()
         state, metrics = run.train_step(
             state, run.device_data.train_images, run.device_data.train_labels, batches[step], step_rngs[step]
         )
@@ -633,6 +652,7 @@ def _run_epoch(run: _Run, state, epoch: int, resumed_at: Position | None):
     run.log(format_epoch(record, config.epochs))
     if skipped_line:
         run.log(f"  {skipped_line}")
+    interrupts.stop_if_interrupted()
     if config.out and run.data_parallel.is_main_process:
         write_json_atomically(config.out, run.results)
     run.guard.check(state)
@@ -670,12 +690,14 @@ def _compile(config, dataset, state, device_data, steps_per_epoch, data_parallel
         .lower(rng)
         .compile()
     )
+    interrupts.stop_if_interrupted()  # between compiles: each takes seconds
     train_step = (
         jax.jit(make_train_step(config, dataset, data_parallel), donate_argnums=0, out_shardings=replicated)
         .lower(state, device_data.train_images, device_data.train_labels, batch_indices, rng)
         .compile()
     )
     train_compile = time.perf_counter() - start
+    interrupts.stop_if_interrupted()
     start = time.perf_counter()
     eval_step = (
         jax.jit(make_eval_step(dataset), out_shardings=replicated)

@@ -40,7 +40,8 @@ from jaxamp._autocast.transform import autocast
 from jaxamp._finite import all_finite, select_tree
 from jaxamp._flax.apply import apply_policy
 from jaxamp._flax.layers import NORMALIZATION_LAYERS
-from jaxamp._optimizer import low_precision_optimizer, optimizer_for_policy
+from jaxamp._optimizer.low_precision import low_precision_optimizer
+from jaxamp._optimizer.storage import OptimizerStorage, optimizer_for_policy, split_precision
 from jaxamp._policy import Policy, get_policy
 from jaxamp._precision_report import precision_report
 from jaxamp._report import PrecisionReport
@@ -69,6 +70,7 @@ __all__ = [
     "NNXOptimizer",
     "NoAutocastRuleWarning",
     "NoOpLossScale",
+    "OptimizerStorage",
     "OverflowGuard",
     "Policy",
     "PrecisionReport",
@@ -88,6 +90,7 @@ __all__ = [
     "precision_report",
     "scaled_value_and_grad",
     "select_tree",
+    "split_precision",
 ]
 
 _SUBMODULES = ("diagnostics", "fsdp")

@@ -7,23 +7,29 @@ Policies are usually named by a string, so that they fit a command-line flag or
 a config file. `get_policy` accepts short names (``"mixed"``, ``"bf16"``) and
 jmp's grammar (``"params=float32,compute=float16,output=float32"``), with one
 key of jaxamp's own: ``matmul=float8`` runs the eligible matrix
-multiplications in FP8 under `jaxamp.autocast` (``"mixed_float8"``), and
-``update=nearest|stochastic|kahan`` names how the optimizer lands each update
-on low-precision params (``"bfloat16_kahan"``; read by
-`jaxamp.optimizer_for_policy`, not by autocast), and ``state=int8|float8``
-with ``block=N|tensor`` stores the optimizer's state in 8 bits with a scale
-per block (``"bfloat16_int8"``).
+multiplications in FP8 under `jaxamp.autocast` (``"mixed_float8"``).
+
+A name may also say how the optimizer stores params and state
+(``"bfloat16_kahan"``, ``"bfloat16_int8"``, the keys ``update=``, ``state=``,
+``block=``): that part is a `jaxamp.OptimizerStorage`, which
+`jaxamp.split_precision` reads beside the policy. A `Policy` made with it
+still works and warns (its storage fields are deprecated).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import warnings
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import jmp
 import numpy as np
+
+from jaxamp._unknown_name import unknown_name
 
 T = TypeVar("T")
 
@@ -85,7 +91,7 @@ _NAMED_UPDATE_POLICIES: dict[str, str] = {
 }
 
 # 8-bit optimizer state (`jaxamp.low_precision_optimizer`'s state_dtype, stored by
-# jaxamp._quantized_state): the formats, the spellings each is accepted by, and the block size.
+# jaxamp._optimizer.quantized): the formats, the spellings each is accepted by, and the block size.
 STATE_FORMATS = ("int8", "float8_e4m3fn")
 STATE_FORMAT_ALIASES = {
     "int8": "int8",
@@ -120,6 +126,13 @@ _NAMED_STATE_POLICIES: dict[str, tuple[str, int | None]] = {
         ("int8_per_tensor", ("int8", None)),
     )
 }
+
+# The names a mistyped one is answered with, grouped; the aliases are left to get_policy's docstring.
+_POLICY_CHOICES = """\
+  half compute:  mixed_float16 (mixed), mixed_bfloat16, mixed_float8
+  one dtype:     float32, float16, bfloat16, half (float16; bfloat16 on TPU)
+  bf16 params:   bfloat16_kahan, bfloat16_stochastic, bfloat16_nearest, bfloat16_int8, bfloat16_fp8
+  or a spec:     'p=f32,c=f16,o=f32'; help(jaxamp.get_policy) lists every alias and key"""
 
 _GRAMMAR_KEYS = {
     "p": "param_dtype",
@@ -295,6 +308,17 @@ def parse_fields(spec: str, keys: dict[str, str], *, kind: str, example: str, fl
     return fields
 
 
+def policy_of(model: Any) -> Policy | None:
+    """The policy `jaxamp.apply_policy` gave `model`, or None for a model it did not make.
+
+    `model` may also be a linen model's bound ``apply`` (a train state's ``apply_fn``).
+    Every model `jaxamp.apply_policy` makes answers ``jaxamp_policy`` with its policy.
+    """
+    owner = getattr(model, "__self__", model)
+    policy = getattr(owner, "jaxamp_policy", None)
+    return policy if isinstance(policy, Policy) else None
+
+
 def is_floating_array(leaf: Any) -> bool:
     """Whether `leaf` is a floating-point JAX array, NumPy array or NumPy scalar."""
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(leaf.dtype, jnp.floating)
@@ -314,6 +338,21 @@ def _cast_floating(tree: T, dtype: np.dtype) -> T:
         return leaf
 
     return jax.tree.map(cast_leaf, tree)
+
+
+# Set while jaxamp.split_precision reads a name's optimizer storage, the one use of a Policy's storage fields
+# that is not deprecated.
+_READING_A_PRECISION_NAME = contextvars.ContextVar("_READING_A_PRECISION_NAME", default=False)
+
+
+@contextlib.contextmanager
+def reading_a_precision_name():
+    """While active, a `Policy` made with the optimizer's storage does not warn (`jaxamp.split_precision`)."""
+    token = _READING_A_PRECISION_NAME.set(True)
+    try:
+        yield
+    finally:
+        _READING_A_PRECISION_NAME.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,19 +384,15 @@ class Policy:
             ``dot_general`` runs as `jaxamp.fp8_dot_general` (operands
             float8_e4m3fn, cotangent float8_e5m2, result in ``compute_dtype``).
             Accepts the strings ``float8``, ``fp8``, ``f8``.
-        update_rounding: None (the optimizer as it is), or ``nearest``,
-            ``stochastic`` or ``kahan``: how the optimizer lands each update
-            on the params, with params and optimizer state stored in
-            ``param_dtype``. Autocast does not read it; the optimizer does,
-            through `jaxamp.optimizer_for_policy`
-            (``get_policy("bfloat16_kahan")``).
-        state_format: None (the optimizer state in ``param_dtype``), or an
-            8-bit format, ``int8`` or ``float8_e4m3fn`` (also ``float8``,
-            ``fp8``, ``f8``): the state stored in it with a scale per block
-            of ``state_block_size`` elements (``get_policy("bfloat16_int8")``).
-            Needs an update rounding.
-        state_block_size: elements per scale of the 8-bit state (256), or
-            None for one scale per leaf.
+        update_rounding: deprecated: the optimizer's storage is a
+            `jaxamp.OptimizerStorage` (read from a name by
+            `jaxamp.split_precision`), not part of a policy. None, or
+            ``nearest``, ``stochastic`` or ``kahan``: how the optimizer lands
+            each update on the params. A policy made with it warns.
+        state_format: deprecated, as `update_rounding`: None, or an 8-bit
+            format of the optimizer's state, ``int8`` or ``float8_e4m3fn``.
+        state_block_size: deprecated, as `update_rounding`: elements per scale
+            of the 8-bit state (256), or None for one scale per leaf.
     """
 
     param_dtype: np.dtype
@@ -375,6 +410,16 @@ class Policy:
         object.__setattr__(self, "update_rounding", _canonical_update_rounding(self.update_rounding))
         object.__setattr__(self, "state_format", _canonical_state_format(self.state_format))
         object.__setattr__(self, "state_block_size", _canonical_block_size(self.state_block_size))
+        if self.update_rounding is not None and not _READING_A_PRECISION_NAME.get():
+            warnings.warn(
+                f"A Policy names dtypes alone; the optimizer's storage in policy {str(self)!r} "
+                "(update_rounding, state_format, state_block_size) is deprecated there. For a name that says both, "
+                "jaxamp.split_precision(name) gives (policy, jaxamp.OptimizerStorage), and "
+                "jaxamp.optimizer_for_policy(tx, name) the optimizer; or pass the storage to "
+                "jaxamp.low_precision_optimizer(tx, rounding=..., state_dtype=..., block_size=...).",
+                DeprecationWarning,
+                stacklevel=3,
+            )
         if self.state_format is not None and self.update_rounding is None:
             raise ValueError(
                 f"Policy state_format {self.state_format!r} needs an update rounding: the 8-bit state is kept "
@@ -518,8 +563,8 @@ def get_policy(spec: PolicySpec) -> Policy:
         The policy.
 
     Raises:
-        ValueError: the string names no policy; the message names the bad token
-            and lists the valid names.
+        ValueError: the string names no policy; the message names the bad token,
+            the nearest valid name and the valid names, grouped.
         TypeError: `spec` is neither a policy nor a string.
     """
     if isinstance(spec, Policy):
@@ -546,11 +591,6 @@ def get_policy(spec: PolicySpec) -> Policy:
     if normalized in DTYPE_NAMES:
         dtype = parse_dtype(normalized, "A policy's dtype")
         return Policy(dtype, dtype, dtype)
-    raise ValueError(
-        f"Unknown precision policy {spec!r}. Valid names: "
-        f"{', '.join([*_NAMED_POLICIES, *_NAMED_FP8_POLICIES, *_NAMED_UPDATE_POLICIES, *_NAMED_STATE_POLICIES])}; "
-        "a dtype alias "
-        f"({', '.join(DTYPE_NAMES)}); or jmp's grammar such as "
-        "'params=float32,compute=float16,output=float32' (add ',matmul=float8' for FP8 matmuls, "
-        "',update=kahan' for an update rounding, ',state=int8' for 8-bit optimizer state)."
-    )
+    every_name = (*_NAMED_POLICIES, *_NAMED_FP8_POLICIES, *_NAMED_UPDATE_POLICIES, *_NAMED_STATE_POLICIES,
+                  *DTYPE_NAMES)  # fmt: skip
+    raise ValueError(unknown_name("precision policy", spec, every_name, _POLICY_CHOICES))

@@ -14,6 +14,8 @@ model under a policy inside another, and an NNX method that changes a
 plain Python attribute.
 """
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -327,6 +329,68 @@ def test_nnx_a_plain_attribute_a_call_changes_is_written_back_eagerly_and_under_
     jitted(model, x)
     assert model.calls == 4
     assert model(x).dtype == jnp.float32
+
+
+class ShapeNoting(nnx.Module):
+    """Notes the shape it last saw, in an attribute its ``__init__`` never made, and so does its layer."""
+
+    def __init__(self, rngs):
+        self.dense = NotingLinear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        self.last_shape = x.shape
+        return self.dense(x)
+
+
+class NotingLinear(nnx.Linear):
+    def __call__(self, x):
+        self.last_dtype = str(x.dtype)
+        return super().__call__(x)
+
+
+@pytest.mark.parametrize("route", ["autocast", "apply_policy"])
+def test_nnx_an_attribute_a_call_creates_is_written_back_as_a_plain_call_creates_it(route):
+    """A plain call leaves ``model.last_shape`` and ``model.dense.last_dtype`` set; so must autocast.
+
+    Fails if only attributes that existed before the call are compared (the new ones dropped), or
+    if a submodule's change is written to the root.
+    """
+    plain = ShapeNoting(nnx.Rngs(0))
+    plain(jnp.ones((2, 4)))
+    assert plain.last_shape == (2, 4) and plain.dense.last_dtype == "float32"
+
+    model = ShapeNoting(nnx.Rngs(0))
+    call = jaxamp.autocast(model) if route == "autocast" else jaxamp.apply_policy(model, "mixed_float16")
+    model = model if route == "autocast" else call
+    call(jnp.ones((3, 4)))
+    assert model.last_shape == (3, 4)
+    assert model.dense.last_dtype == "float16", "the layer saw the compute dtype, and noted it on itself"
+    assert "last_dtype" not in vars(model)
+
+
+@dataclasses.dataclass
+class BatchSummary:
+    """A plain record (no pytree) holding a NumPy array: its ``==`` raises, as NumPy's does in ``bool``."""
+
+    shape: np.ndarray
+
+
+class Summarizing(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 4, rngs=rngs)
+        self.summary = BatchSummary(np.zeros(2, int))
+
+    def __call__(self, x):
+        self.summary = BatchSummary(np.asarray(x.shape))
+        return self.dense(x)
+
+
+def test_nnx_an_attribute_whose_equality_raises_is_written_back_when_the_call_replaces_it():
+    """Whether the call changed ``summary`` cannot be asked with ``==`` (it raises on the arrays
+    inside); counted as changed, it is written back. Fails if such an attribute counts as unchanged."""
+    model = jaxamp.apply_policy(Summarizing(nnx.Rngs(0)), "mixed_float16")
+    model(jnp.ones((3, 4)))
+    np.testing.assert_array_equal(model.summary.shape, [3, 4])
 
 
 class Router(nn.Module):

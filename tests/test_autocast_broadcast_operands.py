@@ -80,8 +80,12 @@ def test_a_normalization_of_a_float16_activation_is_float16_rounded_once_from_fl
     assert floating_dtypes(tanh.invars) == {jnp.dtype(jnp.float16)}
     h = jnp.dot(x.astype(jnp.float16), W.astype(jnp.float16), preferred_element_type=jnp.float16)
     expected = normalize(h.astype(jnp.float32), scale, BIAS).astype(jnp.float16)
-    # autocast returns the traced dtype (float32) of the value it rounded.
-    np.testing.assert_array_equal(jaxamp.autocast(layer)(x, W, scale, BIAS), expected.astype(jnp.float32))
+    # The program reads the value rounded once (an op after it, here `* 1.0`, takes it in float16);
+    # handed back in float32, the layer's own output is float32's, unrounded.
+    read_on = jaxamp.autocast(lambda *args: layer(*args) * 1.0)(x, W, scale, BIAS)
+    np.testing.assert_array_equal(read_on, expected.astype(jnp.float32))
+    handed_back = jaxamp.autocast(layer)(x, W, scale, BIAS)
+    np.testing.assert_allclose(handed_back, normalize(h.astype(jnp.float32), scale, BIAS), rtol=1e-6)
 
 
 def test_batchnorm_statistics_and_running_averages_stay_float32_while_its_output_is_float16():

@@ -6,6 +6,7 @@ status 2, one line naming the path and the problem, no traceback. It used to
 fail only when first written, after an epoch of training.
 """
 
+import argparse
 import contextlib
 import json
 import os
@@ -59,14 +60,17 @@ def test_an_out_under_a_file_is_refused_naming_the_file(tmp_path, capsys, no_tra
 
 
 @contextlib.contextmanager
-def read_only_directory(mode=0o555, files=()):
-    """A directory of `mode` (holding `files`, each writable by anyone) for a user other than its
-    owner, also for root (who ignores modes): seteuid to nobody."""
+def read_only_directory(mode=0o555, files=(), folders=()):
+    """A directory of `mode` (holding `files` and `folders`, each writable by anyone) for a user other
+    than its owner, also for root (who ignores modes): seteuid to nobody."""
     path = tempfile.mkdtemp(prefix="jaxamp_outputs_")
     for name in files:
         with open(os.path.join(path, name), "w") as file:
             file.write("{}\n")
         os.chmod(os.path.join(path, name), 0o666)
+    for name in folders:
+        os.mkdir(os.path.join(path, name))
+        os.chmod(os.path.join(path, name), 0o777)
     os.chmod(path, mode)
     is_root = os.geteuid() == 0
     if is_root:
@@ -98,6 +102,41 @@ def test_an_existing_writable_out_in_a_directory_without_write_permission_is_ref
             f"argument --out: cannot replace {out}: no permission to write in {locked} (it is written to a "
             "temporary file there, then renamed); name a file in a directory you can write to"
         )
+
+
+@pytest.mark.parametrize("main", OUT_DIR_COMMANDS.values(), ids=OUT_DIR_COMMANDS.keys())
+def test_an_existing_shared_out_dir_in_a_folder_that_may_not_be_written_is_accepted(
+    main, capsys, monkeypatch
+):
+    """A shared scratch folder (``/tmp/runs``, mode 777) whose parent only root may write: the run
+    writes inside it, never beside it, so it is accepted. Fails if an existing ``--out-dir`` is
+    checked against its parent, as a folder still to be made is."""
+
+    class Accepted(Exception):
+        """Raised where the command would begin its work, once its flags were accepted."""
+
+    def accepted(*args, **kwargs):
+        raise Accepted
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", _parse_then(accepted))
+    with read_only_directory(folders=["shared"]) as locked:
+        shared = os.path.join(locked, "shared")
+        with open(os.path.join(shared, "written by this user"), "w"):
+            pass  # the scenario: this user may write in it, not beside it
+        assert not os.access(locked, os.W_OK, effective_ids=os.access in os.supports_effective_ids)
+        with pytest.raises(Accepted):
+            main(["--out-dir", shared])
+    assert "error" not in capsys.readouterr().err
+
+
+def _parse_then(after):
+    """argparse's ``parse_args``, then `after` with its result: a command stopped once its flags parse."""
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def parse_then(self, *args, **kwargs):
+        return after(parse_args(self, *args, **kwargs))
+
+    return parse_then
 
 
 def test_a_new_out_in_a_folder_that_may_be_read_and_written_but_not_searched_is_refused(capsys, no_training):

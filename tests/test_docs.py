@@ -9,6 +9,7 @@ page or an unresolved API reference fails the suite.
 """
 
 import html.parser
+import importlib
 import os
 import pathlib
 import re
@@ -134,14 +135,40 @@ def test_a_block_marked_continues_runs_after_the_block_before_it_and_its_output_
     assert run_page(page, "page.md") == 4
 
 
-def test_every_public_name_has_an_entry_in_the_api_reference():
-    """A name added to `jaxamp.__all__` without a `::: jaxamp.NAME` entry fails (and the reverse)."""
-    api = (REPO / "docs" / "api.md").read_text(encoding="utf-8")
-    # A name that is also a module's (jaxamp.loss_scaling) is entered by its full path, headed by its name.
-    documented = set(re.findall(r"^::: jaxamp\.(\w+)$", api, re.MULTILINE))
-    documented |= set(re.findall(r'^      heading: "jaxamp\.(\w+)"$', api, re.MULTILINE))
-    assert sorted(set(jaxamp.__all__) - documented) == []
-    assert sorted(documented - set(jaxamp.__all__) - {"diagnostics", "fsdp"}) == []
+# The reference: one page per public namespace.
+REFERENCE = {"jaxamp": "jaxamp.md", "jaxamp.fp8": "fp8.md", "jaxamp.fsdp": "fsdp.md", "jaxamp.diagnostics": "diagnostics.md"}
+
+
+def _reference_page(namespace: str) -> str:
+    return (REPO / "docs" / "reference" / REFERENCE[namespace]).read_text(encoding="utf-8")
+
+
+def _summary_names(page: str) -> list[str]:
+    """The names of the summary table that opens a reference page: its first table, before any entry."""
+    before_entries = page.split("\n::: ", 1)[0]
+    rows = [line for line in before_entries.splitlines() if line.startswith("| [`")]
+    return [re.match(r"\| \[`(\w+)", row)[1] for row in rows]
+
+
+@pytest.mark.parametrize("namespace", REFERENCE)
+def test_each_reference_page_opens_with_one_line_for_every_public_name_and_enters_only_public_ones(namespace):
+    """The summary omitted low_precision_optimizer and optimizer_for_policy; an entry for a name
+    that is not public (a private helper) fails too. Every name's entry is checked by
+    tests/test_public_api.py."""
+    page = _reference_page(namespace)
+    public = importlib.import_module(namespace).__all__
+    summary = _summary_names(page)
+    assert sorted(summary) == sorted(public) and len(summary) == len(set(summary))
+    entered = set(re.findall(rf"^::: {re.escape(namespace)}\.(\w+)$", page, re.MULTILINE))
+    assert sorted(entered - set(public)) == []
+
+
+def test_a_summary_table_that_misses_a_name_is_caught():
+    """The check's negative case: a name left out of the summary, or listed only after the entries."""
+    page = "# `jaxamp.fsdp`\n\n| name | what |\n|---|---|\n| [`is_narrower(a, b)`](#x) | ... |\n\n::: jaxamp.fsdp.is_narrower\n"
+    assert _summary_names(page) == ["is_narrower"]
+    late = "# `jaxamp.fsdp`\n\n::: jaxamp.fsdp.is_narrower\n\n| [`is_narrower`](#x) | ... |\n"
+    assert _summary_names(late) == []
 
 
 def test_every_relative_link_of_the_readme_leads_to_a_file():
@@ -195,7 +222,7 @@ def test_the_documentation_site_builds_in_strict_mode_offline(site_build):
     """Fails on a broken link or anchor, a page missing from the nav, an unknown API entry, a fetch."""
     build, site = site_build
     assert build.returncode == 0, build.stderr
-    assert (site / "api" / "index.html").is_file()
+    assert all((site / "reference" / page.removesuffix(".md") / "index.html").is_file() for page in REFERENCE.values())
     # The evidence the pages link to is published beside them.
     assert (site / "_source" / "tests" / "test_grads.py").is_file()
 
@@ -253,23 +280,40 @@ def _api_headings(page_html: str) -> list[str]:
     return names
 
 
+def _reference_html(site: pathlib.Path) -> dict[str, str]:
+    return {
+        namespace: (site / "reference" / page.removesuffix(".md") / "index.html").read_text(encoding="utf-8")
+        for namespace, page in REFERENCE.items()
+    }
+
+
 def test_the_api_reference_renders_each_public_name_once_as_itself(site_build):
     """`::: jaxamp.loss_scaling` rendered the module of that name, not the function: an internal
     helper (require_skip_counting) in the reference, LossScalingState and loss_scale_of twice.
-    Also: no reST ``::`` shown as text, and the at-a-glance table has no empty header row."""
+    A value two namespaces export (jaxamp.fp8.fp8_dot_general is jaxamp.fp8_dot_general) is
+    rendered once, under the first namespace that exports it. Also: no reST ``::`` shown as
+    text, and each page's summary table has no empty header row."""
     build, site = site_build
     assert build.returncode == 0, build.stderr
-    page = (site / "api" / "index.html").read_text(encoding="utf-8")
-    headings = _api_headings(page)
-    public = [f"jaxamp.{name}" for name in jaxamp.__all__]
-    public += [f"jaxamp.diagnostics.{name}" for name in jaxamp.diagnostics.__all__]
+    pages = _reference_html(site)
+    headings = [heading for page in pages.values() for heading in _api_headings(page)]
+    public, seen = [], []
+    # jaxamp.fp8.FP8_FALLBACK_REASONS is entered as jaxamp.diagnostics.FP8_FALLBACK_REASONS.
+    for namespace in ("jaxamp", "jaxamp.diagnostics", "jaxamp.fsdp", "jaxamp.fp8"):
+        module = importlib.import_module(namespace)
+        for name in module.__all__:
+            value = getattr(module, name)
+            if not any(value is other for other in seen):
+                public.append(f"{namespace}.{name}")
+                seen.append(value)
     assert {name: headings.count(name) for name in public if headings.count(name) != 1} == {}
-    assert "require_skip_counting" not in page
-    parser = _ProseOfTheApiPage()
-    parser.feed(page)
-    assert [line for line in "".join(parser.prose).splitlines() if re.search(r"(?<!:)::(?!:)", line)] == []
-    first_header = re.search(r"<thead>(.*?)</thead>", page, re.DOTALL)[1]
-    assert all(cell.strip() for cell in re.findall(r"<th[^>]*>(.*?)</th>", first_header, re.DOTALL))
+    for page in pages.values():
+        assert "require_skip_counting" not in page
+        parser = _ProseOfTheApiPage()
+        parser.feed(page)
+        assert [line for line in "".join(parser.prose).splitlines() if re.search(r"(?<!:)::(?!:)", line)] == []
+        first_header = re.search(r"<thead>(.*?)</thead>", page, re.DOTALL)[1]
+        assert all(cell.strip() for cell in re.findall(r"<th[^>]*>(.*?)</th>", first_header, re.DOTALL))
 
 
 def test_every_example_of_the_api_reference_renders_as_code(site_build):
@@ -281,7 +325,7 @@ def test_every_example_of_the_api_reference_renders_as_code(site_build):
     """
     build, site = site_build
     assert build.returncode == 0, build.stderr
-    pages = sorted((site / "api").rglob("*.html"))
+    pages = sorted((site / "reference").rglob("*.html"))
     assert pages
     garbled = {}
     for page in pages:
@@ -290,8 +334,7 @@ def test_every_example_of_the_api_reference_renders_as_code(site_build):
             garbled[str(page.relative_to(site))] = (blockquotes, prose_examples)
     assert garbled == {}
     # The examples are there, as code: one per Examples section of the public API.
-    api_page = (site / "api" / "index.html").read_text(encoding="utf-8")
-    assert api_page.count("&gt;&gt;&gt;") >= 10
+    assert sum(page.count("&gt;&gt;&gt;") for page in _reference_html(site).values()) >= 10
 
 
 @pytest.mark.parametrize(

@@ -89,7 +89,9 @@ def test_the_top_level_modules_and_folders_import_each_other_without_a_cycle_on_
         return 1 + max((level(other) for other in rooms[room]), default=0)
 
     assert level("jaxamp") <= 6, {room: level(room) for room in rooms}
-    assert len(rooms) - 1 <= 15, sorted(rooms)
+    # 16 with _unknown_name, the one module of the standard library alone: the commands' flags load
+    # it by its path before JAX, so it cannot sit in a room whose other modules import JAX.
+    assert len(rooms) - 1 <= 16, sorted(rooms)
 
 
 @pytest.mark.parametrize("root", ["jaxamp", "experiments"])

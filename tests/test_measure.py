@@ -9,6 +9,7 @@ them as the entry point sees them.
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -61,8 +62,8 @@ def test_a_mistyped_name_is_refused_with_the_nearest_one_before_jax_loads():
         timeout=120,
     )
     assert process.stdout.split() == ["2", "False"], process.stdout + process.stderr
-    assert "unknown measurement 'autocats-cost'; did you mean autocast-cost?" in process.stderr
-    assert "The measurements: autocast-cost, trace-cost" in process.stderr
+    assert "unknown measurement 'autocats-cost'. Did you mean autocast-cost?" in process.stderr
+    assert "Choose one of: autocast-cost, trace-cost" in process.stderr
 
 
 def test_a_measurement_writes_a_new_folder_under_runs_with_its_command_and_commit(tmp_path, monkeypatch):
@@ -104,6 +105,33 @@ def test_a_measurement_that_cannot_run_here_says_what_to_install_and_leaves_no_f
         main(["mxfp8-b200"])
     assert str(exit_.value.code).startswith("error: Compiling for a GPU target needs the CUDA PJRT plugin")
     assert os.listdir(tmp_path) == []  # nor the runs/ it made for it
+
+
+def test_ctrl_c_stops_a_measurement_before_its_next_file_even_where_python_dropped_the_exception(
+    tmp_path, monkeypatch, capsys
+):
+    """The files written so far stay, complete, without a COMMAND file; the status is 130."""
+    from experiments.measure import fp8_payoff
+
+    def interrupted_between_two_files(args, out):
+        out.write("first.md", "done\n")
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt:
+            pass  # stands for the exception Python drops inside a garbage collection's callback
+        out.write("second.md", "never\n")
+
+    monkeypatch.setattr(fp8_payoff, "run", interrupted_between_two_files)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    try:
+        assert main(["fp8-payoff", "--out", str(tmp_path / "out")]) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert sorted(os.listdir(tmp_path / "out")) == ["first.md"]
+    assert capsys.readouterr().err == (
+        f"fp8-payoff: interrupted; the files written so far (first.md) are in {tmp_path / 'out'}, without a "
+        "COMMAND file. Run the command again to measure afresh.\n"
+    )
 
 
 def test_a_bad_flag_of_a_measurement_exits_2_naming_it(capsys):

@@ -119,6 +119,108 @@ def test_update_without_grads_finite_reads_it_from_the_grads():
     assert int(optimizer.step[...]) == 0 and int(optimizer.skipped_steps) == 1
 
 
+def test_a_step_the_caller_skips_with_finite_gradients_changes_nothing_but_the_loss_scale():
+    """A training loop may skip a step of its own (a loss spike, one bad micro-batch): it passes
+    ``grads_finite=False`` with gradients that are all finite. Fails if the caller's flag is not
+    passed on to `jaxamp.loss_scaling`, which would read the gradients as finite and apply them."""
+    model = Net(nnx.Rngs(0))
+    optimizer = jaxamp.NNXOptimizer(model, optax.adam(1e-2), jaxamp.DynamicLossScale(2.0**10))
+    _, grads, grads_finite = jaxamp.scaled_value_and_grad(loss_fn, optimizer.loss_scale)(model, X)
+    assert bool(grads_finite)
+    model_before, optimizer_before = arrays(model), kept(optimizer)
+
+    optimizer.update(model, grads, grads_finite=jnp.asarray(False))
+
+    assert_same(model_before, arrays(model))
+    assert_same(optimizer_before, kept(optimizer))
+    assert int(optimizer.step[...]) == 0 and int(optimizer.skipped_steps) == 1
+    assert float(optimizer.loss_scale.loss_scale) == 2.0**9
+
+
+def loss_of_data_then_model(x, model):
+    return loss_fn(model, x)
+
+
+@pytest.mark.parametrize("jitted", [True, False], ids=["nnx.jit", "eager"])
+def test_a_model_that_is_the_second_argument_of_the_loss_is_differentiated_and_kept_when_skipped(jitted):
+    """``loss(x, model)`` with ``argnums=1``: the gradients are the model's params' (an ``nnx.State``,
+    as ``nnx.value_and_grad`` gives them), and a step skipped for an inf in the data puts back the
+    batch statistics and the dropout's RNG count that the call moved."""
+    model, twin = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+    grad_fn = jaxamp.scaled_value_and_grad(loss_of_data_then_model, jaxamp.StaticLossScale(4.0), argnums=1)
+    grad_fn = nnx.jit(grad_fn) if jitted else grad_fn
+    loss, grads, grads_finite = grad_fn(X, model)
+    expected_loss, expected = nnx.value_and_grad(loss_of_data_then_model, argnums=1)(X, twin)
+    assert bool(grads_finite) and float(loss) == pytest.approx(float(expected_loss), rel=1e-6)
+    assert jax.tree.structure(grads) == jax.tree.structure(expected)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+    before = arrays(model)
+    *_, grads_finite = grad_fn(X_INF, model)
+    assert not bool(grads_finite)
+    assert_same(before, arrays(model))
+
+
+def test_skipped_steps_count_every_skip_and_consecutive_ones_only_those_in_a_row():
+    model = Net(nnx.Rngs(0))
+    optimizer = jaxamp.NNXOptimizer(model, optax.sgd(0.1), jaxamp.DynamicLossScale(2.0**10))
+    for x in (X_INF, X, X_INF):
+        step(model, optimizer, x)
+    assert int(optimizer.step[...]) == 1 and int(optimizer.skipped_steps) == 2
+    assert int(optimizer.loss_scale.consecutive_skipped_steps) == 1
+
+
+class OverflowingMLP(nnx.Module):
+    """Four layers in an ``nnx.List``; the third one's weights 10,000 times too large for float16."""
+
+    def __init__(self, rngs):
+        sizes = [(32, 16), (16, 16), (16, 16), (16, 10)]
+        self.layers = nnx.List([nnx.Linear(fan_in, fan_out, rngs=rngs) for fan_in, fan_out in sizes])
+        self.layers[2].kernel[...] = self.layers[2].kernel[...] * 1e4
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = nnx.relu(layer(x))
+        return self.layers[-1](x)
+
+
+def test_an_nnx_run_stuck_on_overflows_is_stopped_naming_its_layers_and_leaves_by_their_paths():
+    """The linen guide's MLP, in NNX: every step overflows backward in ``layers/3`` (whose weight
+    gradient multiplies ``layers/2``'s large outputs by the scaled cotangent). The record names the
+    layer as linen's names ``Dense_3``, the non-finite leaves are named by their paths in the model
+    (no NNX ``/value``), and `jaxamp.OverflowGuard` on the `NNXOptimizer` lists them and the layer
+    where they start, as it does for a `jaxamp.TrainState`."""
+    model = jaxamp.apply_policy(OverflowingMLP(nnx.Rngs(1)), "mixed_float16")
+    optimizer = jaxamp.NNXOptimizer(model, optax.adam(1e-3), jaxamp.DynamicLossScale())
+    x, labels = jax.random.normal(jax.random.key(0), (8, 32)), jnp.arange(8)
+
+    @nnx.jit
+    def recording_step(model, optimizer):
+        def loss_fn(model):
+            return optax.softmax_cross_entropy_with_integer_labels(model(x), labels).mean()
+
+        *_, grads, grads_finite, record = jaxamp.scaled_value_and_grad(
+            loss_fn, optimizer.loss_scale, record_overflow=True
+        )(model)
+        optimizer.update(model, grads, grads_finite=grads_finite)
+        return record
+
+    first = recording_step(model, optimizer).first_overflow()
+    assert (first.site.name, first.pass_) == ("layers/3", "backward")
+    skipped = ["layers/0/bias", "layers/0/kernel", "layers/1/bias", "layers/1/kernel", "layers/3/kernel"]
+    assert optimizer.nonfinite_grads.nonfinite_paths() == skipped
+    assert jaxamp.diagnostics.nonfinite_grads_of(optimizer).summary().startswith(
+        "step 1 skipped: non-finite grads in 5 of 8 leaves: layers/0/bias, layers/0/kernel"
+    )
+    for _ in range(5):
+        recording_step(model, optimizer)
+    with pytest.raises(jaxamp.LossScaleStuckError) as stuck:
+        jaxamp.OverflowGuard(max_consecutive_skips=5).check(optimizer)
+    assert stuck.value.nonfinite_paths == skipped
+    assert stuck.value.deepest_layers == ["layers/3"]
+    assert "non-finite gradients start at layers/3" in str(stuck.value)
+
 def test_the_gradients_of_a_model_with_an_rng_stream_are_its_params_gradients():
     """``jax.value_and_grad`` refused the dropout's uint32 RNG count ("grad requires real- or
     complex-valued inputs"); an NNX module is differentiated as ``nnx.value_and_grad`` does."""
@@ -156,3 +258,35 @@ def test_an_optimizer_of_the_head_alone_updates_the_head_alone():
     changed = {path[0] for path in before if not np.array_equal(before[path], after[path])}
     assert "head" in changed and "dense" not in changed
     assert int(optimizer.step[...]) == 1
+
+
+@pytest.mark.parametrize(
+    ("make_model", "expected"),
+    [
+        (lambda: jaxamp.apply_policy(Net(nnx.Rngs(0)), "mixed_float16"), jaxamp.DynamicLossScale()),
+        (lambda: jaxamp.apply_policy(Net(nnx.Rngs(0)), "mixed_bfloat16"), jaxamp.NoOpLossScale()),
+        (lambda: nnx.Linear(4, 3, param_dtype=jnp.float16, rngs=nnx.Rngs(0)), jaxamp.DynamicLossScale()),
+        (lambda: Net(nnx.Rngs(0)), jaxamp.NoOpLossScale()),
+    ],
+    ids=["mixed_float16", "mixed_bfloat16", "float16_params", "float32"],
+)
+def test_an_optimizer_made_without_a_loss_scale_takes_the_one_the_models_dtypes_need(make_model, expected):
+    """A float16 model's optimizer made without a loss scale had none: its small gradients underflowed.
+    (Half params take an optimizer that computes in float32.)"""
+    tx = jaxamp.low_precision_optimizer(optax.sgd(0.1), param_dtype=None, state_dtype=jnp.float32)
+    assert jaxamp.NNXOptimizer(make_model(), tx).loss_scale == expected
+
+
+def test_the_optimizer_names_the_leaves_whose_gradients_were_not_finite():
+    """`nonfinite_grads_of(optimizer)` raised "this NNXOptimizer keeps no record of non-finite
+    gradients", though the record was in its state."""
+    model = Net(nnx.Rngs(0))
+    optimizer = jaxamp.NNXOptimizer(model, optax.sgd(0.1))
+    grads = jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
+    grads["head"]["bias"] = jax.tree.map(lambda grad: jnp.full_like(grad, jnp.inf), grads["head"]["bias"])
+    optimizer.update(model, grads)
+
+    record = jaxamp.diagnostics.nonfinite_grads_of(optimizer)
+    assert [path.split("/")[:2] for path in record.nonfinite_paths()] == [["head", "bias"]]
+    assert record.summary().startswith("step 1 skipped: non-finite grads in 1 of 6 leaves: head/bias")
+    assert int(record.skipped_at) == 0 and isinstance(record.nonfinite, jax.Array)

@@ -324,6 +324,53 @@ def test_nnx_names_the_users_source_line():
     assert site.site.name.endswith("(NnxMLP.__call__)")
 
 
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.attn = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.mlp = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.mlp(jnp.tanh(self.attn(x)))
+
+
+class TinyLM(nnx.Module):
+    """Blocks in an ``nnx.List``, a head, and a probe the model calls on a block's layer directly."""
+
+    def __init__(self, rngs):
+        self.blocks = nnx.List([NnxBlock(rngs), NnxBlock(rngs)])
+        self.head = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) + self.blocks[0].attn(x)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_an_nnx_model_under_apply_policy_names_its_layers_by_their_paths_as_linen_does(policy):
+    """An NNX model's record names each matmul by its layer's attribute path in the model, as a linen
+    model's names ``Dense_3``: a source line (``model.py:34 (TinyLM.__call__)``) shared by every block
+    does not say which block overflowed. Under float16 the second block's ``attn``, made to overflow,
+    is the first overflow; under bfloat16 nothing overflows and the names are the same."""
+    model = TinyLM(nnx.Rngs(0))
+    model.blocks[1].attn.kernel[...] = model.blocks[1].attn.kernel[...] * 1e6
+    model = jaxamp.apply_policy(model, policy)
+    x, _ = batch()
+    *_, record = jaxamp.scaled_value_and_grad(
+        lambda model: jnp.mean(model(x) ** 2), jaxamp.StaticLossScale(1.0), record_overflow=True
+    )(model)
+    assert [site.name for site in record.sites] == [
+        "blocks/0/attn", "blocks/0/mlp", "blocks/1/attn", "blocks/1/mlp", "head", "blocks/0/attn [2]",
+    ]  # fmt: skip
+    first = record.first_overflow()
+    if policy == "mixed_bfloat16":
+        assert first is None
+        return
+    assert (first.site.name, first.pass_) == ("blocks/1/attn", "forward")
+    assert first.site.source == f"test_overflow_attribution.py:{line_of(NnxBlock, 'self.attn(')} (NnxBlock.__call__)"
+    assert str(first).startswith(f"forward overflow first in blocks/1/attn at {first.site.source} ")
+
+
 def test_equinox_names_the_users_source_line():
     model = EqxMLP(jax.random.key(0))
     model = eqx.tree_at(lambda m: m.layers[2].weight, model, model.layers[2].weight * 1e6)

@@ -30,7 +30,7 @@ def public_names(namespace: str) -> list[str]:
 
 @pytest.mark.parametrize("namespace", NAMESPACES)
 def test_every_public_name_has_a_docstring_and_an_entry_in_the_api_reference(namespace):
-    api = (REPO_ROOT / "docs" / "api.md").read_text()
+    api = "".join(page.read_text() for page in sorted((REPO_ROOT / "docs" / "reference").glob("*.md")))
     module = importlib.import_module(namespace)
     for name in module.__all__:
         value = getattr(module, name)
@@ -46,12 +46,14 @@ def test_every_public_name_has_a_docstring_and_an_entry_in_the_api_reference(nam
             and f"::: {other}.{name}\n" in api
             for other in NAMESPACES
         )
-        assert entered, f"docs/api.md does not document {namespace}.{name}"
+        assert entered, f"docs/reference/ does not document {namespace}.{name}"
 
 
 def test_the_core_namespace_is_small_and_holds_no_diagnostics():
     core = set(public_names("jaxamp"))
-    assert len(core) <= 27, sorted(core)  # 26 until NNXOptimizer, NNX's counterpart of TrainState
+    # 26 until NNXOptimizer, NNX's counterpart of TrainState; 29 with OptimizerStorage and split_precision,
+    # the optimizer's storage moved out of Policy (issue 49).
+    assert len(core) <= 29, sorted(core)
     assert not core & set(public_names("jaxamp.diagnostics"))
     assert not core & set(public_names("jaxamp.fsdp"))
 
@@ -135,9 +137,9 @@ def test_the_public_name_check_refuses_private_and_internal_names():
 INTERNAL_ON_PURPOSE = {
     ("experiments/measure/reduction_cost.py", "jaxamp._autocast.lineage._reduction_inputs_disabled"),
     ("experiments/measure/fp8_scaling_cost.py", "jaxamp.diagnostics._hlo_report"),
-    ("experiments/measure/quantized_optimizer_cost.py", "jaxamp._optimizer"),
-    ("experiments/measure/quantized_optimizer_cost.py", "jaxamp._quantized_state.quantize"),
-    ("experiments/measure/quantized_optimizer_cost.py", "jaxamp._quantized_state.dequantize"),
+    ("experiments/measure/quantized_optimizer_cost.py", "jaxamp._optimizer.low_precision"),
+    ("experiments/measure/quantized_optimizer_cost.py", "jaxamp._optimizer.quantized.quantize"),
+    ("experiments/measure/quantized_optimizer_cost.py", "jaxamp._optimizer.quantized.dequantize"),
 }
 
 

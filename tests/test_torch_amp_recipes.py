@@ -1,4 +1,4 @@
-"""The recipes of docs/guides/from-torch-amp.md, step by step: what each section claims, checked.
+"""The recipes of docs/guides/from-torch-amp.md and gradient-penalty.md, step by step: each claim, checked.
 
 The page's blocks print their figures (tests/test_docs.py compares them);
 these scenarios assert the claims behind them at every step: the clip sees

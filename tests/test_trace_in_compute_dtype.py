@@ -429,3 +429,56 @@ def test_a_function_that_refuses_half_inputs_is_traced_as_given_with_a_warning_n
         match="it raised NotImplementedError: NotImplementedError Kernels",
     ):
         jaxamp.autocast(float32_only_without_a_message)(x)
+
+
+def test_a_function_that_refuses_half_inputs_and_takes_an_integer_too_is_traced_as_given():
+    """A float32-only function with a step count beside its floating arguments: the integer is traced
+    as given either way, the floating arguments are not, so the function is traced again as given
+    and runs, with the warning.
+
+    Fails if the fallback is refused as soon as any argument was traced as given (the integer), not
+    only when all of them were: the half trace's TypeError would reach the user.
+    """
+
+    def float32_only(x, w, step):
+        if x.dtype != jnp.float32:
+            raise TypeError(f"float32_only takes float32, got {x.dtype}")
+        return jnp.tanh(x @ w) * step
+
+    x, w, step = jnp.ones((4, 8)), jnp.ones((8, 8)) / 8, jnp.array(3, jnp.int32)
+    refused = jaxamp._autocast.interpreter.HalfTraceRefusedWarning
+    with pytest.warns(refused, match="float32_only takes float32"):
+        out = jaxamp.autocast(float32_only)(x, w, step)
+    np.testing.assert_allclose(out, float32_only(x, w, step), rtol=2e-3)
+
+
+class NnxDenseBatchNorm(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 4, kernel_init=nnx.initializers.ones, rngs=rngs)
+        self.dense.kernel[...] = jnp.eye(4)
+        self.norm = nnx.BatchNorm(4, momentum=0.99, rngs=rngs)
+        self.seen = []
+
+    def __call__(self, x):
+        self.seen.append((self.dense.kernel[...].dtype, self.norm.mean[...].dtype))
+        return self.norm(self.dense(x))
+
+
+def test_nnx_batchnorm_running_statistics_are_traced_and_updated_in_float32_like_a_float32_model():
+    """NNX state other than ``nnx.Param`` keeps its dtype while traced: the kernel is traced in
+    bfloat16, the running mean in float32, and 50 updates of momentum 0.99 toward a mean near 3 end
+    where float32's do (a bfloat16 mean would stall, as in the linen test above).
+
+    Fails if a leaf's variable type is lost on the way to the trace (every NNX leaf then counts as a
+    param and is traced in the compute dtype)."""
+    batches = [jax.random.normal(jax.random.key(step), (8, 4)) + 3.0 for step in range(50)]
+    reference, model = NnxDenseBatchNorm(nnx.Rngs(0)), NnxDenseBatchNorm(nnx.Rngs(0))
+    model = jaxamp.apply_policy(model, "mixed_bfloat16")
+    step, reference_step = nnx.jit(lambda model, x: model(x)), nnx.jit(lambda model, x: model(x))
+    for batch in batches:
+        step(model, batch)
+        reference_step(reference, batch)
+    assert (BF16, F32) in model.seen and (BF16, BF16) not in model.seen
+    assert model.norm.mean[...].dtype == F32
+    np.testing.assert_allclose(model.norm.mean[...], reference.norm.mean[...], rtol=2e-3)
+    np.testing.assert_allclose(model.norm.var[...], reference.norm.var[...], rtol=2e-2)

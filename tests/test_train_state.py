@@ -111,10 +111,31 @@ def test_create_sets_every_field_and_starts_counters_as_int32_arrays():
     assert state.apply_fn == MODEL.apply
 
 
-def test_create_defaults_to_no_loss_scale_and_no_batch_stats():
+def test_create_defaults_to_no_loss_scale_and_no_batch_stats_for_a_float32_model():
     state = jaxamp.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
     assert isinstance(state.loss_scale, jaxamp.NoOpLossScale)
     assert state.batch_stats is None
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [("mixed_float16", jaxamp.DynamicLossScale), ("float16", jaxamp.DynamicLossScale),
+     ("mixed_bfloat16", jaxamp.NoOpLossScale), ("float32", jaxamp.NoOpLossScale)],
+)  # fmt: skip
+def test_create_without_a_loss_scale_gives_a_policy_model_the_one_its_policy_needs(policy, expected):
+    """A float16 model made without a loss scale trained with none: its small gradients underflowed."""
+    model = jaxamp.apply_policy(Regressor(), policy)
+    variables = jax.eval_shape(functools.partial(model.init, train=False), jax.random.key(0), INPUTS)
+    state = jaxamp.TrainState.create(apply_fn=model.apply, params=variables["params"], tx=optax.sgd(0.1))
+    assert type(state.loss_scale) is expected
+    assert state.loss_scale == jaxamp.default_loss_scale(policy)
+
+
+def test_create_without_a_loss_scale_gives_float16_params_a_dynamic_one():
+    params = {"w": jnp.ones(2, jnp.float16), "b": jnp.zeros(1)}
+    tx = jaxamp.low_precision_optimizer(optax.sgd(0.1), param_dtype=None, state_dtype=jnp.float32)
+    state = jaxamp.TrainState.create(apply_fn=None, params=params, tx=tx)
+    assert state.loss_scale == jaxamp.DynamicLossScale()
 
 
 class TrainStateWithAverage(jaxamp.TrainState):

@@ -68,13 +68,16 @@ def on_files(files: Files, config) -> Files:
 
 # An API directive (``::: jaxamp.X``) and its indented options.
 _API_DIRECTIVE = re.compile(r"^:::.*(?:\n {4}.*)*\n?", re.MULTILINE)
+# A link to an entry such a directive renders (``[`Policy`](#jaxamp.Policy)``, ``(jaxamp.md#jaxamp.X)``).
+_API_ENTRY_LINK = re.compile(r"\[([^\]]*)\]\((?:[\w-]+\.md)?#jaxamp\.[\w.]+\)")
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     """A page of the docs folder reached again through a file outside it (the results index links
     to the guides) is a second copy: its API directives are left out, so that each object of the
-    API reference is rendered once and cross-references find one page for it."""
+    API reference is rendered once and cross-references find one page for it, and the links to
+    their entries keep their text alone."""
     docs_folder = "../" + os.path.basename(os.path.normpath(config["docs_dir"])) + "/"
     if page.file.src_uri.startswith(docs_folder):
-        return _API_DIRECTIVE.sub("", markdown)
+        return _API_ENTRY_LINK.sub(r"\1", _API_DIRECTIVE.sub("", markdown))
     return markdown

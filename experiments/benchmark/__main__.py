@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
     )
     interrupted = False
     try:
-        sections.run_sections(settings, budget, results)
+        with interrupts.watched():
+            sections.run_sections(settings, budget, results)
     except KeyboardInterrupt:
         interrupted = True
     finally:

@@ -9,6 +9,7 @@ data once and keeps the workload the pipeline section reuses.
 from __future__ import annotations
 
 import jaxamp
+from experiments import interrupts
 from experiments.benchmark import attribution, loss_scale, pipeline, targets, throughput, torch_amp, workload
 from experiments.benchmark.budget import Budget, SkipWork
 from experiments.benchmark.results import Results
@@ -150,11 +151,13 @@ def run_sections(settings: dict, budget: Budget, results: Results) -> None:
     """Runs ``settings["sections"]`` in their order."""
     runner = SectionRunner(settings, budget, results)
     for section in settings["sections"]:
+        interrupts.stop_if_interrupted()
         getattr(runner, section)()
 
 
 def _guarded(budget: Budget, work: str, fn) -> None:
     """Runs `fn` if any budget is left; a section that runs out midway is listed as skipped."""
+    interrupts.stop_if_interrupted()
     try:
         budget.require(work, 0.0 if budget.remaining() > 0 else 1.0)
         fn()

@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
     results_before = outputs.file_version(args.out_dir and os.path.join(args.out_dir, "results.json"))
     try:
         # The run folder (and the runs/ above it) is removed again if the command fails leaving it empty.
-        with outputs.removed_if_left_empty(args.out_dir or outputs.RUNS_ROOT) as made:
+        with interrupts.watched(), outputs.removed_if_left_empty(args.out_dir or outputs.RUNS_ROOT) as made:
             distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
             main_process = jax.process_index() == 0
             corpus = data_lib.load_corpus(
@@ -337,6 +337,7 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
                     config, corpus, log=lambda line: print(line, flush=True), on_record=save
                 )
                 payload["runs"].append(run)
+                interrupts.stop_if_interrupted()
                 if main_process:
                     output.write_json(out_dir, payload)
                     output.write_table(out_dir, payload["runs"], command, payload["environment"])

@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
     out_dir = args.out_dir
     try:
         # The run folder (and the runs/ above it) is removed again if the command fails leaving it empty.
-        with outputs.removed_if_left_empty(args.out_dir or outputs.RUNS_ROOT) as made:
+        with interrupts.watched(), outputs.removed_if_left_empty(args.out_dir or outputs.RUNS_ROOT) as made:
             if not out_dir:
                 out_dir = new_out_dir()
                 made.append(out_dir)
@@ -440,6 +440,7 @@ def compile_each(
                         "route": route,
                         "error": str(error).splitlines()[0][:200],
                     }
+                interrupts.stop_if_interrupted()
                 entries.append(entry)
                 print({key: entry.get(key) for key in shown}, flush=True)
                 output.write_json(out_dir, {"command": command, "entries": entries})

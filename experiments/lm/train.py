@@ -35,6 +35,7 @@ import numpy as np
 import optax
 
 import jaxamp
+from experiments import interrupts
 from experiments.distributed import host_value
 from experiments.lm import data as data_lib
 from experiments.lm import figures
@@ -81,7 +82,7 @@ def create_optimizer(config: LMConfig) -> optax.GradientTransformation:
             mask=lambda params: jax.tree.map(lambda param: param.ndim >= 2, params),
         ),
     )
-    return jaxamp.optimizer_for_policy(adamw, resolve_precision(config.precision).policy, key=config.seed)
+    return resolve_precision(config.precision).optimizer(adamw, key=config.seed)
 
 
 def model_for_init(model):
@@ -105,8 +106,7 @@ def create_train_state(
     """Initializes params from ``config.seed`` and builds the `jaxamp.TrainState` around `tx`."""
     sample = jnp.zeros((1, context), jnp.int32)
     params = model_for_init(model).init(jax.random.key(config.seed), sample)["params"]
-    if precision.policy.update_rounding is not None:  # the wrapper stores params in the policy's dtype
-        params = precision.policy.cast_to_param(params)
+    params = precision.policy.cast_to_param(params)  # the autocast route's plain model makes float32
     return jaxamp.TrainState.create(
         apply_fn=model.apply,
         params=params,
@@ -308,7 +308,7 @@ def train_and_evaluate(
     results: dict[str, Any] = {
         "config": dataclasses.asdict(config),
         "precision": {
-            "policy": str(precision.policy),
+            "policy": precision.describe(),
             "matmul_precision": precision.matmul_precision,
         },
         "attention": attention,
@@ -361,6 +361,7 @@ def train_and_evaluate(
             else:
                 progress.write(line, log)
         if on_record:
+            interrupts.stop_if_interrupted()
             on_record(results)
 
     record(0)
@@ -368,6 +369,7 @@ def train_and_evaluate(
     progress = Progress(config.steps, description, config.progress, tokens_per_step, rate_name="tokens_s")
     start = time.perf_counter()
     for step in range(1, config.steps + 1):
+        interrupts.stop_if_interrupted()
         offsets = data_lib.batch_offsets(corpus.train.size, config.batch_size, context, config.seed, step)
         state, loss = compiled.train_step(state, batch(corpus.train, offsets))
         pending.append(loss)

@@ -31,6 +31,7 @@ MEASUREMENTS = (
     "optimizer_lm_parity",
     "optimizer_lm_cost",
     "quantized_optimizer_cost",
+    "optimizer_first_step",
     "fp8_proof",
     "fp8_scaling_cost",
     "fp8_layer",

@@ -6,7 +6,7 @@
     python -m experiments.measure NAME --out DIR   # writes DIR (made if missing), e.g. results/<question>/...
 
 NAME is checked before anything loads, so a mistyped one is answered at once
-with the nearest names (exit status 2). The measurement's module is then
+with the nearest name (exit status 2). The measurement's module is then
 imported (JAX loads with it) and parses its own flags before any work
 starts; a bad flag also exits 2. The folder gets the measurement's files,
 each written atomically, and once it has finished a ``COMMAND`` file with
@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import ast
-import difflib
 import importlib
 import importlib.util
 import sys
 
-from experiments import outputs
-from experiments.flags import ArgumentParser, HelpFormatter, output_directory
+from experiments import interrupts, outputs
+from experiments.flags import ArgumentParser, HelpFormatter, output_directory, unknown_name
 from experiments.measure import MEASUREMENTS
 from experiments.measure.run_folder import RunFolder
 
@@ -86,7 +85,14 @@ def _measurement_parser(name: str, module) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
+    """Runs one measurement with `argv` (default: the command line); returns the exit status.
+
+    Args:
+        argv: NAME and its flags.
+        entry_point: run as ``python -m experiments.measure``: an interrupted
+            measurement ends the process at once (`experiments.interrupts.exit_status`).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     top = _top_parser()
     if argv[:1] in (["-h"], ["--help"]):
@@ -97,25 +103,33 @@ def main(argv: list[str] | None = None) -> int:
         top.error(f"name a measurement first, one of: {', '.join(names)}")
     name = argv[0]
     if name not in names:
-        close = difflib.get_close_matches(name, names, n=2, cutoff=0.7)
-        hint = f"did you mean {' or '.join(close)}? " if close else ""
-        top.error(f"unknown measurement {name!r}; {hint}The measurements: {', '.join(names)}")
+        top.error(unknown_name("measurement", name, list(names)))
     import jaxamp  # pylint: disable=import-outside-toplevel  # loads JAX (starts no backend)
 
     # Before any backend starts: a CUDA plugin without a GPU registers quietly, for the GPU targets.
     jaxamp.diagnostics.allow_compiling_without_gpu()
     module = importlib.import_module(f"experiments.measure.{names[name]}")
     args = _measurement_parser(name, module).parse_args(argv[1:])
-    # The folder (and the folders made above it) is removed again if the measurement fails leaving it empty.
-    with outputs.removed_if_left_empty(args.out or outputs.RUNS_ROOT) as made:
-        out = RunFolder.create(name, args.out, argv)
-        made.append(out.path)
-        print(f"{name}: writing {out.path}", flush=True)
-        module.run(args, out)
+    out = None
+    try:
+        # The folder (and the folders made above it) is removed again if the measurement fails leaving it empty.
+        with interrupts.watched(), outputs.removed_if_left_empty(args.out or outputs.RUNS_ROOT) as made:
+            out = RunFolder.create(name, args.out, argv)
+            made.append(out.path)
+            print(f"{name}: writing {out.path}", flush=True)
+            module.run(args, out)
+    except KeyboardInterrupt:
+        kept = (
+            f"the files written so far ({', '.join(out.written)}) are in {out.path}, without a COMMAND file"
+            if out is not None and out.written
+            else "nothing was written"
+        )
+        print(f"{name}: interrupted; {kept}. Run the command again to measure afresh.", file=sys.stderr)
+        return interrupts.exit_status(entry_point)
     out.finish()
     print(f"{name}: wrote {', '.join(out.written)} in {out.path}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(entry_point=True))

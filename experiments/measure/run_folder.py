@@ -33,6 +33,8 @@ import shlex
 import subprocess
 from typing import Any
 
+from experiments import interrupts
+
 COMMAND_FILE = "COMMAND"
 _REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -89,7 +91,12 @@ class RunFolder:
         return cls(path, "python -m experiments.measure " + shlex.join(argv))
 
     def file(self, name: str) -> str:
-        """The path of `name` inside the folder (its parent folders made), for a writer of its own."""
+        """The path of `name` inside the folder (its parent folders made), for a writer of its own.
+
+        Raises:
+            KeyboardInterrupt: a Ctrl-C arrived (`experiments.interrupts`): no file is begun after it.
+        """
+        interrupts.stop_if_interrupted()
         path = os.path.join(self.path, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if name not in self.written:
@@ -109,7 +116,12 @@ class RunFolder:
         return self.write(name, json.dumps(payload, indent=1) + "\n")
 
     def print(self, text: str = "") -> None:
-        """Shows `text` now (the measurement's progress and findings) and keeps it for `save_printed`."""
+        """Shows `text` now (the measurement's progress and findings) and keeps it for `save_printed`.
+
+        Raises:
+            KeyboardInterrupt: a Ctrl-C arrived (`experiments.interrupts`): the measurement stops here.
+        """
+        interrupts.stop_if_interrupted()
         print(text, flush=True)
         self.printed.append(text)
 

@@ -86,8 +86,6 @@ class Rewrite:
         literals: ``(id(equation), position) -> value``: the literals the
             half trace rounded, as the program wrote them
             (`jaxamp._autocast.reference`).
-        casts: ``id(equation) -> dtype``: the casts the half trace narrowed,
-            to the dtype the program wrote.
     """
 
     compute_dtype: np.dtype
@@ -97,7 +95,6 @@ class Rewrite:
     rules_for: RulesFor | None = None
     fp8_matmuls: bool = False
     literals: Mapping[tuple[int, int], np.ndarray] = dataclasses.field(default_factory=dict)
-    casts: Mapping[int, np.dtype] = dataclasses.field(default_factory=dict)
     _scoped: dict = dataclasses.field(default_factory=dict)
 
     def scoped(self, equation) -> Rewrite:
@@ -130,7 +127,6 @@ class Rewrite:
                 rules_for=self.rules_for,
                 fp8_matmuls=key[1],
                 literals=self.literals,
-                casts=self.casts,
                 _scoped=self._scoped,
             )
         return self._scoped[key]

@@ -252,9 +252,12 @@ def custom_jvp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
             return [*outs, *(tangent for tangent, keep in zip(out_tangents, differentiable_out) if keep)]
 
         leaves = [*primals, *float_tangents]
-        float_in_dtypes = [dtype for dtype, keep in zip(in_dtypes, differentiable_in) if keep]
-        traced_leaf_dtypes = [*in_dtypes, *float_in_dtypes]
-        traced_avals = [with_dtype(abstract(leaf), dtype) for leaf, dtype in zip(leaves, traced_leaf_dtypes)]
+        traced_in = [atom.aval for atom in equation.invars]
+        traced_leaves = [*traced_in, *(aval for aval, keep in zip(traced_in, differentiable_in) if keep)]
+        traced_avals = [
+            with_dtype(abstract(leaf), traced.dtype, weak_type=traced.weak_type)
+            for leaf, traced in zip(leaves, traced_leaves)
+        ]
         rule = jax.make_jaxpr(user_jvp)(*traced_avals)
         rewritten_rule = rewrite_jaxpr(
             context, rule, [abstract(leaf) for leaf in leaves], [*out_dtypes, *tangent_dtypes], rule_lineages

@@ -36,6 +36,7 @@ from jaxamp._autocast.lineage import (
     Lineage,
     after_convert,
     after_float32,
+    cast_constant,
     constant,
     follow,
     join,
@@ -138,6 +139,7 @@ def interpret(
     consts: Sequence[Any],
     args: Sequence[Any],
     lineages: Sequence[Lineage | None] | None = None,
+    unrounded_outputs: list | None = None,
 ) -> list:
     """Evaluates `jaxpr` on `args`, each equation through its rule, each value with its lineage.
 
@@ -152,7 +154,7 @@ def interpret(
            else the rule of its innermost policy scope (Rewrite.scoped)
     follow ops:  lineage.follow (computes, rounds once per chain, gives the result's lineage)
     the half trace's cast of a statistic back to half: skipped (lineage.keeps_a_statistic)
-    a constant's cast the half trace narrowed: to the dtype the program wrote (reference)
+    JAX's cast of a Python number (weakly typed): read as written (lineage.cast_constant)
     float32 ops read a rounded chain's unrounded value
     other ops:   the rule; outputs' lineages from its role or, for a body, from the body's report
     in a float32 island (_in_island): every floating output is ISLAND
@@ -205,8 +207,9 @@ def interpret(
             reports: list | None = None
             if role == "convert" and keeps_a_statistic(scoped, equation, invals[0], in_lineages[0]):
                 outvals, out_lineages = invals, [STATISTIC]
-            elif role == "convert" and in_lineages[0].kind is Kind.CONSTANT and id(equation) in scoped.casts:
-                outvals, out_lineages = [cast(invals[0], scoped.casts[id(equation)])], in_lineages[:1]
+            elif role == "convert" and in_lineages[0].kind is Kind.CONSTANT and equation.invars[0].aval.weak_type:
+                new_dtype = equation.params["new_dtype"]
+                outvals, out_lineages = [cast_constant(invals[0], new_dtype, in_lineages[0])], in_lineages[:1]
             elif role == "follow":
                 variables = [None if isinstance(atom, Literal) else atom for atom in equation.invars]
                 outvals, wide, result = follow(
@@ -254,6 +257,8 @@ def interpret(
                 ),
             )
         )
+    if unrounded_outputs is not None:
+        unrounded_outputs[:] = [None if isinstance(atom, Literal) else unrounded.get(atom) for atom in jaxpr.outvars]
     return [
         np.asarray(atom.val, dtype=atom.aval.dtype) if isinstance(atom, Literal) else env[atom]
         for atom in jaxpr.outvars
@@ -335,11 +340,12 @@ def abstract(value: Any, *, drop_leading_axis: bool = False) -> Any:
     return jax.ShapeDtypeStruct(shape, value.dtype)
 
 
-def with_dtype(aval: Any, dtype: Any) -> Any:
-    """`aval` (a ``ShapeDtypeStruct``, or a value's type inside ``shard_map``) with `dtype`."""
+def with_dtype(aval: Any, dtype: Any, *, weak_type: bool = False) -> Any:
+    """`aval` (a ``ShapeDtypeStruct``, or a value's type inside ``shard_map``) with `dtype`, weakly
+    typed if asked (a Python number the program passed on)."""
     if isinstance(aval, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(aval.shape, dtype)
-    return aval.update(dtype=dtype)
+        return jax.ShapeDtypeStruct(aval.shape, dtype, weak_type=weak_type)
+    return aval.update(dtype=dtype, weak_type=weak_type)
 
 
 def _aval_key(aval: Any) -> tuple:
@@ -441,14 +447,27 @@ class _Entry:
     recorded: Any = None
 
 
+AS_REWRITTEN = object()
+"""An output dtype that says: the dtype the rules gave the output (`RewriteCache.call`)."""
+
+
 def _outputs(context: Rewrite, traced: ClosedJaxpr, args: Sequence[Any], out_dtypes: Sequence[Any]) -> list:
-    """`traced` evaluated on `args`, each output cast to its dtype unless it is an ISLAND wider than it."""
+    """`traced` evaluated on `args`, each output cast to its dtype (`AS_REWRITTEN`: left as the rules
+    gave it), unless it is an ISLAND wider than it. An output rounded by the op that made it and
+    handed back wider is handed back unrounded: ``x + y`` of a float32 ``x`` and a float16 ``y``,
+    returned in float32, is float32's sum."""
+    unrounded: list = []
     with _set(_BODY_REPORTS, []) as reports:
-        outvals = interpret(context, traced.jaxpr, traced.consts, args)
-    return [
-        value if lineage.kind is Kind.ISLAND and wider(value.dtype, dtype) else cast(value, dtype)
-        for value, dtype, lineage in zip(outvals, out_dtypes, reports[-1].lineages, strict=True)
-    ]
+        outvals = interpret(context, traced.jaxpr, traced.consts, args, unrounded_outputs=unrounded)
+    results = []
+    for value, dtype, lineage, wide in zip(outvals, out_dtypes, reports[-1].lineages, unrounded, strict=True):
+        if dtype is AS_REWRITTEN or (lineage.kind is Kind.ISLAND and wider(value.dtype, dtype)):
+            results.append(value)
+        elif wide is not None and wider(dtype, value.dtype):
+            results.append(cast(wide, dtype))
+        else:
+            results.append(cast(value, dtype))
+    return results
 
 
 def _as_given(fun: Callable[..., Any], leaves: Sequence[Any]) -> Any:
@@ -562,7 +581,8 @@ class RewriteCache:
             trace_dtypes: per leaf, the dtype `fun` is traced with, or None for
                 its own (all its own if omitted); the rewrite takes the leaves as they are.
             output_dtypes: called while tracing on `fun`'s outputs; per array
-                leaf, the dtype it is returned in, or None for its traced dtype.
+                leaf, the dtype it is returned in, None for its traced dtype, or
+                `AS_REWRITTEN` for the dtype the rules gave it.
         """
         avals = [abstract(leaf) for leaf in leaves]
         if trace_dtypes is None:
@@ -624,10 +644,10 @@ class RewriteCache:
             client.closed() if client is not None else contextlib.nullcontext(),
         ):
             traced = _trace(array_outputs, trace_avals, avals)
-            literals, casts = {}, {}
+            literals = {}
             if any(aval.dtype != given.dtype for aval, given in zip(traced.in_avals, avals)):
                 reference = _reference(lambda *leaves: _as_given(fun, leaves), avals, traced.in_avals)
-                literals, casts = recovered(traced.jaxpr, reference, _as_given.__code__)
+                literals = recovered(traced.jaxpr, reference, _as_given.__code__)
             context = Rewrite(
                 self._compute_dtype,
                 self._rules,
@@ -635,7 +655,6 @@ class RewriteCache:
                 rules_for=self._rules_for,
                 fp8_matmuls=self._fp8_matmuls,
                 literals=literals,
-                casts=casts,
             )
             out_dtypes = [
                 aval.dtype if dtype is None else dtype

@@ -27,7 +27,15 @@ float32 through the softmax and is rounded where an activation meets it).
 Without deciders the result is as wide as computed. So a bias, a
 normalization's scale or a mean meeting a float16 activation computes in
 float32 and gives float16, and a value between two float32 layers stays
-float32 until a matmul consumes it, as ``torch.autocast`` keeps it.
+float32 until a matmul consumes it, as ``torch.autocast`` keeps it. A
+difference of two values each rounded by the op that made it reads their
+unrounded values too (`_difference_of_rounded`).
+
+A constant is read as written: a literal the half trace rounded comes from
+the reference trace (`jaxamp._autocast.reference`), and a Python number
+that JAX casts to the half dtype it meets keeps its value
+(`cast_constant`), however it entered (a ``jit``'s or a ``custom_jvp``'s
+argument, ``jnp.where``'s fill).
 
 Float32 also extends backwards, into the elementwise chains that feed only
 a float32 reduction (`reduction_inputs`): ``mean(h * h)`` squares in
@@ -95,9 +103,14 @@ STATISTIC = Lineage(Kind.STATISTIC)
 def constant(value: Any) -> Lineage:
     """The lineage of a concrete value (a literal, a closed-over array); ACTIVATION for a tracer.
 
-    A closed-over ``jax.Array`` is measured where it lives (a large table is
-    not copied to the host to be measured)."""
-    if isinstance(value, jax.core.Tracer) or not is_floating(np.result_type(value)):
+    A number's magnitudes are measured, an integer's and a boolean's too (a
+    bound or a count made floating later). A closed-over ``jax.Array`` is
+    measured where it lives (a large table is not copied to the host to be
+    measured)."""
+    if isinstance(value, jax.core.Tracer):
+        return ACTIVATION
+    dtype = np.dtype(value.dtype) if hasattr(value, "dtype") else np.result_type(value)
+    if not (is_floating(dtype) or jnp.issubdtype(dtype, jnp.integer) or dtype == np.bool_):
         return ACTIVATION
     xp = jnp if isinstance(value, jax.Array) else np
     with jax.ensure_compile_time_eval():  # measured now, though a rewrite is being traced
@@ -107,6 +120,30 @@ def constant(value: Any) -> Lineage:
             return Lineage(Kind.CONSTANT, 0.0, None)
         largest = float(xp.max(xp.where(counted, magnitudes, 0)))
         return Lineage(Kind.CONSTANT, largest, float(xp.min(xp.where(counted, magnitudes, xp.inf))))
+
+
+def cast_constant(value: Any, dtype: Any, lineage: Lineage) -> Any:
+    """A weakly typed constant (a Python number the program wrote) under JAX's cast of it to `dtype`.
+
+    JAX casts a Python number to the dtype it meets: in a half trace, the
+    half dtype (``jnp.where``'s fill, ``-1e9`` meeting a half activation, a
+    bound entering ``jnp.clip``'s ``jit`` as an argument). A floating
+    constant keeps its width there, and the op that reads it rounds it or
+    widens, by the rule of `follow`. An integer constant made floating goes
+    to `dtype` where `dtype` holds every integer up to its magnitude exactly
+    (2048 in float16, 256 in bfloat16), else to float32:
+    ``jnp.clip(x, 0, 4095)`` bounds by 4095, not 4096. The program's own
+    cast of a constant it made (``jnp.full(..., -1e9, jnp.float32).astype(h.dtype)``)
+    is honoured, as in a half program.
+    """
+    if not is_floating(dtype):
+        return cast(value, dtype)
+    if is_floating(value.dtype):
+        return value if wider(value.dtype, dtype) else cast(value, dtype)
+    exact_below = 2.0 ** (jnp.finfo(dtype).nmant + 1)
+    if value.dtype == np.bool_ or (lineage.largest is not None and lineage.largest <= exact_below):
+        return cast(value, dtype)
+    return cast(value, jnp.promote_types(dtype, jnp.float32))
 
 
 def wider(dtype: Any, traced: Any) -> bool:
@@ -169,11 +206,13 @@ def follow(
         dtype = jnp.result_type(*(invals[index].dtype for index in floating)) if floating else None
         outvals = bind(equation, [cast(value, dtype) if index in floating else value
                                   for index, value in enumerate(invals)])  # fmt: skip
+        if not floating and any(lineage.kind is not Kind.CONSTANT for lineage in lineages):
+            return outvals, None, ACTIVATION  # integer or boolean arithmetic on data
         return outvals, None, _constant_result(equation.primitive.name, lineages)
     result = jnp.result_type(*(invals[index].dtype for index in deciders or weak))
     widening = [index for index in constants if not lineages[index].fits(result)]
     result = jnp.result_type(result, *(invals[index].dtype for index in widening))
-    if deciders and weak and unrounded is not None:
+    if unrounded is not None and deciders and (weak or _difference_of_rounded(equation, deciders, unrounded)):
         operands = [value if wide is None else wide for value, wide in zip(invals, unrounded)]
     computed = jnp.result_type(result, *(operands[index].dtype for index in deciders + weak))
     for index in floating:
@@ -188,6 +227,14 @@ def follow(
     if computed == result:
         return outvals, None, lineage
     return [cast(value, result) for value in outvals], outvals, lineage
+
+
+def _difference_of_rounded(equation, deciders: Sequence[int], unrounded: Sequence[Any | None]) -> bool:
+    """Whether `equation` subtracts a value rounded by the op that made it (``a * c - b * s`` or
+    ``a * c - b`` of a float32 ``c``): the difference of the unrounded values, rounded once, has no
+    cancellation error; a sum does not cancel, and a residual stream of sums stays in the compute
+    dtype."""
+    return equation.primitive.name == "sub" and any(unrounded[index] is not None for index in deciders)
 
 
 _REDUCTIONS = frozenset(("reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "argmax", "argmin"))

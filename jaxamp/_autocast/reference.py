@@ -1,27 +1,38 @@
-"""The program as written: the literals and constant casts the half trace rounded.
+"""The program as written: the literals the half trace rounded.
 
 Traced in float16, a Python ``1e-12`` is already ``0`` and ``-1e9`` already
-``-inf``, and a weak scalar JAX passes on (``jnp.where``'s fill, inside its
-``jit``) is cast to half. `autocast` traces the function once more with its
-arguments as given (the *reference*) and pairs the two programs:
+``-inf``. `autocast` traces the function once more with its arguments as
+given (the *reference*) and pairs the two programs structurally: both ran
+the same Python code, so their equations come in the same order, except
+where the half trace added some (JAX's upcasts around a half ``mean``) or
+left some out (a cast to a dtype the value already had).
 
 ```text
-key(equation) = (primitive, operand count, literal positions, name stack,
-                 the traceback's frames inside the traced function)
-the k-th equation of a key in the half trace pairs with the k-th of that key in the reference
-a literal is recovered where the reference's rounds to it and holds a value it lost;
-a cast of a constant, where the reference casts to a wider dtype
+align(half jaxpr, reference jaxpr):
+    key(equation) = (primitive, operand count, floating-literal positions, output count,
+                     name stack, the traceback's frames inside the traced function)
+    pair the two sequences of keys by their longest common subsequence (difflib)
+    for each pair: recover its literals; align the nested jaxprs of the two, in order
+a literal is recovered where the reference's rounds to it and holds a value it lost
 ```
 
-Equations the half trace adds or changes (JAX's upcasts around a half
-``mean``) have keys of their own and pair with nothing, and a literal is
-replaced only where the written value rounds to the traced one, so a wrong
-pairing cannot change a value the program did not write.
+Each nested jaxpr is aligned with its own twin, so the k-th ``where`` of
+one call of a library function meets the k-th of the same call, however
+often the function is called. A body the half trace shares between calls
+(JAX caches a traced ``jit``) is aligned once per call; where two calls'
+twins wrote different values, the literal keeps the half trace's value and
+a `LiteralNotRecoveredWarning` says so, once per process: a failed pairing
+never gives a value from another equation. A literal is replaced only where
+the written value rounds to the traced one, so a pairing cannot change a
+value the program did not write. Casts need no pairing: a constant keeps
+its width through the half trace's casts (`jaxamp._autocast.lineage`).
 """
+
 from __future__ import annotations
 
-import collections
-from collections.abc import Iterator
+import difflib
+import functools
+import warnings
 from typing import Any
 
 import jax.numpy as jnp
@@ -31,24 +42,12 @@ from jax.extend.core import Jaxpr, Literal
 from jaxamp._autocast.primitives import subjaxprs
 
 
+class LiteralNotRecoveredWarning(UserWarning):
+    """A literal the half trace rounded could not be read as written: autocast keeps the rounded one."""
+
+
 def _is_floating_literal(atom: Any) -> bool:
     return isinstance(atom, Literal) and jnp.issubdtype(atom.aval.dtype, jnp.floating)
-
-
-def _pairable(jaxpr: Jaxpr, seen: set[int]) -> Iterator[Any]:
-    """The equations of `jaxpr` and its nested jaxprs (each once) with a floating literal, and the
-    casts between floating dtypes."""
-    if id(jaxpr) in seen:
-        return
-    seen.add(id(jaxpr))
-    for equation in jaxpr.eqns:
-        cast = equation.primitive.name == "convert_element_type" and jnp.issubdtype(
-            equation.invars[0].aval.dtype, jnp.floating
-        )
-        if cast or any(_is_floating_literal(atom) for atom in equation.invars):
-            yield equation
-        for body in subjaxprs(equation.params):
-            yield from _pairable(body, seen)
 
 
 def _key(equation, entry: Any) -> tuple:
@@ -59,38 +58,64 @@ def _key(equation, entry: Any) -> tuple:
     codes, offsets = info.traceback.raw_frames() if info.traceback is not None else ((), ())
     inside = next((depth for depth, code in enumerate(codes) if code is entry), len(codes))
     frames = (tuple(codes[:inside]), tuple(offsets[:inside]))
-    return (equation.primitive.name, len(equation.invars), positions, str(info.name_stack), frames)
+    name = equation.primitive.name
+    return (name, len(equation.invars), positions, len(equation.outvars), str(info.name_stack), frames)
 
 
-def recovered(traced: Jaxpr, reference: Jaxpr, entry: Any) -> tuple[dict, dict]:
+def recovered(traced: Jaxpr, reference: Jaxpr, entry: Any) -> dict:
     """``(id(equation), position) -> value`` for each literal of the half trace `traced` that rounded
-    one of `reference`, and ``id(equation) -> dtype`` for each cast narrower than the reference's;
-    `entry` is the code object both traces started at (their frames above it differ)."""
-    twins: dict[tuple, list] = collections.defaultdict(list)
-    for equation in _pairable(reference, set()):
-        twins[_key(equation, entry)].append(equation)
-    taken: collections.Counter = collections.Counter()
-    literals, casts = {}, {}
-    for equation in _pairable(traced, set()):
-        key = _key(equation, entry)
-        index, taken[key] = taken[key], taken[key] + 1
-        if index >= len(twins.get(key, ())):
+    one of `reference` (see the module docstring); `entry` is the code object both traces started
+    at (their frames above it differ)."""
+    found: dict[tuple[int, int], np.ndarray] = {}
+    conflicting: set[tuple[int, int]] = set()
+    _align(traced, reference, entry, found, conflicting, set())
+    for slot in conflicting:
+        found.pop(slot, None)
+    if conflicting:
+        _warn_once()
+    return found
+
+
+def _align(traced: Jaxpr, reference: Jaxpr, entry: Any, found: dict, conflicting: set, seen: set) -> None:
+    if (id(traced), id(reference)) in seen:
+        return
+    seen.add((id(traced), id(reference)))
+    keys = [_key(equation, entry) for equation in traced.eqns]
+    twin_keys = [_key(equation, entry) for equation in reference.eqns]
+    matcher = difflib.SequenceMatcher(None, keys, twin_keys, autojunk=False)
+    for start, twin_start, size in matcher.get_matching_blocks():
+        for offset in range(size):
+            equation, twin = traced.eqns[start + offset], reference.eqns[twin_start + offset]
+            _recover_literals(equation, twin, keys[start + offset][2], found, conflicting)
+            bodies, twin_bodies = list(subjaxprs(equation.params)), list(subjaxprs(twin.params))
+            if len(bodies) == len(twin_bodies):
+                for body, twin_body in zip(bodies, twin_bodies):
+                    _align(body, twin_body, entry, found, conflicting, seen)
+
+
+def _recover_literals(equation, twin, positions: tuple, found: dict, conflicting: set) -> None:
+    for position in positions:
+        written = np.asarray(twin.invars[position].val, twin.invars[position].aval.dtype)
+        rounded = np.asarray(equation.invars[position].val, equation.invars[position].aval.dtype)
+        if written.dtype == rounded.dtype or written.shape != rounded.shape:
             continue
-        twin = twins[key][index]
-        if equation.primitive.name == "convert_element_type":
-            written = np.dtype(twin.params["new_dtype"])
-            if np.promote_types(written, equation.params["new_dtype"]) == written != equation.params["new_dtype"]:
-                casts[id(equation)] = written
-        for position in key[2]:
-            written = np.asarray(twin.invars[position].val, twin.invars[position].aval.dtype)
-            rounded = np.asarray(equation.invars[position].val, equation.invars[position].aval.dtype)
-            if written.dtype == rounded.dtype or written.shape != rounded.shape:
-                continue
-            if _rounds_to(written, rounded) and not np.array_equal(
-                rounded.astype(written.dtype), written, equal_nan=True
-            ):
-                literals[(id(equation), position)] = written
-    return literals, casts
+        if not _rounds_to(written, rounded) or np.array_equal(rounded.astype(written.dtype), written, equal_nan=True):
+            continue
+        slot = (id(equation), position)
+        if slot in found and not np.array_equal(found[slot], written, equal_nan=True):
+            conflicting.add(slot)
+        found.setdefault(slot, written)
+
+
+@functools.cache
+def _warn_once() -> None:
+    warnings.warn(
+        "jaxamp.autocast could not read some literals of this function as written: one body JAX traced "
+        "once is called where the program wrote different values, so those literals keep the value the "
+        "half trace rounded them to. Write such a constant where it is used, or pass it as an argument.",
+        LiteralNotRecoveredWarning,
+        stacklevel=2,
+    )
 
 
 def _rounds_to(written: np.ndarray, rounded: np.ndarray) -> bool:

@@ -10,9 +10,11 @@ are not watched (their values cannot leave those bodies without changing
 them), and `count_sites` counts them as unrecorded.
 
 A site is named by its path in the name stack: the Flax module path
-(``MLP/Dense_2``), the ``jax.named_scope``s around it; where the name stack
-holds none (NNX, plain JAX), its source line. A second site of one name is
-numbered (``Attention [2]``).
+(linen's ``MLP/Dense_2``; an NNX layer's attribute path ``blocks/0/attn``,
+which `jaxamp.apply_policy` puts there), the ``jax.named_scope``s around it;
+where the name stack holds none (plain JAX, an NNX model through `autocast`
+alone), its source line. A second site of one name is numbered
+(``Attention [2]``).
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 import functools
@@ -17,7 +19,7 @@ from jax.extend.core import Primitive
 from jaxamp._autocast.arguments import LeafOrigin, split_call
 from jaxamp._autocast.context import Rule
 from jaxamp._autocast.fp8_rules import fp8_decision_key, fp8_rules
-from jaxamp._autocast.interpreter import RewriteCache
+from jaxamp._autocast.interpreter import AS_REWRITTEN, RewriteCache
 from jaxamp._autocast.primitives import find
 from jaxamp._autocast.rules import RULES_BY_NAME, follow_rule, is_floating, widened_rule
 from jaxamp._autocast.table import higher_order_rules, resolve, rules_table
@@ -239,18 +241,20 @@ def make_autocast(
     fp8_observer: Callable | None = None,
     *,
     traced_in_compute: Callable[[LeafOrigin], bool] = KeptArguments().traced_in_compute,
-    outputs_as_traced: bool = False,
+    outputs_as_rewritten: bool = False,
 ) -> Callable[..., Any]:
     """`autocast` with the choices `apply_policy` makes differently.
 
     Args:
         traced_in_compute: whether a floating leaf (by its `LeafOrigin`) is
             traced in the compute dtype.
-        outputs_as_traced: return `fun`'s outputs in the dtypes they were
-            traced with (a Flax model casts its own output to the output
-            dtype, and hands its sown values back in the compute dtype),
-            instead of widening those traced in the compute dtype to the
-            dtype of the arguments.
+        outputs_as_rewritten: return `fun`'s outputs in the dtypes the rules
+            give them (sown and captured values as each layer made them: a
+            convolution's in the compute dtype, a float32 island's in
+            float32), those passed to `model_outputs` in their traced dtypes
+            (a Flax model's outputs, cast to the output dtype), instead of
+            widening those traced in the compute dtype to the dtype of the
+            arguments.
     """
 
     def rules_for(compute_dtype, fp8_matmuls: bool) -> dict[Primitive, Rule]:
@@ -284,7 +288,9 @@ def make_autocast(
 
         def output_dtypes(result) -> list:
             outputs, module_states, attribute_changes = result
-            if outputs_as_traced or widened is None:
+            if outputs_as_rewritten:
+                pins = [None if id(leaf) in cast_by_the_model else AS_REWRITTEN for leaf in _arrays(outputs)]
+            elif widened is None:
                 pins = [None] * len(_arrays(outputs))
             else:
                 pins = [widened if leaf.dtype == policy.compute_dtype else None for leaf in _arrays(outputs)]
@@ -294,13 +300,15 @@ def make_autocast(
         static_key = call.static_key
         if policy.fp8_matmuls and static_key is not None:
             static_key = (static_key, fp8_decision_key())
-        outputs, module_states, attribute_changes = rewrites.call(
-            call.run,
-            call.leaves,
-            static_key,
-            trace_dtypes=narrowed,
-            output_dtypes=output_dtypes,
-        )
+        cast_by_the_model: set[int] = set()
+        with _set_model_outputs(cast_by_the_model):
+            outputs, module_states, attribute_changes = rewrites.call(
+                call.run,
+                call.leaves,
+                static_key,
+                trace_dtypes=narrowed,
+                output_dtypes=output_dtypes,
+            )
         call.write_back(module_states, attribute_changes)
         return outputs
 
@@ -308,6 +316,29 @@ def make_autocast(
     autocast_fun = functools.wraps(fun, updated=())(autocast_fun)
     autocast_fun.rewrites = rewrites
     return autocast_fun
+
+
+# While `make_autocast`'s function traces: the ids of the outputs the model cast to its output dtype.
+_MODEL_OUTPUTS: contextvars.ContextVar[set | None] = contextvars.ContextVar("jaxamp_model_outputs", default=None)
+
+
+@contextlib.contextmanager
+def _set_model_outputs(ids: set):
+    token = _MODEL_OUTPUTS.set(ids)
+    try:
+        yield
+    finally:
+        _MODEL_OUTPUTS.reset(token)
+
+
+def model_outputs(tree: Any) -> Any:
+    """`tree`, noted as the outputs a model cast to its output dtype itself (`jaxamp.apply_policy`'s
+    wrappers): ``outputs_as_rewritten`` returns them in the dtypes they were traced in (where the
+    trace needed no cast, the rules would leave them in the compute dtype)."""
+    noted = _MODEL_OUTPUTS.get()
+    if noted is not None:
+        noted.update(id(leaf) for leaf in jax.tree.leaves(tree))
+    return tree
 
 
 def _arrays(tree: Any) -> list:

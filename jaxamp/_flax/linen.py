@@ -34,7 +34,7 @@ from flax import linen as nn
 
 from jaxamp._autocast.arguments import LeafOrigin
 from jaxamp._autocast.scope import policy_scope
-from jaxamp._autocast.transform import make_autocast
+from jaxamp._autocast.transform import make_autocast, model_outputs
 from jaxamp._flax.layers import (
     ModulePolicies,
     cast_by_owner,
@@ -170,8 +170,9 @@ class PolicyModule(nn.Module):
     module_policies: ModulePolicies
 
     @property
-    def policy(self) -> Policy:
-        """The model's `jaxamp.Policy`."""
+    def jaxamp_policy(self) -> Policy:
+        """The model's `jaxamp.Policy`, under the name every model of `jaxamp.apply_policy` answers
+        to (`jaxamp._policy.policy_of`)."""
         return self.module_policies.policy
 
     def setup(self):
@@ -205,7 +206,7 @@ class PolicyModule(nn.Module):
         scope = policy_scope(scope_of(policy)) if policy != active.policy else contextlib.nullcontext()
         with _active_call(own), scope:
             outputs = call(*args, **kwargs)
-        return policy.cast_to_output(outputs)
+        return model_outputs(policy.cast_to_output(outputs))
 
     def _run_method(self, *args, jaxamp_method, **kwargs):
         return self._run(jaxamp_method, *args, **kwargs)
@@ -257,14 +258,14 @@ class PolicyModule(nn.Module):
         dtype of the deepest module that owns it.
         """
         owners: dict[tuple[str, ...], Policy] = {}
-        with _layer_scopes(_ActiveCall(self.module_policies, self.policy, owners)):
+        with _layer_scopes(_ActiveCall(self.module_policies, self.jaxamp_policy, owners)):
             variables = self.module.init(rngs, *args, **kwargs)
         if "params" not in variables:
             return variables
         param_dtypes = {path: policy.param_dtype for path, policy in owners.items()}
         return {
             **variables,
-            "params": cast_by_owner(variables["params"], param_dtypes, self.policy.param_dtype),
+            "params": cast_by_owner(variables["params"], param_dtypes, self.jaxamp_policy.param_dtype),
         }
 
     def apply(self, variables, *args, **kwargs):
@@ -279,11 +280,11 @@ class PolicyModule(nn.Module):
         if cached is None:
 
             def apply(variables, *args, **kwargs):
-                with _layer_scopes(_ActiveCall(self.module_policies, self.policy)):
+                with _layer_scopes(_ActiveCall(self.module_policies, self.jaxamp_policy)):
                     return nn.Module.apply(self, variables, *args, **kwargs)
 
             cached = self.__dict__["_jaxamp_autocast_apply"] = make_autocast(
-                apply, self.policy, traced_in_compute=_params_and_inputs, outputs_as_traced=True
+                apply, self.jaxamp_policy, traced_in_compute=_params_and_inputs, outputs_as_rewritten=True
             )
         return cached
 

@@ -14,9 +14,16 @@ to a copy of the model, once:
 * a submodule whose class asks for another policy than its holder's
   (``overrides``, the normalization layers) runs its methods in that
   policy's scope (`jaxamp._autocast.scope.policy_scope`), which autocast
-  reads.
+  reads;
+* every submodule's methods (but those of ``nnx.List`` and ``nnx.Dict``)
+  run inside ``jax.named_scope``s of its path in the model
+  (``blocks/0/attn``), as linen's module scopes name a linen layer, so the
+  overflow record names its matmuls by that path. A submodule called from
+  the model's method, or from a module above it, is named by its path from
+  there; one called from elsewhere in the model by its whole path, under
+  the caller's.
 
-Both are done by giving the copy (and those submodules) a subclass of its
+All of this is done by giving the copy (and its layers) a subclass of its
 own class that adds only this, so the copy stays the same NNX graph: the
 same state, names and paths, through ``nnx.split``/``nnx.merge``,
 ``nnx.jit`` and ``nnx.Optimizer``. Params stay in the param dtype and
@@ -31,12 +38,13 @@ import contextlib
 import contextvars
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import jax
 from flax import nnx
 
 from jaxamp._autocast.scope import ScopePolicy, policy_scope
-from jaxamp._autocast.transform import make_autocast
+from jaxamp._autocast.transform import make_autocast, model_outputs
 from jaxamp._flax.layers import (
     ModulePolicies,
     cast_by_owner,
@@ -50,6 +58,16 @@ from jaxamp._policy import Policy
 # Whether a root method is running: the methods it calls on the model run
 # inside its rewrite, not through autocast again.
 _IN_MODEL_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxamp_in_model_call", default=False)
+
+# NNX's containers of modules (``nnx.List``, ``nnx.Dict``): they compute nothing, so they need no name.
+_CONTAINERS = tuple(getattr(nnx, name) for name in ("List", "Dict") if hasattr(nnx, name))
+
+# While a root method runs: each module of the model's path (by id; a shared module's first path),
+# and the path of the module whose method runs now, which the name stack already holds.
+_MODULE_PATHS: contextvars.ContextVar[dict[int, tuple] | None] = contextvars.ContextVar(
+    "jaxamp_module_paths", default=None
+)
+_RUNNING_PATH: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxamp_running_path", default=())
 
 
 def _model_methods(module_class: type) -> dict[str, Callable]:
@@ -102,19 +120,55 @@ def _subclass(module_class: type, methods: dict[str, Callable], **attributes) ->
     return type(module_class)(module_class.__name__, (module_class,), namespace)
 
 
-@functools.lru_cache(maxsize=1024)
-def _scoped_class(module_class: type, scope: ScopePolicy) -> type:
-    """A subclass of `module_class` whose methods are traced in the policy scope `scope`."""
+@contextlib.contextmanager
+def _layers_named_in(model: nnx.Module) -> Iterator[None]:
+    """While a root method of `model` runs: its layers' methods are named by their paths in it."""
+    paths: dict[int, tuple] = {}
+    for path, module in nnx.iter_modules(model):
+        paths.setdefault(id(module), path)
+    tokens = (_MODULE_PATHS.set(paths), _RUNNING_PATH.set(()))
+    try:
+        yield
+    finally:
+        for token in reversed(tokens):
+            token.var.reset(token)
 
-    def in_scope(method):
+
+@contextlib.contextmanager
+def _named_by_path(module: nnx.Module) -> Iterator[None]:
+    """Runs a method of `module` inside a ``jax.named_scope`` per component of its path in the model,
+    from the path of the module running now (the whole path where it does not start with that)."""
+    paths = _MODULE_PATHS.get()
+    path = None if paths is None else paths.get(id(module))
+    running = _RUNNING_PATH.get()
+    if path is None or path == running:
+        yield
+        return
+    relative = path[len(running) :] if path[: len(running)] == running else path
+    token = _RUNNING_PATH.set(path)
+    try:
+        with contextlib.ExitStack() as scopes:
+            for name in relative:
+                scopes.enter_context(jax.named_scope(str(name)))
+            yield
+    finally:
+        _RUNNING_PATH.reset(token)
+
+
+@functools.lru_cache(maxsize=1024)
+def _layer_class(module_class: type, scope: ScopePolicy | None) -> type:
+    """A subclass of `module_class` whose methods are named by the layer's path and, given a `scope`,
+    traced in that policy scope."""
+
+    def named(method):
         @functools.wraps(method)
-        def scoped_method(self, *args, **kwargs):
-            with policy_scope(scope):
+        def layer_method(self, *args, **kwargs):
+            with _named_by_path(self), (contextlib.nullcontext() if scope is None else policy_scope(scope)):
                 return method(self, *args, **kwargs)
 
-        return scoped_method
+        return layer_method
 
-    methods = {name: in_scope(method) for name, method in _model_methods(module_class).items()}
+    methods = {name: named(method) for name, method in _model_methods(module_class).items()}
     return _subclass(module_class, methods, jaxamp_scope=scope)
 
 
@@ -123,10 +177,11 @@ def _run_method(method: Callable, policy: Policy, model: nnx.Module, *args, **kw
     args, kwargs = cast_inputs_at_entry(policy, (args, kwargs))
     token = _IN_MODEL_CALL.set(True)
     try:
-        outputs = method(model, *args, **kwargs)
+        with _layers_named_in(model):
+            outputs = method(model, *args, **kwargs)
     finally:
         _IN_MODEL_CALL.reset(token)
-    return policy.cast_to_output(outputs)
+    return model_outputs(policy.cast_to_output(outputs))
 
 
 @functools.lru_cache(maxsize=256)
@@ -140,7 +195,7 @@ def _root_class(module_class: type, module_policies: ModulePolicies) -> type:
 
     def through_autocast(method):
         rewritten = make_autocast(
-            functools.partial(_run_method, method, policy), policy, outputs_as_traced=True
+            functools.partial(_run_method, method, policy), policy, outputs_as_rewritten=True
         )
 
         @functools.wraps(method)
@@ -152,7 +207,9 @@ def _root_class(module_class: type, module_policies: ModulePolicies) -> type:
         return model_method
 
     methods = {name: through_autocast(method) for name, method in _model_methods(module_class).items()}
-    return _subclass(module_class, methods, jaxamp_policies=module_policies)
+    return _subclass(
+        module_class, methods, jaxamp_policies=module_policies, jaxamp_policy=module_policies.policy
+    )
 
 
 def _already_under_a_policy(module: nnx.Module) -> bool:
@@ -191,7 +248,8 @@ def apply_nnx_policy(module: nnx.Module, module_policies: ModulePolicies) -> nnx
         if module_policies.drops_declared_dtypes() and not float32_layer and declared_dtype(submodule) is not None:
             with contextlib.suppress(AttributeError, TypeError):  # a dtype that is a property stays
                 submodule.dtype = None
-        if policy != holder_policy:  # the root's too, when its own class is overridden
-            submodule.__class__ = _scoped_class(type(submodule), scope_of(policy))
+        scope = scope_of(policy) if policy != holder_policy else None  # the root's too, when overridden
+        if scope is not None or (path and not isinstance(submodule, _CONTAINERS)):
+            submodule.__class__ = _layer_class(type(submodule), scope)
     model.__class__ = _root_class(type(model), module_policies)
     return model

@@ -42,8 +42,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
+from flax import nnx
 
+from jaxamp._policy import is_floating_array
 from jaxamp._scaling.loss_scaling import scaling_state_of
 from jaxamp._scaling.nonfinite import (
     NonFiniteGradients,
@@ -51,6 +54,7 @@ from jaxamp._scaling.nonfinite import (
     host_value,
     layer_of,
     layer_order_key,
+    leaf_path,
 )
 
 
@@ -86,6 +90,11 @@ class LossScaleStuckError(RuntimeError):
         first_overflow: the first op that overflowed in the last skipped
             step, as `jaxamp.diagnostics.FirstOverflow` writes it, or None
             when the state keeps no overflow record or it names none.
+        nonfinite_params: the param leaves that hold an inf or a NaN when
+            the guard checks, or None when it had no params to read. Any
+            there means an applied step wrote them (the optimizer's update):
+            every gradient since is NaN whatever the scale, and the message
+            says so instead of blaming an overflow.
     """
 
     def __init__(
@@ -99,6 +108,7 @@ class LossScaleStuckError(RuntimeError):
         reason: str,
         nonfinite_paths: list[str] | None = None,
         first_overflow: str | None = None,
+        nonfinite_params: list[str] | None = None,
     ):
         self.applied_steps = applied_steps
         self.skipped_steps = skipped_steps
@@ -110,6 +120,7 @@ class LossScaleStuckError(RuntimeError):
         self.nonfinite_paths = nonfinite_paths
         self.deepest_layers = None if nonfinite_paths is None else deepest_layers(nonfinite_paths)
         self.first_overflow = first_overflow
+        self.nonfinite_params = nonfinite_params
         floor = "" if min_loss_scale is None else f" (its minimum is {min_loss_scale:g})"
         counts = f"{skipped_steps} skipped in all, the last {consecutive_skipped_steps} in a row"
         where = (
@@ -126,6 +137,16 @@ class LossScaleStuckError(RuntimeError):
             else " record_overflow=True in jaxamp.scaled_value_and_grad names the op that overflowed first "
             "and its pass (forward or backward)."
         )
+        if nonfinite_params:
+            super().__init__(
+                f"Loss scale stuck: {reason}. {where} the loss scale is {loss_scale:g}{floor}. The params "
+                f"are not finite ({_first_leaves(nonfinite_params)}): an applied step wrote them, so every "
+                "gradient since is NaN whatever the scale, and no forward or backward pass overflowed. Look "
+                "at the optimizer's update: float16 or bfloat16 params need it computed in float32 "
+                "(jaxamp.low_precision_optimizer), and too large a learning rate diverges. The guide 'Why "
+                "was my step skipped?' says what each finding means."
+            )
+            return
         super().__init__(
             f"Loss scale stuck: {reason}. {where} the loss scale is {loss_scale:g}{floor}."
             f"{_where_nonfinite(nonfinite_paths or [], self.deepest_layers or [])} The gradients overflow "
@@ -133,6 +154,11 @@ class LossScaleStuckError(RuntimeError):
             f"rate or a static loss scale, and look for inf or NaN in the inputs.{record} The guide "
             "'Why was my step skipped?' says what each finding means."
         )
+
+
+def _first_leaves(paths: list[str], shown: int = 4) -> str:
+    more = len(paths) - shown
+    return f"{len(paths)} leaves: " + ", ".join(paths[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def _where_nonfinite(nonfinite_paths: list[str], deepest: list[str], shown: int = 4) -> str:
@@ -186,13 +212,19 @@ class OverflowGuard:
                     f"OverflowGuard {name} must be None or an integer >= 0 (0 turns it off); got {value!r}."
                 )
 
-    def check(self, state: Any) -> None:
+    def check(self, state: Any, *, params: Any = None) -> None:
         """Reads the state's counters on the host; raises if the scale is stuck.
+
+        When it raises, it reads the params too (``state.params``, or
+        `params`): non-finite params, written by an applied step, are
+        reported as that, not as an overflow.
 
         Args:
             state: a `jaxamp.TrainState` (or anything with ``step`` and a
-                jaxamp ``loss_scale``), or an optimizer state built by
-                `jaxamp.loss_scaling`.
+                jaxamp ``loss_scale``), a `jaxamp.NNXOptimizer`, or an
+                optimizer state built by `jaxamp.loss_scaling`.
+            params: the params, where `state` holds none (an NNX model's:
+                ``nnx.state(model, nnx.Param)``).
 
         Raises:
             LossScaleStuckError: a limit was reached.
@@ -219,6 +251,9 @@ class OverflowGuard:
                 f"(limit {self.max_overflows_at_min_scale})"
             )
         if reason is not None:
+            nonfinite_params = _nonfinite_leaves(getattr(state, "params", None) if params is None else params)
+            if nonfinite_params:
+                reason = reason.replace("overflowed", "were skipped")
             raise LossScaleStuckError(
                 applied_steps=applied,
                 skipped_steps=skipped,
@@ -228,7 +263,22 @@ class OverflowGuard:
                 reason=reason,
                 nonfinite_paths=None if nonfinite_grads is None else nonfinite_grads.nonfinite_paths(),
                 first_overflow=_first_overflow(overflow_record),
+                nonfinite_params=nonfinite_params,
             )
+
+
+def _nonfinite_leaves(params: Any) -> list[str] | None:
+    """The paths of the floating leaves of `params` holding an inf or a NaN (host); None without params."""
+    if params is None:
+        return None
+    is_variable = lambda node: isinstance(node, nnx.Variable)  # noqa: E731
+    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=is_variable)
+    values = [(path, leaf.get_value() if is_variable(leaf) else leaf) for path, leaf in leaves]
+    return [
+        leaf_path(path)
+        for path, value in values
+        if is_floating_array(value) and not np.isfinite(host_value(value).astype(np.float32)).all()
+    ]
 
 
 def _first_overflow(record: Any) -> str | None:

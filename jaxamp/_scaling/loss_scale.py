@@ -34,8 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import serialization
 
-from jaxamp._policy import get_policy, is_floating_array
+from jaxamp._policy import get_policy, is_floating_array, policy_of
 
 T = TypeVar("T")
 
@@ -57,7 +58,7 @@ class LossScale(Protocol):
 
 
 def _register_pytree(cls):
-    """Registers a frozen dataclass as a pytree of its `_data_fields`.
+    """Registers a frozen dataclass as a pytree of its `_data_fields`, and with `flax.serialization`.
 
     Unflattening sets the fields directly instead of calling ``__init__``:
     JAX unflattens with placeholder leaves (``object()``, tracers,
@@ -65,6 +66,11 @@ def _register_pytree(cls):
     never see. jmp 0.0.4's ``__post_init__`` breaks ``jit(f).lower`` exactly
     this way, and its ``tree_flatten`` drops ``min_loss_scale``; here every
     dataclass field is either a data leaf or static metadata.
+
+    `flax.serialization` (``to_bytes``, ``to_state_dict``, and so a whole
+    `jaxamp.TrainState`) sees the data fields as a dict, as it sees a
+    `flax.struct` dataclass; restoring fills a target's data fields the same
+    way, keeping its settings.
     """
     data_fields = cls._data_fields
     meta_fields = tuple(field.name for field in dataclasses.fields(cls) if field.name not in data_fields)
@@ -86,7 +92,25 @@ def _register_pytree(cls):
             object.__setattr__(obj, name, value)
         return obj
 
+    def to_state_dict(obj):
+        return {name: serialization.to_state_dict(getattr(obj, name)) for name in data_fields}
+
+    def from_state_dict(target, state):
+        unknown = sorted(set(state) - set(data_fields))
+        missing = sorted(set(data_fields) - set(state))
+        if unknown or missing:
+            raise ValueError(
+                f"Cannot restore a {cls.__name__} at {serialization.current_path()} from a state dict with "
+                f"fields {', '.join(sorted(state)) or 'none'}: it has {', '.join(data_fields)}."
+            )
+        children = tuple(
+            serialization.from_state_dict(getattr(target, name), state[name], name=name)
+            for name in data_fields
+        )
+        return unflatten(tuple(getattr(target, name) for name in meta_fields), children)
+
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    serialization.register_serialization_state(cls, to_state_dict, from_state_dict)
     return cls
 
 
@@ -463,3 +487,26 @@ def default_loss_scale(policy: Any) -> NoOpLossScale | DynamicLossScale:
     if get_policy(policy).compute_dtype == jnp.float16:
         return DynamicLossScale()
     return NoOpLossScale()
+
+
+def loss_scale_for_model(model: Any, params: Any) -> NoOpLossScale | DynamicLossScale:
+    """The loss scale of a train state or optimizer made without one: what the model's dtypes need.
+
+    * a model made by `jaxamp.apply_policy` (or its bound ``apply``):
+      `default_loss_scale` of its policy, so `DynamicLossScale()` for float16
+      computation;
+    * any other model: `DynamicLossScale()` where a leaf of `params` is
+      float16, else `NoOpLossScale()`. A model whose float32 params are
+      computed in float16 by `jaxamp.autocast` is not recognised: pass
+      ``loss_scale=jaxamp.default_loss_scale(policy)``.
+
+    Args:
+        model: the model, or a linen model's ``apply``.
+        params: the params the optimizer updates.
+    """
+    policy = policy_of(model)
+    if policy is not None:
+        return default_loss_scale(policy)
+    # By dtype alone, so that abstract params (jax.eval_shape's) are read too.
+    float16_leaf = any(getattr(leaf, "dtype", None) == jnp.float16 for leaf in jax.tree.leaves(params))
+    return DynamicLossScale() if float16_leaf else NoOpLossScale()

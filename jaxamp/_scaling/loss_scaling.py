@@ -205,8 +205,8 @@ def nonfinite_grads_of(state: Any) -> NonFiniteGradients:
         step 12 skipped: non-finite grads in 3 of 8 leaves: Dense_0/bias, Dense_0/kernel, Dense_1/bias
 
     Args:
-        state: a `jaxamp.TrainState`, or an optimizer state built by
-            `jaxamp.loss_scaling` (anywhere inside it).
+        state: a `jaxamp.TrainState`, a `jaxamp.NNXOptimizer`, or an
+            optimizer state built by `jaxamp.loss_scaling` (anywhere inside it).
 
     Raises:
         TypeError: `state` keeps no such record (a state built by hand, or by
@@ -220,8 +220,8 @@ def nonfinite_grads_of(state: Any) -> NonFiniteGradients:
             raise TypeError(str(error)) from None
     if not isinstance(record, NonFiniteGradients):
         raise TypeError(
-            f"nonfinite_grads_of needs a jaxamp.TrainState made by TrainState.create, or a "
-            f"jaxamp.loss_scaling optimizer state made by its init; this {type(state).__name__} keeps no "
-            "record of non-finite gradients."
+            f"nonfinite_grads_of needs a jaxamp.TrainState made by TrainState.create, a "
+            f"jaxamp.NNXOptimizer, or a jaxamp.loss_scaling optimizer state made by its init; this "
+            f"{type(state).__name__} keeps no record of non-finite gradients."
         )
     return record

@@ -41,8 +41,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxamp._finite import all_finite
-from jaxamp._scaling.loss_scale import LossScale, NoOpLossScale
-from jaxamp._scaling.loss_scaling import loss_scale_of, loss_scaling, require_skip_counting
+from jaxamp._scaling.half_params import require_float32_update
+from jaxamp._scaling.loss_scale import LossScale, loss_scale_for_model
+from jaxamp._scaling.loss_scaling import loss_scale_of, loss_scaling, require_skip_counting, scaling_state_of
+from jaxamp._scaling.nonfinite import NonFiniteGradients
 
 
 def _is_nnx_node(value: Any) -> bool:
@@ -98,6 +100,11 @@ def keep_if_skipped(
             variable[...] = jnp.where(grads_finite, variable[...], old)
 
 
+def _values(tree: Any) -> Any:
+    """`tree` with each NNX variable replaced by its value."""
+    return jax.tree.map(lambda variable: variable[...], tree, is_leaf=lambda node: isinstance(node, nnx.Variable))
+
+
 class NNXOptimizer(nnx.Optimizer):
     """``flax.nnx.Optimizer`` with loss scaling: a skipped step changes only the loss scale.
 
@@ -122,7 +129,11 @@ class NNXOptimizer(nnx.Optimizer):
     Args:
         model: the NNX model whose ``wrt`` variables the optimizer updates.
         tx: the optax optimizer.
-        loss_scale: a jaxamp loss scale; `NoOpLossScale` when None.
+        loss_scale: a jaxamp loss scale. When None, the one the model's dtypes
+            need: `jaxamp.default_loss_scale` of the policy of a model made by
+            `jaxamp.apply_policy` (so `DynamicLossScale()` for float16
+            computation); for another model, `DynamicLossScale()` where a
+            param is float16, else `NoOpLossScale()`.
         wrt: which variables it updates (default ``nnx.Param``), as for
             ``nnx.Optimizer`` and ``nnx.grad``.
         **kwargs: passed on to ``nnx.Optimizer``.
@@ -130,9 +141,16 @@ class NNXOptimizer(nnx.Optimizer):
     Attributes:
         step: the steps applied (``nnx.Optimizer``'s counter); a skipped step
             does not count, so ``step + skipped_steps`` is every call.
+        loss_scale: the loss scale for the next step, with its skip counters.
+        skipped_steps: the steps skipped because their gradients were not finite.
+        nonfinite_grads: which gradient leaves were not finite in the last
+            skipped step (``jaxamp.diagnostics.nonfinite_grads_of(optimizer)``
+            reads it).
 
     Raises:
         TypeError: `loss_scale` does not count skipped steps (a jmp loss scale).
+        ValueError: a param is float16 or bfloat16 and `tx` would compute its
+            update in that dtype: wrap it in `jaxamp.low_precision_optimizer`.
     """
 
     def __init__(
@@ -144,18 +162,22 @@ class NNXOptimizer(nnx.Optimizer):
         wrt: Any = nnx.Param,
         **kwargs: Any,
     ):
-        loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
+        if loss_scale is None:
+            loss_scale = loss_scale_for_model(model, nnx.state(model, wrt))
         require_skip_counting(loss_scale, "jaxamp.NNXOptimizer")
         super().__init__(model, loss_scaling(tx, loss_scale), wrt=wrt, **kwargs)
+        require_float32_update(nnx.state(model, wrt), self.opt_state, "jaxamp.NNXOptimizer")
 
     @property
     def loss_scale(self) -> LossScale:
         """The loss scale for the next step (with its skip counters), as arrays."""
-        return jax.tree.map(
-            lambda variable: variable[...],
-            loss_scale_of(self.opt_state),
-            is_leaf=lambda node: isinstance(node, nnx.Variable),
-        )
+        return _values(loss_scale_of(self.opt_state))
+
+    @property
+    def nonfinite_grads(self) -> NonFiniteGradients:
+        """Which gradient leaves were not finite in the last skipped step, as arrays
+        (`jaxamp.diagnostics.NonFiniteGradients`; ``.summary()`` names them)."""
+        return _values(scaling_state_of(self.opt_state, "NNXOptimizer.nonfinite_grads").nonfinite_grads)
 
     @property
     def skipped_steps(self) -> jax.Array:

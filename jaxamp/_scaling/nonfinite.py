@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from flax import nnx, struct
 
 _NEVER = -1
 _NUMBERED = re.compile(r"(.*?)(\d+)")
@@ -50,6 +50,20 @@ def leaf_path(path: tuple) -> str:
         else:
             names.append(str(key))
     return "/".join(names)
+
+
+def leaf_paths(tree: Any) -> tuple[str, ...]:
+    """The `leaf_path` of each leaf of `tree`, in ``jax.tree.leaves`` order; an NNX variable's value
+    is named by the variable's path (``head/kernel``, not ``head/kernel/value``)."""
+    paths = []
+    for path, node in jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_nnx_variable):
+        inner = jax.tree_util.tree_leaves_with_path(node) if _is_nnx_variable(node) else [((), node)]
+        paths.extend(leaf_path(path if len(inner) == 1 else (*path, *inner_path)) for inner_path, _ in inner)
+    return tuple(paths)
+
+
+def _is_nnx_variable(node: Any) -> bool:
+    return isinstance(node, nnx.Variable)
 
 
 @struct.dataclass
@@ -77,7 +91,7 @@ class NonFiniteGradients:
     @classmethod
     def for_params(cls, params: Any) -> NonFiniteGradients:
         """A record for gradients with the structure of `params`, no step seen yet."""
-        paths = tuple(leaf_path(path) for path, _ in jax.tree_util.tree_leaves_with_path(params))
+        paths = leaf_paths(params)
         return cls(
             nonfinite=jnp.zeros([len(paths)], bool),
             skipped_at=jnp.full([], _NEVER, jnp.int32),

@@ -52,10 +52,12 @@ class OverflowSite:
 
     Attributes:
         name: the op's path in the name stack: the Flax module path
-            (``MLP/Dense_2``), the ``jax.named_scope``s around it
-            (Equinox's ``eqx.nn.Linear``, a user's own); where the name stack
-            holds none (NNX, plain JAX), its source line. A second op of the
-            same name is numbered (``Attention [2]``).
+            (linen's ``MLP/Dense_2``; under `jaxamp.apply_policy`, an NNX
+            layer's attribute path ``blocks/0/attn``), the
+            ``jax.named_scope``s around it (Equinox's ``eqx.nn.Linear``, a
+            user's own); where the name stack holds none (plain JAX, an NNX
+            model through `jaxamp.autocast` alone), its source line. A second
+            op of the same name is numbered (``Attention [2]``).
         source: the user's source line of the op (``model.py:41
             (Block.__call__)``), outside JAX and the libraries.
         primitive: ``dot_general`` or ``conv_general_dilated``.

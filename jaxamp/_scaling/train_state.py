@@ -17,7 +17,8 @@ from flax import struct
 from flax.training import train_state
 
 from jaxamp._finite import all_finite, select_tree
-from jaxamp._scaling.loss_scale import LossScale, NoOpLossScale
+from jaxamp._scaling.half_params import require_float32_update
+from jaxamp._scaling.loss_scale import LossScale, NoOpLossScale, loss_scale_for_model
 from jaxamp._scaling.loss_scaling import LossScalingState, loss_scaling, require_skip_counting
 from jaxamp._scaling.nonfinite import NonFiniteGradients
 from jaxamp._scaling.overflow import OverflowRecord
@@ -58,8 +59,9 @@ class TrainState(train_state.TrainState):
     Attributes:
         step: steps whose update was applied (int32); a skipped step does not
             count.
-        loss_scale: the loss scale (a pytree; `NoOpLossScale` by default). It
-            holds the skip counters.
+        loss_scale: the loss scale (a pytree; `create` chooses the one the
+            model's dtypes need when none is given). It holds the skip
+            counters.
         batch_stats: the model's mutable state (e.g. BatchNorm statistics), or
             None.
         nonfinite_grads: which gradient leaves were not finite in the last
@@ -113,9 +115,25 @@ class TrainState(train_state.TrainState):
             apply_fn: usually ``model.apply``.
             params: the parameters (in the policy's param dtype).
             tx: the optax optimizer (a GradientTransformation, MultiSteps, ...).
-            loss_scale: a jaxamp loss scale; `NoOpLossScale()` when None.
+                With float16 or bfloat16 params it must compute in float32:
+                `jaxamp.low_precision_optimizer` around it (or anywhere in
+                it), which `jaxamp.optimizer_for_policy` gives for a policy
+                with half params.
+            loss_scale: a jaxamp loss scale. When None, the one the model's
+                dtypes need (`jaxamp.default_loss_scale` of the policy of an
+                `apply_policy` model's ``apply``, so `DynamicLossScale()` for
+                float16 computation; for another ``apply_fn``,
+                `DynamicLossScale()` where a param is float16, else
+                `NoOpLossScale()`).
             batch_stats: the model's mutable state, if any.
             **kwargs: further fields of subclasses.
+
+        Raises:
+            TypeError: `tx` is no optax optimizer, or `loss_scale` counts no
+                skipped steps (a jmp loss scale).
+            ValueError: a param is float16 or bfloat16 and `tx` would compute
+                its update in that dtype (no `jaxamp.low_precision_optimizer`
+                in it); the message gives the wrapper's arguments.
         """
         # Duck-typed like Flax: optax.MultiSteps has init/update but is no
         # GradientTransformation instance.
@@ -123,14 +141,16 @@ class TrainState(train_state.TrainState):
             raise TypeError(
                 f"TrainState.create needs tx to be an optax optimizer (with init and update); got {tx!r}."
             )
-        loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
+        loss_scale = loss_scale_for_model(apply_fn, params) if loss_scale is None else loss_scale
         require_skip_counting(loss_scale, "TrainState.create")
+        opt_state = tx.init(params)
+        require_float32_update(params, opt_state, "TrainState.create")
         return cls(
             step=jnp.zeros([], jnp.int32),
             apply_fn=apply_fn,
             params=params,
             tx=tx,
-            opt_state=tx.init(params),
+            opt_state=opt_state,
             loss_scale=loss_scale,
             batch_stats=batch_stats,
             nonfinite_grads=NonFiniteGradients.for_params(params),

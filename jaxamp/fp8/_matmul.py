@@ -179,7 +179,7 @@ def _scaled_dot(
     bfloat16: XLA then fuses both into the cuBLASLt call, which writes the
     bfloat16 result directly. A float32 product cast afterwards costs one more
     kernel that reads 4 and writes 2 bytes per element of the result (the FP8
-    proof guide, docs/guides/fp8-proof.md, measures it). Rounding the product and the scales to
+    results page, docs/results/fp8.md, measures it). Rounding the product and the scales to
     bfloat16 costs at most 2**-8 of relative error, far below FP8's own.
     float16 results stay on the float32 path: an unscaled product of FP8
     values (up to 448**2 per term) overflows float16.

@@ -27,9 +27,9 @@ Examples:
     >>> updates, opt_state = tx.update(grads, opt_state, params)
     >>> params = optax.apply_updates(params, updates)
 
-A precision policy can name the rounding (``"bfloat16_kahan"``, or the
-grammar key ``update=kahan``); `optimizer_for_policy` builds the optimizer it
-asks for.
+`jaxamp.OptimizerStorage` holds the storage arguments as one value;
+`jaxamp.optimizer_for_policy` builds the optimizer a precision name asks for
+(``"bfloat16_kahan"``).
 """
 
 from __future__ import annotations
@@ -42,17 +42,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from jaxamp._policy import (
     DEFAULT_BLOCK_SIZE,
     STATE_FORMATS,
     UPDATE_ROUNDINGS,
-    PolicySpec,
     canonical_state_format,
-    get_policy,
     is_floating_array,
 )
-from jaxamp._quantized_state import MIN_QUANTIZED_SIZE, dequantize, quantize
+from jaxamp._optimizer import draws
+from jaxamp._optimizer.quantized import MIN_QUANTIZED_SIZE, QuantizedArray, dequantize, quantize
 
 ROUNDINGS = UPDATE_ROUNDINGS
 
@@ -75,6 +75,10 @@ class LowPrecisionState(NamedTuple):
     inner_state: optax.OptState
     compensation: Any
     key: jax.Array
+
+    # The protocol `jaxamp.TrainState.create` and `jaxamp.NNXOptimizer` read (`jaxamp._scaling.half_params`):
+    # a state that says so computes its update in float32, so it may update float16 or bfloat16 params.
+    computes_update_in_float32 = True
 
 
 def stochastic_round(value: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
@@ -99,6 +103,9 @@ def stochastic_round(value: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     backend flushes float32 arithmetic to zero: there a value computed that
     small is already 0, and one passed in rounds to nearest.
 
+    The uniform draws are `jaxamp._optimizer.draws`' hash of each element's index,
+    seeded by `key`.
+
     Args:
         value: the array to round (computed in float32).
         dtype: the dtype to round to.
@@ -108,13 +115,31 @@ def stochastic_round(value: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
         An array of `dtype` and `value`'s shape.
     """
     value = jnp.asarray(value, jnp.float32)
+    return round_with_draws(value, dtype, draws.bits(draws.seed_of(key), 0, value.shape))
+
+
+def round_with_draws(value: jax.Array, dtype: Any, random_bits: jax.Array) -> jax.Array:
+    """`stochastic_round` of `value` (float32) to `dtype` with the given uint32 draws, one per element.
+
+    To bfloat16, whose values are float32's with the low 16 bits cleared, the
+    rounding is on the bits: a uniform 16-bit number added to the low half
+    carries into the high half with probability ``low half / 2**16``, which
+    is the value's position between its two bfloat16 neighbours (infinities
+    and NaNs stay what they are, and float32's subnormals round as the rest).
+    A few integer operations per element, against ``nextafter``'s dozen.
+    """
+    value = jnp.asarray(value, jnp.float32)
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        dithered = jax.lax.bitcast_convert_type(value, jnp.uint32) + (random_bits >> 16)
+        rounded = jax.lax.bitcast_convert_type(dithered & np.uint32(0xFFFF0000), jnp.float32)
+        return jnp.where(jnp.isfinite(value), rounded, value).astype(jnp.bfloat16)
     nearest = value.astype(dtype)
     nearest32 = nearest.astype(jnp.float32)
     toward = jnp.where(nearest32 < value, jnp.inf, -jnp.inf).astype(dtype)
     other = jnp.nextafter(nearest, toward)
     gap = other.astype(jnp.float32) - nearest32
     p_other = (value - nearest32) / gap  # NaN for infinities: the comparison below is False
-    return jnp.where(jax.random.uniform(key, value.shape, jnp.float32) < p_other, other, nearest)
+    return jnp.where(draws.uniform_of(random_bits) < p_other, other, nearest)
 
 
 def _floating_dtype(value: Any, setting: str) -> np.dtype:
@@ -172,6 +197,21 @@ def _state_storage(value: Any, setting: str, block_size: int | None) -> np.dtype
         f"jnp.float32 (stored as is), or an 8-bit format with a scale per block of block_size elements: "
         f"{', '.join(map(repr, STATE_FORMATS))} (or jnp.int8, jnp.float8_e4m3fn); got "
         f"{dtype.name if dtype is not None else repr(value)}."
+    )
+
+
+def _check_block_size(block_size: Any, setting: str) -> None:
+    """Raises unless `block_size` is None or a power of two: every leaf stored in 8 bits has at least
+    `MIN_QUANTIZED_SIZE` (4096, a power of two) elements, and arrays' sizes are multiples of powers of two."""
+    if block_size is None or (
+        isinstance(block_size, int) and not isinstance(block_size, bool) and block_size > 0
+        and block_size & (block_size - 1) == 0
+    ):
+        return
+    raise ValueError(
+        f"{setting} must be a power of two (elements per scale of an 8-bit state leaf, which must divide "
+        f"the leaf's size; {DEFAULT_BLOCK_SIZE} by default, bitsandbytes uses 2048) or None (one scale per "
+        f"leaf); got {block_size!r}."
     )
 
 
@@ -253,20 +293,84 @@ def _check_quantized_somewhere(state_dtype: StateDtype, reference_state, storage
     )
 
 
-def _store(leaf32: jax.Array, storage, key: jax.Array | None, scales_from: jax.Array | None = None):
-    """`leaf32` as stored: as is, rounded to its dtype (stochastically with a key), or quantized (its block
-    scales from `scales_from`, the same leaf computed apart, when given)."""
+def _store(leaf32: jax.Array, storage, stream: tuple | None, scales_from: jax.Array | None = None):
+    """`leaf32` as stored: as is, rounded to its dtype (stochastically with a ``(seed, stream number)``
+    for its draws, else to nearest), or quantized (its block scales from `scales_from`, the same leaf
+    computed apart, when given)."""
     if storage is None or (not isinstance(storage, _Quantized) and leaf32.dtype == storage):
         return leaf32
+    random_bits = None if stream is None else draws.bits(*stream, leaf32.shape)
     if isinstance(storage, _Quantized):
-        return quantize(leaf32, storage.format, storage.block_size, key, scales_from=scales_from)
-    return leaf32.astype(storage) if key is None else stochastic_round(leaf32, storage, key)
+        uniform = None if random_bits is None else draws.uniform_of(random_bits)
+        return quantize(
+            leaf32, storage.format, storage.block_size, None, scales_from=scales_from, draws=uniform
+        )
+    return leaf32.astype(storage) if random_bits is None else round_with_draws(leaf32, storage, random_bits)
 
 
 def _load(stored, storage, reference) -> jax.Array:
     """A stored leaf read back in the dtype the inner optimizer made it in."""
     value = dequantize(stored) if isinstance(storage, _Quantized) else stored
     return value.astype(reference.dtype)
+
+
+def _is_variable(node) -> bool:
+    return isinstance(node, nnx.Variable)
+
+
+def _value(node):
+    return node.get_value() if _is_variable(node) else node
+
+
+def _stored_tree(state32, stored_leaves: list):
+    """`stored_leaves` (one per leaf of `state32`, in its flattening order) in `state32`'s tree.
+
+    A leaf stored as a `QuantizedArray` where `state32` holds it in an NNX
+    ``Variable`` (the state of an optimizer of an NNX model: optax maps the
+    model's ``nnx.Param``s into its moments) takes the Variable inside: its
+    codes and its scales each in a Variable of that kind. NNX holds arrays in
+    Variables and reads any other pytree as a node of its graph, so the state
+    ``nnx.Optimizer`` wraps at ``init`` then has the tree of the pure state
+    each ``update`` returns. The scales' Variable drops the sharding
+    annotation, which names the dimensions of the codes.
+    """
+    units, unit_tree = jax.tree.flatten(state32, is_leaf=_is_variable)
+    stored_units, position = [], 0
+    for unit in units:
+        count = len(jax.tree.leaves(unit))
+        stored = stored_leaves[position : position + count]
+        position += count
+        if _is_variable(unit) and count == 1 and isinstance(stored[0], QuantizedArray):
+            metadata = {
+                name: value
+                for name, value in unit.get_metadata().items()
+                if name not in ("out_sharding", "sharding", "sharding_names", "optimizer_sharding")
+            }
+            stored_units.append(
+                dataclasses.replace(
+                    stored[0],
+                    codes=unit.replace(stored[0].codes),
+                    scales=type(unit).from_metadata(stored[0].scales, metadata),
+                )
+            )
+        else:
+            stored_units.append(jax.tree.structure(unit).unflatten(stored))
+    return unit_tree.unflatten(stored_units)
+
+
+def _stored_leaves(reference, stored_state) -> list:
+    """The stored leaves of `stored_state`, one per leaf of the inner state `reference` (an 8-bit leaf as
+    one `QuantizedArray` of arrays, unwrapped from the Variables `_stored_tree` put it in)."""
+    units, unit_tree = jax.tree.flatten(reference, is_leaf=_is_variable)
+    leaves = []
+    for stored in unit_tree.flatten_up_to(stored_state):
+        if isinstance(stored, QuantizedArray):
+            leaves.append(
+                dataclasses.replace(stored, codes=_value(stored.codes), scales=_value(stored.scales))
+            )
+        else:
+            leaves.extend(jax.tree.leaves(stored))
+    return leaves
 
 
 def _check_field_names(state_dtype: Mapping, reference_state) -> None:
@@ -406,22 +510,27 @@ def low_precision_optimizer(
         key: a PRNG key of any implementation (``jax.random.key(0,
             impl="rbg")``), the raw uint32 data of a default-implementation
             key, or an int seed, for stochastic rounding; 0 when None.
-        block_size: elements per scale of an 8-bit state leaf (256, as
-            torchao; bitsandbytes uses 2048): it must divide the size of
-            every leaf stored in 8 bits. None gives each leaf one scale,
-            which the measurements in the guide show to be worse.
+        block_size: elements per scale of an 8-bit state leaf, a power of
+            two (256, as torchao; bitsandbytes uses 2048): it must divide the
+            size of every leaf stored in 8 bits. None gives each leaf one
+            scale.
 
     Returns:
         An optax `GradientTransformationExtraArgs` whose state is a
         `LowPrecisionState`; extra arguments of ``update`` go to `inner`.
 
     Raises:
-        ValueError: an unknown `rounding`, a dtype that is neither floating
-            nor an 8-bit format, a `state_dtype` mapping naming no field of
-            the inner state, a `block_size` that is not a positive integer or
-            does not divide a leaf stored in 8 bits, an 8-bit state for an
-            optimizer with no floating state leaf large enough, a param not in
-            `param_dtype`, or ``update`` called without params.
+        ValueError: here, when the optimizer is built: an unknown
+            `rounding`, a `param_dtype` that is not floating, a `state_dtype`
+            (or a value of a mapping) that is neither a floating dtype nor an
+            8-bit format, a `block_size` that is not a power of two, a `key`
+            that is no PRNG key. At ``init``, where the inner optimizer's
+            state is first known (it is made from the params): a mapping
+            naming no field of that state, a dtype a callable `state_dtype`
+            returns, a `block_size` that does not divide a leaf stored in 8
+            bits, an 8-bit state for an optimizer with no floating state leaf
+            of 4096 elements; and a param not in `param_dtype`. At
+            ``update``: a call without params.
     """
     if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
         raise TypeError(
@@ -432,15 +541,12 @@ def low_precision_optimizer(
             f"low_precision_optimizer's rounding must be one of {', '.join(map(repr, ROUNDINGS))}; got {rounding!r}."
         )
     param_dtype = None if param_dtype is None else _floating_dtype(param_dtype, "param_dtype")
-    if block_size is not None and (
-        isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
-    ):
-        raise ValueError(
-            f"low_precision_optimizer's block_size must be a positive integer (elements per scale of an 8-bit "
-            f"state leaf; 256 by default) or None (one scale per leaf); got {block_size!r}."
-        )
+    _check_block_size(block_size, "low_precision_optimizer's block_size")
     if _is_single_setting(state_dtype):
         _state_storage(state_dtype, "state_dtype", block_size)
+    elif isinstance(state_dtype, Mapping):
+        for name, value in state_dtype.items():
+            _state_storage(value, f"state_dtype[{name!r}]", block_size)
     raw_key, key_impl = _raw_key_and_impl(key)
     inner = optax.with_extra_args_support(inner)
 
@@ -458,14 +564,15 @@ def low_precision_optimizer(
             lambda leaf: leaf.astype(jnp.float32) if is_floating_array(leaf) else leaf, params
         )
 
-    def land(param, update32, compensation, leaf_key):
+    def land(param, update32, compensation, stream):
         """The update that lands `param` on its rounded float32 sum, and Kahan's new buffer (or None)."""
         param32 = param.astype(jnp.float32)
         exact = param32 + jnp.asarray(update32, jnp.float32)
         if rounding == "kahan":
             exact = exact + compensation.astype(jnp.float32)
+        random_bits = draws.bits(*stream, param.shape) if rounding != "nearest" else None
         if rounding == "stochastic":
-            new_param = stochastic_round(exact, param.dtype, leaf_key)
+            new_param = round_with_draws(exact, param.dtype, random_bits)
         else:
             new_param = exact.astype(param.dtype)
         update = (new_param.astype(jnp.float32) - param32).astype(param.dtype)
@@ -474,19 +581,20 @@ def low_precision_optimizer(
         # optax.apply_updates puts the param at p + update in its dtype: new_param whenever
         # new_param - p was exact, else within half an ulp of it. The buffer keeps what was lost.
         landed = (param32 + update.astype(jnp.float32)).astype(param.dtype)
-        return update, stochastic_round(exact - landed.astype(jnp.float32), param.dtype, leaf_key)
+        return update, round_with_draws(exact - landed.astype(jnp.float32), param.dtype, random_bits)
 
     def init(params) -> LowPrecisionState:
         params32 = checked_float32_params(params)
         inner_state32 = inner.init(params32)
         if isinstance(state_dtype, Mapping):
             _check_field_names(state_dtype, inner_state32)
-        leaves, state_tree = jax.tree.flatten(inner_state32)
+        leaves = jax.tree.leaves(inner_state32)
         storages = _storages(state_dtype, inner_state32, block_size)
         _check_quantized_somewhere(state_dtype, inner_state32, storages)
         return LowPrecisionState(
-            inner_state=state_tree.unflatten(
-                [_store(leaf, storage, None) for leaf, storage in zip(leaves, storages, strict=True)]
+            inner_state=_stored_tree(
+                inner_state32,
+                [_store(leaf, storage, None) for leaf, storage in zip(leaves, storages, strict=True)],
             ),
             compensation=jax.tree.map(jnp.zeros_like, params) if rounding == "kahan" else None,
             key=raw_key,
@@ -506,7 +614,7 @@ def low_precision_optimizer(
             """The inner optimizer's update and new state, in float32, from the stored state."""
             inner_state32 = reference_tree.unflatten([
                 _load(stored, storage, ref)
-                for stored, storage, ref in zip(reference_tree.flatten_up_to(stored_state), storages, references)
+                for stored, storage, ref in zip(_stored_leaves(reference, stored_state), storages, references)
             ])  # fmt: skip
             grads32 = jax.tree.map(
                 lambda grad: grad.astype(jnp.float32) if is_floating_array(grad) else grad, grads
@@ -527,6 +635,7 @@ def low_precision_optimizer(
         step_key, params_key, state_key = jax.random.split(
             jax.random.wrap_key_data(state.key, impl=key_impl), 3
         )
+        params_seed, state_seed = draws.seed_of(params_key), draws.seed_of(state_key)
         param_leaves, param_tree = jax.tree.flatten(params)
         compensations = (
             param_tree.flatten_up_to(state.compensation)
@@ -534,7 +643,7 @@ def low_precision_optimizer(
             else [None] * len(param_leaves)
         )
         landed = [
-            land(param, update, compensation, jax.random.fold_in(params_key, index))
+            land(param, update, compensation, (params_seed, index))
             if is_floating_array(param)
             else (update, compensation)
             for index, (param, update, compensation) in enumerate(
@@ -542,15 +651,15 @@ def low_precision_optimizer(
             )
         ]
 
-        state_leaves, state_tree = jax.tree.flatten(new_inner_state32)
+        state_leaves = jax.tree.leaves(new_inner_state32)
         stored_leaves = [
-            _store(leaf, storage, jax.random.fold_in(state_key, index), scales_from)
+            _store(leaf, storage, (state_seed, index), scales_from)
             for index, (leaf, storage, scales_from) in enumerate(
                 zip(state_leaves, storages, scale_sources, strict=True)
             )
         ]
         return param_tree.unflatten([update for update, _ in landed]), LowPrecisionState(
-            inner_state=state_tree.unflatten(stored_leaves),
+            inner_state=_stored_tree(new_inner_state32, stored_leaves),
             compensation=param_tree.unflatten([buffer for _, buffer in landed])
             if rounding == "kahan"
             else None,
@@ -558,52 +667,3 @@ def low_precision_optimizer(
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
-
-
-def optimizer_for_policy(
-    inner: optax.GradientTransformation, policy: PolicySpec, *, key: jax.Array | int | None = None
-) -> optax.GradientTransformation:
-    """The optimizer a precision policy asks for: `inner`, or `inner` wrapped by its update rounding.
-
-    A policy without an update rounding (``"mixed_bf16"``, ``"bfloat16"``)
-    returns `inner` itself: optax applies its updates as usual. One with an
-    update rounding (``"bfloat16_kahan"``, ``"p=bf16,c=bf16,update=stochastic"``)
-    returns:
-
-    ```python
-    low_precision_optimizer(inner, param_dtype=policy.param_dtype,
-                            state_dtype=policy.state_format or policy.param_dtype,
-                            rounding=policy.update_rounding, key=key,
-                            block_size=policy.state_block_size)
-    ```
-
-    so params are stored in the policy's param dtype, the optimizer's state
-    in its 8-bit format (``"bfloat16_int8"``, ``state=int8``) or else in the
-    param dtype, and each update lands by the rounding the policy names.
-
-    Examples:
-        >>> tx = optimizer_for_policy(optax.adamw(1e-3), "bfloat16_kahan", key=0)  # Kahan around AdamW
-        >>> sgd = optax.sgd(0.1)
-        >>> optimizer_for_policy(sgd, "mixed_bf16") is sgd
-        True
-
-    Args:
-        inner: any optax optimizer.
-        policy: a `jaxamp.Policy` or anything `jaxamp.get_policy` reads.
-        key: the PRNG key or int seed of stochastic rounding (see
-            `low_precision_optimizer`).
-
-    Returns:
-        `inner`, or the `low_precision_optimizer` around it.
-    """
-    policy = get_policy(policy)
-    if policy.update_rounding is None:
-        return inner
-    return low_precision_optimizer(
-        inner,
-        param_dtype=policy.param_dtype,
-        state_dtype=policy.state_format or policy.param_dtype,
-        rounding=policy.update_rounding,
-        key=key,
-        block_size=policy.state_block_size,
-    )

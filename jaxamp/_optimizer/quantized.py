@@ -49,12 +49,14 @@ linearly in (0.1, 1], 64 in (0.01, 0.1], ..., and 1e-7 alone.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
+
+from jaxamp._optimizer import draws as index_draws
 
 # As bitsandbytes and torchao do: a leaf smaller than this keeps its float32 state (it costs nothing).
 MIN_QUANTIZED_SIZE = 4096
@@ -92,10 +94,13 @@ def _select(index: jax.Array, constants) -> jax.Array:
     return value
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class QuantizedArray:
     """A float32 array stored as 8-bit codes of its shape and a float32 scale per block.
+
+    A `flax.struct` dataclass: a pytree of its codes and scales, which
+    `flax.serialization` (``to_bytes``, ``to_state_dict``) and orbax save and
+    restore as two arrays, and whose format is static.
 
     Attributes:
         codes: int8 or float8_e4m3fn codes, shaped like the array.
@@ -106,7 +111,7 @@ class QuantizedArray:
 
     codes: jax.Array
     scales: jax.Array
-    format: str = dataclasses.field(metadata={"static": True})
+    format: str = struct.field(pytree_node=False)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -137,6 +142,7 @@ def quantize(
     key: jax.Array | None,
     *,
     scales_from: jax.Array | None = None,
+    draws: jax.Array | None = None,
 ) -> QuantizedArray:
     """`values` (float32) as a `QuantizedArray` of `format`, in blocks of `block_size` (None: one block).
 
@@ -151,6 +157,8 @@ def quantize(
             the inputs of a computed array twice, once for the blocks'
             largest magnitudes and once for the codes, instead of writing
             the array in float32 and reading it back.
+        draws: uniform draws in [0, 1) of `values`' shape for stochastic
+            rounding, in place of a `key`'s (`jaxamp._optimizer.draws`).
 
     Returns:
         The codes and scales.
@@ -163,7 +171,9 @@ def quantize(
     # Codes are computed in the array's shape, each element beside its block's scale: XLA's GPU then
     # fuses the quantization into the computation of the values.
     ratios = values / _per_element(jnp.where(absmax > 0, absmax, 1.0), values.shape)
-    uniform = None if key is None else jax.random.uniform(key, values.shape, jnp.float32)
+    uniform = draws
+    if uniform is None and key is not None:
+        uniform = index_draws.uniform(index_draws.seed_of(key), 0, values.shape)
     encode = _encode_int8 if format == "int8" else _encode_e4m3
     codes = encode(ratios, _per_element(signed, values.shape), uniform)
     return QuantizedArray(codes, jnp.where(signed, -absmax, absmax), format)

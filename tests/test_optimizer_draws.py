@@ -1,0 +1,40 @@
+"""The draws of stochastic rounding: uniform, independent between leaves, and one seed per step, not a
+threefry per leaf (which made the wrapper's first step compile three times as long as optax's)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+from jaxamp._optimizer import draws
+
+
+def test_the_draws_are_uniform_and_independent_between_streams_and_neighbours():
+    seed = draws.seed_of(jax.random.key(0))
+    first, second = (np.asarray(draws.uniform(seed, stream, (512, 256))).ravel() for stream in (0, 1))
+    assert first.min() >= 0.0 and first.max() < 1.0
+    assert abs(first.mean() - 0.5) < 0.005 and abs(first.var() - 1 / 12) < 0.002
+    counts = np.histogram(first, bins=16, range=(0.0, 1.0))[0] / first.size
+    np.testing.assert_allclose(counts, 1 / 16, atol=0.003)
+    assert abs(np.corrcoef(first, second)[0, 1]) < 0.01  # two leaves
+    assert abs(np.corrcoef(first[:-1], first[1:])[0, 1]) < 0.01  # two neighbours in a leaf
+    other_step = np.asarray(draws.uniform(draws.seed_of(jax.random.key(1)), 0, (512, 256))).ravel()
+    assert abs(np.corrcoef(first, other_step)[0, 1]) < 0.01
+
+
+def test_a_draw_is_its_elements_whatever_the_arrays_shape():
+    """The index of an element in its array decides its draw: a reshaped array draws the same."""
+    seed = draws.seed_of(jax.random.key(3))
+    np.testing.assert_array_equal(draws.uniform(seed, 5, (64, 32)).ravel(), draws.uniform(seed, 5, (2048,)))
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.bfloat16, "int8"])
+def test_the_update_draws_from_one_seed_per_step_however_many_leaves(state_dtype):
+    def threefry_calls(leaves):
+        params = {f"layer_{index}": jnp.zeros((64, 64), jnp.bfloat16) for index in range(leaves)}
+        tx = jaxamp.low_precision_optimizer(optax.adam(1e-3), state_dtype=state_dtype, rounding="kahan")
+        return jax.jit(tx.update).lower(params, tx.init(params), params).as_text().count("call @threefry2x32")
+
+    assert threefry_calls(8) == threefry_calls(2) <= 3  # the key's split and the two seeds
