@@ -9,8 +9,12 @@ Each scenario runs in float16 and bfloat16, by both routes (`jaxamp.autocast` of
    what a layer captures or sows of it;
 3. an additive mask built inside the function from constants, with fully masked rows;
 4. two calls of one library function whose bodies hold literals (``jnp.where`` twice);
-5. a float32 value meeting a half one: a result handed back in float32 is float32's, and a
-   difference of products rounds once.
+5. a float32 value meeting a half one: a result handed back in float32 is float32's, a fill half
+   cannot hold keeps float32 where it meets an activation, and a difference of products rounds
+   once;
+
+and the float32 islands the differential fuzzer found rounded (a mask, a variance, ``relu``
+inside `jaxamp.float32_scope`).
 """
 
 from __future__ import annotations
@@ -272,3 +276,101 @@ def test_a_product_with_a_float32_param_minus_an_activation_rounds_once(policy):
     expected = jnp.tanh((a * c - b).astype(HALF[policy]).astype(jnp.float32))
     got = jaxamp.autocast(f, policy)(x, w, v, c)
     np.testing.assert_allclose(got, expected, rtol=float(jnp.finfo(HALF[policy]).eps))
+
+
+@pytest.mark.parametrize("route", ["autocast", "apply_policy"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_fill_half_cannot_hold_picked_into_an_argument_keeps_float32_where_it_meets_an_activation(
+    policy, route
+):
+    """``(x @ w + jnp.where(pad, x, -3.4e38)) * 1e-5``: the fill makes the padded entries a value no
+    half dtype holds, known when traced; the sum is float32's -3.4e33, as torch's promotion gives
+    (-inf before: the picked value was rounded to half where it met the matmul's)."""
+
+    def f(x, w, pad):
+        return (x @ w + jnp.where(pad, x, -3.4e38)) * 1e-5
+
+    x, w, pad = jnp.ones((2, 4)), jnp.eye(4), jnp.array([[True] * 4, [False] * 4])
+    got = under(route, policy, f, x, w, pad)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got[1], np.full(4, -3.4e33), rtol=1e-6)
+
+
+@pytest.mark.parametrize("filled", ["argument", "activation"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_custom_jvp_that_fills_with_a_value_half_cannot_hold_hands_it_on(policy, filled):
+    """A ``custom_jvp`` returning ``jnp.where(pad, v, -3.4e38)`` of a float32 argument or a matmul's
+    half output: its output keeps the fill (cast to the half dtype it was traced in before, -inf)."""
+
+    @jax.custom_jvp
+    def fill(pad, v):
+        return jnp.where(pad, v, -3.4e38)
+
+    fill.defjvp(lambda primals, tangents: jax.jvp(fill.fun, primals, tangents))
+
+    def f(pad, x, w):
+        return fill(pad, x if filled == "argument" else x @ w) * 1e-5
+
+    got = jaxamp.autocast(f, policy)(jnp.array([True, False]), jnp.ones((1, 2)), jnp.eye(2))
+    np.testing.assert_allclose(got, [[1e-5, -3.4e33]], rtol=1e-6)
+
+
+# --- float32 islands: what the differential fuzzer found -----------------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_an_additive_mask_in_a_float32_scope_keeps_its_fill(policy):
+    """``v + jnp.where(pad, 0.0, -1e9)`` inside `float32_scope`, ``v`` a half activation: -1e9, as
+    in float32 (-inf in float16 before: the half trace's cast of the fill to half was kept)."""
+
+    def f(x, w, pad):
+        v = x @ w
+        with jaxamp.float32_scope():
+            return v + jnp.where(pad, 0.0, -1e9)
+
+    got = jaxamp.autocast(f, policy)(jnp.ones((2, 4)), jnp.eye(4), jnp.array([[True] * 4, [False] * 4]))
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(got, [[1.0] * 4, [np.float32(-1e9) + np.float32(1.0)] * 4])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_variance_in_a_float32_scope_is_float32s(policy):
+    """``jnp.var`` of float32 positions inside `float32_scope`: float32's 88725 (inf in float16
+    before, and 88576 in bfloat16: ``jnp.var``'s cast back to the half dtype it was traced in)."""
+    pos = jnp.arange(32, dtype=jnp.float32).reshape(4, 8) * 130.0
+
+    def f(pos):
+        with jaxamp.float32_scope():
+            return jnp.var(pos, -1)
+
+    got = jaxamp.autocast(f, policy)(pos)
+    np.testing.assert_allclose(got, jnp.var(pos, -1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_relu_in_a_float32_scope_is_float32s(policy):
+    """``jax.nn.relu`` (a ``custom_jvp``) inside `float32_scope`: 2.0002, not the half 2.0."""
+
+    def f(x):
+        with jaxamp.float32_scope():
+            return jax.nn.relu(x * 1.0001)
+
+    got = jaxamp.autocast(f, policy)(jnp.array([2.0, -1.0]))
+    np.testing.assert_allclose(got, [2.0002, 0.0], rtol=1e-7)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_cast_the_program_writes_in_a_float32_scope_is_honoured(policy):
+    """Inside `float32_scope`, ``x.astype(jnp.bfloat16)`` under float16 (``jnp.float16`` under
+    bfloat16) is the program's own cast, kept; ``mean(x).astype(x.dtype)`` is the half trace's
+    (``x`` traced in half), dropped."""
+    other = jnp.bfloat16 if policy == "mixed_float16" else jnp.float16
+
+    def f(x):
+        with jaxamp.float32_scope():
+            return x.astype(other), jnp.mean(x).astype(x.dtype)
+
+    cast, mean = jaxamp.autocast(f, policy)(jnp.array([1.0001, 3.0]))
+    assert cast.dtype == other
+    assert mean.dtype == jnp.float32
+    assert float(mean) == pytest.approx(2.00005, rel=1e-7)

@@ -231,7 +231,7 @@ def test_a_body_shared_by_two_calls_whose_twins_disagree_keeps_the_half_literal_
     assert first_body is second_body
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        found = recovered(half.jaxpr, reference.jaxpr, calls(None, None).__code__)
+        found = recovered(half.jaxpr, reference.jaxpr, calls(None, None).__code__).literals
     assert found == {}
     assert any(issubclass(w.category, jaxamp.diagnostics.LiteralNotRecoveredWarning) for w in caught) or _warned_before()
 

@@ -86,6 +86,12 @@ class Rewrite:
         literals: ``(id(equation), position) -> value``: the literals the
             half trace rounded, as the program wrote them
             (`jaxamp._autocast.reference`).
+        traced_dtype: the dtype the function's floating arguments were
+            traced in (the policy's compute dtype; None: `compute_dtype`).
+        written_casts: the ids of the half trace's casts the program wrote
+            (`jaxamp._autocast.reference`); None where no argument was traced
+            narrower than given, so every cast is the program's.
+        island: whether this is a float32 island's rewrite (`scoped`).
     """
 
     compute_dtype: np.dtype
@@ -95,7 +101,17 @@ class Rewrite:
     rules_for: RulesFor | None = None
     fp8_matmuls: bool = False
     literals: Mapping[tuple[int, int], np.ndarray] = dataclasses.field(default_factory=dict)
+    traced_dtype: np.dtype | None = None
+    written_casts: frozenset | None = None
+    island: bool = False
     _scoped: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def in_float32_island(self) -> bool:
+        """Whether this rewrite computes, in float32, code the function traced in half and hands its
+        values on in float32 (a `float32_scope`, a layer overridden to float32), where the
+        program's float32 meaning holds."""
+        return self.island and self.traced_dtype is not None and np.dtype(self.traced_dtype) != np.float32
 
     def scoped(self, equation) -> Rewrite:
         """The rewrite that `equation` runs under: this one, or its innermost policy scope's.
@@ -107,26 +123,31 @@ class Rewrite:
         if self.rules_for is None:
             return self
         if in_float32_scope(equation):
-            return self.under(np.dtype(np.float32), fp8_matmuls=False)
+            return self.under(np.dtype(np.float32), fp8_matmuls=False, island=True)
         scopes = scope_policies(equation)
         if not scopes:
             return self
         scope: ScopePolicy = scopes[-1][1]
-        return self.under(scope.compute_dtype, fp8_matmuls=scope.fp8_matmuls)
+        island = scope.compute_dtype == np.float32 and scope.exit_dtype == np.float32
+        return self.under(scope.compute_dtype, fp8_matmuls=scope.fp8_matmuls, island=island)
 
-    def under(self, compute_dtype: np.dtype, *, fp8_matmuls: bool) -> Rewrite:
-        """This rewrite with another compute dtype and FP8 setting (this one where no scope can change it)."""
-        key = (np.dtype(compute_dtype), fp8_matmuls)
-        if self.rules_for is None or key == (self.compute_dtype, self.fp8_matmuls):
+    def under(self, compute_dtype: np.dtype, *, fp8_matmuls: bool, island: bool = False) -> Rewrite:
+        """This rewrite with another compute dtype and FP8 setting (this one where no scope can change
+        it); `island`: a float32 island, whose values leave it in float32."""
+        key = (np.dtype(compute_dtype), fp8_matmuls, island)
+        if self.rules_for is None or key == (self.compute_dtype, self.fp8_matmuls, self.island):
             return self
         if key not in self._scoped:
             self._scoped[key] = Rewrite(
                 key[0],
-                self.rules_for(*key),
+                self.rules_for(*key[:2]),
                 self.as_traced,
                 rules_for=self.rules_for,
                 fp8_matmuls=key[1],
                 literals=self.literals,
+                traced_dtype=self.compute_dtype if self.traced_dtype is None else self.traced_dtype,
+                island=island,
+                written_casts=self.written_casts,
                 _scoped=self._scoped,
             )
         return self._scoped[key]

@@ -37,7 +37,7 @@ from jaxamp._autocast.interpreter import (
     rewrite_jaxpr,
     with_dtype,
 )
-from jaxamp._autocast.lineage import ACTIVATION, Kind
+from jaxamp._autocast.lineage import ACTIVATION, Kind, Lineage
 from jaxamp._autocast.rules import restore_rule, unsupported
 
 
@@ -201,13 +201,20 @@ def _narrowed(rewritten: Any, traced: Any) -> Any:
     return rewritten if narrower and jnp.promote_types(rewritten, traced) == traced else traced
 
 
+def _kept_wide(context: Rewrite, lineage: Lineage, traced: Any) -> bool:
+    """Whether a custom_jvp's output keeps the width its body gave it: made in a float32 island or
+    called in one, or holding magnitudes its traced dtype cannot (a fill of ``-3.4e38``)."""
+    return lineage.kind is Kind.ISLAND or context.in_float32_island or not lineage.fits(traced)
+
+
 def custom_jvp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     """``jax.custom_jvp``: rewritten primal, rule = the rewritten JVP of the original.
 
     The algorithm::
 
         body = the call's jaxpr rewritten for the current input dtypes and lineages
-        per output: dtype = the body's if an island or narrower than traced, else the traced one
+        per output: dtype = the body's if an island, called in one, holding what the traced
+                         dtype cannot, or narrower than traced; else the traced one
         primal(inputs) = body(inputs), outputs cast to their dtypes
         jvp(primals, tangents) = JAX's JVP of the original call (the user's rule),
             traced for the traced dtypes and rewritten for the current ones
@@ -215,7 +222,7 @@ def custom_jvp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     So ``jax.nn.relu`` of a float16 activation gives a float16 output and
     cotangent, as without the custom derivative, ``jax.nn.softmax`` (a body
     computed in float32) its traced dtype, and either of a float32 island
-    float32.
+    (or called in one) or holding a fill half cannot hold float32.
     """
     in_dtypes, traced_out_dtypes = traced_dtypes(equation.invars), traced_dtypes(equation.outvars)
     differentiable_in = [is_floating(dtype) for dtype in in_dtypes]
@@ -224,7 +231,7 @@ def custom_jvp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
     avals = [abstract(value) for value in invals]
     rewritten_body, report = rewrite_body(context, body, avals, lineages=operand_lineages())
     out_dtypes = [
-        aval.dtype if lineage.kind is Kind.ISLAND else _narrowed(aval.dtype, traced)
+        aval.dtype if _kept_wide(context, lineage, traced) else _narrowed(aval.dtype, traced)
         for aval, traced, lineage in zip(rewritten_body.out_avals, traced_out_dtypes, report.lineages)
     ]
     tangent_dtypes = [dtype for dtype, keep in zip(out_dtypes, differentiable_out) if keep]

@@ -40,12 +40,13 @@ from jaxamp._autocast.lineage import (
     constant,
     follow,
     join,
+    cast_by_the_half_trace,
     keeps_a_statistic,
     of_input,
     reduction_inputs,
     wider,
 )
-from jaxamp._autocast.reference import recovered
+from jaxamp._autocast.reference import Recovered, recovered
 from jaxamp._autocast.rules import float32_rule, restore_rule
 from jaxamp._autocast.scope import (
     canonical_name_stack,
@@ -154,6 +155,7 @@ def interpret(
            else the rule of its innermost policy scope (Rewrite.scoped)
     follow ops:  lineage.follow (computes, rounds once per chain, gives the result's lineage)
     the half trace's cast of a statistic back to half: skipped (lineage.keeps_a_statistic)
+    in a float32 island, a cast to half the program did not write: skipped (lineage.cast_by_the_half_trace)
     JAX's cast of a Python number (weakly typed): read as written (lineage.cast_constant)
     float32 ops read a rounded chain's unrounded value
     other ops:   the rule; outputs' lineages from its role or, for a body, from the body's report
@@ -207,6 +209,8 @@ def interpret(
             reports: list | None = None
             if role == "convert" and keeps_a_statistic(scoped, equation, invals[0], in_lineages[0]):
                 outvals, out_lineages = invals, [STATISTIC]
+            elif role == "convert" and cast_by_the_half_trace(scoped, equation, invals[0]):
+                outvals, out_lineages = invals, in_lineages[:1]
             elif role == "convert" and in_lineages[0].kind is Kind.CONSTANT and equation.invars[0].aval.weak_type:
                 new_dtype = equation.params["new_dtype"]
                 outvals, out_lineages = [cast_constant(invals[0], new_dtype, in_lineages[0])], in_lineages[:1]
@@ -644,17 +648,19 @@ class RewriteCache:
             client.closed() if client is not None else contextlib.nullcontext(),
         ):
             traced = _trace(array_outputs, trace_avals, avals)
-            literals = {}
+            written = Recovered({}, None)
             if any(aval.dtype != given.dtype for aval, given in zip(traced.in_avals, avals)):
                 reference = _reference(lambda *leaves: _as_given(fun, leaves), avals, traced.in_avals)
-                literals = recovered(traced.jaxpr, reference, _as_given.__code__)
+                if reference.eqns:  # else the reference was refused: every cast is taken as written
+                    written = recovered(traced.jaxpr, reference, _as_given.__code__)
             context = Rewrite(
                 self._compute_dtype,
                 self._rules,
                 as_traced=restore_rule,
                 rules_for=self._rules_for,
                 fp8_matmuls=self._fp8_matmuls,
-                literals=literals,
+                literals=written.literals,
+                written_casts=written.written_casts,
             )
             out_dtypes = [
                 aval.dtype if dtype is None else dtype

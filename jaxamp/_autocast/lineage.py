@@ -23,7 +23,11 @@ dtype cannot hold (past its largest value, or nonzero and below its
 smallest), and its result takes the widest deciders' dtype, rounded once
 per chain of such ops: the next op reads the unrounded value. A constant
 that widens the result makes it WIDE (a mask filled with ``-1e9`` stays
-float32 through the softmax and is rounded where an activation meets it).
+float32 through the softmax). A WIDE value keeps the magnitudes it picked
+up from constants half cannot hold through ops that pick, move or add
+values, and widens like those constants where it meets an activation:
+``v1 + jnp.where(pad, x, -3.4e38)`` of a float32 ``x`` is float32's, as
+torch's promotion makes it.
 Without deciders the result is as wide as computed. So a bias, a
 normalization's scale or a mean meeting a float16 activation computes in
 float32 and gives float16, and a value between two float32 layers stays
@@ -76,7 +80,8 @@ class Kind(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Lineage:
-    """A value's `Kind`; a constant's also the range of its finite nonzero magnitudes (None: unknown)."""
+    """A value's `Kind`; a constant's also the range of its finite nonzero magnitudes, and a WIDE
+    value's the range of those it picked up from constants half cannot hold (None: unknown)."""
 
     kind: Kind
     largest: float | None = None
@@ -87,7 +92,7 @@ class Lineage:
         return self.kind in (Kind.ISLAND, Kind.ACTIVATION)
 
     def fits(self, dtype: Any) -> bool:
-        """Whether `dtype` holds this constant: no finite value overflows and none flushes to zero."""
+        """Whether `dtype` holds the magnitudes known: no finite value overflows and none flushes to zero."""
         info = jnp.finfo(dtype)
         return (self.largest is None or self.largest <= float(info.max)) and (
             self.smallest is None or self.smallest >= float(info.smallest_subnormal)
@@ -210,7 +215,7 @@ def follow(
             return outvals, None, ACTIVATION  # integer or boolean arithmetic on data
         return outvals, None, _constant_result(equation.primitive.name, lineages)
     result = jnp.result_type(*(invals[index].dtype for index in deciders or weak))
-    widening = [index for index in constants if not lineages[index].fits(result)]
+    widening = [index for index in constants + weak if not lineages[index].fits(result)]
     result = jnp.result_type(result, *(invals[index].dtype for index in widening))
     if unrounded is not None and deciders and (weak or _difference_of_rounded(equation, deciders, unrounded)):
         operands = [value if wide is None else wide for value, wide in zip(invals, unrounded)]
@@ -219,14 +224,30 @@ def follow(
         operands[index] = cast(operands[index], computed)
     outvals = bind(equation, operands)
     if not deciders:
-        lineage = STATISTIC if all(lineages[index] == STATISTIC for index in weak) else WIDE
+        statistic = all(lineages[index] == STATISTIC for index in weak)
+        unheld = [index for index in constants + weak if not lineages[index].fits(context.compute_dtype)]
+        lineage = STATISTIC if statistic else _wide(equation, lineages, unheld)
     elif any(lineages[index].kind is Kind.ISLAND for index in deciders):
         lineage = ISLAND
     else:
-        lineage = WIDE if widening else ACTIVATION
+        lineage = _wide(equation, lineages, widening) if widening else ACTIVATION
     if computed == result:
         return outvals, None, lineage
     return [cast(value, result) for value in outvals], outvals, lineage
+
+
+def _wide(equation, lineages: Sequence[Lineage], unheld: Sequence[int]) -> Lineage:
+    """WIDE, with the magnitudes of the inputs at `unheld` (those half cannot hold) where the op
+    keeps them (it picks or moves them; a sum keeps the largest): so a value that picked up a fill
+    half cannot hold (``jnp.where(pad, x, -3.4e38)``) widens the op where it meets an activation,
+    as the fill itself would."""
+    name = equation.primitive.name
+    beyond = [lineages[index] for index in unheld]
+    if not beyond or (name not in _STRUCTURAL and name not in ("add", "sub")):
+        return WIDE
+    largest = max((lineage.largest for lineage in beyond if lineage.largest is not None), default=None)
+    smallest = min((lineage.smallest for lineage in beyond if lineage.smallest is not None), default=None)
+    return Lineage(Kind.WIDE, largest, smallest if name in _STRUCTURAL else None)
 
 
 def _difference_of_rounded(equation, deciders: Sequence[int], unrounded: Sequence[Any | None]) -> bool:
@@ -263,6 +284,21 @@ def keeps_a_statistic(context: Rewrite, equation, value: Any, lineage: Lineage) 
         and new_dtype == context.compute_dtype
         and jnp.finfo(new_dtype).bits < 32
         and wider(value.dtype, new_dtype)
+    )
+
+
+def cast_by_the_half_trace(context: Rewrite, equation, value: Any) -> bool:
+    """Whether `equation`, in a float32 island, is a cast of a float32 value to the dtype the function
+    was traced in that the program did not write (``x.astype(x.dtype)`` of an argument traced in
+    half, a half ``var`` rounding back, a Python number promoted with a half value): skipped, so the
+    island computes what the program computes in float32. A cast the program wrote is honoured."""
+    new_dtype = equation.params.get("new_dtype")
+    return (
+        context.in_float32_island
+        and context.written_casts is not None
+        and new_dtype == context.traced_dtype
+        and wider(value.dtype, new_dtype)
+        and id(equation) not in context.written_casts
     )
 
 

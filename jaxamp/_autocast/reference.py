@@ -1,4 +1,4 @@
-"""The program as written: the literals the half trace rounded.
+"""The program as written: the literals the half trace rounded, and the casts the program wrote.
 
 Traced in float16, a Python ``1e-12`` is already ``0`` and ``-1e9`` already
 ``-inf``. `autocast` traces the function once more with its arguments as
@@ -12,8 +12,10 @@ align(half jaxpr, reference jaxpr):
     key(equation) = (primitive, operand count, floating-literal positions, output count,
                      name stack, the traceback's frames inside the traced function)
     pair the two sequences of keys by their longest common subsequence (difflib)
-    for each pair: recover its literals; align the nested jaxprs of the two, in order
+    for each pair: recover its literals; note a cast both make to one dtype;
+                   align the nested jaxprs of the two, in order
 a literal is recovered where the reference's rounds to it and holds a value it lost
+a cast to half is written where its twin casts to the same dtype
 ```
 
 Each nested jaxpr is aligned with its own twin, so the k-th ``where`` of
@@ -24,8 +26,11 @@ twins wrote different values, the literal keeps the half trace's value and
 a `LiteralNotRecoveredWarning` says so, once per process: a failed pairing
 never gives a value from another equation. A literal is replaced only where
 the written value rounds to the traced one, so a pairing cannot change a
-value the program did not write. Casts need no pairing: a constant keeps
-its width through the half trace's casts (`jaxamp._autocast.lineage`).
+value the program did not write. A constant needs no pairing to keep its
+width through the half trace's casts (`jaxamp._autocast.lineage`); the
+written casts tell a float32 island which casts to half are the program's
+(``x.astype(jnp.float16)``) and which the half trace made (``x.astype(x.dtype)``
+of an argument traced in half, a half ``mean`` rounding back).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from __future__ import annotations
 import difflib
 import functools
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -62,21 +67,37 @@ def _key(equation, entry: Any) -> tuple:
     return (name, len(equation.invars), positions, len(equation.outvars), str(info.name_stack), frames)
 
 
-def recovered(traced: Jaxpr, reference: Jaxpr, entry: Any) -> dict:
-    """``(id(equation), position) -> value`` for each literal of the half trace `traced` that rounded
-    one of `reference` (see the module docstring); `entry` is the code object both traces started
-    at (their frames above it differ)."""
+class Recovered(NamedTuple):
+    """What the reference tells the rewrite of the half trace.
+
+    Attributes:
+        literals: ``(id(equation), position) -> value`` for each literal of
+            the half trace that rounded one of the reference.
+        written_casts: the ids of the half trace's casts whose twin casts to
+            the same dtype: the casts the program wrote.
+    """
+
+    literals: dict
+    written_casts: frozenset
+
+
+def recovered(traced: Jaxpr, reference: Jaxpr, entry: Any) -> Recovered:
+    """The literals and casts of the half trace `traced` as `reference` wrote them (see the module
+    docstring); `entry` is the code object both traces started at (their frames above it differ)."""
     found: dict[tuple[int, int], np.ndarray] = {}
     conflicting: set[tuple[int, int]] = set()
-    _align(traced, reference, entry, found, conflicting, set())
+    casts: set[int] = set()
+    _align(traced, reference, entry, found, conflicting, casts, set())
     for slot in conflicting:
         found.pop(slot, None)
     if conflicting:
         _warn_once()
-    return found
+    return Recovered(found, frozenset(casts))
 
 
-def _align(traced: Jaxpr, reference: Jaxpr, entry: Any, found: dict, conflicting: set, seen: set) -> None:
+def _align(
+    traced: Jaxpr, reference: Jaxpr, entry: Any, found: dict, conflicting: set, casts: set, seen: set
+) -> None:
     if (id(traced), id(reference)) in seen:
         return
     seen.add((id(traced), id(reference)))
@@ -87,10 +108,14 @@ def _align(traced: Jaxpr, reference: Jaxpr, entry: Any, found: dict, conflicting
         for offset in range(size):
             equation, twin = traced.eqns[start + offset], reference.eqns[twin_start + offset]
             _recover_literals(equation, twin, keys[start + offset][2], found, conflicting)
+            if equation.primitive.name == "convert_element_type" and (
+                equation.params["new_dtype"] == twin.params["new_dtype"]
+            ):
+                casts.add(id(equation))
             bodies, twin_bodies = list(subjaxprs(equation.params)), list(subjaxprs(twin.params))
             if len(bodies) == len(twin_bodies):
                 for body, twin_body in zip(bodies, twin_bodies):
-                    _align(body, twin_body, entry, found, conflicting, seen)
+                    _align(body, twin_body, entry, found, conflicting, casts, seen)
 
 
 def _recover_literals(equation, twin, positions: tuple, found: dict, conflicting: set) -> None:
