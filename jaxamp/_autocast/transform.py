@@ -49,7 +49,7 @@ def _resolve_rules(
 ) -> dict[Primitive, Rule]:
     rules = rules_table()
     if policy.fp8_matmuls:
-        rules.update(resolve(fp8_rules(fp8_observer)))
+        rules.update(resolve(fp8_rules(fp8_observer, policy.matmul_format)))
     if overrides is None:
         return rules
     if not isinstance(overrides, Mapping):
