@@ -196,7 +196,8 @@ def kernel_class(kernel) -> str:
     jaxamp's ``jaxamp_fp8`` scope outside a fallback: amaxes, scales, casts to
     FP8, transposes of FP8 values) or ``other``."""
     if kernel.flops:
-        return "FP8 GEMMs" if any(key.startswith("float8_") for key in kernel.flops) else "other GEMMs"
+        low_precision = any(key.startswith(("float8_", "float4_")) for key in kernel.flops)
+        return "FP8 GEMMs" if low_precision else "other GEMMs"
     if "jaxamp_fp8" in kernel.op_name and "jaxamp_fp8_fallback" not in kernel.op_name:
         return "FP8 quantization"
     return "other"
