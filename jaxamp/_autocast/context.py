@@ -22,7 +22,8 @@ Rule = Callable[["Rewrite", Any, Sequence[Any]], list]
 """A dtype rule: ``rule(rewrite, equation, invals) -> outvals``."""
 
 RulesFor = Callable[[np.dtype, bool], Mapping[Primitive, Rule]]
-"""``rules_for(compute_dtype, fp8_matmuls)``: the rules table of a policy scope."""
+"""``rules_for(compute_dtype, fp8_matmuls)``: the rules table of a policy scope (`fp8_matmuls`: the
+matmul format, ``float8``, ``mxfp8`` or ``nvfp4``, or a false value)."""
 
 
 def is_floating(dtype: Any) -> bool:
@@ -82,7 +83,8 @@ class Rewrite:
         rules_for: builds the rules of a policy scope
             (`jaxamp._autocast.scope.policy_scope`); None where no scope
             can change the policy (the rewrites of a custom derivative).
-        fp8_matmuls: whether `rules` run the eligible matmuls in FP8.
+        fp8_matmuls: the format `rules` run the eligible matmuls in
+            (``float8``, ``mxfp8``, ``nvfp4``), or False.
         literals: ``(id(equation), position) -> value``: the literals the
             half trace rounded, as the program wrote them
             (`jaxamp._autocast.reference`).
@@ -93,7 +95,7 @@ class Rewrite:
     as_traced: Rule
     memo: dict = dataclasses.field(default_factory=dict)
     rules_for: RulesFor | None = None
-    fp8_matmuls: bool = False
+    fp8_matmuls: str | bool | None = False
     literals: Mapping[tuple[int, int], np.ndarray] = dataclasses.field(default_factory=dict)
     _scoped: dict = dataclasses.field(default_factory=dict)
 
@@ -114,7 +116,7 @@ class Rewrite:
         scope: ScopePolicy = scopes[-1][1]
         return self.under(scope.compute_dtype, fp8_matmuls=scope.fp8_matmuls)
 
-    def under(self, compute_dtype: np.dtype, *, fp8_matmuls: bool) -> Rewrite:
+    def under(self, compute_dtype: np.dtype, *, fp8_matmuls: str | bool | None) -> Rewrite:
         """This rewrite with another compute dtype and FP8 setting (this one where no scope can change it)."""
         key = (np.dtype(compute_dtype), fp8_matmuls)
         if self.rules_for is None or key == (self.compute_dtype, self.fp8_matmuls):

@@ -29,7 +29,9 @@ where its M, N and K are multiples of the format's block size (32 for
 MXFP8: ``shape_not_multiple_of_32``; 16 for NVFP4), and FP8 pays by
 `jaxamp.diagnostics.fp8_matmul_cost` of that format. Batched matmuls
 (attention) stay in the compute dtype as under FP8, as do convolutions
-(``block_scaled_conv``: XLA has no block-scaled convolution).
+(``block_scaled_conv``: XLA has no block-scaled convolution). A target GPU
+without block-scaled tensor cores (before Blackwell) keeps every matmul of
+such a policy in the compute dtype (``needs_blackwell``).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from jaxamp.fp8._matmul import (
     fp8_convolution,
     fp8_dot_general,
 )
-from jaxamp.fp8._payoff import current_fp8_target, fp8_matmul_cost
+from jaxamp.fp8._payoff import current_fp8_target, fp8_matmul_cost, runs_block_scaled
 from jaxamp.fp8._recipe import current_block_recipe
 
 # The size M, N and K must be a multiple of, by matmul format: cuBLASLt's FP8 granularity, the block sizes.
@@ -81,6 +83,9 @@ def dot_fallback_reason(equation, matmul_format: str = "float8") -> str | None:
     multiple = _MULTIPLE[matmul_format]
     if any(size % multiple for size in _matmul_sizes(equation)):
         return f"shape_not_multiple_of_{multiple}"
+    target = current_fp8_target()
+    if matmul_format != "float8" and target is not None and not runs_block_scaled(target):
+        return "needs_blackwell"
     return None
 
 

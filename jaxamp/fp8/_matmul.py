@@ -109,6 +109,11 @@ FP8_FALLBACK_REASONS: Mapping[str, str] = types.MappingProxyType({
         "in bfloat16 on the saved FP8 operands."
     ),
     "ragged_dot": "a ragged (grouped) dot, which has no FP8 form here.",
+    "needs_blackwell": (
+        "under mixed_mxfp8 or mixed_nvfp4, the target GPU (jaxamp.diagnostics.fp8_target's, else the "
+        "GPU run on) has no block-scaled tensor cores (they start with Blackwell, compute capability "
+        "10.0), so the matmul runs in the compute dtype."
+    ),
     "block_scaled_conv": (
         "a convolution under mixed_mxfp8 or mixed_nvfp4: XLA has no block-scaled convolution, so it "
         "runs in the compute dtype."
