@@ -55,10 +55,8 @@ from jaxamp.fp8._block_formats import (
     quantize,
     quantize_2d,
 )
+from jaxamp.fp8._matmul import FP8_SCOPE_NAME
 from jaxamp.fp8._recipe import BlockRecipe, current_block_recipe
-
-BLOCK_SCOPE_NAME = "jaxamp_fp8"
-"""Block-scaled GEMMs are traced under the FP8 scope too: one name for "ran narrow" in compiled reports."""
 
 
 def _gemm(lhs: BlockScaled, rhs: BlockScaled, block_format: BlockFormat, result_dtype: Any) -> jax.Array:
@@ -152,7 +150,8 @@ def _block_scaled_dot(lhs, rhs, dimension_numbers, block_format, recipe, result_
 
 def _block_scaled_dot_forward(lhs, rhs, dimension_numbers, block_format, recipe, result_dtype):
     (lhs_contract, rhs_contract), _ = dimension_numbers
-    with jax.named_scope(BLOCK_SCOPE_NAME):
+    # Under the FP8 scope too: one name for "ran narrow" in the compiled reports.
+    with jax.named_scope(FP8_SCOPE_NAME):
         x = _as_matrix(lhs, lhs_contract)  # [M, K]
         w = _as_matrix(rhs, rhs_contract)  # [N, K]
         x_along_k = quantize(x, block_format)
@@ -174,7 +173,7 @@ def _block_scaled_dot_backward(dimension_numbers, block_format, recipe, result_d
     rows = x_along_m.values.shape[1]  # M
     stochastic = block_format == NVFP4 and recipe.stochastic_gradients
     rounding = "stochastic" if stochastic else "nearest"
-    with jax.named_scope(BLOCK_SCOPE_NAME):
+    with jax.named_scope(FP8_SCOPE_NAME):
         g = cotangent.reshape(rows, -1)  # [M, N]
         g_along_n = quantize(g, block_format, rounding=rounding, stream=0)
         g_t = hadamard(g, transposed=True) if block_format == NVFP4 and recipe.hadamard else g.T
