@@ -35,14 +35,13 @@ from jaxamp import _supported_jax
 _supported_jax.check()  # before the modules that use JAX's APIs
 
 from jaxamp._autocast.primitives import NoAutocastRuleWarning
-from jaxamp._autocast.reference import LiteralNotRecoveredWarning
 from jaxamp._autocast.scope import float32_scope
 from jaxamp._autocast.transform import autocast
 from jaxamp._finite import all_finite, select_tree
 from jaxamp._flax.apply import apply_policy
 from jaxamp._flax.layers import NORMALIZATION_LAYERS
-from jaxamp._optimizer import low_precision_optimizer
-from jaxamp._optimizer_storage import OptimizerStorage, optimizer_for_policy, split_precision
+from jaxamp._optimizer.low_precision import low_precision_optimizer
+from jaxamp._optimizer.storage import OptimizerStorage, optimizer_for_policy, split_precision
 from jaxamp._policy import Policy, get_policy
 from jaxamp._precision_report import precision_report
 from jaxamp._report import PrecisionReport
@@ -65,7 +64,6 @@ __version__ = "0.1.0"
 __all__ = [
     "NORMALIZATION_LAYERS",
     "DynamicLossScale",
-    "LiteralNotRecoveredWarning",
     "LossScale",
     "LossScaleStuckError",
     "LossScalingState",

@@ -99,7 +99,7 @@ _NAMED_UPDATE_POLICIES: dict[str, str] = {
 }
 
 # 8-bit optimizer state (`jaxamp.low_precision_optimizer`'s state_dtype, stored by
-# jaxamp._quantized_state): the formats, the spellings each is accepted by, and the block size.
+# jaxamp._optimizer.quantized): the formats, the spellings each is accepted by, and the block size.
 STATE_FORMATS = ("int8", "float8_e4m3fn")
 STATE_FORMAT_ALIASES = {
     "int8": "int8",

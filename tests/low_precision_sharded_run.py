@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 import jaxamp
 import jaxamp.fsdp
-from jaxamp._quantized_state import QuantizedArray
+from jaxamp._optimizer.quantized import QuantizedArray
 
 # Every matmul in float32 on both sides: the runs then differ only in the order of cross-device sums.
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -254,3 +254,21 @@ def test_a_cross_product_of_nearly_parallel_vectors_rounds_once(policy):
     got = jaxamp.autocast(jnp.cross, policy)(a, b)
     eps = float(jnp.finfo(HALF[policy]).eps)
     np.testing.assert_allclose(got, expected, rtol=eps, atol=0)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_product_with_a_float32_param_minus_an_activation_rounds_once(policy):
+    """``a * c - b`` of half activations ``a``, ``b`` and a float32 param ``c``: the product is read
+    unrounded by the difference, which cancels to float32's 1.0767e-3 (rounded to half once), not
+    the 9.766e-4 of a product rounded before it (a 10% error in float16)."""
+
+    def f(x, w, v, c):
+        a, b = x @ w, x @ v
+        return jnp.tanh(a * c - b)
+
+    x, w, v, c = jnp.ones((1, 2)) / 2, jnp.eye(2) * 1.000977, jnp.eye(2), jnp.full(2, 1.0001)
+    a = (x @ w).astype(HALF[policy]).astype(jnp.float32)
+    b = (x @ v).astype(HALF[policy]).astype(jnp.float32)
+    expected = jnp.tanh((a * c - b).astype(HALF[policy]).astype(jnp.float32))
+    got = jaxamp.autocast(f, policy)(x, w, v, c)
+    np.testing.assert_allclose(got, expected, rtol=float(jnp.finfo(HALF[policy]).eps))

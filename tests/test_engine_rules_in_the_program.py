@@ -233,7 +233,7 @@ def test_a_body_shared_by_two_calls_whose_twins_disagree_keeps_the_half_literal_
         warnings.simplefilter("always")
         found = recovered(half.jaxpr, reference.jaxpr, calls(None, None).__code__)
     assert found == {}
-    assert any(issubclass(w.category, jaxamp.LiteralNotRecoveredWarning) for w in caught) or _warned_before()
+    assert any(issubclass(w.category, jaxamp.diagnostics.LiteralNotRecoveredWarning) for w in caught) or _warned_before()
 
 
 def _warned_before() -> bool:

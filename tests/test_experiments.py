@@ -14,8 +14,8 @@ import jaxamp
 from experiments import cifar, compare, train
 from experiments import data as data_lib
 from experiments.models import MODELS
-from jaxamp._optimizer import LowPrecisionState
-from jaxamp._quantized_state import QuantizedArray
+from jaxamp._optimizer.low_precision import LowPrecisionState
+from jaxamp._optimizer.quantized import QuantizedArray
 
 QUICK_RUN = ["--model", "resnet_tiny", "--data", "synthetic", "--steps-per-epoch", "2", "--no-progress"]
 

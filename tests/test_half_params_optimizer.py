@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import jaxamp
-from jaxamp._optimizer import LowPrecisionState
+from jaxamp._optimizer.low_precision import LowPrecisionState
 
 X = jax.random.normal(jax.random.key(0), (32, 64))
 Y = jnp.arange(32) % 10

@@ -22,8 +22,8 @@ from experiments.lm import data as data_lib
 from experiments.lm import model as model_lib
 from experiments.lm import train
 from experiments.train import resolve_loss_scale, resolve_precision
-from jaxamp._optimizer import LowPrecisionState
-from jaxamp._quantized_state import QuantizedArray
+from jaxamp._optimizer.low_precision import LowPrecisionState
+from jaxamp._optimizer.quantized import QuantizedArray
 
 TINY_RUN = ["--model", "tiny", "--context", "16", "--batch-size", "4", "--eval-batches", "1", "--no-progress"]
 

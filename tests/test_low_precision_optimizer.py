@@ -9,7 +9,7 @@ import pytest
 from fresh_processes import FreshProcess, xla_flags
 
 import jaxamp
-from jaxamp._optimizer import LowPrecisionState, stochastic_round
+from jaxamp._optimizer.low_precision import LowPrecisionState, stochastic_round
 
 ROUNDINGS = ("nearest", "stochastic", "kahan")
 INPUTS = jax.random.normal(jax.random.key(1), (32, 8))

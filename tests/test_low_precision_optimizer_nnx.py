@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import jaxamp
-from jaxamp._quantized_state import QuantizedArray
+from jaxamp._optimizer.quantized import QuantizedArray
 
 X = jax.random.normal(jax.random.key(1), (8, 128))
 Y = jax.random.normal(jax.random.key(2), (8, 64))

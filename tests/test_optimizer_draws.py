@@ -8,26 +8,26 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp import _draws
+from jaxamp._optimizer import draws
 
 
 def test_the_draws_are_uniform_and_independent_between_streams_and_neighbours():
-    seed = _draws.seed_of(jax.random.key(0))
-    first, second = (np.asarray(_draws.uniform(seed, stream, (512, 256))).ravel() for stream in (0, 1))
+    seed = draws.seed_of(jax.random.key(0))
+    first, second = (np.asarray(draws.uniform(seed, stream, (512, 256))).ravel() for stream in (0, 1))
     assert first.min() >= 0.0 and first.max() < 1.0
     assert abs(first.mean() - 0.5) < 0.005 and abs(first.var() - 1 / 12) < 0.002
     counts = np.histogram(first, bins=16, range=(0.0, 1.0))[0] / first.size
     np.testing.assert_allclose(counts, 1 / 16, atol=0.003)
     assert abs(np.corrcoef(first, second)[0, 1]) < 0.01  # two leaves
     assert abs(np.corrcoef(first[:-1], first[1:])[0, 1]) < 0.01  # two neighbours in a leaf
-    other_step = np.asarray(_draws.uniform(_draws.seed_of(jax.random.key(1)), 0, (512, 256))).ravel()
+    other_step = np.asarray(draws.uniform(draws.seed_of(jax.random.key(1)), 0, (512, 256))).ravel()
     assert abs(np.corrcoef(first, other_step)[0, 1]) < 0.01
 
 
 def test_a_draw_is_its_elements_whatever_the_arrays_shape():
     """The index of an element in its array decides its draw: a reshaped array draws the same."""
-    seed = _draws.seed_of(jax.random.key(3))
-    np.testing.assert_array_equal(_draws.uniform(seed, 5, (64, 32)).ravel(), _draws.uniform(seed, 5, (2048,)))
+    seed = draws.seed_of(jax.random.key(3))
+    np.testing.assert_array_equal(draws.uniform(seed, 5, (64, 32)).ravel(), draws.uniform(seed, 5, (2048,)))
 
 
 @pytest.mark.parametrize("state_dtype", [jnp.bfloat16, "int8"])

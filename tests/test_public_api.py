@@ -137,9 +137,9 @@ def test_the_public_name_check_refuses_private_and_internal_names():
 INTERNAL_ON_PURPOSE = {
     ("experiments/measure/reduction_cost.py", "jaxamp._autocast.lineage._reduction_inputs_disabled"),
     ("experiments/measure/fp8_scaling_cost.py", "jaxamp.diagnostics._hlo_report"),
-    ("experiments/measure/quantized_optimizer_cost.py", "jaxamp._optimizer"),
-    ("experiments/measure/quantized_optimizer_cost.py", "jaxamp._quantized_state.quantize"),
-    ("experiments/measure/quantized_optimizer_cost.py", "jaxamp._quantized_state.dequantize"),
+    ("experiments/measure/quantized_optimizer_cost.py", "jaxamp._optimizer.low_precision"),
+    ("experiments/measure/quantized_optimizer_cost.py", "jaxamp._optimizer.quantized.quantize"),
+    ("experiments/measure/quantized_optimizer_cost.py", "jaxamp._optimizer.quantized.dequantize"),
 }
 
 

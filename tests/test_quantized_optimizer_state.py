@@ -8,8 +8,8 @@ import optimizer_training
 import pytest
 
 import jaxamp
-from jaxamp._optimizer import LowPrecisionState
-from jaxamp._quantized_state import QuantizedArray, dequantize, quantize, unsigned_code
+from jaxamp._optimizer.low_precision import LowPrecisionState
+from jaxamp._optimizer.quantized import QuantizedArray, dequantize, quantize, unsigned_code
 
 FORMATS = ("int8", "float8_e4m3fn")
 INPUTS = jax.random.normal(jax.random.key(1), (32, 64))

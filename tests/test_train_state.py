@@ -133,7 +133,8 @@ def test_create_without_a_loss_scale_gives_a_policy_model_the_one_its_policy_nee
 
 def test_create_without_a_loss_scale_gives_float16_params_a_dynamic_one():
     params = {"w": jnp.ones(2, jnp.float16), "b": jnp.zeros(1)}
-    state = jaxamp.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+    tx = jaxamp.low_precision_optimizer(optax.sgd(0.1), param_dtype=None, state_dtype=jnp.float32)
+    state = jaxamp.TrainState.create(apply_fn=None, params=params, tx=tx)
     assert state.loss_scale == jaxamp.DynamicLossScale()
 
 

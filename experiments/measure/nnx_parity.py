@@ -5,8 +5,11 @@ batch normalization, dropout, a dense classifier) trains with the recipe of
 docs/guides/flax.md ("Training an NNX model"): `jaxamp.apply_policy` on the
 model, `jaxamp.scaled_value_and_grad` and `jaxamp.NNXOptimizer` (Adam,
 learning rate cosine-decayed to 0, the policy's default loss scale), under
-``float32``, ``mixed_float16`` and ``mixed_bfloat16``, from the same initial
-weights through the same batches. ``--inject-inf-every N`` puts an ``inf``
+``float32``, ``mixed_float16`` and ``mixed_bfloat16`` (and, asked with
+``--precisions``, the names with bfloat16 params whose optimizer state is
+stored in bfloat16 or 8 bits, ``bfloat16_kahan``, ``bfloat16_int8``,
+``bfloat16_fp8``: the optimizer `jaxamp.optimizer_for_policy` gives), from
+the same initial weights through the same batches. ``--inject-inf-every N`` puts an ``inf``
 in every Nth batch but the last: the step is skipped and must leave the
 model and the optimizer as they were.
 
@@ -33,7 +36,9 @@ from experiments.flags import comma_list, non_negative_int, positive_float, posi
 from experiments.measure.markdown import table
 from experiments.models.nnx_cnn import NNXSmallCNN
 
-PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
+PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16", "bfloat16", "bfloat16_kahan", "bfloat16_int8",
+              "bfloat16_fp8")  # fmt: skip
+DEFAULT_PRECISIONS = PRECISIONS[:3]
 
 
 def add_arguments(parser) -> None:
@@ -61,7 +66,7 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--precisions",
         type=comma_list(list(PRECISIONS), what="precision"),
-        default=list(PRECISIONS),
+        default=list(DEFAULT_PRECISIONS),
         help="comma-separated; the first is the baseline of the accuracy difference",
     )
 
@@ -74,11 +79,13 @@ def load(args) -> data_lib.Dataset:
 
 def train(precision: str, dataset: data_lib.Dataset, args) -> dict:
     """Trains one model under `precision` by the guide's recipe; returns what table.md shows."""
-    model = jaxamp.apply_policy(NNXSmallCNN(nnx.Rngs(args.seed), dataset.num_classes), precision)
+    policy, _ = jaxamp.split_precision(precision)
+    model = jaxamp.apply_policy(NNXSmallCNN(nnx.Rngs(args.seed), dataset.num_classes), policy)
+    adam = optax.adam(optax.cosine_decay_schedule(args.learning_rate, args.steps))
     optimizer = jaxamp.NNXOptimizer(
         model,
-        optax.adam(optax.cosine_decay_schedule(args.learning_rate, args.steps)),
-        jaxamp.default_loss_scale(jaxamp.get_policy(precision)),
+        jaxamp.optimizer_for_policy(adam, precision, key=args.seed),
+        jaxamp.default_loss_scale(policy),
     )
 
     @nnx.jit
@@ -120,10 +127,20 @@ def train(precision: str, dataset: data_lib.Dataset, args) -> dict:
         "last_loss": float(loss),
         "steps_applied": int(optimizer.step[...]),
         "steps_skipped": int(optimizer.skipped_steps),
-        "adam_count": int(optimizer.opt_state.inner_state[0].count[...]),
+        "adam_count": int(_adam_state(optimizer.opt_state).count[...]),
         "loss_scale": float(optimizer.loss_scale.loss_scale),
         "train_seconds": train_seconds,
     }
+
+
+def _adam_state(opt_state):
+    """Adam's own state inside the loss scaling's (and `low_precision_optimizer`'s) state."""
+    found = [node for node in jax.tree.leaves(opt_state, is_leaf=_is_adam) if _is_adam(node)]
+    return found[0]
+
+
+def _is_adam(node) -> bool:
+    return isinstance(node, optax.ScaleByAdamState)
 
 
 def run(args, out) -> None:

@@ -30,8 +30,8 @@ import optax
 import jaxamp
 from experiments.flags import positive_int
 from experiments.measure import optimizer_parity
-from jaxamp import _optimizer
-from jaxamp._quantized_state import dequantize, quantize
+from jaxamp._optimizer import low_precision
+from jaxamp._optimizer.quantized import dequantize, quantize
 
 
 # --- the MLP regression, and nearest codes against stochastic ones -----------------------
@@ -42,7 +42,7 @@ def nearest_codes():
     def to_nearest(values, state_format, block_size, key, **options):
         return quantize(values, state_format, block_size, None, **options)
 
-    return unittest.mock.patch.object(_optimizer, "quantize", to_nearest)
+    return unittest.mock.patch.object(low_precision, "quantize", to_nearest)
 
 
 def mlp_recipes(learning_rate, steps, seed):

@@ -230,10 +230,11 @@ def follow(
 
 
 def _difference_of_rounded(equation, deciders: Sequence[int], unrounded: Sequence[Any | None]) -> bool:
-    """Whether `equation` subtracts values each rounded by the op that made it (``a * c - b * s`` of
-    float32 ``c``, ``s``): the difference of the unrounded values, rounded once, has no cancellation
-    error; a sum does not cancel, and a residual stream of sums stays in the compute dtype."""
-    return equation.primitive.name == "sub" and all(unrounded[index] is not None for index in deciders)
+    """Whether `equation` subtracts a value rounded by the op that made it (``a * c - b * s`` or
+    ``a * c - b`` of a float32 ``c``): the difference of the unrounded values, rounded once, has no
+    cancellation error; a sum does not cancel, and a residual stream of sums stays in the compute
+    dtype."""
+    return equation.primitive.name == "sub" and any(unrounded[index] is not None for index in deciders)
 
 
 _REDUCTIONS = frozenset(("reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "argmax", "argmin"))

@@ -10,6 +10,8 @@ One module per job:
   transformation, and the readers of its state;
 * `train_state`: `TrainState`, Flax's train state with the loss scale and
   the skip;
+* `half_params`: half params refused where their optimizer would compute
+  its update in half;
 * `guard`: `OverflowGuard`, which stops a run whose loss scale is stuck;
 * why a step was skipped: `nonfinite` (the gradient leaves that were not
   finite) and `overflow` (the first matmul or convolution that overflowed,

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxamp._finite import all_finite
-from jaxamp._optimizer import require_float32_update
+from jaxamp._scaling.half_params import require_float32_update
 from jaxamp._scaling.loss_scale import LossScale, loss_scale_for_model
 from jaxamp._scaling.loss_scaling import loss_scale_of, loss_scaling, require_skip_counting, scaling_state_of
 from jaxamp._scaling.nonfinite import NonFiniteGradients

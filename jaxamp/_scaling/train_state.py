@@ -17,7 +17,7 @@ from flax import struct
 from flax.training import train_state
 
 from jaxamp._finite import all_finite, select_tree
-from jaxamp._optimizer import require_float32_update
+from jaxamp._scaling.half_params import require_float32_update
 from jaxamp._scaling.loss_scale import LossScale, NoOpLossScale, loss_scale_for_model
 from jaxamp._scaling.loss_scaling import LossScalingState, loss_scaling, require_skip_counting
 from jaxamp._scaling.nonfinite import NonFiniteGradients

@@ -21,7 +21,9 @@ a skipped step, which a jitted step keeps). Imported on use:
 Re-exported here from the rest of jaxamp: why a step was skipped
 (`NonFiniteGradients`, `nonfinite_grads_of`, `OverflowRecord`,
 `record_overflow`), where FP8 pays (`fp8_matmul_cost`, `fp8_target`), the
-GPUs jaxamp knows (`GpuSpec`, `GPU_TARGETS`) and `FP8_FALLBACK_REASONS`.
+GPUs jaxamp knows (`GpuSpec`, `GPU_TARGETS`), `FP8_FALLBACK_REASONS`, and the
+warning where `autocast` cannot read a literal as written
+(`LiteralNotRecoveredWarning`).
 
 Examples:
     >>> device = jaxamp.diagnostics.gpu_target_device("h200")
@@ -30,6 +32,7 @@ Examples:
     >>> jaxamp.diagnostics.check_fp8(report)
 """
 
+from jaxamp._autocast.reference import LiteralNotRecoveredWarning
 from jaxamp._gpu_specs import GPU_TARGETS, GpuSpec, gpu_spec, spec_for_device_kind
 from jaxamp._scaling.loss_scaling import nonfinite_grads_of
 from jaxamp._scaling.nonfinite import NonFiniteGradients
@@ -68,6 +71,7 @@ __all__ = [
     "GpuSpec",
     "KernelBound",
     "KernelRoofline",
+    "LiteralNotRecoveredWarning",
     "NonFiniteGradients",
     "OverflowRecord",
     "OverflowSite",

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxamp._policy import PolicySpec, get_policy, parse_dtype, parse_fields
-from jaxamp._quantized_state import QuantizedArray
+from jaxamp._optimizer.quantized import QuantizedArray
 from jaxamp.fsdp._fp8_gather import FP8_GATHER_DTYPES, fp8_gather_eligible, gather_fp8
 
 _OWN_DTYPE = ("param", "params", "none")  # each parameter's own dtype

@@ -51,8 +51,8 @@ from jaxamp._policy import (
     canonical_state_format,
     is_floating_array,
 )
-from jaxamp import _draws as draws
-from jaxamp._quantized_state import MIN_QUANTIZED_SIZE, QuantizedArray, dequantize, quantize
+from jaxamp._optimizer import draws
+from jaxamp._optimizer.quantized import MIN_QUANTIZED_SIZE, QuantizedArray, dequantize, quantize
 
 ROUNDINGS = UPDATE_ROUNDINGS
 
@@ -75,6 +75,10 @@ class LowPrecisionState(NamedTuple):
     inner_state: optax.OptState
     compensation: Any
     key: jax.Array
+
+    # The protocol `jaxamp.TrainState.create` and `jaxamp.NNXOptimizer` read (`jaxamp._scaling.half_params`):
+    # a state that says so computes its update in float32, so it may update float16 or bfloat16 params.
+    computes_update_in_float32 = True
 
 
 def stochastic_round(value: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
@@ -99,7 +103,7 @@ def stochastic_round(value: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     backend flushes float32 arithmetic to zero: there a value computed that
     small is already 0, and one passed in rounds to nearest.
 
-    The uniform draws are `jaxamp._draws`' hash of each element's index,
+    The uniform draws are `jaxamp._optimizer.draws`' hash of each element's index,
     seeded by `key`.
 
     Args:
@@ -663,53 +667,3 @@ def low_precision_optimizer(
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
-
-
-def _holds_low_precision_state(opt_state) -> bool:
-    """Whether `low_precision_optimizer`'s state is anywhere in `opt_state` (inside a chain, MultiSteps,
-    `jaxamp.loss_scaling`)."""
-    is_state = lambda node: isinstance(node, LowPrecisionState)  # noqa: E731
-    return any(map(is_state, jax.tree.leaves(opt_state, is_leaf=is_state)))
-
-
-def require_float32_update(params, opt_state, where: str) -> None:
-    """Refuses float16 or bfloat16 params whose optimizer computes its update in their dtype.
-
-    An optax optimizer computes its update and keeps its state in the params'
-    dtype. In float16 Adam's ``eps=1e-8`` is 0 and a squared gradient below
-    6e-8 is 0, so the first applied step writes NaN params; in bfloat16 an
-    update below half an ulp of its param is lost. `low_precision_optimizer`
-    computes in float32; an optimizer state that holds its state anywhere
-    passes.
-
-    Args:
-        params: the params (a pytree, an ``nnx.State``).
-        opt_state: the optimizer's state for them.
-        where: who checks, to start the message (``"TrainState.create"``).
-
-    Raises:
-        ValueError: a floating param is float16 or bfloat16 and `opt_state`
-            holds no `low_precision_optimizer` state.
-    """
-    half = [
-        (path, _value(leaf).dtype)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]
-        if is_floating_array(_value(leaf)) and _value(leaf).dtype in (jnp.float16, jnp.bfloat16)
-    ]
-    if not half or _holds_low_precision_state(opt_state):
-        return
-    path, dtype = half[0]
-    at = f"the param at {jax.tree_util.keystr(path) or 'the root'} is {dtype.name}"
-    if dtype == jnp.float16:
-        raise ValueError(
-            f"{where}: {at}, and the optimizer would compute its update and keep its state in float16, where "
-            "Adam's eps=1e-8 is 0 and a squared gradient below 6e-8 is 0 (the first applied step writes NaN "
-            "params). Compute it in float32: tx=jaxamp.low_precision_optimizer(tx, param_dtype=jnp.float16, "
-            "state_dtype=jnp.float32), or keep the params in float32 (a mixed policy: 'mixed_float16')."
-        )
-    raise ValueError(
-        f"{where}: {at}, and the optimizer would compute its update and keep its state in bfloat16, where an "
-        "update below half an ulp of its param (0.2% to 0.4% of it) is lost. Compute it in float32: "
-        "tx=jaxamp.low_precision_optimizer(tx) (bfloat16 state, updates rounded stochastically), or keep the "
-        "params in float32 (a mixed policy: 'mixed_bfloat16')."
-    )

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp._optimizer import (
+from jaxamp._optimizer.low_precision import (
     ROUNDINGS,
     _check_block_size,
     _Quantized,

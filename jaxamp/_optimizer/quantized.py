@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxamp import _draws
+from jaxamp._optimizer import draws as index_draws
 
 # As bitsandbytes and torchao do: a leaf smaller than this keeps its float32 state (it costs nothing).
 MIN_QUANTIZED_SIZE = 4096
@@ -158,7 +158,7 @@ def quantize(
             largest magnitudes and once for the codes, instead of writing
             the array in float32 and reading it back.
         draws: uniform draws in [0, 1) of `values`' shape for stochastic
-            rounding, in place of a `key`'s (`jaxamp._draws`).
+            rounding, in place of a `key`'s (`jaxamp._optimizer.draws`).
 
     Returns:
         The codes and scales.
@@ -173,7 +173,7 @@ def quantize(
     ratios = values / _per_element(jnp.where(absmax > 0, absmax, 1.0), values.shape)
     uniform = draws
     if uniform is None and key is not None:
-        uniform = _draws.uniform(_draws.seed_of(key), 0, values.shape)
+        uniform = index_draws.uniform(index_draws.seed_of(key), 0, values.shape)
     encode = _encode_int8 if format == "int8" else _encode_e4m3
     codes = encode(ratios, _per_element(signed, values.shape), uniform)
     return QuantizedArray(codes, jnp.where(signed, -absmax, absmax), format)
