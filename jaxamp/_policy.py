@@ -137,8 +137,7 @@ _NAMED_STATE_POLICIES: dict[str, tuple[str, int | None]] = {
 
 # The names a mistyped one is answered with, grouped; the aliases are left to get_policy's docstring.
 _POLICY_CHOICES = """\
-  half compute:  mixed_float16 (mixed), mixed_bfloat16, mixed_float8
-  Blackwell:     mixed_mxfp8, mixed_nvfp4 (block-scaled matmuls)
+  half compute:  mixed_float16 (mixed), mixed_bfloat16, mixed_float8, mixed_mxfp8, mixed_nvfp4
   one dtype:     float32, float16, bfloat16, half (float16; bfloat16 on TPU)
   bf16 params:   bfloat16_kahan, bfloat16_stochastic, bfloat16_nearest, bfloat16_int8, bfloat16_fp8
   or a spec:     'p=f32,c=f16,o=f32'; help(jaxamp.get_policy) lists every alias and key"""
