@@ -27,6 +27,8 @@ POLICY_NAMES: dict[str, tuple[str, ...]] = {
     "mixed_float16": ("mixed", "mixed_fp16"),
     "mixed_bfloat16": ("mixed_bf16",),
     "mixed_float8": ("mixed_fp8",),
+    "mixed_mxfp8": (),
+    "mixed_nvfp4": (),
     "float32": ("fp32", "f32", "full"),
     "float16": ("fp16", "f16"),
     "bfloat16": ("bf16",),
@@ -49,6 +51,7 @@ FLOAT32_PRECISIONS = {**dict.fromkeys(("float32", *POLICY_NAMES["float32"]), "hi
 
 PRECISION_CHOICES = """\
   half compute:     mixed_float16 (mixed, mixed_fp16), mixed_bfloat16 (mixed_bf16), mixed_float8 (mixed_fp8)
+  Blackwell:        mixed_mxfp8, mixed_nvfp4 (block-scaled matmuls)
   all one dtype:    float32 (fp32, f32, full), float16 (fp16, f16), bfloat16 (bf16), float64 (f64),
                     half (float16; bfloat16 on TPU)
   bfloat16 params:  bfloat16_nearest, bfloat16_stochastic, bfloat16_kahan (each also bf16_...)

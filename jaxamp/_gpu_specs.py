@@ -43,7 +43,8 @@ class GpuSpec:
         shared_memory_per_block_optin: the most one block may opt in to.
         peak_flops: FLOP/s per compute dtype name (``float32``, ``tf32``,
             ``float16``, ``bfloat16``; ``float8_e4m3fn`` and ``float8_e5m2``
-            where the GPU has FP8 tensor cores).
+            where the GPU has FP8 tensor cores, ``float4_e2m1fn`` where it
+            has FP4 ones).
     """
 
     description: str
@@ -62,9 +63,16 @@ class GpuSpec:
         # Frozen all the way down: a spec is shared (GPU_TARGETS), so its rates must not change.
         object.__setattr__(self, "peak_flops", types.MappingProxyType(dict(self.peak_flops)))
 
-    def target_config(self) -> str:
-        """This GPU as a ``GpuTargetConfigProto`` in protobuf text format."""
+    def target_config(self, cudnn_version: tuple[int, int] | None = None) -> str:
+        """This GPU as a ``GpuTargetConfigProto`` in protobuf text format.
+
+        Args:
+            cudnn_version: the cuDNN version the config states, (9, 8) by
+                default; XLA rewrites a block-scaled dot into cuDNN's
+                (``__cudnn$blockScaledDot``) from (9, 10).
+        """
         major, minor = self.compute_capability
+        cudnn_major, cudnn_minor = cudnn_version or _CUDNN_VERSION
         device_info = {
             "threads_per_block_limit": 1024,
             "threads_per_warp": 32,
@@ -89,7 +97,7 @@ class GpuSpec:
             f"gpu_device_info {{\n{fields}\n"
             f"  cuda_compute_capability {{ major: {major} minor: {minor} }}\n}}\n"
             'platform_name: "CUDA"\n'
-            f"dnn_version_info {{ major: {_CUDNN_VERSION[0]} minor: {_CUDNN_VERSION[1]} }}\n"
+            f"dnn_version_info {{ major: {cudnn_major} minor: {cudnn_minor} }}\n"
             f"runtime_version {{ major: {_CUDA_VERSION[0]} minor: {_CUDA_VERSION[1]} }}\n"
             f'device_description_str: "{self.description}"\n'
         )
@@ -160,10 +168,11 @@ GPU_TARGETS: Mapping[str, GpuSpec] = types.MappingProxyType({
         _H100, description="NVIDIA H200", memory_bytes=141 * 10**9, memory_bandwidth=4.8e12
     ),
     # Blackwell, one GPU of an HGX B200 board. NVIDIA's B200 datasheet (the HGX B200
-    # table) gives the 8-GPU board's tensor-core rates with sparsity: FP8 72 PFLOP/s,
-    # FP16/BF16 36 PFLOP/s, TF32 18 PFLOP/s, and FP32 600 TFLOP/s, 1.4 TB of HBM3e at
-    # 64 TB/s. Per GPU and dense (half the sparse rate): FP8 4.5, BF16 2.25, TF32 1.125
-    # PFLOP/s; FP32 75 TFLOP/s; 180 GB at 8 TB/s. Compute capability 10.0 and the
+    # table) gives the 8-GPU board's tensor-core rates with sparsity: FP4 144 PFLOP/s,
+    # FP8/FP6 72 PFLOP/s, FP16/BF16 36 PFLOP/s, TF32 18 PFLOP/s, and FP32 600 TFLOP/s,
+    # 1.4 TB of HBM3e at 64 TB/s. Per GPU and dense (half the sparse rate): FP4 9, FP8
+    # 4.5, BF16 2.25, TF32 1.125 PFLOP/s; FP32 75 TFLOP/s; 180 GB at 8 TB/s. MXFP8
+    # runs at the FP8 rate, NVFP4 at the FP4 rate. Compute capability 10.0 and the
     # per-SM figures from the CUDA C Programming Guide; 148 SMs, the boost clock and
     # the L2 as CUDA's device query reports them for a B200.
     "b200": GpuSpec(
@@ -184,6 +193,7 @@ GPU_TARGETS: Mapping[str, GpuSpec] = types.MappingProxyType({
             "bfloat16": 2250 * _TERA,
             "float8_e4m3fn": 4500 * _TERA,
             "float8_e5m2": 4500 * _TERA,
+            "float4_e2m1fn": 9000 * _TERA,
         },
     ),
 })

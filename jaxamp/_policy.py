@@ -7,7 +7,9 @@ Policies are usually named by a string, so that they fit a command-line flag or
 a config file. `get_policy` accepts short names (``"mixed"``, ``"bf16"``) and
 jmp's grammar (``"params=float32,compute=float16,output=float32"``), with one
 key of jaxamp's own: ``matmul=float8`` runs the eligible matrix
-multiplications in FP8 under `jaxamp.autocast` (``"mixed_float8"``).
+multiplications in FP8 under `jaxamp.autocast` (``"mixed_float8"``), and
+``matmul=mxfp8`` or ``matmul=nvfp4`` in Blackwell's block-scaled formats
+(``"mixed_mxfp8"``, ``"mixed_nvfp4"``).
 
 A name may also say how the optimizer stores params and state
 (``"bfloat16_kahan"``, ``"bfloat16_int8"``, the keys ``update=``, ``state=``,
@@ -60,6 +62,10 @@ _MATMUL_DTYPE_ALIASES: dict[str, Any] = {
     "float8_e4m3fn": jnp.float8_e4m3fn,
 }
 
+# The block-scaled formats a policy names by their own names (jaxamp.fp8.block_scaled_dot_general):
+# MXFP8 (E4M3 values, an E8M0 scale per 32) and NVFP4 (E2M1 values, an E4M3 scale per 16, a tensor scale).
+BLOCK_SCALED_FORMATS = ("mxfp8", "nvfp4")
+
 # Named policies: (params, compute, output).
 _NAMED_POLICIES: dict[str, tuple[Any, Any, Any]] = {
     "float32": (_F32, _F32, _F32),
@@ -77,9 +83,11 @@ _NAMED_POLICIES: dict[str, tuple[Any, Any, Any]] = {
 }
 
 # Named policies whose eligible matmuls run in FP8: (params, compute, output).
-_NAMED_FP8_POLICIES: dict[str, tuple[Any, Any, Any]] = {
-    "mixed_float8": (_F32, _BF16, _F32),
-    "mixed_fp8": (_F32, _BF16, _F32),
+_NAMED_FP8_POLICIES: dict[str, tuple[Any, Any, Any, Any]] = {
+    "mixed_float8": (_F32, _BF16, _F32, jnp.float8_e4m3fn),
+    "mixed_fp8": (_F32, _BF16, _F32, jnp.float8_e4m3fn),
+    "mixed_mxfp8": (_F32, _BF16, _F32, "mxfp8"),
+    "mixed_nvfp4": (_F32, _BF16, _F32, "nvfp4"),
 }
 
 # How an update lands on the params (`jaxamp.low_precision_optimizer`): named
@@ -129,7 +137,7 @@ _NAMED_STATE_POLICIES: dict[str, tuple[str, int | None]] = {
 
 # The names a mistyped one is answered with, grouped; the aliases are left to get_policy's docstring.
 _POLICY_CHOICES = """\
-  half compute:  mixed_float16 (mixed), mixed_bfloat16, mixed_float8
+  half compute:  mixed_float16 (mixed), mixed_bfloat16, mixed_float8, mixed_mxfp8, mixed_nvfp4
   one dtype:     float32, float16, bfloat16, half (float16; bfloat16 on TPU)
   bf16 params:   bfloat16_kahan, bfloat16_stochastic, bfloat16_nearest, bfloat16_int8, bfloat16_fp8
   or a spec:     'p=f32,c=f16,o=f32'; help(jaxamp.get_policy) lists every alias and key"""
@@ -155,7 +163,8 @@ _GRAMMAR_KEYS = {
 # The grammar's keys that take one of a few words: field -> (what it is, the words, what they do, the default).
 _GRAMMAR_CHOICES = {
     "matmul_dtype": (
-        "matmul dtype", tuple(_MATMUL_DTYPE_ALIASES), "FP8 matmuls under jaxamp.autocast",
+        "matmul dtype", (*_MATMUL_DTYPE_ALIASES, *BLOCK_SCALED_FORMATS),
+        "FP8 matmuls under jaxamp.autocast: per-tensor FP8, or the block-scaled mxfp8 and nvfp4",
         "matmuls in the compute dtype",
     ),
     "update_rounding": (
@@ -210,13 +219,15 @@ def parse_dtype(value: Any, what: str) -> np.dtype:
     )
 
 
-def _canonical_matmul_dtype(dtype: Any) -> np.dtype | None:
-    """None (matmuls in the compute dtype) or float8_e4m3fn (FP8 matmuls)."""
+def _canonical_matmul_dtype(dtype: Any) -> np.dtype | str | None:
+    """None (matmuls in the compute dtype), float8_e4m3fn (FP8 matmuls), or a block-scaled format's name."""
     if dtype is None:
         return None
     key = dtype.strip().lower() if isinstance(dtype, str) else None
     if key is not None and key in _MATMUL_DTYPE_ALIASES:
         return jnp.dtype(_MATMUL_DTYPE_ALIASES[key])
+    if key is not None and key in BLOCK_SCALED_FORMATS:
+        return key
     if key is None:
         try:
             canonical = jnp.dtype(dtype)
@@ -225,8 +236,9 @@ def _canonical_matmul_dtype(dtype: Any) -> np.dtype | None:
         if canonical == jnp.dtype(jnp.float8_e4m3fn):
             return canonical
     raise ValueError(
-        f"Policy matmul_dtype must be None (matmuls in the compute dtype) or FP8 "
-        f"({', '.join(_MATMUL_DTYPE_ALIASES)}, or jnp.float8_e4m3fn); got {dtype!r}. "
+        f"Policy matmul_dtype must be None (matmuls in the compute dtype), FP8 "
+        f"({', '.join(_MATMUL_DTYPE_ALIASES)}, or jnp.float8_e4m3fn), or a block-scaled format "
+        f"({', '.join(BLOCK_SCALED_FORMATS)}, for Blackwell GPUs); got {dtype!r}. "
         "FP8 matmuls take float8_e4m3fn operands forward and a float8_e5m2 cotangent "
         "backward; the policy names them by the forward dtype."
     )
@@ -365,8 +377,10 @@ class Policy:
 
     A fourth, optional field, `matmul_dtype`, asks `jaxamp.autocast` to run
     the eligible matrix multiplications in FP8 (``get_policy("mixed_float8")``,
-    see `jaxamp.fp8_dot_general`); every other operation follows the three
-    dtypes as usual.
+    see `jaxamp.fp8_dot_general`) or in a block-scaled format
+    (``"mixed_mxfp8"``, ``"mixed_nvfp4"``, see
+    `jaxamp.fp8.block_scaled_dot_general`); every other operation follows
+    the three dtypes as usual.
 
     Examples:
         >>> policy = Policy(jnp.float32, jnp.float16, jnp.float32)
@@ -383,7 +397,10 @@ class Policy:
             ``float8_e4m3fn``: under `jaxamp.autocast`, every eligible
             ``dot_general`` runs as `jaxamp.fp8_dot_general` (operands
             float8_e4m3fn, cotangent float8_e5m2, result in ``compute_dtype``).
-            Accepts the strings ``float8``, ``fp8``, ``f8``.
+            Accepts the strings ``float8``, ``fp8``, ``f8``. Or the name
+            of a block-scaled format, ``mxfp8`` or ``nvfp4``: every eligible
+            ``dot_general`` runs as `jaxamp.fp8.block_scaled_dot_general`
+            in that format.
         update_rounding: deprecated: the optimizer's storage is a
             `jaxamp.OptimizerStorage` (read from a name by
             `jaxamp.split_precision`), not part of a policy. None, or
@@ -398,7 +415,7 @@ class Policy:
     param_dtype: np.dtype
     compute_dtype: np.dtype
     output_dtype: np.dtype
-    matmul_dtype: np.dtype | None = None
+    matmul_dtype: np.dtype | str | None = None
     update_rounding: str | None = None
     state_format: str | None = None
     state_block_size: int | None = DEFAULT_BLOCK_SIZE
@@ -430,8 +447,15 @@ class Policy:
 
     @property
     def fp8_matmuls(self) -> bool:
-        """Whether `jaxamp.autocast` runs the eligible matmuls in FP8."""
+        """Whether `jaxamp.autocast` runs the eligible matmuls in FP8 (per-tensor or block-scaled)."""
         return self.matmul_dtype is not None
+
+    @property
+    def matmul_format(self) -> str | None:
+        """``float8`` (per-tensor FP8), ``mxfp8``, ``nvfp4``, or None (matmuls in the compute dtype)."""
+        if self.matmul_dtype is None:
+            return None
+        return self.matmul_dtype if isinstance(self.matmul_dtype, str) else "float8"
 
     def cast_to_param(self, tree: T) -> T:
         """Casts the floating-point array leaves of `tree` to `param_dtype`."""
@@ -463,7 +487,7 @@ class Policy:
             f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
             f"output={self.output_dtype.name}"
         )
-        text += ",matmul=float8" if self.fp8_matmuls else ""
+        text += f",matmul={self.matmul_format}" if self.fp8_matmuls else ""
         text += f",update={self.update_rounding}" if self.update_rounding else ""
         if self.state_format is not None:
             text += f",state={self.state_format}"
@@ -535,7 +559,10 @@ def get_policy(spec: PolicySpec) -> Policy:
               float32); ``float16``/``fp16`` and ``bfloat16``/``bf16`` (all
               three in that dtype); ``mixed_float8``/``mixed_fp8`` (as
               ``mixed_bfloat16``, plus the eligible matmuls in FP8 under
-              `jaxamp.autocast`); ``bfloat16_nearest``/``bf16_nearest``,
+              `jaxamp.autocast`); ``mixed_mxfp8`` and ``mixed_nvfp4`` (as
+              ``mixed_bfloat16``, plus the eligible matmuls in MXFP8 or
+              NVFP4, Blackwell's block-scaled formats);
+              ``bfloat16_nearest``/``bf16_nearest``,
               ``bfloat16_stochastic``/``bf16_stochastic`` and
               ``bfloat16_kahan``/``bf16_kahan`` (all three dtypes bfloat16,
               params and optimizer state too, updates landed by that rounding
@@ -552,7 +579,8 @@ def get_policy(spec: PolicySpec) -> Policy:
               ``float16``, ``bf16``/``bfloat16`` and ``half`` (bfloat16 on TPU,
               float16 elsewhere). Missing keys take jmp's defaults. One key
               jmp does not have: ``m``/``matmul`` with ``float8``/``fp8``/
-              ``f8`` (FP8 matmuls; e.g. ``p=f32,c=bf16,o=f32,matmul=float8``);
+              ``f8`` (FP8 matmuls; e.g. ``p=f32,c=bf16,o=f32,matmul=float8``),
+              ``mxfp8`` or ``nvfp4`` (block-scaled matmuls);
               and ``u``/``update`` with ``nearest``/``stochastic``/``kahan``
               (the update rounding; e.g. ``p=bf16,update=kahan``), with
               ``s``/``state`` ``int8``/``float8`` (8-bit optimizer state)
@@ -582,7 +610,7 @@ def get_policy(spec: PolicySpec) -> Policy:
     if normalized in _NAMED_POLICIES:
         return Policy(*_NAMED_POLICIES[normalized])
     if normalized in _NAMED_FP8_POLICIES:
-        return Policy(*_NAMED_FP8_POLICIES[normalized], matmul_dtype=jnp.float8_e4m3fn)
+        return Policy(*_NAMED_FP8_POLICIES[normalized])
     if normalized in _NAMED_UPDATE_POLICIES:
         return Policy(_BF16, _BF16, _BF16, update_rounding=_NAMED_UPDATE_POLICIES[normalized])
     if normalized in _NAMED_STATE_POLICIES:

@@ -1,8 +1,9 @@
 """`precision_report`: the dtypes of a function's matmuls and convolutions, traced or compiled.
 
 Traced (the default), the function is traced to a jaxpr and its
-``dot_general`` and ``conv_general_dilated`` equations are counted, nested
-jaxprs included (`_walk` says how loops and branches count). Compiled, the
+``dot_general``, ``conv_general_dilated`` and block-scaled
+(``scaled_matmul_wrapper``, `jax.nn.scaled_matmul`) equations are counted,
+nested jaxprs included (`_walk` says how loops and branches count). Compiled, the
 program is compiled and its optimized HLO read by
 `jaxamp.diagnostics._compiled_report`, imported on use. Both give a
 `jaxamp._report.PrecisionReport`.
@@ -17,15 +18,20 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxamp._autocast.primitives import primitives_without_rule, subjaxprs
 from jaxamp._autocast.table import rules_table
 from jaxamp._report import OpRecord, PrecisionReport
 
-_HEAVY_PRIMITIVES = ("dot_general", "conv_general_dilated")
+# jax.nn.scaled_matmul's primitive: (values [B, M, K], values [B, N, K], scales, scales) -> [B, M, N].
+_BLOCK_SCALED = "scaled_matmul_wrapper"
+_HEAVY_PRIMITIVES = ("dot_general", "conv_general_dilated", _BLOCK_SCALED)
 
 
 def _flops(primitive: str, lhs, rhs, out, params: dict[str, Any]) -> int:
+    if primitive == _BLOCK_SCALED:
+        return 2 * math.prod(out.shape) * lhs.shape[-1]
     if primitive == "dot_general":
         (lhs_contracting, _), _ = params["dimension_numbers"]
         contracted = math.prod(lhs.shape[axis] for axis in lhs_contracting)
@@ -45,7 +51,9 @@ def _walk(jaxpr, records: list[OpRecord], repeats: int = 1) -> None:
 
     ```text
     scan:   body records, FLOPs times `length` (times enclosing repeats)
-    cond:   the records of the branch with the most FLOPs (ties: the first)
+    cond:   the records of the branch with the most FLOPs (ties: the one
+            with the narrowest operands, as a block-scaled GEMM's CUDA
+            branch beside its float32 emulation; then the first)
     other:  every nested jaxpr once (while_loop bodies, jit, remat, ...)
     ```
     """
@@ -67,13 +75,24 @@ def _walk(jaxpr, records: list[OpRecord], repeats: int = 1) -> None:
             for branch in subjaxprs(equation.params):
                 branch_records.append([])
                 _walk(branch, branch_records[-1], repeats)
-            records.extend(max(branch_records, key=lambda ops: sum(op.flops for op in ops)))
+            records.extend(max(branch_records, key=_branch_weight))
             continue
         # A scan body runs `length` times; a while loop's trip count is unknown
         # at trace time, so its body counts once.
         body_repeats = repeats * equation.params.get("length", 1) if name == "scan" else repeats
         for subjaxpr in subjaxprs(equation.params):
             _walk(subjaxpr, records, body_repeats)
+
+
+def _bits(dtype: str) -> int:
+    return jax.numpy.finfo(dtype).bits if jax.numpy.issubdtype(dtype, jax.numpy.floating) else 8 * np.dtype(dtype).itemsize
+
+
+def _branch_weight(ops: list[OpRecord]) -> tuple[int, float]:
+    """A branch's FLOPs, then how narrow its operands are (fewer bits per FLOP weighs more)."""
+    flops = sum(op.flops for op in ops)
+    bits = sum(op.flops * _bits(op.compute_dtype) for op in ops if op.flops)
+    return flops, -(bits / flops if flops else 0.0)
 
 
 def precision_report(

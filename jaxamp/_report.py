@@ -89,8 +89,8 @@ class OpRecord:
 
     @property
     def is_fp8(self) -> bool:
-        """Whether both operands are FP8: the op runs on FP8 tensor cores."""
-        return all(dtype.startswith("float8_") for dtype in self.operand_dtypes)
+        """Whether both operands are FP8 (or FP4, NVFP4's values): the op runs on low-precision tensor cores."""
+        return all(dtype.startswith(("float8_", "float4_")) for dtype in self.operand_dtypes)
 
     @property
     def direction(self) -> str:

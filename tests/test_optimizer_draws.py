@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp._optimizer import draws
+from jaxamp import _draws as draws
 
 
 def test_the_draws_are_uniform_and_independent_between_streams_and_neighbours():

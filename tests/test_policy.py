@@ -476,7 +476,7 @@ _ALIASES = "bf16, bfloat16, f16, f32, f64, float16, float32, float64, fp16, fp32
 _GRAMMAR_EXAMPLE = "'params=float32,compute=float16,output=float32'"
 _UNKNOWN_NAME = (
     "unknown precision policy {spec!r}. Did you mean mixed? Choose one of:\n"
-    "  half compute:  mixed_float16 (mixed), mixed_bfloat16, mixed_float8\n"
+    "  half compute:  mixed_float16 (mixed), mixed_bfloat16, mixed_float8, mixed_mxfp8, mixed_nvfp4\n"
     "  one dtype:     float32, float16, bfloat16, half (float16; bfloat16 on TPU)\n"
     "  bf16 params:   bfloat16_kahan, bfloat16_stochastic, bfloat16_nearest, bfloat16_int8, bfloat16_fp8\n"
     "  or a spec:     'p=f32,c=f16,o=f32'; help(jaxamp.get_policy) lists every alias and key"

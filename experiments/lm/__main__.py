@@ -209,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
         "once more: see docs/guides/why-was-my-step-skipped.md)",
     )
     parser.add_argument(
+        "--block-recipe",
+        default=_DEFAULTS.block_recipe,
+        choices=list(config_lib.BLOCK_RECIPES),
+        help="mixed_nvfp4's recipe: full, or without one of its tools (the Hadamard transform, stochastic "
+        "rounding of gradients, 16x16 weight blocks), for ablations (jaxamp.fp8.block_recipe)",
+    )
+    parser.add_argument(
         "--no-progress", action="store_true", help="no progress bar (never drawn off a terminal)"
     )
     add_process_flags(parser)
@@ -251,6 +258,7 @@ def configs_from_args(args: argparse.Namespace) -> list[config_lib.LMConfig]:
         reduce_dtype=args.reduce_dtype,
         progress=not args.no_progress,
         record_overflow=args.record_overflow,
+        block_recipe=args.block_recipe,
     )
     return [
         dataclasses.replace(base, precision=precision, route=route, seed=seed)

@@ -23,6 +23,14 @@ ROUTES = ("apply_policy", "autocast")
 SHARDING = ("fsdp", "replicated")
 ATTENTION_CHOICES = ("auto", "cudnn", "xla", "einsum")
 
+# NVFP4's recipe (mixed_nvfp4) in full, or without one of its tools: jaxamp.fp8.block_recipe's options.
+BLOCK_RECIPES: dict[str, dict[str, bool]] = {
+    "full": {},
+    "no-hadamard": {"hadamard": False},
+    "nearest-gradients": {"stochastic_gradients": False},
+    "1d-weights": {"two_d_weights": False},
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTSize:
@@ -75,6 +83,7 @@ class LMConfig:
     reduce_dtype: str | None = None
     progress: bool = True
     record_overflow: bool = False  # keep the last skipped step's OverflowRecord in the state
+    block_recipe: str = "full"  # mixed_nvfp4's recipe: a key of BLOCK_RECIPES
 
     @property
     def communicates_explicitly(self) -> bool:
@@ -121,6 +130,8 @@ def validate(config: LMConfig) -> None:
         fail("--route", config.route, f"one of {', '.join(ROUTES)}")
     if config.attention not in ATTENTION_CHOICES:
         fail("--attention", config.attention, f"one of {', '.join(ATTENTION_CHOICES)}")
+    if config.block_recipe not in BLOCK_RECIPES:
+        fail("--block-recipe", config.block_recipe, f"one of {', '.join(BLOCK_RECIPES)}")
     try:
         data_lib.parse_source(config.data)
     except ValueError as error:

@@ -52,6 +52,14 @@ FP8_WHERE = ("pays", "everywhere")  # experiments.benchmark.targets.FP8_WHERE, w
 GPT2_VOCAB = 50304  # GPT-2's 50257 tokens padded to a multiple of 64, as nanoGPT does
 
 
+def cudnn_version(text: str) -> tuple[int, int]:
+    """``--cudnn 9.10`` as (9, 10)."""
+    major, dot, minor = text.partition(".")
+    if not (dot and major.isdigit() and minor.isdigit()):
+        raise argparse.ArgumentTypeError(f"--cudnn {text!r}: expected MAJOR.MINOR, e.g. 9.10")
+    return int(major), int(minor)
+
+
 def gpt_size(name: str, d_model: int | None = None, layers: int | None = None) -> GPTSize:
     """A named size of `SIZES`, its width and depth changed where given.
 
@@ -82,6 +90,7 @@ def compile_for(
     vocab_size: int,
     size: GPTSize | None = None,
     fp8_where: str = "pays",
+    cudnn_version: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Compiles one train step for `target` and describes what it would run.
 
@@ -90,8 +99,10 @@ def compile_for(
         config: the run's settings (its model names the size).
         vocab_size: the vocabulary.
         size: the model's shape, if not ``config.model``'s own (`gpt_size`).
-        fp8_where: under ``mixed_float8``, ``pays`` (FP8 where it pays on the
-            target, the default) or ``everywhere``.
+        fp8_where: under ``mixed_float8`` (and the block-scaled ``mixed_mxfp8``
+            and ``mixed_nvfp4``), ``pays`` (FP8 where it pays on the target,
+            the default) or ``everywhere``.
+        cudnn_version: the cuDNN version the target states (`jaxamp.diagnostics.gpu_target_device`).
     """
     import jax  # pylint: disable=import-outside-toplevel  # on use: see the imports above
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -104,7 +115,7 @@ def compile_for(
     from experiments.train import resolve_precision  # pylint: disable=import-outside-toplevel
 
     spec = jaxamp.diagnostics.gpu_spec(target)
-    device = jaxamp.diagnostics.gpu_target_device(spec)
+    device = jaxamp.diagnostics.gpu_target_device(spec, cudnn_version=cudnn_version)
     precision = resolve_precision(config.precision)
     size = size or model_lib.SIZES[config.model]
     context = config.context or size.context
@@ -114,7 +125,8 @@ def compile_for(
     model, attention = train.create_model(config, precision, vocab_size, "gpu")
     if size != model_lib.SIZES[config.model]:
         plain = model_lib.GPT(vocab_size=vocab_size, size=size, attention=attention)
-        model = jaxamp.apply_policy(plain, precision.policy) if config.route == "apply_policy" else plain
+        overrides = train.high_precision_layers(precision.policy)
+        model = jaxamp.apply_policy(plain, precision.policy, overrides=overrides) if config.route == "apply_policy" else plain
     tx = train.create_optimizer(config)
     state = jax.eval_shape(lambda: train.create_train_state(config, precision, model, context, tx))
     windows = jax.ShapeDtypeStruct((config.batch_size, context + 1), jnp.int32)
@@ -139,6 +151,7 @@ def compile_for(
     return {
         "target": target,
         "device_kind": device.device_kind,
+        "cudnn_version": ".".join(str(part) for part in cudnn_version) if cudnn_version else None,
         "model": size_label(config.model, size),
         "d_model": size.d_model,
         "num_layers": size.num_layers,
@@ -160,6 +173,7 @@ def compile_for(
         "fp8_share_backward": report.fp8_fraction("backward"),
         "fp8_rows": [dataclasses.asdict(row) for row in report.fp8_rows()],
         "cudnn_attention_calls": text.count("__cudnn$fmha"),
+        "block_scaled_dot_calls": text.count('custom_call_target="__cudnn$blockScaledDot"'),
         "flops_per_step": total_flops,
         "analytic_flops_per_step": tokens * model_lib.model_flops_per_token(size, vocab_size, context),
         "bytes_accessed_per_step": bytes_accessed,
@@ -176,17 +190,22 @@ def compile_for(
 
 
 def compile_with_attention_fallback(
-    target: str, config: LMConfig, vocab_size: int, size: GPTSize | None = None, fp8_where: str = "pays"
+    target: str,
+    config: LMConfig,
+    vocab_size: int,
+    size: GPTSize | None = None,
+    fp8_where: str = "pays",
+    cudnn_version: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """`compile_for`, with the einsum attention where cuDNN's cannot compile here (libcudnn not
     importable); the entry then says so (``attention_note``)."""
     try:
-        return compile_for(target, config, vocab_size, size, fp8_where)
+        return compile_for(target, config, vocab_size, size, fp8_where, cudnn_version)
     except RuntimeError as error:
         if "cuDNN" not in str(error):
             raise
         entry = compile_for(
-            target, dataclasses.replace(config, attention="einsum"), vocab_size, size, fp8_where
+            target, dataclasses.replace(config, attention="einsum"), vocab_size, size, fp8_where, cudnn_version
         )
         return {**entry, "attention_note": f"cudnn attention not compilable without cuDNN ({error})"}
 
@@ -196,7 +215,8 @@ def kernel_class(kernel) -> str:
     jaxamp's ``jaxamp_fp8`` scope outside a fallback: amaxes, scales, casts to
     FP8, transposes of FP8 values) or ``other``."""
     if kernel.flops:
-        return "FP8 GEMMs" if any(key.startswith("float8_") for key in kernel.flops) else "other GEMMs"
+        low_precision = any(key.startswith(("float8_", "float4_")) for key in kernel.flops)
+        return "FP8 GEMMs" if low_precision else "other GEMMs"
     if "jaxamp_fp8" in kernel.op_name and "jaxamp_fp8_fallback" not in kernel.op_name:
         return "FP8 quantization"
     return "other"
@@ -359,6 +379,13 @@ def main(argv: list[str] | None = None, *, entry_point: bool = False) -> int:
         default="pays",
         help="comma-separated, for mixed_float8: pays (FP8 only where it pays on the target) and/or everywhere",
     )
+    parser.add_argument(
+        "--cudnn",
+        type=cudnn_version,
+        default=None,
+        help="the cuDNN version the target states, e.g. 9.10 (from which XLA compiles mixed_mxfp8's and "
+        "mixed_nvfp4's block-scaled dots to cuDNN's on a B200); default: jaxamp's, 9.8",
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     parser.add_argument("--vocab-size", type=int, default=GPT2_VOCAB, help="vocabulary size (GPT-2's)")
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated precisions")
@@ -432,7 +459,9 @@ def compile_each(
             config = LMConfig(model=args.model, precision=precision, route=route, batch_size=args.batch_size)
             for where in args.fp8_where.split(",") if policy.fp8_matmuls else ["pays"]:
                 try:
-                    entry = compile_with_attention_fallback(args.target, config, args.vocab_size, size, where)
+                    entry = compile_with_attention_fallback(
+                        args.target, config, args.vocab_size, size, where, args.cudnn
+                    )
                 except Exception as error:  # noqa: BLE001 (a compile failure is a finding to record, not a crash)
                     entry = {
                         "model": size_label(args.model, size),

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,7 +41,7 @@ from experiments.distributed import host_value
 from experiments.lm import data as data_lib
 from experiments.lm import figures
 from experiments.lm import model as model_lib
-from experiments.lm.config import LMConfig, communication_policy, validate
+from experiments.lm.config import BLOCK_RECIPES, LMConfig, communication_policy, validate
 from experiments.lm.sharding import Sharding
 from experiments.progress import Progress
 from experiments.results import skipped_steps_line, state_checksum, state_finite
@@ -48,14 +49,23 @@ from experiments.train import Precision, resolve_loss_scale, resolve_precision
 
 
 def create_model(config: LMConfig, precision: Precision, vocab_size: int, platform: str):
-    """The model (policy-wrapped on the ``apply_policy`` route) and its attention choice."""
+    """The model (policy-wrapped on the ``apply_policy`` route) and its attention choice.
+
+    Under ``mixed_nvfp4`` the output head (the token embedding's ``attend``)
+    runs in bfloat16, as NVIDIA's NVFP4 recipe keeps it (`high_precision_layers`).
+    """
     size = model_lib.SIZES[config.model]
     policy = precision.policy
     attention = model_lib.choose_attention(config.attention, platform, policy.compute_dtype, size.head_dim)
     model = model_lib.create_model(config.model, vocab_size, attention)
     if config.route == "apply_policy":
-        model = jaxamp.apply_policy(model, precision.policy)
+        model = jaxamp.apply_policy(model, precision.policy, overrides=high_precision_layers(precision.policy))
     return model, attention
+
+
+def high_precision_layers(policy: jaxamp.Policy) -> dict:
+    """The layers a policy's recipe keeps in bfloat16: NVFP4's output head, none otherwise."""
+    return {nn.Embed: "mixed_bf16"} if policy.matmul_format == "nvfp4" else {}
 
 
 def create_optimizer(config: LMConfig) -> optax.GradientTransformation:
@@ -219,7 +229,7 @@ def compile_steps(config, precision, model, sharding: Sharding, context: int) ->
         state_sharding,
     )
     times = {}
-    with precision.context():
+    with precision.context(), jaxamp.fp8.block_recipe(**BLOCK_RECIPES[config.block_recipe]):
         start = time.perf_counter()
         init = jax.jit(initial_state, out_shardings=state_sharding).lower().compile()
         times["init"] = time.perf_counter() - start

@@ -40,4 +40,6 @@ MEASUREMENTS = (
     "fp8_gather_parity",
     "lm_traffic",
     "mxfp8_b200",
+    "blackwell_gemms",
+    "blackwell_parity",
 )

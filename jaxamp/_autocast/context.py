@@ -22,7 +22,8 @@ Rule = Callable[["Rewrite", Any, Sequence[Any]], list]
 """A dtype rule: ``rule(rewrite, equation, invals) -> outvals``."""
 
 RulesFor = Callable[[np.dtype, bool], Mapping[Primitive, Rule]]
-"""``rules_for(compute_dtype, fp8_matmuls)``: the rules table of a policy scope."""
+"""``rules_for(compute_dtype, fp8_matmuls)``: the rules table of a policy scope (`fp8_matmuls`: the
+matmul format, ``float8``, ``mxfp8`` or ``nvfp4``, or a false value)."""
 
 
 def is_floating(dtype: Any) -> bool:
@@ -82,7 +83,8 @@ class Rewrite:
         rules_for: builds the rules of a policy scope
             (`jaxamp._autocast.scope.policy_scope`); None where no scope
             can change the policy (the rewrites of a custom derivative).
-        fp8_matmuls: whether `rules` run the eligible matmuls in FP8.
+        fp8_matmuls: the format `rules` run the eligible matmuls in
+            (``float8``, ``mxfp8``, ``nvfp4``), or False.
         literals: ``(id(equation), position) -> value``: the literals the
             half trace rounded, as the program wrote them
             (`jaxamp._autocast.reference`).
@@ -99,7 +101,7 @@ class Rewrite:
     as_traced: Rule
     memo: dict = dataclasses.field(default_factory=dict)
     rules_for: RulesFor | None = None
-    fp8_matmuls: bool = False
+    fp8_matmuls: str | bool | None = False
     literals: Mapping[tuple[int, int], np.ndarray] = dataclasses.field(default_factory=dict)
     traced_dtype: np.dtype | None = None
     written_casts: frozenset | None = None
@@ -131,7 +133,7 @@ class Rewrite:
         island = scope.compute_dtype == np.float32 and scope.exit_dtype == np.float32
         return self.under(scope.compute_dtype, fp8_matmuls=scope.fp8_matmuls, island=island)
 
-    def under(self, compute_dtype: np.dtype, *, fp8_matmuls: bool, island: bool = False) -> Rewrite:
+    def under(self, compute_dtype: np.dtype, *, fp8_matmuls: str | bool | None, island: bool = False) -> Rewrite:
         """This rewrite with another compute dtype and FP8 setting (this one where no scope can change
         it); `island`: a float32 island, whose values leave it in float32."""
         key = (np.dtype(compute_dtype), fp8_matmuls, island)

@@ -21,6 +21,17 @@ that its FP8 training pass, quantization included, is faster on paper than
 the compute dtype's; it is then traced under ``jaxamp_fp8_pays`` too, and
 otherwise falls back with the reason ``too_small_to_pay``. Without a target
 (a CPU, or ``fp8_target("everywhere")``) every eligible matmul runs in FP8.
+
+The block-scaled formats (``"mixed_mxfp8"``, ``"mixed_nvfp4"``) are the
+same rules with another kernel: an eligible ``dot_general`` becomes
+`jaxamp.fp8.block_scaled_dot_general` in the policy's format, eligible
+where its M, N and K are multiples of the format's block size (32 for
+MXFP8: ``shape_not_multiple_of_32``; 16 for NVFP4), and FP8 pays by
+`jaxamp.diagnostics.fp8_matmul_cost` of that format. Batched matmuls
+(attention) stay in the compute dtype as under FP8, as do convolutions
+(``block_scaled_conv``: XLA has no block-scaled convolution). A target GPU
+without block-scaled tensor cores (before Blackwell) keeps every matmul of
+such a policy in the compute dtype (``needs_blackwell``).
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import numpy as np
 
 from jaxamp._autocast.context import Rewrite, Rule
 from jaxamp._autocast.rules import bind, compute_rule, is_floating, traced_dtypes
+from jaxamp.fp8._block_scaled import block_scaled_dot_general
 from jaxamp.fp8._matmul import (
     FP8_FALLBACK_REASONS,
     FP8_FALLBACK_SCOPE_PREFIX,
@@ -41,9 +53,11 @@ from jaxamp.fp8._matmul import (
     fp8_convolution,
     fp8_dot_general,
 )
-from jaxamp.fp8._payoff import current_fp8_target, fp8_matmul_cost
+from jaxamp.fp8._payoff import current_fp8_target, fp8_matmul_cost, runs_block_scaled
+from jaxamp.fp8._recipe import current_block_recipe
 
-_MULTIPLE = 16
+# The size M, N and K must be a multiple of, by matmul format: cuBLASLt's FP8 granularity, the block sizes.
+_MULTIPLE = {"float8": 16, "mxfp8": 32, "nvfp4": 16}
 
 
 def _product(shape: Sequence[int], dims: Sequence[int]) -> int:
@@ -59,19 +73,23 @@ def _matmul_sizes(equation) -> tuple[int, int, int]:
     return _product(lhs_shape, lhs_free), _product(rhs_shape, rhs_free), _product(lhs_shape, lhs_contract)
 
 
-def dot_fallback_reason(equation) -> str | None:
-    """Why `equation` (a ``dot_general``) cannot run as an FP8 dot, or None if it can."""
+def dot_fallback_reason(equation, matmul_format: str = "float8") -> str | None:
+    """Why `equation` (a ``dot_general``) cannot run as a dot of `matmul_format`, or None if it can."""
     if not all(is_floating(dtype) for dtype in traced_dtypes(equation.invars)):
         return "integer_operands"
     (_, (lhs_batch, _)) = equation.params["dimension_numbers"]
     if lhs_batch:
         return "batch_dims"
-    if any(size % _MULTIPLE for size in _matmul_sizes(equation)):
-        return "shape_not_multiple_of_16"
+    multiple = _MULTIPLE[matmul_format]
+    if any(size % multiple for size in _matmul_sizes(equation)):
+        return f"shape_not_multiple_of_{multiple}"
+    target = current_fp8_target()
+    if matmul_format != "float8" and target is not None and not runs_block_scaled(target):
+        return "needs_blackwell"
     return None
 
 
-def fp8_payoff(equation, invals: Sequence[Any], compute_dtype) -> bool | None:
+def fp8_payoff(equation, invals: Sequence[Any], compute_dtype, matmul_format: str = "float8") -> bool | None:
     """Whether FP8 pays for an eligible `equation` on the current target; None without a target.
 
     The target is `jaxamp.diagnostics.fp8_target`'s or the device's
@@ -85,17 +103,23 @@ def fp8_payoff(equation, invals: Sequence[Any], compute_dtype) -> bool | None:
     m, n, k = _matmul_sizes(equation)
     operand_bytes = [np.dtype(value.dtype).itemsize for value in invals]
     cost = fp8_matmul_cost(
-        m, k, n, target, operand_bytes=operand_bytes, compute_dtype=np.dtype(compute_dtype).name
+        m,
+        k,
+        n,
+        target,
+        operand_bytes=operand_bytes,
+        compute_dtype=np.dtype(compute_dtype).name,
+        matmul_format=matmul_format,
     )
     return cost.pays
 
 
-def fp8_decision_key() -> str:
-    """What decides FP8 by shape now (the target's name, or "everywhere"): part of the
-    rewrite cache's key of an FP8 policy, so that a function traced under one target is
-    not reused under another."""
+def fp8_decision_key() -> tuple:
+    """What decides the FP8 rules now (the target's name, or "everywhere"; the NVFP4 recipe):
+    part of the rewrite cache's key of an FP8 policy, so that a function traced under one
+    target or recipe is not reused under another."""
     target = current_fp8_target()
-    return "everywhere" if target is None else target.description
+    return ("everywhere" if target is None else target.description, current_block_recipe())
 
 
 def conv_fallback_reason(equation) -> str | None:
@@ -110,14 +134,16 @@ def conv_fallback_reason(equation) -> str | None:
     numbers = params["dimension_numbers"]
     lhs_shape, rhs_shape = (atom.aval.shape for atom in equation.invars)
     features = (lhs_shape[numbers.lhs_spec[1]], rhs_shape[numbers.rhs_spec[0]])
-    if any(size % _MULTIPLE for size in features):
+    if any(size % _MULTIPLE["float8"] for size in features):
         return "shape_not_multiple_of_16"
     return None
 
 
-def fp8_conv_rule(observer: Callable | None = None) -> Rule:
+def fp8_conv_rule(observer: Callable | None = None, matmul_format: str = "float8") -> Rule:
     """The ``conv_general_dilated`` rule: forward FP8 when eligible (backward bfloat16), else
-    the compute dtype under a fallback scope."""
+    the compute dtype under a fallback scope (always, under a block-scaled format)."""
+    if matmul_format != "float8":
+        return _in_fallback_scope("block_scaled_conv", compute_rule)
 
     def rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
         reason = conv_fallback_reason(equation)
@@ -147,24 +173,29 @@ def _in_fallback_scope(reason: str, rule: Rule) -> Rule:
     return fallback_rule
 
 
-def fp8_dot_rule(observer: Callable | None = None) -> Rule:
+def fp8_dot_rule(observer: Callable | None = None, matmul_format: str = "float8") -> Rule:
     """The ``dot_general`` rule: FP8 when eligible, else the compute dtype under a fallback scope.
 
     Args:
         observer: passed to `jaxamp.fp8_dot_general` (a
             `jaxamp.diagnostics.fp8_quantization_stats` run only).
+        matmul_format: ``float8`` (`jaxamp.fp8_dot_general`), ``mxfp8`` or
+            ``nvfp4`` (`jaxamp.fp8.block_scaled_dot_general`).
     """
 
     def rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
-        reason = dot_fallback_reason(equation)
-        pays = None if reason is not None else fp8_payoff(equation, invals, context.compute_dtype)
+        reason = dot_fallback_reason(equation, matmul_format)
+        pays = None if reason is not None else fp8_payoff(equation, invals, context.compute_dtype, matmul_format)
         if pays is False:
             reason = "too_small_to_pay"
         if reason is not None:
             return _in_fallback_scope(reason, compute_rule)(context, equation, invals)
         lhs, rhs = invals
-        # fp8_dot_general traces itself under the jaxamp_fp8 scope.
+        # fp8_dot_general and block_scaled_dot_general trace themselves under the jaxamp_fp8 scope.
         with jax.named_scope(FP8_PAYS_SCOPE_NAME) if pays else contextlib.nullcontext():
+            if matmul_format != "float8":
+                dims = equation.params["dimension_numbers"]
+                return [block_scaled_dot_general(lhs, rhs, dims, matmul_format, context.compute_dtype)]
             out = fp8_dot_general(
                 lhs,
                 rhs,
@@ -177,10 +208,10 @@ def fp8_dot_rule(observer: Callable | None = None) -> Rule:
     return rule
 
 
-def fp8_rules(observer: Callable | None = None) -> dict[str, Rule]:
-    """primitive name -> rule, the entries that a policy with FP8 matmuls changes."""
+def fp8_rules(observer: Callable | None = None, matmul_format: str = "float8") -> dict[str, Rule]:
+    """primitive name -> rule, the entries that a policy with FP8 matmuls of `matmul_format` changes."""
     return {
-        "dot_general": fp8_dot_rule(observer),
-        "conv_general_dilated": fp8_conv_rule(observer),
+        "dot_general": fp8_dot_rule(observer, matmul_format),
+        "conv_general_dilated": fp8_conv_rule(observer, matmul_format),
         "ragged_dot_general": _in_fallback_scope("ragged_dot", compute_rule),
     }

@@ -76,9 +76,10 @@ def in_float32_scope(equation) -> bool:
 
 POLICY_SCOPE_PREFIX = "jaxamp_policy"
 
-# "jaxamp_policy.c-float16.m-fp8.o-float32" as one component of a name stack.
+# "jaxamp_policy.c-float16.m-fp8.o-float32" as one component of a name stack; the matmul part is
+# .m-fp8 (per-tensor FP8), .m-mxfp8 or .m-nvfp4.
 _POLICY_COMPONENT = re.compile(
-    rf"(?:^|(?<=[/(])){POLICY_SCOPE_PREFIX}\.c-([a-z0-9]+)(\.m-fp8)?\.o-([a-z0-9]+)(?=$|[/)])"
+    rf"(?:^|(?<=[/(])){POLICY_SCOPE_PREFIX}\.c-([a-z0-9]+)(?:\.m-([a-z0-9]+))?\.o-([a-z0-9]+)(?=$|[/)])"
 )
 
 
@@ -89,19 +90,21 @@ class ScopePolicy:
     Attributes:
         compute_dtype: the compute dtype inside; under float32, the ops that
             follow their inputs run in float32 too.
-        fp8_matmuls: whether the eligible matmuls inside run in FP8.
+        fp8_matmuls: the format the eligible matmuls inside run in
+            (``float8``, ``mxfp8``, ``nvfp4``: `jaxamp.Policy.matmul_format`),
+            or None (or False) for the compute dtype.
         exit_dtype: the dtype of the scope's floating values where an
             equation outside the scope reads them.
     """
 
     compute_dtype: np.dtype
-    fp8_matmuls: bool
+    fp8_matmuls: str | None
     exit_dtype: np.dtype
 
     @property
     def name(self) -> str:
         """The scope's name in the name stack, which `scope_policies` parses back."""
-        fp8 = ".m-fp8" if self.fp8_matmuls else ""
+        fp8 = f".m-{'fp8' if self.fp8_matmuls in (True, 'float8') else self.fp8_matmuls}" if self.fp8_matmuls else ""
         return f"{POLICY_SCOPE_PREFIX}.c-{self.compute_dtype.name}{fp8}.o-{self.exit_dtype.name}"
 
 
@@ -133,7 +136,8 @@ def _parse_policy_scopes(name_stack: str) -> tuple[tuple[str, ScopePolicy], ...]
     scopes = []
     for match in _POLICY_COMPONENT.finditer(name_stack):
         compute, fp8, exit_dtype = match.groups()
-        scope = ScopePolicy(np.dtype(compute), fp8 is not None, np.dtype(exit_dtype))
+        matmul_format = None if fp8 is None else "float8" if fp8 == "fp8" else fp8
+        scope = ScopePolicy(np.dtype(compute), matmul_format, np.dtype(exit_dtype))
         scopes.append((canonical_name_stack(name_stack[: match.end()]), scope))
     return tuple(scopes)
 

@@ -49,7 +49,7 @@ def _resolve_rules(
 ) -> dict[Primitive, Rule]:
     rules = rules_table()
     if policy.fp8_matmuls:
-        rules.update(resolve(fp8_rules(fp8_observer)))
+        rules.update(resolve(fp8_rules(fp8_observer, policy.matmul_format)))
     if overrides is None:
         return rules
     if not isinstance(overrides, Mapping):
@@ -257,14 +257,14 @@ def make_autocast(
             arguments.
     """
 
-    def rules_for(compute_dtype, fp8_matmuls: bool) -> dict[Primitive, Rule]:
+    def rules_for(compute_dtype, fp8_matmuls: str | bool | None) -> dict[Primitive, Rule]:
         """The rules of a policy scope (`jaxamp._autocast.scope.policy_scope`).
 
         In a float32 scope (a normalization layer, an override to float32)
         the ops that follow their inputs run in float32 instead, whatever
         dtype their inputs have, as a Flax layer with ``dtype=float32`` does.
         """
-        matmul_dtype = (policy.matmul_dtype or "float8") if fp8_matmuls else None
+        matmul_dtype = fp8_matmuls or None  # the scope's matmul format
         scope_policy = Policy(policy.param_dtype, compute_dtype, policy.output_dtype, matmul_dtype)
         rules = _resolve_rules(overrides, scope_policy, fp8_observer)
         if compute_dtype == np.float32:
@@ -277,7 +277,7 @@ def make_autocast(
         policy.compute_dtype,
         _resolve_rules(overrides, policy, fp8_observer),
         rules_for=functools.cache(rules_for),
-        fp8_matmuls=policy.fp8_matmuls,
+        fp8_matmuls=policy.matmul_format,
     )
 
     def autocast_fun(*args, **kwargs):

@@ -102,7 +102,7 @@ def cast_inputs_at_entry(policy: Policy, tree: Any) -> Any:
 
 def scope_of(policy: Policy) -> ScopePolicy:
     """The policy scope in which a layer running under `policy` is traced."""
-    return ScopePolicy(policy.compute_dtype, policy.fp8_matmuls, policy.output_dtype)
+    return ScopePolicy(policy.compute_dtype, policy.matmul_format, policy.output_dtype)
 
 
 @dataclasses.dataclass(frozen=True)

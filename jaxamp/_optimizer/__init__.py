@@ -9,7 +9,8 @@ One module per job:
   value, `split_precision` (a precision name read as a policy and a
   storage) and `optimizer_for_policy`;
 * `quantized`: 8-bit state leaves, codes (int8's dynamic code,
-  float8_e4m3fn) and a scale per block;
-* `draws`: the random draws of stochastic rounding, a hash of each
-  element's index seeded once per step.
+  float8_e4m3fn) and a scale per block.
+
+Their stochastic rounding draws from `jaxamp._draws`, which NVFP4's
+gradients share.
 """

@@ -51,7 +51,7 @@ from jaxamp._policy import (
     canonical_state_format,
     is_floating_array,
 )
-from jaxamp._optimizer import draws
+from jaxamp import _draws as draws
 from jaxamp._optimizer.quantized import MIN_QUANTIZED_SIZE, QuantizedArray, dequantize, quantize
 
 ROUNDINGS = UPDATE_ROUNDINGS
@@ -103,7 +103,7 @@ def stochastic_round(value: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     backend flushes float32 arithmetic to zero: there a value computed that
     small is already 0, and one passed in rounds to nearest.
 
-    The uniform draws are `jaxamp._optimizer.draws`' hash of each element's index,
+    The uniform draws are `jaxamp._draws`' hash of each element's index,
     seeded by `key`.
 
     Args:

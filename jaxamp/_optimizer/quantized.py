@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxamp._optimizer import draws as index_draws
+from jaxamp import _draws as index_draws
 
 # As bitsandbytes and torchao do: a leaf smaller than this keeps its float32 state (it costs nothing).
 MIN_QUANTIZED_SIZE = 4096
@@ -158,7 +158,7 @@ def quantize(
             largest magnitudes and once for the codes, instead of writing
             the array in float32 and reading it back.
         draws: uniform draws in [0, 1) of `values`' shape for stochastic
-            rounding, in place of a `key`'s (`jaxamp._optimizer.draws`).
+            rounding, in place of a `key`'s (`jaxamp._draws`).
 
     Returns:
         The codes and scales.

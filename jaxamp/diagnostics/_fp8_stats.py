@@ -116,13 +116,18 @@ def fp8_quantization_stats(
         A function of `fun`'s arguments returning `Fp8QuantizationStats`.
 
     Raises:
-        ValueError: `policy` has no FP8 matmuls.
+        ValueError: `policy` has no per-tensor FP8 matmuls.
     """
     resolved = get_policy(policy)
     if not resolved.fp8_matmuls:
         raise ValueError(
             f"fp8_quantization_stats needs a policy with FP8 matmuls; {str(resolved)!r} has none. "
             "Pass 'mixed_float8' (or add ',matmul=float8' to the policy string)."
+        )
+    if resolved.matmul_format != "float8":
+        raise ValueError(
+            f"fp8_quantization_stats counts per-tensor FP8's quantizations; {str(resolved)!r} runs "
+            f"{resolved.matmul_format}, whose block scales it does not read. Pass 'mixed_float8'."
         )
 
     def stats_fun(*args, **kwargs) -> Fp8QuantizationStats:

@@ -135,11 +135,15 @@ def _topology_device(config_text: str):
     return topology.devices[0]
 
 
-def gpu_target_device(target: str | GpuSpec) -> Any:
+def gpu_target_device(target: str | GpuSpec, *, cudnn_version: tuple[int, int] | None = None) -> Any:
     """A compile-only device for a GPU, usable on a machine without one.
 
     Args:
         target: a name of `GPU_TARGETS` or a `GpuSpec`.
+        cudnn_version: the cuDNN version the device states, (9, 8) by
+            default; (9, 10) for a B200 program whose block-scaled matmuls
+            (``mixed_mxfp8``, ``mixed_nvfp4``) compile to cuDNN's
+            ``__cudnn$blockScaledDot``.
 
     Returns:
         A JAX device that programs can be lowered and compiled for (not run on).
@@ -157,11 +161,11 @@ def gpu_target_device(target: str | GpuSpec) -> Any:
         )
     with _cuda_check_skipped():
         try:
-            return _topology_device(spec.target_config())
+            return _topology_device(spec.target_config(cudnn_version))
         except NotImplementedError:  # "topology not implemented for cuda": the plugin did not register
             _register_cuda_plugin_again()
         try:
-            return _topology_device(spec.target_config())
+            return _topology_device(spec.target_config(cudnn_version))
         except NotImplementedError:
             pass
     raise RuntimeError(

@@ -12,7 +12,8 @@ float16. This module reads that text and lists each heavy operation:
   ``__cudnn$convBackwardInput``, ``__cudnn$convBackwardFilter``,
   ``__cudnn$convBiasActivationForward``, the FP8 ``__cudnn$convForwardGraph``)
   and cuBLAS GEMM custom calls (``__cublas$gemm``, ``__cublas$lt$matmul``,
-  the FP8 ``__cublas$lt$matmul$f8``).
+  the FP8 ``__cublas$lt$matmul$f8``), and cuDNN's block-scaled GEMM
+  (``__cudnn$blockScaledDot``, MXFP8 and NVFP4 on Blackwell GPUs).
 
 Each counts by the dtype of its operands (the widest of the two, as in the
 traced report) and its FLOPs, and carries its metadata: the JAX name stack
@@ -68,6 +69,7 @@ _NUMPY_NAMES = {
     "f8e5m2fnuz": "float8_e5m2fnuz",
     "f8e4m3b11fnuz": "float8_e4m3b11fnuz",
     "f8e8m0fnu": "float8_e8m0fnu",
+    "f4e2m1fn": "float4_e2m1fn",
 }
 _BYTES_PER_ELEMENT = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e3m4": 1,
@@ -76,6 +78,7 @@ _BYTES_PER_ELEMENT = {
     "f32": 4, "s32": 4, "u32": 4,
     "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16,
 }  # fmt: skip
+_HALF_BYTE_TYPES = frozenset({"f4e2m1fn"})
 # Instructions that move no data of their own (views, bookkeeping) or whose
 # traffic is counted inside the computations they call.
 _NO_TRAFFIC_OPCODES = frozenset(
@@ -97,8 +100,10 @@ _STACK_FRAME_ID = re.compile(r"\bstack_frame_id=(\d+)")
 _TABLE_ROW = re.compile(r"^(\d+)\s+(.*)$")
 _TABLE_FIELD = re.compile(r"(\w+)=(\d+)")
 
-# The cuBLASLt and cuDNN calls that compute in FP8 on Hopper and later GPUs.
-FP8_TARGETS = ("__cublas$lt$matmul$f8", "__cudnn$convForwardGraph")
+# The cuBLASLt and cuDNN calls that compute in FP8 on Hopper and later GPUs (and in MXFP8 or NVFP4 on Blackwell).
+FP8_TARGETS = ("__cublas$lt$matmul$f8", "__cudnn$convForwardGraph", "__cudnn$blockScaledDot")
+# cuDNN's block-scaled GEMM: (values [B, M, K], values [B, N, K], scales, scales) -> [B, M, N].
+BLOCK_SCALED_DOT = "__cudnn$blockScaledDot"
 # jaxamp traces every FP8 matmul under this named scope, and every matmul that
 # looked eligible but fell back to bfloat16 under FP8_FALLBACK_SCOPE + reason.
 
@@ -117,6 +122,8 @@ class ArrayShape:
 
     @property
     def num_bytes(self) -> int:
+        if self.element_type in _HALF_BYTE_TYPES:  # two values per byte
+            return (math.prod(self.dims) + 1) // 2
         return math.prod(self.dims) * _BYTES_PER_ELEMENT.get(self.element_type, 4)
 
 
@@ -375,7 +382,8 @@ def _heavy_op(
     target = _custom_call_target(instruction.attributes) if instruction.opcode == "custom-call" else ""
     is_cudnn_convolution = target.startswith("__cudnn$conv")
     is_cublas_gemm = target.startswith("__cublas$")
-    if instruction.opcode not in ("dot", "convolution") and not (is_cudnn_convolution or is_cublas_gemm):
+    is_block_scaled = target == BLOCK_SCALED_DOT
+    if instruction.opcode not in ("dot", "convolution") and not (is_cudnn_convolution or is_cublas_gemm or is_block_scaled):
         return None
     lhs, rhs = (shapes[name][0] for name in instruction.operands[:2])
     out = instruction.shapes[0]  # custom calls return (result, workspace)
@@ -385,6 +393,8 @@ def _heavy_op(
         flops = _convolution_flops(rhs, out, _dim_labels(instruction.attributes)[1])
     elif is_cudnn_convolution:
         flops = _cudnn_convolution_flops(target, (lhs, rhs), out, _dim_labels(instruction.attributes))
+    elif is_block_scaled:
+        flops = _dot_flops(lhs, out, (len(lhs.dims) - 1,))
     else:
         flops = _dot_flops(lhs, out, _gemm_contracting_dims(instruction.attributes))
     op_name, source = metadata_key(instruction, module) if module is not None else ("", "")
@@ -517,7 +527,7 @@ _PASS_THROUGH_OPCODES = _DEQUANTIZE_OPCODES | {"tuple", "get-tuple-element"}
 
 
 def _is_fp8(shape: ArrayShape) -> bool:
-    return shape.dtype.startswith("float8_")
+    return shape.dtype.startswith(("float8_", "float4_"))
 
 
 def fp8_fed_matmuls(hlo_text: str) -> set[tuple[str, str]]:

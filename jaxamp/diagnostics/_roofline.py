@@ -19,7 +19,8 @@ library call), as `jaxamp.diagnostics.bytes_accessed` counts them: it reads
 its operands and writes its result once. A ``while`` body's kernels count
 once per known iteration, a ``conditional`` its heavier branch. A kernel's
 FLOPs are those of the matmuls and convolutions in it
-(`jaxamp.diagnostics.heavy_ops`), FP8 ones at the FP8 peak, float16 and
+(`jaxamp.diagnostics.heavy_ops`), FP8 ones at the FP8 peak (FP4 ones, NVFP4's, at
+the FP4 peak), float16 and
 bfloat16 at the half peak, float32 at the TF32 peak (or the float32 peak,
 ``float32_peak="float32"``, for a program run at matmul precision
 "highest"). Element-wise arithmetic is not counted: the kernels that do it
@@ -47,7 +48,7 @@ class KernelBound:
     Attributes:
         name: the HLO instruction's name.
         kind: its opcode (``fusion``, ``copy``) or custom call target
-            (``__cublas$lt$matmul$f8``).
+            (``__cublas$lt$matmul$f8``, ``__cudnn$blockScaledDot``).
         runs: how many times it runs (the trip counts of enclosing loops).
         bytes: bytes it reads and writes, all runs.
         flops: matmul and convolution FLOPs, all runs, by the peak rate
@@ -114,7 +115,7 @@ class KernelRoofline:
 
 
 def _peak_key(dtype: str, float32_peak: str) -> str:
-    if dtype.startswith("float8_") or dtype in _HALF:
+    if dtype.startswith(("float8_", "float4_")) or dtype in _HALF:
         return dtype
     return float32_peak
 
@@ -134,7 +135,9 @@ def _kernel_flops(module: hlo_report.HloModule, instruction, shapes) -> dict[str
     return dict(totals)
 
 
-def _dtype_width(dtype: str) -> int:
+def _dtype_width(dtype: str) -> float:
+    if dtype.startswith("float4_"):
+        return 0.5
     return 1 if dtype.startswith("float8_") else {"float16": 2, "bfloat16": 2, "float64": 8}.get(dtype, 4)
 
 

@@ -91,6 +91,10 @@ FP8_FALLBACK_REASONS: Mapping[str, str] = types.MappingProxyType({
         "such matmuls are small (a classifier head, a projection to a few outputs) and sit where "
         "precision matters most."
     ),
+    "shape_not_multiple_of_32": (
+        "under mixed_mxfp8, a dot's M, N or K is not a multiple of 32, MXFP8's block size: each of "
+        "the three GEMMs of its training step contracts one of them in blocks of 32."
+    ),
     "batch_dims": (
         "the dot has batch dimensions: an attention core (queries times keys, probabilities "
         "times values) or another batched matmul; FP8 attention needs its own scaling of the "
@@ -105,6 +109,15 @@ FP8_FALLBACK_REASONS: Mapping[str, str] = types.MappingProxyType({
         "in bfloat16 on the saved FP8 operands."
     ),
     "ragged_dot": "a ragged (grouped) dot, which has no FP8 form here.",
+    "needs_blackwell": (
+        "under mixed_mxfp8 or mixed_nvfp4, the target GPU (jaxamp.diagnostics.fp8_target's, else the "
+        "GPU run on) has no block-scaled tensor cores (they start with Blackwell, compute capability "
+        "10.0), so the matmul runs in the compute dtype."
+    ),
+    "block_scaled_conv": (
+        "a convolution under mixed_mxfp8 or mixed_nvfp4: XLA has no block-scaled convolution, so it "
+        "runs in the compute dtype."
+    ),
     "too_small_to_pay": (
         "for its shape, the FP8 GEMMs plus their quantization passes are slower on paper than the "
         "same GEMMs in the compute dtype on the target GPU (jaxamp.diagnostics.fp8_matmul_cost; the "

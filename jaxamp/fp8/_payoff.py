@@ -28,6 +28,30 @@ training pass to for an H200 (``tests/test_fp8_payoff.py`` checks them
 against the compiled programs' `kernel_roofline`); split-K GEMMs, which XLA
 picks for some shapes without autotuning, are left out on both sides.
 
+The block-scaled formats (``matmul_format="mxfp8"`` or ``"nvfp4"``,
+`jaxamp.fp8.block_scaled_dot_general`, Blackwell GPUs only) have GEMMs at
+the FP8 peak (MXFP8) or the FP4 peak (NVFP4), which read ``v`` bytes per
+value (1 or 0.5) and one scale byte per block of ``s`` (32 or 16), and
+quantization passes whose bytes per element were fitted, for bfloat16
+tensors, to the kernels XLA compiles the training pass to for a B200
+(``tests/test_fp8_block_scaled.py`` checks them against a compiled
+program; each wider byte of an input adds the reads of it: 3 per element
+of ``x``, 3 (MXFP8) or 2 (NVFP4, 2D blocks) of ``w``)::
+
+    gemm_bytes(a, b, out)  = (v + 1/s) (a + b) + 2 out
+    block-scaled:   gemm(peak, gemm_bytes(MK, KN, MN))           y  = x @ w
+                    + gemm(peak, gemm_bytes(MN, KN, MK))         dx = g @ w.T
+                    + gemm(peak, gemm_bytes(MK, MN, KN))         dw = x.T @ g
+                    + quantization / bandwidth
+    MXFP8 quantization:  (3 bx + 3.5) MK + (3 bw + 2.7) KN + 9.9 MN
+    NVFP4 quantization:  (3 bx + 8.1) MK + (2 bw + 2) KN + 30.2 MN
+                         + 4 (MN + MK + KN)      # the tensor scales' multiply
+                                                 # of each result, a pass where
+                                                 # no consumer fuses it
+
+NVFP4's third line is conservative: in a model, XLA fuses that multiply
+into the next elementwise op where there is one.
+
 Under ``mixed_float8``, `jaxamp.autocast` runs an eligible matmul in FP8
 only where FP8 is faster on paper for its shape on the target GPU, and
 keeps the others in the compute dtype (fallback reason
@@ -57,6 +81,15 @@ EVERYWHERE = "everywhere"
 _FROM_DEVICE = object()
 _TARGET: contextvars.ContextVar = contextvars.ContextVar("jaxamp_fp8_target", default=_FROM_DEVICE)
 _FP8 = "float8_e4m3fn"
+_FP4 = "float4_e2m1fn"
+MATMUL_FORMATS = ("float8", "mxfp8", "nvfp4")
+"""The formats `fp8_matmul_cost` prices: per-tensor FP8, and the block-scaled MXFP8 and NVFP4."""
+
+# Block-scaled GEMMs: (peak key, bytes per value, elements per scale byte), and the quantization
+# passes' bytes per element of x, w and g at 16-bit inputs, with the reads of x and w (module docstring).
+_BLOCK_GEMMS = {"mxfp8": (_FP8, 1.0, 32), "nvfp4": (_FP4, 0.5, 16)}
+_BLOCK_QUANTIZATION = {"mxfp8": ((3, 3.5), (3, 2.7), 9.9), "nvfp4": ((3, 8.1), (2, 2.0), 30.2)}
+_BLACKWELL = (10, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +127,11 @@ def _spec(target: str | GpuSpec) -> GpuSpec:
     return gpu_spec(target) if isinstance(target, str) else target
 
 
+def runs_block_scaled(spec: GpuSpec) -> bool:
+    """Whether `spec`'s GPU has block-scaled tensor cores (MXFP8 and NVFP4): Blackwell, with FP8 and FP4 peaks."""
+    return tuple(spec.compute_capability) >= _BLACKWELL and {_FP8, _FP4} <= set(spec.peak_flops)
+
+
 def fp8_matmul_cost(
     m: int,
     k: int,
@@ -102,6 +140,7 @@ def fp8_matmul_cost(
     *,
     operand_bytes: Sequence[int] = (2, 2),
     compute_dtype: str = "bfloat16",
+    matmul_format: str = "float8",
 ) -> Fp8MatmulCost:
     """The training pass of ``x[m, k] @ w[k, n]`` on `target`, in FP8 and in the compute dtype.
 
@@ -122,11 +161,23 @@ def fp8_matmul_cost(
             the matmul (4 for float32 params read as such).
         compute_dtype: ``bfloat16`` or ``float16``: the result's dtype and
             the GEMMs' rate without FP8.
+        matmul_format: ``float8`` (per-tensor FP8, `jaxamp.fp8_dot_general`),
+            ``mxfp8`` or ``nvfp4`` (`jaxamp.fp8.block_scaled_dot_general`).
 
     Raises:
-        ValueError: an unknown target, one without FP8 peaks, or a size below 1.
+        ValueError: an unknown target or format, a target without FP8
+            peaks (or, for a block-scaled format, one before Blackwell), or
+            a size below 1.
     """
     spec = _spec(target)
+    if matmul_format not in MATMUL_FORMATS:
+        raise ValueError(f"Unknown matmul_format {matmul_format!r}; choose one of {', '.join(MATMUL_FORMATS)}.")
+    if matmul_format != "float8" and not runs_block_scaled(spec):
+        raise ValueError(
+            f"{spec.description} has no block-scaled tensor cores ({matmul_format} needs a Blackwell GPU, "
+            f"compute capability 10.0, with FP4 and FP8 peaks in its GpuSpec); judge it on one that has: "
+            f"{', '.join(name for name, other in GPU_TARGETS.items() if runs_block_scaled(other))}."
+        )
     if _FP8 not in spec.peak_flops:
         with_fp8 = [name for name, other in GPU_TARGETS.items() if _FP8 in other.peak_flops]
         raise ValueError(
@@ -151,6 +202,24 @@ def fp8_matmul_cost(
         + gemm(half, 2 * mn + 2 * kn + bx * mk)
         + gemm(half, 2 * mk + 2 * mn + bw * kn)
     )
+    if matmul_format != "float8":
+        peak_key, value_bytes, block = _BLOCK_GEMMS[matmul_format]
+        ((x_reads, x_rest), (w_reads, w_rest), g_bytes) = _BLOCK_QUANTIZATION[matmul_format]
+
+        def gemm_bytes(a: int, b: int, out: int) -> float:
+            return (value_bytes + 1 / block) * (a + b) + 2 * out
+
+        quantization = (x_reads * bx + x_rest) * mk + (w_reads * bw + w_rest) * kn + g_bytes * mn
+        if matmul_format == "nvfp4":
+            quantization += 4 * (mn + mk + kn)
+        peak = spec.peak_flops[peak_key]
+        block_s = (
+            quantization / bandwidth
+            + gemm(peak, gemm_bytes(mk, kn, mn))
+            + gemm(peak, gemm_bytes(mn, kn, mk))
+            + gemm(peak, gemm_bytes(mk, mn, kn))
+        )
+        return Fp8MatmulCost(m, k, n, spec.description, block_s, compute_dtype_s)
     quantization = (2 * bx + 2) * mk + (2 * bw + 3) * kn + 6 * mn
     fp8_s = (
         quantization / bandwidth

@@ -3,7 +3,8 @@
 One job: uniform random numbers, one per element (32 bits, or a float32 in
 [0, 1)), for
 `jaxamp.low_precision_optimizer`'s stochastic rounding of params, state and
-8-bit codes. Each element's draw is a hash of its index in its array, a
+8-bit codes, and for NVFP4's stochastic rounding of gradients
+(`jaxamp.fp8`). Each element's draw is a hash of its index in its array, a
 stream number (the leaf's place in the tree) and a seed of two words drawn
 once per step from the PRNG key::
 
