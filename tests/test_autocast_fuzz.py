@@ -81,7 +81,7 @@ class KnownGap:
 # shows it, as the fuzzer prints it, with what autocast returns against float32. Delete an entry
 # when the engine is fixed: test_each_known_engine_gap_still_fails says which.
 KNOWN_ENGINE_GAPS = {
-    # Both gaps are autocast's documented choice (docs/guides/autocast-rules.md, "Float32 meeting
+    # Both gaps are autocast's documented choice (docs/guides/autocast-and-torch.md, "Float32 meeting
     # half"): a float32 argument is read in float32 where it meets an activation without deciding
     # the result's dtype, so a value half cannot hold that the program computes from it at run
     # time overflows. A fill half cannot hold (jnp.where(pad, x, -3.4e38)) is known when traced

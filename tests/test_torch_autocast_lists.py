@@ -22,7 +22,7 @@ case agrees with torch when it computes in torch's dtype alone and keeps its
 result in it (torch's result dtype is its compute dtype); it is *safer* when
 it computes and keeps float32 where torch uses half; any other answer
 differs on purpose, and the table "Where jaxamp differs from torch.autocast"
-of docs/guides/autocast-rules.md names it, with the dtypes and the reason.
+of docs/guides/autocast-and-torch.md names it, with the dtypes and the reason.
 That table is the expectation: a change of behaviour fails here until the
 page says what jaxamp now does (the failure prints the row to write).
 
@@ -47,7 +47,7 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
 
 import jaxamp
 
-RULES_PAGE = pathlib.Path(__file__).parent.parent / "docs" / "guides" / "autocast-rules.md"
+RULES_PAGE = pathlib.Path(__file__).parent.parent / "docs" / "guides" / "autocast-and-torch.md"
 TABLE_HEADING = "## Where jaxamp differs from `torch.autocast`"
 
 F16, BF16, F32 = "float16", "bfloat16", "float32"
