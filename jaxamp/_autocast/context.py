@@ -125,7 +125,7 @@ class Rewrite:
         if self.rules_for is None:
             return self
         if in_float32_scope(equation):
-            return self.under(np.dtype(np.float32), fp8_matmuls=False, island=True)
+            return self.under(np.dtype(np.float32), fp8_matmuls=None, island=True)
         scopes = scope_policies(equation)
         if not scopes:
             return self
@@ -135,7 +135,10 @@ class Rewrite:
 
     def under(self, compute_dtype: np.dtype, *, fp8_matmuls: str | bool | None, island: bool = False) -> Rewrite:
         """This rewrite with another compute dtype and FP8 setting (this one where no scope can change
-        it); `island`: a float32 island, whose values leave it in float32."""
+        it); `island`: a float32 island, whose values leave it in float32 (which matters only where
+        the function was traced in half)."""
+        traced = self.compute_dtype if self.traced_dtype is None else self.traced_dtype
+        island = island and np.dtype(traced) != np.float32
         key = (np.dtype(compute_dtype), fp8_matmuls, island)
         if self.rules_for is None or key == (self.compute_dtype, self.fp8_matmuls, self.island):
             return self

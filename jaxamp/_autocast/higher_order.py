@@ -204,7 +204,8 @@ def _narrowed(rewritten: Any, traced: Any) -> Any:
 def _kept_wide(context: Rewrite, lineage: Lineage, traced: Any) -> bool:
     """Whether a custom_jvp's output keeps the width its body gave it: made in a float32 island or
     called in one, or holding magnitudes its traced dtype cannot (a fill of ``-3.4e38``)."""
-    return lineage.kind is Kind.ISLAND or context.in_float32_island or not lineage.fits(traced)
+    unheld = is_floating(traced) and not lineage.fits(traced)
+    return lineage.kind is Kind.ISLAND or context.in_float32_island or unheld
 
 
 def custom_jvp_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list:
@@ -359,7 +360,7 @@ def linear_solve_rule(context: Rewrite, equation, invals: Sequence[Any]) -> list
     about 1e-3) stalls there and never meets its tolerance. A solve is a
     small part of a model's FLOPs, so nothing is lost by keeping it whole.
     """
-    float32 = context.under(np.dtype(np.float32), fp8_matmuls=False)
+    float32 = context.under(np.dtype(np.float32), fp8_matmuls=None)
     operands = [
         cast(value, jnp.promote_types(jnp.float32, value.dtype)) if is_floating(value.dtype) else value
         for value in invals
