@@ -65,7 +65,7 @@ from hypothesis import strategies as st
 from tests.autocast_fuzz_programs import Statement, build, mismatches, programs, run_autocast
 
 POLICIES = {"mixed_float16": jnp.float16, "mixed_bfloat16": jnp.bfloat16}
-CI_EXAMPLES = 200  # per policy
+CI_EXAMPLES = 160  # per policy
 
 
 @dataclasses.dataclass(frozen=True)
