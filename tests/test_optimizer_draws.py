@@ -38,3 +38,24 @@ def test_the_update_draws_from_one_seed_per_step_however_many_leaves(state_dtype
         return jax.jit(tx.update).lower(params, tx.init(params), params).as_text().count("call @threefry2x32")
 
     assert threefry_calls(8) == threefry_calls(2) <= 3  # the key's split and the two seeds
+
+
+def test_every_element_of_a_four_dimensional_array_draws_its_own_number():
+    """A convolution kernel's draws: each of its 4 * 3 * 5 * 7 elements has an index of its own."""
+    drawn = np.asarray(draws.bits(draws.seed_of(jax.random.key(4)), 0, (4, 3, 5, 7)))
+    assert len(np.unique(drawn)) == drawn.size
+
+
+def test_two_seeds_that_share_their_first_word_draw_differently():
+    """Both words of a step's seed change the draws, not the first alone."""
+    first = draws.bits(jnp.array([7, 1], jnp.uint32), 0, (256,))
+    second = draws.bits(jnp.array([7, 2], jnp.uint32), 0, (256,))
+    assert np.mean(np.asarray(first) == np.asarray(second)) < 0.01
+
+
+def test_an_array_of_two_to_the_thirty_two_elements_draws_and_one_more_is_refused():
+    """Indices are uint32: 2**32 elements have each their own (checked on shapes, nothing allocated)."""
+    seed = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    assert jax.eval_shape(lambda s: draws.bits(s, 0, (2**16, 2**16)), seed).shape == (2**16, 2**16)
+    with pytest.raises(ValueError, match="at most 2\\*\\*32 elements"):
+        jax.eval_shape(lambda s: draws.bits(s, 0, (2**16, 2**16 + 1)), seed)

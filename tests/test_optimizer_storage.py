@@ -96,3 +96,18 @@ def test_the_experiments_one_precision_flag_gives_the_models_policy_and_the_opti
     assert precision.describe() == "params=bfloat16,compute=bfloat16,output=bfloat16,update=stochastic,state=int8"
     adam = optax.adam(1e-3)
     assert train.resolve_precision("mixed_bf16").optimizer(adam, key=0) is adam
+
+
+def test_a_per_tensor_8_bit_storage_reads_back_from_its_own_text():
+    """``str`` of a storage is a precision spec: per-tensor scales say ``block=tensor``."""
+    storage = jaxamp.OptimizerStorage("nearest", "int8", None)
+    assert str(storage) == "update=nearest,state=int8,block=tensor"
+    assert jaxamp.split_precision(f"p=bf16,{storage}")[1] == storage
+
+
+def test_a_storage_without_a_state_dtype_keeps_the_state_of_params_of_any_dtype_in_bfloat16():
+    """``optimizer(inner, param_dtype=None)``: each param keeps its dtype; Adam's moments are bfloat16."""
+    tx = jaxamp.OptimizerStorage("nearest").optimizer(optax.adam(1e-3), param_dtype=None)
+    params = {"w": jnp.ones((8,), jnp.bfloat16)}
+    floating = [leaf for leaf in jax.tree.leaves(tx.init(params)) if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    assert floating and {leaf.dtype for leaf in floating} == {jnp.dtype(jnp.bfloat16)}
