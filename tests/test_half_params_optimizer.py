@@ -60,6 +60,18 @@ def test_half_params_with_a_plain_optimizer_are_refused_in_one_line_naming_the_w
     assert "jaxamp.low_precision_optimizer(tx" in message and "\n" not in message
 
 
+@pytest.mark.parametrize(
+    ("policy", "fix"),
+    [
+        ("float16", "low_precision_optimizer(tx, param_dtype=jnp.float16, state_dtype=jnp.float32)"),
+        ("bfloat16", "low_precision_optimizer(tx) (bfloat16 state, updates rounded stochastically)"),
+    ],
+)
+def test_the_refusal_gives_the_wrapper_call_that_fits_the_params_dtype(policy, fix):
+    """float16 params need float32 state (Adam's eps is 0 in float16); bfloat16 ones the default."""
+    assert fix in refusal(lambda: linen_state(policy, optax.adam(1e-3)))
+
+
 @pytest.mark.parametrize("policy", ["float16", "bfloat16"])
 def test_an_nnx_model_with_half_params_and_a_plain_optimizer_is_refused_naming_the_wrapper(policy):
     model = jaxamp.apply_policy(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), policy)

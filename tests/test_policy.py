@@ -568,3 +568,15 @@ def test_the_library_and_the_commands_flags_answer_a_mistyped_name_with_one_code
     assert flags.unknown_name("model", "resnet19", ["resnet18", "mobilenetv2"]) == _unknown_name.unknown_name(
         "model", "resnet19", ["resnet18", "mobilenetv2"]
     )
+
+
+@pytest.mark.parametrize(
+    ("typed", "nearest"),
+    [("bfloat16_int9", "bfloat16_int8"), ("bflt_int", "bfloat16_int8"), ("mixflt16", "mixed_float16"),
+     ("MIXED_BF61", "mixed_bf16"), (" mixed bf16", "mixed_bf16")],
+)  # fmt: skip
+def test_a_far_or_oddly_written_policy_name_is_answered_with_the_nearest(typed, nearest):
+    """8-bit names are among the answers; a typo two or three letters off, in capitals or with spaces
+    still gets its nearest name."""
+    with pytest.raises(ValueError, match=f"Did you mean {nearest}\\?"):
+        jaxamp.get_policy(typed)

@@ -138,6 +138,14 @@ def test_create_without_a_loss_scale_gives_float16_params_a_dynamic_one():
     assert state.loss_scale == jaxamp.DynamicLossScale()
 
 
+def test_create_without_a_loss_scale_gives_bfloat16_params_none():
+    """bfloat16 holds float32's range: no loss scale to grow or skip steps by."""
+    params = {"w": jnp.ones(2, jnp.bfloat16), "b": jnp.zeros(1)}
+    tx = jaxamp.low_precision_optimizer(optax.sgd(0.1), param_dtype=None, state_dtype=jnp.float32)
+    state = jaxamp.TrainState.create(apply_fn=None, params=params, tx=tx)
+    assert state.loss_scale == jaxamp.NoOpLossScale()
+
+
 class TrainStateWithAverage(jaxamp.TrainState):
     """A subclass with one more field, as users add one for an EMA of the params."""
 
