@@ -15,6 +15,7 @@ import pytest
 
 import jaxamp
 from jaxamp.fp8 import _block_formats as formats
+from test_fp8 import equations  # (name scope, equation) of a jaxpr and every jaxpr it carries
 
 MATMUL = (((1,), (0,)), ((), ()))  # x @ w
 M, K, N = 64, 96, 32  # three sizes, each a multiple of 32, none equal
@@ -27,18 +28,6 @@ def gaussian(seed, *shape):
 def relative_error(value, reference):
     value, reference = jnp.asarray(value, jnp.float32), jnp.asarray(reference, jnp.float32)
     return float(jnp.linalg.norm(value - reference) / jnp.linalg.norm(reference))
-
-
-def equations(jaxpr, scope=""):
-    """(name scope, equation) of `jaxpr` and every jaxpr it carries."""
-    for equation in jaxpr.eqns:
-        here = "/".join(part for part in (scope, str(equation.source_info.name_stack)) if part)
-        yield here, equation
-        for param in equation.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from equations(inner, here)
 
 
 def block_scaled_gemms(fun, *args):
