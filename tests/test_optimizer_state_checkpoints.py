@@ -149,3 +149,10 @@ def test_an_nnx_optimizers_8_bit_state_resumes_bit_for_bit_from_its_checkpoint()
 
     assert_bit_identical(nnx.to_pure_dict(nnx.state((restored_model, restored_optimizer))),
                          nnx.to_pure_dict(nnx.state((model, optimizer))))  # fmt: skip
+
+
+def test_a_loss_scale_restored_from_a_checkpoint_missing_a_field_says_which_fields_it_has():
+    saved = serialization.to_state_dict(jaxamp.DynamicLossScale(jnp.float32(2.0**15)))
+    del saved["counter"]
+    with pytest.raises(ValueError, match=r"Cannot restore a DynamicLossScale .* from a state dict with fields"):
+        serialization.from_state_dict(jaxamp.DynamicLossScale(jnp.float32(1.0)), saved)
