@@ -42,4 +42,5 @@ MEASUREMENTS = (
     "mxfp8_b200",
     "blackwell_gemms",
     "blackwell_parity",
+    "blackwell_recipe",
 )

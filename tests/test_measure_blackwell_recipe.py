@@ -1,0 +1,102 @@
+"""``python -m experiments.measure blackwell-recipe``: NVFP4's tools at the wgrad GEMM, on a model's own tensors.
+
+The measurement's pieces on tiny inputs: the tensors it reads from a model
+are the ones its weight gradients are made of, each row runs the recipe it
+names, and the accumulated error is of the sums, not of one step.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.measure import blackwell_recipe
+
+
+class EmbedAndTwoDense(nn.Module):
+    """Tokens -> logits through a Dense and a DenseGeneral, the layer kinds the measurement reads."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        hidden = nn.gelu(nn.Dense(32, name="up")(nn.Embed(16, 32, name="embed")(tokens)))
+        return nn.DenseGeneral(16, name="down")(hidden)
+
+
+def test_each_layers_input_and_cotangent_make_the_models_own_kernel_gradient():
+    model = EmbedAndTwoDense()
+    windows = jax.random.randint(jax.random.key(0), (2, 9), 0, 16)
+    params = model.init(jax.random.key(1), windows[:, :-1])["params"]
+
+    tensors = blackwell_recipe.layer_tensors(model, params, windows)
+
+    expected = jax.grad(
+        lambda p: blackwell_recipe.token_losses(model.apply({"params": p}, windows[:, :-1]), windows[:, 1:]).mean()
+    )(params)
+    assert sorted(tensors) == ["down", "up"]
+    for name, (x, w, g) in tensors.items():
+        assert x.shape[0] == g.shape[0] == 16 and w.shape == (x.shape[1], g.shape[1])
+        np.testing.assert_array_equal(w, params[name]["kernel"])
+        np.testing.assert_allclose(x.T @ g, expected[name]["kernel"], rtol=1e-5, atol=1e-8)
+
+
+def tensors_of_two_layers():
+    keys = jax.random.split(jax.random.key(3), 6)
+    return {
+        "a": (jax.random.normal(keys[0], (64, 32)), jax.random.normal(keys[1], (32, 48)), jax.random.normal(keys[2], (64, 48))),
+        "b": (jax.random.normal(keys[3], (64, 48)), jax.random.normal(keys[4], (48, 16)), jax.random.normal(keys[5], (64, 16)) * 1e-3),
+    }
+
+
+def test_each_row_runs_the_recipe_it_names():
+    tensors = tensors_of_two_layers()
+    rows = blackwell_recipe.methods(tensors)
+    gradients = {label: np.asarray(compiled(tensors)) for label, compiled in rows.items()}
+    reference = gradients["float32"]
+
+    np.testing.assert_allclose(reference[: 32 * 48], np.ravel(tensors["a"][0].T @ tensors["a"][2]), rtol=1e-5)
+    labels = [label for label, _ in blackwell_recipe.RECIPES] + [label for label, _ in blackwell_recipe.GRADIENT_ONLY]
+    # Every quantized row is its own computation: no two alike, none float32's.
+    for index, label in enumerate(labels):
+        assert not np.array_equal(gradients[label], reference), label
+        for other in labels[index + 1 :]:
+            assert not np.array_equal(gradients[label], gradients[other]), (label, other)
+    # Each within NVFP4's error of float32's, and bfloat16's far closer.
+    def error(label):
+        return np.linalg.norm(gradients[label] - reference) / np.linalg.norm(reference)
+
+    assert error("bfloat16") < 0.01
+    for label in labels:
+        assert 0.005 < error(label) < 0.3, (label, error(label))
+
+
+def test_the_accumulated_error_is_of_the_sums_an_unbiased_error_averaging_out_and_a_bias_staying():
+    reference = jnp.ones(1000)
+    noise = jax.random.normal(jax.random.key(4), (16, 1000))
+    tracker = blackwell_recipe.ErrorTracker()
+    for step in range(16):
+        tracker.add({"float32": reference, "unbiased": reference + noise[step], "biased": reference + 0.5})
+
+    np.testing.assert_allclose(tracker.one_step["unbiased"], jnp.linalg.norm(noise, axis=1) / np.sqrt(1000), rtol=1e-5)
+    assert tracker.one_step["biased"] == tracker.accumulated["biased"] == [0.5] * 16
+    np.testing.assert_allclose(
+        tracker.accumulated["unbiased"][-1], jnp.linalg.norm(noise.sum(0)) / (16 * np.sqrt(1000)), rtol=1e-5
+    )
+    assert tracker.accumulated["unbiased"][-1] < 0.3 * tracker.accumulated["unbiased"][0]
+    assert "float32" not in tracker.one_step
+
+
+def test_the_table_gives_each_checkpoint_of_the_accumulated_error():
+    assert blackwell_recipe.checkpoints(64) == [1, 4, 16, 64]
+    assert blackwell_recipe.checkpoints(20) == [1, 4, 16, 20]
+    assert blackwell_recipe.checkpoints(1) == [1]
+    results = {
+        "model": "tiny", "seed": 0, "context": 64, "batches": 5, "layers": 8,
+        "one_step": {"bfloat16": 0.001, "nvfp4 (full recipe)": 0.04},
+        "accumulated": {"bfloat16": [0.001, 0.002, 0.003, 0.004, 0.005], "nvfp4 (full recipe)": [0.04, 0.03, 0.02, 0.015, 0.0125]},
+    }  # fmt: skip
+
+    text = blackwell_recipe.report(results, "python -m experiments.measure blackwell-recipe --batches 5")
+
+    assert "| weight gradient by | one step | accumulated, 1 steps | accumulated, 4 steps | accumulated, 5 steps |" in text
+    assert "| nvfp4 (full recipe) | 0.0400 | 0.0400 | 0.0150 | 0.0125 |" in text
+    assert "| bfloat16 | 0.0010 | 0.0010 | 0.0040 | 0.0050 |" in text
