@@ -79,7 +79,7 @@ def layer_tensors(model: nn.Module, params, windows: jax.Array) -> dict[str, tup
     def is_dense_call(context) -> bool:
         return context.method_name == "__call__" and isinstance(context.module, (nn.Dense, nn.DenseGeneral))
 
-    def loss(params, offsets):
+    def loss(params, added_zeros):
         inputs, outputs = {}, {}
 
         def intercept(next_fun, args, kwargs, context):
@@ -88,7 +88,7 @@ def layer_tensors(model: nn.Module, params, windows: jax.Array) -> dict[str, tup
                 return out
             name = "/".join(context.module.path)
             inputs[name], outputs[name] = args[0], out
-            return out + offsets[name] if offsets is not None else out
+            return out + added_zeros[name] if added_zeros is not None else out
 
         with nn.intercept_methods(intercept):
             logits = model.apply({"params": params}, windows[:, :-1])
