@@ -2,15 +2,22 @@
 
 The measurement's pieces on tiny inputs: the tensors it reads from a model
 are the ones its weight gradients are made of, each row runs the recipe it
-names, and the accumulated error is of the sums, not of one step.
+names, the accumulated error is of the sums, not of one step, and a run
+reads a new batch each step.
 """
+
+import argparse
+import json
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.lm import data as data_lib
+from experiments.lm.config import GPTSize
 from experiments.measure import blackwell_recipe
+from experiments.measure.run_folder import RunFolder
 
 
 class EmbedAndTwoDense(nn.Module):
@@ -69,6 +76,18 @@ def test_each_row_runs_the_recipe_it_names():
         assert 0.005 < error(label) < 0.3, (label, error(label))
 
 
+def test_the_bfloat16_row_rounds_both_operands_to_bfloat16():
+    x, w, g = tensors_of_two_layers()["a"]
+    x_half, g_half = (operand.astype(jnp.bfloat16).astype(jnp.float32) for operand in (x, g))
+
+    np.testing.assert_allclose(
+        blackwell_recipe.bfloat16_gradient(x, w, g),
+        jnp.dot(x_half.T, g_half, precision=jax.lax.Precision.HIGHEST),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
 def test_the_accumulated_error_is_of_the_sums_an_unbiased_error_averaging_out_and_a_bias_staying():
     reference = jnp.ones(1000)
     noise = jax.random.normal(jax.random.key(4), (16, 1000))
@@ -100,3 +119,42 @@ def test_the_table_gives_each_checkpoint_of_the_accumulated_error():
     assert "| weight gradient by | one step | accumulated, 1 steps | accumulated, 4 steps | accumulated, 5 steps |" in text
     assert "| nvfp4 (full recipe) | 0.0400 | 0.0400 | 0.0150 | 0.0125 |" in text
     assert "| bfloat16 | 0.0010 | 0.0010 | 0.0040 | 0.0050 |" in text
+
+
+def relative_error(value, reference):
+    return np.linalg.norm(value - reference) / np.linalg.norm(reference)
+
+
+def test_a_run_reads_a_new_batch_each_step_and_reports_the_mean_one_step_error(monkeypatch, tmp_path):
+    """A one-block model and only the float32 and bfloat16 rows: the whole loop in a few seconds."""
+    corpus = data_lib.synthetic_corpus(vocab_size=16)
+    monkeypatch.setattr(blackwell_recipe.data_lib, "load_stdlib_corpus", lambda: corpus)
+    one_block = GPTSize(num_layers=1, d_model=32, num_heads=2, context=16)
+    monkeypatch.setitem(blackwell_recipe.model_lib.SIZES, "tiny", one_block)
+    monkeypatch.setattr(blackwell_recipe, "RECIPES", ())
+    monkeypatch.setattr(blackwell_recipe, "GRADIENT_ONLY", ())
+    monkeypatch.setattr(blackwell_recipe, "plot", lambda path, results: None)
+    out = RunFolder(str(tmp_path), "python -m experiments.measure blackwell-recipe --model tiny --batches 3")
+
+    blackwell_recipe.run(argparse.Namespace(model="tiny", batches=3, seed=2), out)
+
+    results = json.loads((tmp_path / "recipe.json").read_text())
+    # The same errors by hand: batch n is the corpus's batch at (seed 2, step n).
+    model = blackwell_recipe.model_lib.create_model("tiny", 16, "xla")
+    params = model.init(jax.random.key(2), jnp.zeros((1, 16), jnp.int32))["params"]
+    sums = {"float32": 0.0, "bfloat16": 0.0}
+    one_step, accumulated = [], []
+    for step in range(3):
+        offsets = data_lib.batch_offsets(len(corpus.train), blackwell_recipe.BATCH, 16, 2, step)
+        windows = jnp.asarray(data_lib.batch_rows(corpus.train, offsets, 16, slice(None)))
+        tensors = blackwell_recipe.layer_tensors(model, params, windows)
+        gradients = {
+            "float32": blackwell_recipe.weight_gradients(tensors, blackwell_recipe.float32_gradient),
+            "bfloat16": blackwell_recipe.weight_gradients(tensors, blackwell_recipe.bfloat16_gradient),
+        }
+        sums = {label: sums[label] + gradients[label] for label in sums}
+        one_step.append(relative_error(gradients["bfloat16"], gradients["float32"]))
+        accumulated.append(relative_error(sums["bfloat16"], sums["float32"]))
+    assert len(set(one_step)) == 3  # three batches, three errors: a mean is not any one of them
+    np.testing.assert_allclose(results["one_step"]["bfloat16"], np.mean(one_step), rtol=1e-4)
+    np.testing.assert_allclose(results["accumulated"]["bfloat16"], accumulated, rtol=1e-4)
