@@ -1,4 +1,4 @@
-"""``python -m experiments.measure blackwell-recipe``: NVFP4's tools at the wgrad GEMM, on a model's own tensors.
+"""``python -m experiments.measure blackwell-recipe``: NVFP4's tools at the wgrad GEMM, on a model's tensors.
 
 The measurement's pieces on tiny inputs: the tensors it reads from a model
 are the ones its weight gradients are made of, each row runs the recipe it
@@ -36,9 +36,11 @@ def test_each_layers_input_and_cotangent_make_the_models_own_kernel_gradient():
 
     tensors = blackwell_recipe.layer_tensors(model, params, windows)
 
-    expected = jax.grad(
-        lambda p: blackwell_recipe.token_losses(model.apply({"params": p}, windows[:, :-1]), windows[:, 1:]).mean()
-    )(params)
+    def loss(params):
+        logits = model.apply({"params": params}, windows[:, :-1])
+        return blackwell_recipe.token_losses(logits, windows[:, 1:]).mean()
+
+    expected = jax.grad(loss)(params)
     assert sorted(tensors) == ["down", "up"]
     for name, (x, w, g) in tensors.items():
         assert x.shape[0] == g.shape[0] == 16 and w.shape == (x.shape[1], g.shape[1])
@@ -47,10 +49,14 @@ def test_each_layers_input_and_cotangent_make_the_models_own_kernel_gradient():
 
 
 def tensors_of_two_layers():
-    keys = jax.random.split(jax.random.key(3), 6)
+    keys = iter(jax.random.split(jax.random.key(3), 6))
+
+    def normal(*shape):
+        return jax.random.normal(next(keys), shape)
+
     return {
-        "a": (jax.random.normal(keys[0], (64, 32)), jax.random.normal(keys[1], (32, 48)), jax.random.normal(keys[2], (64, 48))),
-        "b": (jax.random.normal(keys[3], (64, 48)), jax.random.normal(keys[4], (48, 16)), jax.random.normal(keys[5], (64, 16)) * 1e-3),
+        "a": (normal(64, 32), normal(32, 48), normal(64, 48)),
+        "b": (normal(64, 48), normal(48, 16), normal(64, 16) * 1e-3),
     }
 
 
@@ -61,7 +67,7 @@ def test_each_row_runs_the_recipe_it_names():
     reference = gradients["float32"]
 
     np.testing.assert_allclose(reference[: 32 * 48], np.ravel(tensors["a"][0].T @ tensors["a"][2]), rtol=1e-5)
-    labels = [label for label, _ in blackwell_recipe.RECIPES] + [label for label, _ in blackwell_recipe.GRADIENT_ONLY]
+    labels = [label for label, _ in (*blackwell_recipe.RECIPES, *blackwell_recipe.GRADIENT_ONLY)]
     # Every quantized row is its own computation: no two alike, none float32's.
     for index, label in enumerate(labels):
         assert not np.array_equal(gradients[label], reference), label
@@ -95,7 +101,8 @@ def test_the_accumulated_error_is_of_the_sums_an_unbiased_error_averaging_out_an
     for step in range(16):
         tracker.add({"float32": reference, "unbiased": reference + noise[step], "biased": reference + 0.5})
 
-    np.testing.assert_allclose(tracker.one_step["unbiased"], jnp.linalg.norm(noise, axis=1) / np.sqrt(1000), rtol=1e-5)
+    one_step_norms = jnp.linalg.norm(noise, axis=1) / np.sqrt(1000)
+    np.testing.assert_allclose(tracker.one_step["unbiased"], one_step_norms, rtol=1e-5)
     assert tracker.one_step["biased"] == tracker.accumulated["biased"] == [0.5] * 16
     np.testing.assert_allclose(
         tracker.accumulated["unbiased"][-1], jnp.linalg.norm(noise.sum(0)) / (16 * np.sqrt(1000)), rtol=1e-5
@@ -111,12 +118,16 @@ def test_the_table_gives_each_checkpoint_of_the_accumulated_error():
     results = {
         "model": "tiny", "seed": 0, "context": 64, "batches": 5, "layers": 8,
         "one_step": {"bfloat16": 0.001, "nvfp4 (full recipe)": 0.04},
-        "accumulated": {"bfloat16": [0.001, 0.002, 0.003, 0.004, 0.005], "nvfp4 (full recipe)": [0.04, 0.03, 0.02, 0.015, 0.0125]},
+        "accumulated": {
+            "bfloat16": [0.001, 0.002, 0.003, 0.004, 0.005],
+            "nvfp4 (full recipe)": [0.04, 0.03, 0.02, 0.015, 0.0125],
+        },
     }  # fmt: skip
 
     text = blackwell_recipe.report(results, "python -m experiments.measure blackwell-recipe --batches 5")
 
-    assert "| weight gradient by | one step | accumulated, 1 steps | accumulated, 4 steps | accumulated, 5 steps |" in text
+    columns = ["weight gradient by", "one step", "accumulated, 1 steps", "accumulated, 4 steps", "accumulated, 5 steps"]
+    assert "| " + " | ".join(columns) + " |" in text
     assert "| nvfp4 (full recipe) | 0.0400 | 0.0400 | 0.0150 | 0.0125 |" in text
     assert "| bfloat16 | 0.0010 | 0.0010 | 0.0040 | 0.0050 |" in text
 
