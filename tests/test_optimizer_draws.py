@@ -1,6 +1,8 @@
 """The draws of stochastic rounding: uniform, independent between leaves, and one seed per step, not a
 threefry per leaf (which made the wrapper's first step compile three times as long as optax's)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,3 +61,37 @@ def test_an_array_of_two_to_the_thirty_two_elements_draws_and_one_more_is_refuse
     assert jax.eval_shape(lambda s: draws.bits(s, 0, (2**16, 2**16)), seed).shape == (2**16, 2**16)
     with pytest.raises(ValueError, match="at most 2\\*\\*32 elements"):
         jax.eval_shape(lambda s: draws.bits(s, 0, (2**16, 2**16 + 1)), seed)
+
+
+def test_a_stream_seed_computed_apart_draws_what_its_stream_number_draws():
+    """`streams` gives each stream's seed as a value of its own; its draws are `bits`' for that number."""
+    seed = draws.seed_of(jax.random.key(5))
+    stream_seeds = jax.jit(lambda seed: draws.streams(seed, 7))(seed)
+    for stream in (0, 1, 6):
+        np.testing.assert_array_equal(
+            draws.stream_bits(stream_seeds[stream], (16, 8)), draws.bits(seed, stream, (16, 8))
+        )
+    assert draws.streams(seed, 0) == []
+
+
+def _distinct_kernels(compiled_text: str) -> int:
+    """The fused computations of a compiled CPU program, counted once per distinct body."""
+    bodies = set()
+    for computation in re.split(r"\n(?=\S)", compiled_text):
+        if computation.startswith("%fused") or computation.startswith("%wrapped"):
+            body = computation.split("\n", 1)[1]
+            bodies.add(re.sub(r", metadata=\{[^}]*\}", "", re.sub(r"[\w\-]+\.\d+", "x", body)))
+    return len(bodies)
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.bfloat16, "int8"])
+def test_layers_of_one_shape_compile_to_the_kernels_of_one(state_dtype):
+    """Each leaf's stream is an argument of its kernel, not a constant in it: six layers of one shape
+    compile to as many distinct kernels as two (as plain optax's update does), not three times as many."""
+
+    def kernels(layers):
+        params = {f"layer_{index}": jnp.zeros((64, 64), jnp.bfloat16) for index in range(layers)}
+        tx = jaxamp.low_precision_optimizer(optax.adam(1e-3), state_dtype=state_dtype)
+        return _distinct_kernels(jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text())
+
+    assert kernels(6) == kernels(2)
