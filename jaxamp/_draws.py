@@ -21,7 +21,9 @@ generator: ``jax.random.uniform`` runs threefry's twenty rounds per
 element, and an optimizer with a few dozen leaves compiled one of those per
 leaf, most of the wrapper's compile time. The index is the element's place
 in the whole array (``iota`` is global under SPMD), so an array split
-across devices draws what it draws on one.
+across devices draws what it draws on one. `streams` gives each stream's
+first word as a value of its own, so that the arrays of one shape that draw
+from different streams compile to one kernel.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import pytest
 
 import jaxamp
 from jaxamp import _draws as draws
+from jaxamp._optimizer.low_precision import round_with_draws
 
 
 def test_the_draws_are_uniform_and_independent_between_streams_and_neighbours():
@@ -39,7 +40,7 @@ def test_the_update_draws_from_one_seed_per_step_however_many_leaves(state_dtype
         tx = jaxamp.low_precision_optimizer(optax.adam(1e-3), state_dtype=state_dtype, rounding="kahan")
         return jax.jit(tx.update).lower(params, tx.init(params), params).as_text().count("call @threefry2x32")
 
-    assert threefry_calls(8) == threefry_calls(2) <= 3  # the key's split and the two seeds
+    assert threefry_calls(8) == threefry_calls(2) == 2  # the key's split, and the two seeds in one call
 
 
 def test_every_element_of_a_four_dimensional_array_draws_its_own_number():
@@ -95,3 +96,32 @@ def test_layers_of_one_shape_compile_to_the_kernels_of_one(state_dtype):
         return _distinct_kernels(jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text())
 
     assert kernels(6) == kernels(2)
+
+
+def test_the_params_and_the_state_round_with_the_seeds_of_their_own_keys():
+    """As the algorithm of `low_precision_optimizer` says: ``split(key, 3)`` gives the next key, the
+    params' key and the state's; each param and each state leaf draws from its key's seed, in the stream
+    of its place in its tree."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 256, dtype=jnp.bfloat16)}
+    grads = {"w": jnp.linspace(0.3, -0.2, 256)}
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-3), key=7)
+    state = tx.init(params)
+    updates, new_state = jax.jit(tx.update)(grads, state, params)
+
+    _, params_key, state_key = jax.random.split(jax.random.wrap_key_data(state.key), 3)
+    params32 = {"w": params["w"].astype(jnp.float32)}
+    adam = optax.adam(1e-3)
+    exact_updates, exact_state = jax.jit(adam.update)(grads, adam.init(params32), params32)
+    drawn = lambda key, stream: draws.bits(draws.seed_of(key), stream, (256,))
+    expected_param = round_with_draws(params32["w"] + exact_updates["w"], jnp.bfloat16, drawn(params_key, 0))
+    landed = optax.apply_updates(params, updates)["w"]
+    assert np.asarray(landed).tobytes() == np.asarray(expected_param).tobytes()
+    rounded = 0
+    for stream, (stored, exact) in enumerate(
+        zip(jax.tree.leaves(new_state.inner_state), jax.tree.leaves(exact_state), strict=True)
+    ):
+        if stored.dtype == jnp.bfloat16:
+            expected = round_with_draws(exact, jnp.bfloat16, drawn(state_key, stream))
+            assert np.asarray(stored).tobytes() == np.asarray(expected).tobytes()
+            rounded += 1
+    assert rounded == 2  # Adam's two moments

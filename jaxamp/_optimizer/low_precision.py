@@ -635,7 +635,8 @@ def low_precision_optimizer(
         step_key, params_key, state_key = jax.random.split(
             jax.random.wrap_key_data(state.key, impl=key_impl), 3
         )
-        params_seed, state_seed = draws.seed_of(params_key), draws.seed_of(state_key)
+        # Both seeds from one threefry (the words two calls give): each call compiles a loop of its own.
+        params_seed, state_seed = jax.vmap(draws.seed_of)(jnp.stack([params_key, state_key]))
         param_leaves, param_tree = jax.tree.flatten(params)
         compensations = (
             param_tree.flatten_up_to(state.compensation)
