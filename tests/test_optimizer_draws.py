@@ -93,7 +93,8 @@ def test_layers_of_one_shape_compile_to_the_kernels_of_one(state_dtype):
     def kernels(layers):
         params = {f"layer_{index}": jnp.zeros((64, 64), jnp.bfloat16) for index in range(layers)}
         tx = jaxamp.low_precision_optimizer(optax.adam(1e-3), state_dtype=state_dtype)
-        return _distinct_kernels(jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text())
+        compiled = jax.jit(tx.update).lower(params, tx.init(params), params).compile()
+        return _distinct_kernels(compiled.as_text())
 
     assert kernels(6) == kernels(2)
 

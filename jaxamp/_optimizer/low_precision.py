@@ -658,7 +658,11 @@ def low_precision_optimizer(
         stored_leaves = [
             _store(leaf, storage, stream, scales_from)
             for leaf, storage, scales_from, stream in zip(
-                state_leaves, storages, scale_sources, draws.streams(state_seed, len(state_leaves)), strict=True
+                state_leaves,
+                storages,
+                scale_sources,
+                draws.streams(state_seed, len(state_leaves)),
+                strict=True,
             )
         ]
         return param_tree.unflatten([update for update, _ in landed]), LowPrecisionState(
