@@ -21,7 +21,9 @@ generator: ``jax.random.uniform`` runs threefry's twenty rounds per
 element, and an optimizer with a few dozen leaves compiled one of those per
 leaf, most of the wrapper's compile time. The index is the element's place
 in the whole array (``iota`` is global under SPMD), so an array split
-across devices draws what it draws on one.
+across devices draws what it draws on one. `streams` gives each stream's
+first word as a value of its own, so that the arrays of one shape that draw
+from different streams compile to one kernel.
 """
 
 from __future__ import annotations
@@ -65,12 +67,48 @@ def bits(seed: jax.Array, stream: int, shape: tuple[int, ...]) -> jax.Array:
     Raises:
         ValueError: the array has more than 2**32 elements (its indices would repeat).
     """
+    return stream_bits((seed[0] + np.uint32(stream * _GOLDEN % 2**32), seed[1]), shape)
+
+
+def streams(seed: jax.Array, count: int) -> list[tuple[jax.Array, jax.Array]]:
+    """The seeds of streams ``0 .. count - 1`` of `seed`, for `stream_bits`: ``stream_bits(streams(seed,
+    n)[k], shape)`` draws what ``bits(seed, k, shape)`` draws.
+
+    Each stream's first word, ``seed[0] + k * 0x9E3779B9``, comes out of one
+    reduction with an output per stream rather than from an addition of its
+    own. An addition of the constant would be fused into the kernel of the
+    array that draws from it, and every array would then compile to a kernel
+    of its own; a word computed apart is an argument of the kernel, and the
+    arrays of one shape (the layers of a model) share one kernel. With a few
+    dozen arrays, that is most of the compile time of an optimizer that
+    rounds stochastically.
+    """
+    if count == 0:
+        return []
+    offsets = seed[0] + jnp.arange(count, dtype=jnp.uint32) * np.uint32(_GOLDEN)
+    stream_number = jnp.arange(count, dtype=jnp.uint32)
+    # Each operand keeps one stream's word and zeroes the rest: the bitwise or of its elements is that word.
+    words = jax.lax.reduce(
+        tuple(jnp.where(stream_number == stream, offsets, np.uint32(0)) for stream in range(count)),
+        (np.uint32(0),) * count,
+        lambda left, right: tuple(a | b for a, b in zip(left, right, strict=True)),
+        (0,),
+    )
+    return [(word, seed[1]) for word in words]
+
+
+def stream_bits(stream_seed: tuple[jax.Array, jax.Array], shape: tuple[int, ...]) -> jax.Array:
+    """Uniform uint32 draws of `shape` from one stream's seed (two uint32 scalars, from `streams`).
+
+    Raises:
+        ValueError: the array has more than 2**32 elements (its indices would repeat).
+    """
     if math.prod(shape) > 2**32:
         raise ValueError(
             f"stochastic rounding draws for at most 2**32 elements per array; got shape {shape}."
         )
-    offset = seed[0] + np.uint32(stream * _GOLDEN % 2**32)
-    return _mix(_mix(_flat_index(tuple(shape)) ^ offset) ^ seed[1])
+    offset, second_word = stream_seed
+    return _mix(_mix(_flat_index(tuple(shape)) ^ offset) ^ second_word)
 
 
 def uniform_of(draws: jax.Array) -> jax.Array:

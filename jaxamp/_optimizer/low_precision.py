@@ -294,12 +294,12 @@ def _check_quantized_somewhere(state_dtype: StateDtype, reference_state, storage
 
 
 def _store(leaf32: jax.Array, storage, stream: tuple | None, scales_from: jax.Array | None = None):
-    """`leaf32` as stored: as is, rounded to its dtype (stochastically with a ``(seed, stream number)``
-    for its draws, else to nearest), or quantized (its block scales from `scales_from`, the same leaf
-    computed apart, when given)."""
+    """`leaf32` as stored: as is, rounded to its dtype (stochastically with a stream's seed from
+    `draws.streams` for its draws, else to nearest), or quantized (its block scales from `scales_from`,
+    the same leaf computed apart, when given)."""
     if storage is None or (not isinstance(storage, _Quantized) and leaf32.dtype == storage):
         return leaf32
-    random_bits = None if stream is None else draws.bits(*stream, leaf32.shape)
+    random_bits = None if stream is None else draws.stream_bits(stream, leaf32.shape)
     if isinstance(storage, _Quantized):
         uniform = None if random_bits is None else draws.uniform_of(random_bits)
         return quantize(
@@ -570,7 +570,7 @@ def low_precision_optimizer(
         exact = param32 + jnp.asarray(update32, jnp.float32)
         if rounding == "kahan":
             exact = exact + compensation.astype(jnp.float32)
-        random_bits = draws.bits(*stream, param.shape) if rounding != "nearest" else None
+        random_bits = draws.stream_bits(stream, param.shape) if rounding != "nearest" else None
         if rounding == "stochastic":
             new_param = round_with_draws(exact, param.dtype, random_bits)
         else:
@@ -635,7 +635,8 @@ def low_precision_optimizer(
         step_key, params_key, state_key = jax.random.split(
             jax.random.wrap_key_data(state.key, impl=key_impl), 3
         )
-        params_seed, state_seed = draws.seed_of(params_key), draws.seed_of(state_key)
+        # Both seeds from one threefry (the words two calls give): each call compiles a loop of its own.
+        params_seed, state_seed = jax.vmap(draws.seed_of)(jnp.stack([params_key, state_key]))
         param_leaves, param_tree = jax.tree.flatten(params)
         compensations = (
             param_tree.flatten_up_to(state.compensation)
@@ -643,19 +644,25 @@ def low_precision_optimizer(
             else [None] * len(param_leaves)
         )
         landed = [
-            land(param, update, compensation, (params_seed, index))
-            if is_floating_array(param)
-            else (update, compensation)
-            for index, (param, update, compensation) in enumerate(
-                zip(param_leaves, param_tree.flatten_up_to(updates32), compensations, strict=True)
+            land(param, update, compensation, stream) if is_floating_array(param) else (update, compensation)
+            for param, update, compensation, stream in zip(
+                param_leaves,
+                param_tree.flatten_up_to(updates32),
+                compensations,
+                draws.streams(params_seed, len(param_leaves)),
+                strict=True,
             )
         ]
 
         state_leaves = jax.tree.leaves(new_inner_state32)
         stored_leaves = [
-            _store(leaf, storage, (state_seed, index), scales_from)
-            for index, (leaf, storage, scales_from) in enumerate(
-                zip(state_leaves, storages, scale_sources, strict=True)
+            _store(leaf, storage, stream, scales_from)
+            for leaf, storage, scales_from, stream in zip(
+                state_leaves,
+                storages,
+                scale_sources,
+                draws.streams(state_seed, len(state_leaves)),
+                strict=True,
             )
         ]
         return param_tree.unflatten([update for update, _ in landed]), LowPrecisionState(
