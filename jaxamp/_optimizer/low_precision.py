@@ -52,7 +52,13 @@ from jaxamp._policy import (
     is_floating_array,
 )
 from jaxamp import _draws as draws
-from jaxamp._optimizer.quantized import MIN_QUANTIZED_SIZE, QuantizedArray, dequantize, quantize
+from jaxamp._optimizer.quantized import (
+    MIN_QUANTIZED_SIZE,
+    QuantizedArray,
+    block_scales,
+    dequantize,
+    quantize,
+)
 
 ROUNDINGS = UPDATE_ROUNDINGS
 
@@ -293,24 +299,23 @@ def _check_quantized_somewhere(state_dtype: StateDtype, reference_state, storage
     )
 
 
-def _store(leaf32: jax.Array, storage, stream: tuple | None, scales_from: jax.Array | None = None):
+def _store(leaf32: jax.Array, storage, stream: tuple | None, scales: tuple | None = None):
     """`leaf32` as stored: as is, rounded to its dtype (stochastically with a stream's seed from
-    `draws.streams` for its draws, else to nearest), or quantized (its block scales from `scales_from`,
-    the same leaf computed apart, when given)."""
+    `draws.streams` for its draws, else to nearest), or quantized (with its `block_scales` computed
+    apart, when given)."""
     if storage is None or (not isinstance(storage, _Quantized) and leaf32.dtype == storage):
         return leaf32
     random_bits = None if stream is None else draws.stream_bits(stream, leaf32.shape)
     if isinstance(storage, _Quantized):
         uniform = None if random_bits is None else draws.uniform_of(random_bits)
-        return quantize(
-            leaf32, storage.format, storage.block_size, None, scales_from=scales_from, draws=uniform
-        )
+        return quantize(leaf32, storage.format, storage.block_size, None, scales=scales, draws=uniform)
     return leaf32.astype(storage) if random_bits is None else round_with_draws(leaf32, storage, random_bits)
 
 
-def _load(stored, storage, reference) -> jax.Array:
-    """A stored leaf read back in the dtype the inner optimizer made it in."""
-    value = dequantize(stored) if isinstance(storage, _Quantized) else stored
+def _load(stored, storage, reference, *, by_lookup: bool = False) -> jax.Array:
+    """A stored leaf read back in the dtype the inner optimizer made it in (an 8-bit leaf's codes decoded
+    by a table lookup when `by_lookup`: see `dequantize`)."""
+    value = dequantize(stored, by_lookup=by_lookup) if isinstance(storage, _Quantized) else stored
     return value.astype(reference.dtype)
 
 
@@ -610,10 +615,10 @@ def low_precision_optimizer(
         references, reference_tree = jax.tree.flatten(reference)
         storages = _storages(state_dtype, reference, block_size)
 
-        def inner_update(grads, stored_state, params):
+        def inner_update(grads, stored_state, params, by_lookup=False):
             """The inner optimizer's update and new state, in float32, from the stored state."""
             inner_state32 = reference_tree.unflatten([
-                _load(stored, storage, ref)
+                _load(stored, storage, ref, by_lookup=by_lookup)
                 for stored, storage, ref in zip(_stored_leaves(reference, stored_state), storages, references)
             ])  # fmt: skip
             grads32 = jax.tree.map(
@@ -621,22 +626,37 @@ def low_precision_optimizer(
             )
             return inner.update(grads32, inner_state32, checked_float32_params(params), **extra_args)
 
-        updates32, new_inner_state32 = inner_update(grads, state.inner_state, params)
-        # An 8-bit leaf's block scales are the largest magnitudes of its new value, which XLA would
-        # write out in float32 and read back to quantize it. Computed a second time from the same
-        # inputs behind a barrier (which XLA may not merge with the first), they cost one more read
-        # of the inputs instead (GPT-2's update, compiled for an H200: see the guide).
-        scale_sources = (
-            jax.tree.leaves(inner_update(*jax.lax.optimization_barrier((grads, state.inner_state, params)))[1])
-            if any(isinstance(storage, _Quantized) for storage in storages)
-            else [None] * len(storages)
-        )
+        # An 8-bit leaf's codes need its block scales, the largest magnitudes of its new value, and XLA's
+        # GPU does not fuse a reduction with the elementwise kernel that consumes it: from one computation
+        # of the new state, it would write the state out in float32 and read it back. The scales come from
+        # a computation of their own instead, ahead of the one that writes the codes and params, which
+        # reads the stored state through a barrier with the scales: XLA can neither merge the two nor fuse
+        # the params' update into the scales' reductions (it would then write the new state in float32).
+        # Each reads the gradients and codes once; the gradients and params stay shared, so that what
+        # depends on them alone (a global norm for clipping) is computed once.
+        if any(isinstance(storage, _Quantized) for storage in storages):
+            scales = [
+                block_scales(leaf, storage.block_size) if isinstance(storage, _Quantized) else None
+                for leaf, storage in zip(
+                    jax.tree.leaves(inner_update(grads, state.inner_state, params, by_lookup=True)[1]),
+                    storages,
+                    strict=True,
+                )
+            ]
+            stored_state, scales = jax.lax.optimization_barrier((state.inner_state, scales))
+        else:
+            stored_state, scales = state.inner_state, [None] * len(storages)
+        updates32, new_inner_state32 = inner_update(grads, stored_state, params)
 
         step_key, params_key, state_key = jax.random.split(
             jax.random.wrap_key_data(state.key, impl=key_impl), 3
         )
         # Both seeds from one threefry (the words two calls give): each call compiles a loop of its own.
+        # Each seed then as two scalar words behind a barrier: XLA's GPU merges kernels that share an
+        # array operand (sibling multi-output fusion), a seed's two words included, and a kernel merged
+        # over many leaves stops recomputing the new state where it is needed and writes it out in float32.
         params_seed, state_seed = jax.vmap(draws.seed_of)(jnp.stack([params_key, state_key]))
+        params_seed, state_seed = jax.lax.optimization_barrier((tuple(params_seed), tuple(state_seed)))
         param_leaves, param_tree = jax.tree.flatten(params)
         compensations = (
             param_tree.flatten_up_to(state.compensation)
@@ -656,13 +676,9 @@ def low_precision_optimizer(
 
         state_leaves = jax.tree.leaves(new_inner_state32)
         stored_leaves = [
-            _store(leaf, storage, stream, scales_from)
-            for leaf, storage, scales_from, stream in zip(
-                state_leaves,
-                storages,
-                scale_sources,
-                draws.streams(state_seed, len(state_leaves)),
-                strict=True,
+            _store(leaf, storage, stream, leaf_scales)
+            for leaf, storage, leaf_scales, stream in zip(
+                state_leaves, storages, scales, draws.streams(state_seed, len(state_leaves)), strict=True
             )
         ]
         return param_tree.unflatten([update for update, _ in landed]), LowPrecisionState(

@@ -135,13 +135,23 @@ def _per_element(per_block: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jnp.broadcast_to(per_block[:, None], (num_blocks, math.prod(shape) // num_blocks)).reshape(shape)
 
 
+def block_scales(values: jax.Array, block_size: int | None) -> tuple[jax.Array, jax.Array]:
+    """Each block's largest magnitude and whether it has a negative element: what `quantize` scales it by.
+
+    Returns:
+        ``(absmax, signed)``, each of shape ``(num_blocks,)``: float32 and bool.
+    """
+    blocks = jnp.asarray(values, jnp.float32).reshape(quantized_shapes(values.shape, block_size))
+    return jnp.max(jnp.abs(blocks), axis=1), jnp.any(blocks < 0, axis=1)
+
+
 def quantize(
     values: jax.Array,
     format: str,
     block_size: int | None,
     key: jax.Array | None,
     *,
-    scales_from: jax.Array | None = None,
+    scales: tuple[jax.Array, jax.Array] | None = None,
     draws: jax.Array | None = None,
 ) -> QuantizedArray:
     """`values` (float32) as a `QuantizedArray` of `format`, in blocks of `block_size` (None: one block).
@@ -152,11 +162,10 @@ def quantize(
         block_size: elements per block, or None for one scale for the whole array.
         key: a PRNG key for stochastic rounding (unbiased: the expected
             decoded value is `values`), or None to round to the nearest code.
-        scales_from: the same values computed apart, from which the blocks'
-            scales are taken (`values` when None). A GPU program then reads
-            the inputs of a computed array twice, once for the blocks'
-            largest magnitudes and once for the codes, instead of writing
-            the array in float32 and reading it back.
+        scales: `block_scales` of `values`, computed apart (from `values`
+            when None). A GPU program then computes the values twice, once
+            for the blocks' largest magnitudes and once for the codes,
+            instead of writing them in float32 and reading them back.
         draws: uniform draws in [0, 1) of `values`' shape for stochastic
             rounding, in place of a `key`'s (`jaxamp._draws`).
 
@@ -164,10 +173,7 @@ def quantize(
         The codes and scales.
     """
     values = jnp.asarray(values, jnp.float32)
-    source = values if scales_from is None else jnp.asarray(scales_from, jnp.float32)
-    scale_blocks = source.reshape(quantized_shapes(values.shape, block_size))
-    absmax = jnp.max(jnp.abs(scale_blocks), axis=1)
-    signed = jnp.any(scale_blocks < 0, axis=1)
+    absmax, signed = block_scales(values, block_size) if scales is None else scales
     # Codes are computed in the array's shape, each element beside its block's scale: XLA's GPU then
     # fuses the quantization into the computation of the values.
     ratios = values / _per_element(jnp.where(absmax > 0, absmax, 1.0), values.shape)
@@ -179,11 +185,26 @@ def quantize(
     return QuantizedArray(codes, jnp.where(signed, -absmax, absmax), format)
 
 
-def dequantize(quantized: QuantizedArray) -> jax.Array:
-    """The float32 array `quantized` stands for."""
+def dequantize(quantized: QuantizedArray, *, by_lookup: bool = False) -> jax.Array:
+    """The float32 array `quantized` stands for.
+
+    Args:
+        quantized: the codes and scales.
+        by_lookup: decode int8 codes by a lookup in the code's table (a
+            gather) instead of computing each value: the same values, bit for
+            bit. XLA's GPU fuses a lookup into a reduction over the values
+            (the block scales' pass), and the computed values into the kernel
+            that rewrites the codes in place, but not the other way round (a
+            lookup in a kernel that writes its own codes makes XLA copy them
+            first, and the computed values fused into a reduction are written
+            out in float32 instead).
+    """
     signed = _per_element(quantized.scales < 0, quantized.shape)
-    decode = _decode_int8 if quantized.format == "int8" else _decode_e4m3
-    return decode(quantized.codes, signed) * _per_element(jnp.abs(quantized.scales), quantized.shape)
+    if quantized.format == "int8":
+        values = (_decode_int8_by_lookup if by_lookup else _decode_int8)(quantized.codes, signed)
+    else:
+        values = _decode_e4m3(quantized.codes, signed)
+    return values * _per_element(jnp.abs(quantized.scales), quantized.shape)
 
 
 def _round_between(low, high, position, uniform):
@@ -222,12 +243,29 @@ def _encode_int8(ratios, signed, uniform):
     return jnp.where(signed, jnp.where(ratios < 0, -code, code), code - 128).astype(jnp.int8)
 
 
-def _decode_int8(codes, signed):
-    """The values of int8 codes: one lookup in the unsigned code (a signed code j is its entry 2j + 1)."""
+def _unsigned_index(codes, signed):
+    """Each int8 code's index in the unsigned code: ``c + 128`` in a block of the unsigned code, and for a
+    signed code ``j`` the index of its magnitude, ``2|j| + 1`` (0 for 0)."""
     codes = codes.astype(jnp.int32)
     magnitude = jnp.minimum(jnp.abs(codes), 127)
-    index = jnp.where(signed, jnp.where(magnitude > 0, 2 * magnitude + 1, 0), codes + 128)
-    value = jnp.asarray(unsigned_code())[index]
+    return jnp.where(signed, jnp.where(magnitude > 0, 2 * magnitude + 1, 0), codes + 128)
+
+
+def _decode_int8_by_lookup(codes, signed):
+    """The values of int8 codes, looked up in `unsigned_code`'s table."""
+    value = jnp.asarray(unsigned_code())[_unsigned_index(codes, signed)]
+    return jnp.where(signed & (codes < 0), -value, value)
+
+
+def _decode_int8(codes, signed):
+    """The values of int8 codes, each computed as `unsigned_code` computes its entry, in the same float32
+    operations (bit for bit its table; the power of two of the decade from its bits)."""
+    index = _unsigned_index(codes, signed)
+    decade = sum((index >= 2**bits).astype(jnp.int32) for bits in range(1, 8))
+    step = (index + 1 - jax.lax.shift_left(1, decade)).astype(jnp.float32)
+    two_to_minus_decade = jax.lax.bitcast_convert_type(jax.lax.shift_left(127 - decade, 23), jnp.float32)
+    fraction = np.float32(0.1) + (np.float32(0.9) * step) * two_to_minus_decade
+    value = jnp.where(index > 0, _select(decade, _DECADE_TOPS) * fraction, np.float32(0.0))
     return jnp.where(signed & (codes < 0), -value, value)
 
 
