@@ -50,7 +50,11 @@ def block_recipe(
     Read when a function is traced: put the block around the first call (or
     the ``jax.jit(...).lower``). It is part of the key under which an
     autocast function keeps its rewrite, so the same function traced under
-    another recipe is rewritten again. MXFP8 has no options: it ignores this.
+    another recipe is rewritten again. `jax.jit`'s own cache does not see
+    it: a Python function `jax.jit` has traced keeps its first recipe, even
+    through a new ``jax.jit(f)``; trace a new function under each recipe
+    (``jax.jit(lambda *args: f(*args))``) or call `jax.clear_caches` first.
+    MXFP8 has no options: it ignores this.
 
     Examples:
         >>> with jaxamp.fp8.block_recipe(hadamard=False):   # NVFP4 without the Hadamard transform
