@@ -70,6 +70,9 @@ def bits(seed: jax.Array, stream: int, shape: tuple[int, ...]) -> jax.Array:
     return stream_bits((seed[0] + np.uint32(stream * _GOLDEN % 2**32), seed[1]), shape)
 
 
+_STREAMS_PER_REDUCTION = 64
+
+
 def streams(seed: jax.Array, count: int) -> list[tuple[jax.Array, jax.Array]]:
     """The seeds of streams ``0 .. count - 1`` of `seed`, for `stream_bits`: ``stream_bits(streams(seed,
     n)[k], shape)`` draws what ``bits(seed, k, shape)`` draws.
@@ -81,19 +84,22 @@ def streams(seed: jax.Array, count: int) -> list[tuple[jax.Array, jax.Array]]:
     of its own; a word computed apart is an argument of the kernel, and the
     arrays of one shape (the layers of a model) share one kernel. With a few
     dozen arrays, that is most of the compile time of an optimizer that
-    rounds stochastically.
+    rounds stochastically. The streams go in groups of `_STREAMS_PER_REDUCTION`,
+    one reduction each, so that the reductions' size grows with `count`, not
+    with its square.
     """
-    if count == 0:
-        return []
-    offsets = seed[0] + jnp.arange(count, dtype=jnp.uint32) * np.uint32(_GOLDEN)
-    stream_number = jnp.arange(count, dtype=jnp.uint32)
-    # Each operand keeps one stream's word and zeroes the rest: the bitwise or of its elements is that word.
-    words = jax.lax.reduce(
-        tuple(jnp.where(stream_number == stream, offsets, np.uint32(0)) for stream in range(count)),
-        (np.uint32(0),) * count,
-        lambda left, right: tuple(a | b for a, b in zip(left, right, strict=True)),
-        (0,),
-    )
+    words = []
+    for first in range(0, count, _STREAMS_PER_REDUCTION):
+        group = min(_STREAMS_PER_REDUCTION, count - first)
+        offsets = seed[0] + (first + jnp.arange(group, dtype=jnp.uint32)) * np.uint32(_GOLDEN)
+        position = jnp.arange(group, dtype=jnp.uint32)
+        # Each operand keeps one stream's word and zeroes the rest: the bitwise or of its elements is that word.
+        words += jax.lax.reduce(
+            tuple(jnp.where(position == index, offsets, np.uint32(0)) for index in range(group)),
+            (np.uint32(0),) * group,
+            lambda left, right: tuple(a | b for a, b in zip(left, right, strict=True)),
+            (0,),
+        )
     return [(word, seed[1]) for word in words]
 
 

@@ -67,8 +67,9 @@ def test_an_array_of_two_to_the_thirty_two_elements_draws_and_one_more_is_refuse
 def test_a_stream_seed_computed_apart_draws_what_its_stream_number_draws():
     """`streams` gives each stream's seed as a value of its own; its draws are `bits`' for that number."""
     seed = draws.seed_of(jax.random.key(5))
-    stream_seeds = jax.jit(lambda seed: draws.streams(seed, 7))(seed)
-    for stream in (0, 1, 6):
+    stream_seeds = jax.jit(lambda seed: draws.streams(seed, 130))(seed)  # three groups of streams
+    assert len(stream_seeds) == 130
+    for stream in (0, 1, 6, 63, 64, 65, 129):
         np.testing.assert_array_equal(
             draws.stream_bits(stream_seeds[stream], (16, 8)), draws.bits(seed, stream, (16, 8))
         )
