@@ -32,6 +32,21 @@ def leaf_finite_flags(tree) -> jax.Array:
     return jnp.stack(flags) if flags else jnp.zeros([0], bool)
 
 
+def every(flags: jax.Array) -> jax.Array:
+    """Whether every element of the bool vector `flags` is true (True when it is empty).
+
+    Counted as the number of false flags, an integer reduction: XLA rewrites a
+    reduction of booleans over a few dozen per-leaf flags into a chain of
+    scalar ``and``s, cheap enough that it copies the chain into every kernel
+    that reads the result, and a skipped step selects every leaf of the params
+    and the optimizer state on it. The copies' compile time grew with leaves
+    times selects (a small language model's train step, 52 leaves: 16,000 of
+    its 30,000 HLO lines, a third of its compile time on a CPU); the count is
+    computed once.
+    """
+    return jnp.sum(~flags, dtype=jnp.int32) == 0
+
+
 def all_finite(tree) -> jax.Array:
     """Returns whether every floating-point value in `tree` is finite.
 
@@ -46,7 +61,7 @@ def all_finite(tree) -> jax.Array:
     Returns:
         A scalar bool array; ``True`` for a tree with no floating leaves.
     """
-    return jnp.all(leaf_finite_flags(tree))
+    return every(leaf_finite_flags(tree))
 
 
 def select_tree(pred: jax.Array, on_true: T, on_false: T) -> T:

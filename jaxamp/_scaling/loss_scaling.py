@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxamp._finite import leaf_finite_flags, select_tree
+from jaxamp._finite import every, leaf_finite_flags, select_tree
 from jaxamp._scaling.loss_scale import LossScale
 from jaxamp._scaling.nonfinite import NonFiniteGradients
 
@@ -139,7 +139,7 @@ def loss_scaling(
     def update(grads, state: LossScalingState, params=None, *, grads_finite=None, **extra_args):
         leaf_finite = leaf_finite_flags(grads)
         if grads_finite is None:
-            grads_finite = jnp.all(leaf_finite)
+            grads_finite = every(leaf_finite)
         inner_updates, new_inner_state = inner.update(grads, state.inner_state, params, **extra_args)
         skipped_updates = jax.tree.map(lambda update: jnp.full_like(update, -0.0), inner_updates)
         nonfinite_grads = state.nonfinite_grads
