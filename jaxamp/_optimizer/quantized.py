@@ -85,13 +85,28 @@ def unsigned_code() -> np.ndarray:
     return np.asarray(values, np.float32)
 
 
-def _select(index: jax.Array, constants) -> jax.Array:
-    """``constants[index]`` for int32 `index`, as a chain of selects (XLA's GPU fuses it into the
-    computation around it, and XLA's CPU runs it several times faster than a gather)."""
-    value = jnp.full(index.shape, constants[0], jnp.float32)
-    for position in range(1, len(constants)):
-        value = jnp.where(index == position, constants[position], value)
-    return value
+def _decade_bits(magnitude: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The decade of each magnitude, the count of ``tops[0..6]`` below it (0 to 7, 0 for NaN), as its
+    three bits from the highest: a binary search of three comparisons, not seven."""
+    tops = _DECADE_TOPS
+    high = magnitude > tops[3]
+    middle = magnitude > jnp.where(high, tops[5], tops[1])
+    low = magnitude > jnp.where(high, jnp.where(middle, tops[6], tops[4]), jnp.where(middle, tops[2], tops[0]))
+    return high, middle, low
+
+
+def _pick(bits: tuple[jax.Array, jax.Array, jax.Array], constants) -> jax.Array:
+    """``constants[n]`` (8 of them) for the index ``n`` whose bits, highest first, are `bits`: a tree of
+    seven selects, which XLA's GPU fuses into the computation around it (XLA's CPU runs it several times
+    faster than a gather)."""
+    high, middle, low = bits
+    pairs = [jnp.where(low, np.float32(constants[2 * k + 1]), np.float32(constants[2 * k])) for k in range(4)]
+    return jnp.where(high, jnp.where(middle, pairs[3], pairs[2]), jnp.where(middle, pairs[1], pairs[0]))
+
+
+def _bits_of(index: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The three low bits of int32 `index`, highest first, as bools."""
+    return tuple((index & bit) != 0 for bit in (4, 2, 1))
 
 
 @struct.dataclass
@@ -228,11 +243,16 @@ def _encode_int8(ratios, signed, uniform):
         c     = c + 1 with probability (|r| - base - k step) / step  (or where that is at least 1/2)
     """
     magnitude = jnp.abs(ratios)
-    signed_bit = signed.astype(jnp.int32)
-    decade = jnp.maximum(sum((magnitude > top).astype(jnp.int32) for top in _DECADE_TOPS[:7]), signed_bit)
-    fraction_bits = decade - signed_bit
-    steps = _select(fraction_bits, [np.float32(2.0**bits) for bits in range(8)])
-    scaled = magnitude * _select(decade, [np.float32(1.0 / top) for top in _DECADE_TOPS])  # in (0.1, 1]
+    decade_bits = _decade_bits(magnitude)
+    high, middle, low = decade_bits
+    decade = 4 * high.astype(jnp.int32) + 2 * middle.astype(jnp.int32) + low.astype(jnp.int32)
+    # A signed block has no decade 0: its lowest decade is 1 (0 .. tops[1], in steps of 2**0).
+    in_decade_zero = signed & (decade == 0)
+    decade = jnp.where(in_decade_zero, 1, decade)
+    fraction_bits = decade - signed.astype(jnp.int32)
+    steps = jax.lax.shift_left(1, fraction_bits).astype(jnp.float32)
+    reciprocals = [np.float32(1.0 / top) for top in _DECADE_TOPS]
+    scaled = magnitude * jnp.where(in_decade_zero, reciprocals[1], _pick(decade_bits, reciprocals))  # (0.1, 1]
     position = jnp.where(fraction_bits == 0, scaled, (scaled - np.float32(0.1)) * (steps / np.float32(0.9)))
     below = jnp.clip(jnp.floor(position), 0.0, steps)
     code = (steps - 1 + below).astype(jnp.int32)
@@ -261,11 +281,14 @@ def _decode_int8(codes, signed):
     """The values of int8 codes, each computed as `unsigned_code` computes its entry, in the same float32
     operations (bit for bit its table; the power of two of the decade from its bits)."""
     index = _unsigned_index(codes, signed)
-    decade = sum((index >= 2**bits).astype(jnp.int32) for bits in range(1, 8))
+    # floor(log2(index)) for index 1..255: the exponent of its float32 value (exact); 0 for index 0.
+    decade = jnp.maximum(
+        jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(index.astype(jnp.float32), jnp.int32), 23) - 127, 0
+    )
     step = (index + 1 - jax.lax.shift_left(1, decade)).astype(jnp.float32)
     two_to_minus_decade = jax.lax.bitcast_convert_type(jax.lax.shift_left(127 - decade, 23), jnp.float32)
     fraction = np.float32(0.1) + (np.float32(0.9) * step) * two_to_minus_decade
-    value = jnp.where(index > 0, _select(decade, _DECADE_TOPS) * fraction, np.float32(0.0))
+    value = jnp.where(index > 0, _pick(_bits_of(decade), _DECADE_TOPS) * fraction, np.float32(0.0))
     return jnp.where(signed & (codes < 0), -value, value)
 
 
