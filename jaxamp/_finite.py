@@ -35,14 +35,12 @@ def leaf_finite_flags(tree) -> jax.Array:
 def every(flags: jax.Array) -> jax.Array:
     """Whether every element of the bool vector `flags` is true (True when it is empty).
 
-    Counted as the number of false flags, an integer reduction: XLA rewrites a
-    reduction of booleans over a few dozen per-leaf flags into a chain of
-    scalar ``and``s, cheap enough that it copies the chain into every kernel
-    that reads the result, and a skipped step selects every leaf of the params
-    and the optimizer state on it. The copies' compile time grew with leaves
-    times selects (a small language model's train step, 52 leaves: 16,000 of
-    its 30,000 HLO lines, a third of its compile time on a CPU); the count is
-    computed once.
+    Counted as the number of false flags, an integer reduction, so that XLA
+    computes it once. A reduction of booleans over a few dozen per-leaf flags
+    XLA rewrites into a chain of scalar ``and``s, cheap enough that it copies
+    the chain into every kernel that reads the result; a skipped step selects
+    every leaf of the params and the optimizer state on it, so the copies'
+    compile time would grow with the leaves times the selections.
     """
     return jnp.sum(~flags, dtype=jnp.int32) == 0
 
