@@ -8,8 +8,10 @@ The site builds with ``mkdocs build --strict``, so a broken link, a missing
 page or an unresolved API reference fails the suite.
 """
 
+import functools
 import html.parser
 import importlib
+import importlib.util
 import os
 import pathlib
 import re
@@ -179,6 +181,56 @@ def test_every_relative_link_of_the_readme_leads_to_a_file():
     relative = [t.split("#")[0] for t in targets if not re.match(r"^[a-z]+:", t) and not t.startswith("#")]
     assert relative, "the README links into the docs"
     assert [t for t in relative if not (REPO / t).exists()] == []
+
+
+@functools.cache
+def _hook(name: str):
+    """One of the site's hooks (docs/_hooks/NAME.py), loaded as the build loads it."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "docs" / "_hooks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The pages written for developers: the development page and its notes under docs/dev/.
+DEVELOPER_PAGES = [REPO / "docs" / "development.md", *sorted((REPO / "docs" / "dev").rglob("*.md"))]
+# Every other page a user reads: the README, the site's pages, and the results folder's tables (the site
+# publishes those its pages link).
+RESULTS_TABLES = sorted((REPO / "results").rglob("*.md"))
+USER_PAGES = [page for page in PAGES if page not in DEVELOPER_PAGES] + RESULTS_TABLES
+
+
+def _links_into_the_tests(markdown: str, page: pathlib.Path) -> list[str]:
+    """The page's links (inline or reference-style, outside code blocks) to a file under tests/,
+    found as the site's build finds a link out of the docs folder."""
+    page_uri = pathlib.Path(os.path.relpath(page, REPO / "docs")).as_posix()
+    targets = _hook("source_files")._outside_targets(markdown, page_uri)
+    return sorted(target for target in targets if target.startswith("../tests/"))
+
+
+def test_no_user_page_links_a_test_file():
+    """User pages are for users: a claim the tests check says so in words, a figure names its
+    command and results folder; the tests behind each claim are listed in docs/dev/tested-claims.md."""
+    linking = {
+        str(page.relative_to(REPO)): links
+        for page in USER_PAGES
+        if (links := _links_into_the_tests(page.read_text(encoding="utf-8"), page))
+    }
+    assert linking == {}
+
+
+def test_a_link_into_the_tests_is_caught_wherever_a_page_lies_and_a_command_is_not():
+    """The check's negative case: an inline and a reference-style link from the README, a guide and
+    a results table are caught; a file named in backticks and a command in a code block are no links."""
+    for page, target in [
+        (REPO / "README.md", "tests/test_grads.py"),
+        (REPO / "docs" / "guides" / "flax.md", "../../tests/test_grads.py"),
+        (REPO / "results" / "question" / "table.md", "../../tests/test_grads.py#L3"),
+    ]:
+        for link in (f"The [test]({target}).", f"The [test][t].\n\n[t]: {target}\n"):
+            assert _links_into_the_tests(link, page) == ["../tests/test_grads.py"], (page, link)
+    named = "`tests/test_fp8.py`\n\n```bash\npytest tests/test_fp8.py  # [t](tests/test_fp8.py)\n```\n"
+    assert _links_into_the_tests(named, REPO / "README.md") == []
 
 
 # Every proxy points at a closed port, and no host bypasses them: no fetch can succeed.

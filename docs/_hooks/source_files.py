@@ -1,9 +1,10 @@
 """MkDocs hook: the repository files that the pages link to become part of the site.
 
 The pages cite their evidence by relative links into the repository
-(``../../tests/test_grads.py`` from ``docs/guides/``), so the links work where
-the Markdown is read in place. MkDocs only knows files under ``docs/`` and, in
-strict mode, fails on a link to anything else. This hook finds every relative
+(``../../results/...`` from ``docs/results/``, ``../../tests/test_grads.py``
+from ``docs/dev/``), so the links work where the Markdown is read in place.
+MkDocs only knows files under ``docs/`` and, in strict mode, fails on a link
+to anything else. This hook finds every relative
 link of every page that leads out of ``docs/`` into the repository, and adds
 each target that exists to the site's files (published under ``_source/``),
 so MkDocs resolves and checks such links like any other. A link to a file
