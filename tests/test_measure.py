@@ -157,3 +157,22 @@ def test_the_nnx_model_trains_end_to_end_and_its_skipped_step_counts_only_as_ski
     assert run["steps_skipped"] == 1 and run["steps_applied"] == run["adam_count"] == 3
     assert run["loss_scale"] == 2.0**14 and math.isfinite(run["last_loss"])
     assert "| mixed_float16 |" in (out / "table.md").read_text()
+
+
+def test_the_first_step_measurement_counts_the_compiled_programs_kernels_and_lines():
+    """The program's size, which does not move between runs as the times do: a function of two
+    elementwise outputs and a reduction compiles to kernels XLA names fusions, and the MLP's plain
+    train step (the measurement's baseline) to a program of some dozens of them."""
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.measure.optimizer_first_step import first_step, program_size
+
+    compiled = jax.jit(lambda x: (jnp.sin(x) * 2, jnp.exp(x).sum(axis=1))).lower(jnp.ones((64, 64))).compile()
+    kernels, lines = program_size(compiled)
+    assert kernels == compiled.as_text().count(" fusion(") >= 1
+    assert lines == compiled.as_text().count("\n")
+
+    lower_s, compile_s, cpu_s, (step_kernels, step_lines) = first_step("mlp", "plain")
+    assert min(lower_s, compile_s, cpu_s) > 0
+    assert 20 <= step_kernels < step_lines

@@ -19,12 +19,16 @@ times ``jax.jit(step).lower(...)`` (tracing and the StableHLO program) and
 variants, so the machine's load falls on all alike. The table gives the
 medians of the wall time and of this process's CPU time (lowering and
 compiling together; less sensitive to other jobs on a shared machine) and
-each variant's ratio to ``plain``. Writes first_step.md.
+each variant's ratio to ``plain``. Beside the times, which move between
+runs on a shared machine, the compiled program's size, which does not: its
+kernels (XLA's fusions) and the lines of its optimized HLO text. Writes
+first_step.md.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import time
 
@@ -129,15 +133,23 @@ def nnx_step(variant: str):
 STEPS = {"mlp": mlp_step, "lm": lm_step, "nnx": nnx_step}
 
 
-def first_step(model: str, variant: str) -> tuple[float, float, float]:
-    """Seconds to build and lower, and to compile, one train step of `model` under `variant`, and the
-    CPU seconds of both (this process's: less sensitive to other jobs on the machine)."""
+def program_size(compiled) -> tuple[int, int]:
+    """The kernels (fusions) of a compiled program and the lines of its optimized HLO text."""
+    text = compiled.as_text()
+    return len(re.findall(r"= \S+ fusion\(", text)), text.count("\n")
+
+
+def first_step(model: str, variant: str) -> tuple[float, float, float, tuple[int, int]]:
+    """Seconds to build and lower, and to compile, one train step of `model` under `variant`, the CPU
+    seconds of both (this process's: less sensitive to other jobs on the machine), and the compiled
+    program's `program_size`."""
     start, start_cpu = time.perf_counter(), time.process_time()
     step, arguments = STEPS[model](variant)
     lowered = jax.jit(step).lower(*arguments)
     lowered_at = time.perf_counter()
-    lowered.compile()
-    return lowered_at - start, time.perf_counter() - lowered_at, time.process_time() - start_cpu
+    compiled = lowered.compile()
+    seconds = (lowered_at - start, time.perf_counter() - lowered_at, time.process_time() - start_cpu)
+    return (*seconds, program_size(compiled))
 
 
 def run(args, out) -> None:
@@ -151,9 +163,10 @@ def run(args, out) -> None:
         lower = {variant: [] for variant in VARIANTS}
         total = {variant: [] for variant in VARIANTS}
         cpu = {variant: [] for variant in VARIANTS}
+        size = {}
         for _ in range(args.rounds):
             for variant in VARIANTS:
-                lower_s, compile_s, cpu_s = first_step(model, variant)
+                lower_s, compile_s, cpu_s, size[variant] = first_step(model, variant)
                 lower[variant].append(lower_s)
                 total[variant].append(lower_s + compile_s)
                 cpu[variant].append(cpu_s)
@@ -164,8 +177,12 @@ def run(args, out) -> None:
             rows.append([
                 model, variant, f"{median_lower:.2f}", f"{median_total - median_lower:.2f}", f"{median_total:.2f}",
                 f"{median_total / plain_total:.2f}x", f"{median_cpu:.2f}", f"{median_cpu / plain_cpu:.2f}x",
+                f"{size[variant][0]:,}", f"{size[variant][1]:,}",
             ])  # fmt: skip
             out.print(f"{model} {variant}: lower {median_lower:.2f} s, total {median_total:.2f} s, CPU {median_cpu:.2f} s")
-    header = ["model", "state", "lower s", "compile s", "total s", "total / plain", "CPU s", "CPU / plain"]
+    header = [
+        "model", "state", "lower s", "compile s", "total s", "total / plain", "CPU s", "CPU / plain", "kernels",
+        "HLO lines",
+    ]  # fmt: skip
     out.print(table(header, rows))
     out.save_printed("first_step.md")
