@@ -611,20 +611,21 @@ def low_precision_optimizer(
                 "low_precision_optimizer's update needs the params (tx.update(grads, state, params)): "
                 "the updates it returns are chosen to land on them."
             )
-        reference = jax.eval_shape(inner.init, checked_float32_params(params))
+        params32 = checked_float32_params(params)
+        grads32 = jax.tree.map(
+            lambda grad: grad.astype(jnp.float32) if is_floating_array(grad) else grad, grads
+        )
+        reference = jax.eval_shape(inner.init, params32)
         references, reference_tree = jax.tree.flatten(reference)
         storages = _storages(state_dtype, reference, block_size)
 
-        def inner_update(grads, stored_state, params, by_lookup=False):
+        def inner_update(stored_state, by_lookup=False):
             """The inner optimizer's update and new state, in float32, from the stored state."""
             inner_state32 = reference_tree.unflatten([
                 _load(stored, storage, ref, by_lookup=by_lookup)
                 for stored, storage, ref in zip(_stored_leaves(reference, stored_state), storages, references)
             ])  # fmt: skip
-            grads32 = jax.tree.map(
-                lambda grad: grad.astype(jnp.float32) if is_floating_array(grad) else grad, grads
-            )
-            return inner.update(grads32, inner_state32, checked_float32_params(params), **extra_args)
+            return inner.update(grads32, inner_state32, params32, **extra_args)
 
         # An 8-bit leaf's codes need its block scales, the largest magnitudes of its new value, and XLA's
         # GPU does not fuse a reduction with the elementwise kernel that consumes it: from one computation
@@ -638,7 +639,7 @@ def low_precision_optimizer(
             scales = [
                 block_scales(leaf, storage.block_size) if isinstance(storage, _Quantized) else None
                 for leaf, storage in zip(
-                    jax.tree.leaves(inner_update(grads, state.inner_state, params, by_lookup=True)[1]),
+                    jax.tree.leaves(inner_update(state.inner_state, by_lookup=True)[1]),
                     storages,
                     strict=True,
                 )
@@ -646,7 +647,7 @@ def low_precision_optimizer(
             stored_state, scales = jax.lax.optimization_barrier((state.inner_state, scales))
         else:
             stored_state, scales = state.inner_state, [None] * len(storages)
-        updates32, new_inner_state32 = inner_update(grads, stored_state, params)
+        updates32, new_inner_state32 = inner_update(stored_state)
 
         step_key, params_key, state_key = jax.random.split(
             jax.random.wrap_key_data(state.key, impl=key_impl), 3

@@ -91,7 +91,9 @@ def _decade_bits(magnitude: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]
     tops = _DECADE_TOPS
     high = magnitude > tops[3]
     middle = magnitude > jnp.where(high, tops[5], tops[1])
-    low = magnitude > jnp.where(high, jnp.where(middle, tops[6], tops[4]), jnp.where(middle, tops[2], tops[0]))
+    low = magnitude > jnp.where(
+        high, jnp.where(middle, tops[6], tops[4]), jnp.where(middle, tops[2], tops[0])
+    )
     return high, middle, low
 
 
@@ -252,7 +254,8 @@ def _encode_int8(ratios, signed, uniform):
     fraction_bits = decade - signed.astype(jnp.int32)
     steps = jax.lax.shift_left(1, fraction_bits).astype(jnp.float32)
     reciprocals = [np.float32(1.0 / top) for top in _DECADE_TOPS]
-    scaled = magnitude * jnp.where(in_decade_zero, reciprocals[1], _pick(decade_bits, reciprocals))  # (0.1, 1]
+    # in (0.1, 1]
+    scaled = magnitude * jnp.where(in_decade_zero, reciprocals[1], _pick(decade_bits, reciprocals))
     position = jnp.where(fraction_bits == 0, scaled, (scaled - np.float32(0.1)) * (steps / np.float32(0.9)))
     below = jnp.clip(jnp.floor(position), 0.0, steps)
     code = (steps - 1 + below).astype(jnp.int32)
@@ -282,9 +285,8 @@ def _decode_int8(codes, signed):
     operations (bit for bit its table; the power of two of the decade from its bits)."""
     index = _unsigned_index(codes, signed)
     # floor(log2(index)) for index 1..255: the exponent of its float32 value (exact); 0 for index 0.
-    decade = jnp.maximum(
-        jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(index.astype(jnp.float32), jnp.int32), 23) - 127, 0
-    )
+    exponent_bits = jax.lax.bitcast_convert_type(index.astype(jnp.float32), jnp.int32)
+    decade = jnp.maximum(jax.lax.shift_right_logical(exponent_bits, 23) - 127, 0)
     step = (index + 1 - jax.lax.shift_left(1, decade)).astype(jnp.float32)
     two_to_minus_decade = jax.lax.bitcast_convert_type(jax.lax.shift_left(127 - decade, 23), jnp.float32)
     fraction = np.float32(0.1) + (np.float32(0.9) * step) * two_to_minus_decade
