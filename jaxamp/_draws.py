@@ -4,26 +4,32 @@ One job: uniform random numbers, one per element (32 bits, or a float32 in
 [0, 1)), for
 `jaxamp.low_precision_optimizer`'s stochastic rounding of params, state and
 8-bit codes, and for NVFP4's stochastic rounding of gradients
-(`jaxamp.fp8`). Each element's draw is a hash of its index in its array, a
-stream number (the leaf's place in the tree) and a seed of two words drawn
-once per step from the PRNG key::
+(`jaxamp.fp8`). Each element's draw is a hash of its index in its array and
+of one word for its stream (the leaf's place in the tree), made from a seed
+of two words drawn once per step from the PRNG key::
 
-    seed   = jax.random.bits(key, (2,), uint32)            # once per step
-    x      = flat index of the element                    # uint32
-    x      = mix(x ^ (seed[0] + stream * 0x9E3779B9))
-    x      = mix(x ^ seed[1])
-    draw   = x, or (x >> 8) * 2**-24 as a float32 in [0, 1)
+    seed   = jax.random.bits(key, (2,), uint32)                # once per step
+    word   = (seed[0] + stream * 0x9E3779B9) ^ seed[1]         # once per stream
+    x      = flat index of the element                        # uint32
+    draw   = mix(x ^ word), or (draw >> 8) * 2**-24 as a float32 in [0, 1)
 
 where ``mix`` is a bijective integer hash (Wellons' lowbias32: two
-multiplications and three xor-shifts). A rounding dither needs draws that
-are uniform and independent of the values they round, not a cryptographic
-generator: ``jax.random.uniform`` runs threefry's twenty rounds per
-element, and an optimizer with a few dozen leaves compiled one of those per
-leaf, most of the wrapper's compile time. The index is the element's place
-in the whole array (``iota`` is global under SPMD), so an array split
+multiplications and three xor-shifts). Each draw is exactly uniform: for a
+given element, ``x ^ word`` is uniform over the step's random word, and a
+bijection keeps it so; the steps' words are independent, so are an
+element's draws from step to step. A rounding dither needs no more than
+that and a hash whose outputs for neighbouring indices look unrelated, not
+a cryptographic generator: ``jax.random.uniform`` runs threefry's twenty
+rounds per element, and an optimizer with a few dozen leaves compiled one
+of those per leaf, most of the wrapper's compile time. One ``mix``, not
+two: every operation of the hash is repeated in each leaf's kernel (three
+times with bfloat16 params and state), and XLA's fusion pass takes time in
+proportion to them (a second round made the small language model's train
+step compile 1.2 times as long for an H200). The index is the element's
+place in the whole array (``iota`` is global under SPMD), so an array split
 across devices draws what it draws on one. `streams` gives each stream's
-first word as a value of its own, so that the arrays of one shape that draw
-from different streams compile to one kernel.
+word as a value of its own, so that the arrays of one shape that draw from
+different streams compile to one kernel.
 """
 
 from __future__ import annotations
@@ -53,12 +59,13 @@ def _mix(x: jax.Array) -> jax.Array:
 
 def _flat_index(shape: tuple[int, ...]) -> jax.Array:
     """Each element's index in the flattened array, as uint32, in `shape`."""
-    index = jnp.zeros(shape, jnp.uint32)
-    stride = 1
+    index, stride = None, 1
     for dimension in reversed(range(len(shape))):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, dimension) * np.uint32(stride)
+        term = jax.lax.broadcasted_iota(jnp.uint32, shape, dimension)
+        term = term if stride == 1 else term * np.uint32(stride)
+        index = term if index is None else index + term
         stride *= shape[dimension]
-    return index
+    return jnp.zeros(shape, jnp.uint32) if index is None else index
 
 
 def bits(seed: jax.Array, stream: int, shape: tuple[int, ...]) -> jax.Array:
@@ -67,17 +74,17 @@ def bits(seed: jax.Array, stream: int, shape: tuple[int, ...]) -> jax.Array:
     Raises:
         ValueError: the array has more than 2**32 elements (its indices would repeat).
     """
-    return stream_bits((seed[0] + np.uint32(stream * _GOLDEN % 2**32), seed[1]), shape)
+    return stream_bits((seed[0] + np.uint32(stream * _GOLDEN % 2**32)) ^ seed[1], shape)
 
 
 _STREAMS_PER_REDUCTION = 64
 
 
-def streams(seed: jax.Array, count: int) -> list[tuple[jax.Array, jax.Array]]:
-    """The seeds of streams ``0 .. count - 1`` of `seed`, for `stream_bits`: ``stream_bits(streams(seed,
+def streams(seed: jax.Array, count: int) -> list[jax.Array]:
+    """The words of streams ``0 .. count - 1`` of `seed`, for `stream_bits`: ``stream_bits(streams(seed,
     n)[k], shape)`` draws what ``bits(seed, k, shape)`` draws.
 
-    Each stream's first word, ``seed[0] + k * 0x9E3779B9``, comes out of one
+    Each stream's word, ``(seed[0] + k * 0x9E3779B9) ^ seed[1]``, comes out of one
     reduction with an output per stream rather than from an addition of its
     own. An addition of the constant would be fused into the kernel of the
     array that draws from it, and every array would then compile to a kernel
@@ -91,7 +98,7 @@ def streams(seed: jax.Array, count: int) -> list[tuple[jax.Array, jax.Array]]:
     words = []
     for first in range(0, count, _STREAMS_PER_REDUCTION):
         group = min(_STREAMS_PER_REDUCTION, count - first)
-        offsets = seed[0] + (first + jnp.arange(group, dtype=jnp.uint32)) * np.uint32(_GOLDEN)
+        offsets = (seed[0] + (first + jnp.arange(group, dtype=jnp.uint32)) * np.uint32(_GOLDEN)) ^ seed[1]
         position = jnp.arange(group, dtype=jnp.uint32)
         # Each operand keeps one stream's word and zeroes the rest: the bitwise or of its elements is that word.
         words += jax.lax.reduce(
@@ -100,11 +107,11 @@ def streams(seed: jax.Array, count: int) -> list[tuple[jax.Array, jax.Array]]:
             lambda left, right: tuple(a | b for a, b in zip(left, right, strict=True)),
             (0,),
         )
-    return [(word, seed[1]) for word in words]
+    return list(words)
 
 
-def stream_bits(stream_seed: tuple[jax.Array, jax.Array], shape: tuple[int, ...]) -> jax.Array:
-    """Uniform uint32 draws of `shape` from one stream's seed (two uint32 scalars, from `streams`).
+def stream_bits(word: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform uint32 draws of `shape` from one stream's word (a uint32 scalar, from `streams`).
 
     Raises:
         ValueError: the array has more than 2**32 elements (its indices would repeat).
@@ -113,8 +120,7 @@ def stream_bits(stream_seed: tuple[jax.Array, jax.Array], shape: tuple[int, ...]
         raise ValueError(
             f"stochastic rounding draws for at most 2**32 elements per array; got shape {shape}."
         )
-    offset, second_word = stream_seed
-    return _mix(_mix(_flat_index(tuple(shape)) ^ offset) ^ second_word)
+    return _mix(_flat_index(tuple(shape)) ^ word)
 
 
 def uniform_of(draws: jax.Array) -> jax.Array:

@@ -299,7 +299,7 @@ def _check_quantized_somewhere(state_dtype: StateDtype, reference_state, storage
     )
 
 
-def _store(leaf32: jax.Array, storage, stream: tuple | None, scales: tuple | None = None):
+def _store(leaf32: jax.Array, storage, stream: jax.Array | None, scales: tuple | None = None):
     """`leaf32` as stored: as is, rounded to its dtype (stochastically with a stream's seed from
     `draws.streams` for its draws, else to nearest), or quantized (with its `block_scales` computed
     apart, when given)."""
