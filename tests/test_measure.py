@@ -176,3 +176,17 @@ def test_the_first_step_measurement_counts_the_compiled_programs_kernels_and_lin
     lower_s, compile_s, cpu_s, (step_kernels, step_lines) = first_step("mlp", "plain")
     assert min(lower_s, compile_s, cpu_s) > 0
     assert 20 <= step_kernels < step_lines
+
+
+def test_the_first_step_compiled_for_a_gpu_is_the_gpus_program():
+    """With a GPU target the step is compiled for that GPU on this machine: its kernels are CUDA
+    kernels (XLA's GPU backend merges the optimizer's per-leaf outputs into fewer of them than the
+    CPU's), not this CPU's."""
+    from experiments.measure.gpu_target import target_device
+    from experiments.measure.optimizer_first_step import first_step
+
+    if not jaxamp.diagnostics.cuda_plugin_available():
+        pytest.skip("needs the CUDA PJRT plugin (pip install 'jax-mixed-precision[gpu-aot]')")
+    *_, (cpu_kernels, _) = first_step("mlp", "bfloat16")
+    *_, (gpu_kernels, _) = first_step("mlp", "bfloat16", target_device("h200"))
+    assert 10 <= gpu_kernels < cpu_kernels

@@ -15,7 +15,11 @@ context 128, batch 8); ``nnx``, ``experiments.models.nnx_cnn.NNXSmallCNN``
 (batch 32). Each round builds every variant's model, optimizer and step
 anew (no cache of JAX's or jaxamp's reused; the state is abstract) and
 times ``jax.jit(step).lower(...)`` (tracing and the StableHLO program) and
-``.compile()`` (XLA) on this machine's CPU; the rounds interleave the
+``.compile()`` (XLA) for this machine's CPU or, with ``--target h200``
+(any of `jaxamp.diagnostics`' GPUs; needs the CUDA PJRT plugin), for that
+GPU: XLA's GPU compiler then runs on this CPU, as a GPU machine's first
+step runs it (without the GEMM autotuning a real GPU adds to every
+variant alike), and nothing runs; the rounds interleave the
 variants, so the machine's load falls on all alike. The table gives the
 medians of the wall time and of this process's CPU time (lowering and
 compiling together; less sensitive to other jobs on a shared machine) and
@@ -39,9 +43,10 @@ import optax
 from flax import nnx
 
 import jaxamp
-from experiments.flags import comma_list, positive_int
+from experiments.flags import GPU_TARGET_NAMES, comma_list, positive_int
 from experiments.lm import model as lm_model
 from experiments.lm import train as lm_train
+from experiments.measure.gpu_target import target_device
 from experiments.measure.markdown import table
 from experiments.models.nnx_cnn import NNXSmallCNN
 
@@ -54,6 +59,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds")
     parser.add_argument(
         "--models", type=comma_list(list(MODELS), what="model"), default=list(MODELS), help="comma-separated"
+    )
+    parser.add_argument(
+        "--target",
+        choices=("cpu", *GPU_TARGET_NAMES),
+        default="cpu",
+        help="compile for this machine's CPU (default) or for a GPU, on this machine (the CUDA PJRT plugin)",
     )
 
 
@@ -139,12 +150,15 @@ def program_size(compiled) -> tuple[int, int]:
     return len(re.findall(r"= \S+ fusion\(", text)), text.count("\n")
 
 
-def first_step(model: str, variant: str) -> tuple[float, float, float, tuple[int, int]]:
+def first_step(model: str, variant: str, device=None) -> tuple[float, float, float, tuple[int, int]]:
     """Seconds to build and lower, and to compile, one train step of `model` under `variant`, the CPU
     seconds of both (this process's: less sensitive to other jobs on the machine), and the compiled
-    program's `program_size`."""
+    program's `program_size`; for `device` (a GPU target's compile-only device) when given, else for
+    this machine's CPU."""
     start, start_cpu = time.perf_counter(), time.process_time()
     step, arguments = STEPS[model](variant)
+    if device is not None:
+        arguments = jaxamp.diagnostics.on_device(arguments, device)
     lowered = jax.jit(step).lower(*arguments)
     lowered_at = time.perf_counter()
     compiled = lowered.compile()
@@ -153,20 +167,24 @@ def first_step(model: str, variant: str) -> tuple[float, float, float, tuple[int
 
 
 def run(args, out) -> None:
+    device = None if args.target == "cpu" else target_device(args.target)
+    compiled_for = (
+        "this CPU" if device is None else f"{jaxamp.diagnostics.gpu_spec(args.target).description} (on this CPU)"
+    )
     out.print(
         f"jax {jax.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; AdamW train "
-        f"step lowered and compiled for this CPU; medians of {args.rounds} interleaved rounds"
+        f"step lowered and compiled for {compiled_for}; medians of {args.rounds} interleaved rounds"
     )
     rows = []
     for model in args.models:
-        first_step(model, "plain")  # JAX's own first-use costs, paid once before the rounds
+        first_step(model, "plain", device)  # JAX's own first-use costs, paid once before the rounds
         lower = {variant: [] for variant in VARIANTS}
         total = {variant: [] for variant in VARIANTS}
         cpu = {variant: [] for variant in VARIANTS}
         size = {}
         for _ in range(args.rounds):
             for variant in VARIANTS:
-                lower_s, compile_s, cpu_s, size[variant] = first_step(model, variant)
+                lower_s, compile_s, cpu_s, size[variant] = first_step(model, variant, device)
                 lower[variant].append(lower_s)
                 total[variant].append(lower_s + compile_s)
                 cpu[variant].append(cpu_s)
