@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import jaxamp
 import jaxamp.fsdp
@@ -149,6 +149,7 @@ def main():
     results["loss_before"] = float(loss_fn(initial_params(), INPUTS, TARGETS))
     for state_format in ("int8", "float8_e4m3fn"):
         results[state_format] = quantized_state_run(mesh, state_format)
+        results[f"{state_format}_explicit"] = explicit_mesh_run(state_format)
     print(json.dumps(results))
 
 
@@ -197,6 +198,45 @@ def quantized_state_run(mesh, state_format):
         "blocks_whole_on_each_device": all(blocks_whole_on_each_device(q) for q in quantized),
         "state_bit_identical": bit_identical(one_device, sharded),
         "params_changed": float(np.mean(flat(one_device.params) != flat(quantized_params()))),
+    }
+
+
+def explicit_mesh_run(state_format):
+    """The same five steps on a mesh of explicit axes, where each array's type carries its sharding and
+    a reshape must say how it splits; then the state of a kernel sharded along its second dimension
+    (each shard holding parts of every block), and of one with fewer rows than devices."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), state_dtype=state_format, key=3)
+    state = jaxamp.TrainState.create(apply_fn=None, params=quantized_params(), tx=tx)
+    one_device = train(state, elementwise_loss)
+
+    def by_columns(shape):
+        return {"kernel": jax.device_put(jnp.zeros(shape, jnp.bfloat16), NamedSharding(mesh, PartitionSpec(None, "data")))}
+
+    with jax.set_mesh(mesh):
+        shardings = jaxamp.fsdp.fsdp_shardings(state, mesh)
+        sharded = train(jax.device_put(state, shardings), elementwise_loss, out_shardings=shardings)
+        column_state = jax.jit(tx.init)(by_columns((64, 256)))
+        try:
+            jax.jit(tx.init)(by_columns((4, 4096)))
+            refused = None
+        except ValueError as error:
+            refused = str(error)
+    quantized = [
+        leaf
+        for leaf in jax.tree.leaves(sharded.opt_state, is_leaf=lambda x: isinstance(x, QuantizedArray))
+        if isinstance(leaf, QuantizedArray)
+    ]
+    column_moment = column_state.inner_state[0].mu["kernel"]
+    return {
+        "quantized_leaves": len(quantized),
+        "codes_specs": sorted({str(q.codes.sharding.spec) for q in quantized}),
+        "scales_specs": sorted({str(q.scales.sharding.spec) for q in quantized}),
+        "blocks_whole_on_each_device": all(blocks_whole_on_each_device(q) for q in quantized),
+        "state_bit_identical": bit_identical(one_device, sharded),
+        "column_sharded_codes_spec": str(column_moment.codes.sharding.spec),
+        "column_sharded_blocks_whole": blocks_whole_on_each_device(column_moment),
+        "too_few_rows_refused": refused,
     }
 
 

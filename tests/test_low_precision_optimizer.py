@@ -457,3 +457,21 @@ def test_on_eight_devices_8_bit_moments_split_by_whole_blocks_and_the_steps_matc
     assert run["blocks_whole_on_each_device"]
     assert run["state_bit_identical"]
     assert run["params_changed"] > 0.9
+
+
+@pytest.mark.parametrize("state_format", ["int8", "float8_e4m3fn"])
+def test_on_a_mesh_of_explicit_axes_8_bit_moments_lie_by_whole_blocks_and_the_steps_match_one_device(
+    sharded_run, state_format
+):
+    """Under `jax.set_mesh` of an explicit axis, where JAX types each array by its sharding: the same
+    five steps match one device bit for bit, the codes split by whole blocks along the first dimension;
+    a kernel sharded by columns gets its moments laid out so; one with 4 rows for 8 devices is refused
+    with what to change."""
+    run = sharded_run[f"{state_format}_explicit"]
+    assert run["quantized_leaves"] == 4
+    assert run["codes_specs"] == ["P('data',)"] and run["scales_specs"] == ["P('data',)"]
+    assert run["blocks_whole_on_each_device"]
+    assert run["state_bit_identical"]
+    assert run["column_sharded_codes_spec"] == "P('data', None)" and run["column_sharded_blocks_whole"]
+    assert "first dimension 4, 8 devices" in run["too_few_rows_refused"]
+    assert "keep this leaf's state in bfloat16" in run["too_few_rows_refused"]

@@ -57,6 +57,7 @@ from jaxamp._optimizer.quantized import (
     QuantizedArray,
     block_scales,
     dequantize,
+    explicit_sharding,
     quantize,
 )
 
@@ -315,7 +316,14 @@ def _store(leaf32: jax.Array, storage, stream: jax.Array | None, scales: tuple |
 def _load(stored, storage, reference, *, by_lookup: bool = False) -> jax.Array:
     """A stored leaf read back in the dtype the inner optimizer made it in (an 8-bit leaf's codes decoded
     by a table lookup when `by_lookup`: see `dequantize`)."""
-    value = dequantize(stored, by_lookup=by_lookup) if isinstance(storage, _Quantized) else stored
+    if not isinstance(storage, _Quantized):
+        return stored.astype(reference.dtype)
+    value = dequantize(stored, by_lookup=by_lookup)
+    # Under a mesh of explicit axes, the codes lie by whole blocks (`quantize`); the inner optimizer
+    # meets the value with the gradients, laid out like the params, as the reference is.
+    layout = getattr(reference, "sharding", None)
+    if explicit_sharding(value) is not None and layout is not None and hasattr(layout, "spec"):
+        value = jax.sharding.reshard(value, layout.spec)
     return value.astype(reference.dtype)
 
 

@@ -146,10 +146,69 @@ def quantized_shapes(shape: tuple[int, ...], block_size: int | None) -> tuple[in
     return size // block, block
 
 
-def _per_element(per_block: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """A value per block, repeated over the block's elements, in the array's shape."""
+def _per_element(per_block: jax.Array, like: jax.Array) -> jax.Array:
+    """A value per block, repeated over the block's elements, in the shape (and, under a mesh of explicit
+    axes, the layout) of `like`."""
     num_blocks = per_block.shape[0]
-    return jnp.broadcast_to(per_block[:, None], (num_blocks, math.prod(shape) // num_blocks)).reshape(shape)
+    repeated = jnp.broadcast_to(per_block[:, None], (num_blocks, like.size // num_blocks))
+    repeated = repeated.reshape(-1).reshape(like.shape)  # through one dimension: see `_blocks`
+    sharding = explicit_sharding(like)
+    if sharding is None or explicit_sharding(repeated).spec == sharding.spec:
+        return repeated
+    return jax.sharding.reshard(repeated, sharding.spec)  # one block: its scale, on every device
+
+
+def explicit_sharding(array: jax.Array):
+    """`array`'s sharding in its type when it lies on a mesh of explicit axes (`jax.sharding.AxisType`),
+    else None."""
+    sharding = jax.typeof(array).sharding
+    explicit = jax.sharding.AxisType.Explicit
+    return sharding if any(axis_type == explicit for axis_type in sharding.mesh.axis_types) else None
+
+
+def _whole_blocks(values: jax.Array, block_size: int | None) -> jax.Array:
+    """`values` laid out so that each shard holds whole blocks: under a mesh of explicit axes, its mesh
+    axes moved to its first dimension (a no-op where they are there already; else one all-to-all);
+    elsewhere as it is (XLA places the blocks itself).
+
+    Raises:
+        ValueError: under a mesh of explicit axes, no shard of the first dimension holds whole blocks
+            (the dimension does not divide among the devices, or a shard is smaller than a block).
+    """
+    sharding = explicit_sharding(values)
+    if sharding is None:
+        return values
+    axes = tuple(
+        axis
+        for entry in sharding.spec
+        if entry is not None
+        for axis in (entry if isinstance(entry, tuple) else (entry,))
+    )
+    spec = jax.sharding.PartitionSpec(
+        None if not axes else axes[0] if len(axes) == 1 else axes, *([None] * (values.ndim - 1))
+    )
+    try:
+        if tuple(sharding.spec) + (None,) * (values.ndim - len(sharding.spec)) != tuple(spec):
+            values = jax.sharding.reshard(values, spec)
+        _blocks(values, block_size)  # JAX refuses it where a shard would split a block
+    except Exception as error:  # JAX's sharding errors (one not public): the layout, said below
+        devices = math.prod(sharding.mesh.shape[axis] for axis in axes)
+        raise ValueError(
+            "8-bit optimizer state on a mesh of explicit axes is laid out by whole blocks: the mesh axes "
+            f"{axes} on the array's first dimension, each device's rows holding whole blocks of "
+            f"{quantized_shapes(values.shape, block_size)[1]} elements of the flattened array. The array "
+            f"{jax.typeof(values).str_short()} (first dimension {values.shape[0]}, {devices} devices) does "
+            "not split so: keep this leaf's state in bfloat16 (a per-leaf state_dtype), or choose a "
+            "block size that divides each device's rows."
+        ) from error
+    return values
+
+
+def _blocks(values: jax.Array, block_size: int | None) -> jax.Array:
+    """`values` as ``(num_blocks, block_size)``, through one dimension: under a mesh of explicit axes,
+    JAX shards each step (merging the dimensions, then splitting the blocks off) where the array's
+    shards are whole blocks (`_whole_blocks`), and refuses a reshape done in one."""
+    return values.reshape(-1).reshape(quantized_shapes(values.shape, block_size))
 
 
 def block_scales(values: jax.Array, block_size: int | None) -> tuple[jax.Array, jax.Array]:
@@ -158,7 +217,7 @@ def block_scales(values: jax.Array, block_size: int | None) -> tuple[jax.Array, 
     Returns:
         ``(absmax, signed)``, each of shape ``(num_blocks,)``: float32 and bool.
     """
-    blocks = jnp.asarray(values, jnp.float32).reshape(quantized_shapes(values.shape, block_size))
+    blocks = _blocks(_whole_blocks(jnp.asarray(values, jnp.float32), block_size), block_size)
     return jnp.max(jnp.abs(blocks), axis=1), jnp.any(blocks < 0, axis=1)
 
 
@@ -189,16 +248,16 @@ def quantize(
     Returns:
         The codes and scales.
     """
-    values = jnp.asarray(values, jnp.float32)
+    values = _whole_blocks(jnp.asarray(values, jnp.float32), block_size)
     absmax, signed = block_scales(values, block_size) if scales is None else scales
     # Codes are computed in the array's shape, each element beside its block's scale: XLA's GPU then
     # fuses the quantization into the computation of the values.
-    ratios = values / _per_element(jnp.where(absmax > 0, absmax, 1.0), values.shape)
+    ratios = values / _per_element(jnp.where(absmax > 0, absmax, 1.0), values)
     uniform = draws
     if uniform is None and key is not None:
         uniform = index_draws.uniform(index_draws.seed_of(key), 0, values.shape)
     encode = _encode_int8 if format == "int8" else _encode_e4m3
-    codes = encode(ratios, _per_element(signed, values.shape), uniform)
+    codes = encode(ratios, _per_element(signed, values), uniform)
     return QuantizedArray(codes, jnp.where(signed, -absmax, absmax), format)
 
 
@@ -216,12 +275,12 @@ def dequantize(quantized: QuantizedArray, *, by_lookup: bool = False) -> jax.Arr
             first, and the computed values fused into a reduction are written
             out in float32 instead).
     """
-    signed = _per_element(quantized.scales < 0, quantized.shape)
+    signed = _per_element(quantized.scales < 0, quantized.codes)
     if quantized.format == "int8":
         values = (_decode_int8_by_lookup if by_lookup else _decode_int8)(quantized.codes, signed)
     else:
         values = _decode_e4m3(quantized.codes, signed)
-    return values * _per_element(jnp.abs(quantized.scales), quantized.shape)
+    return values * _per_element(jnp.abs(quantized.scales), quantized.codes)
 
 
 def _round_between(low, high, position, uniform):
@@ -276,7 +335,9 @@ def _unsigned_index(codes, signed):
 
 def _decode_int8_by_lookup(codes, signed):
     """The values of int8 codes, looked up in `unsigned_code`'s table."""
-    value = jnp.asarray(unsigned_code())[_unsigned_index(codes, signed)]
+    index = _unsigned_index(codes, signed)
+    # Under a mesh of explicit axes JAX asks a gather for its output's sharding: the index's.
+    value = jnp.asarray(unsigned_code()).at[index].get(out_sharding=explicit_sharding(index))
     return jnp.where(signed & (codes < 0), -value, value)
 
 
