@@ -178,6 +178,36 @@ def test_the_first_step_measurement_counts_the_compiled_programs_kernels_and_lin
     assert 20 <= step_kernels < step_lines
 
 
+@pytest.mark.parametrize("target", [None, "cpu", "a100"])
+def test_the_first_step_measurement_compiles_every_variant_for_the_target_it_names(tmp_path, monkeypatch, target):
+    """``--target`` reaches every compile (the warm-up's too) and the table's header; without it, and
+    with ``--target cpu``, this CPU. The compiles are stubbed: this checks where they are sent, not
+    what they take."""
+    from experiments.measure import optimizer_first_step
+
+    asked, compiled_for = [], []
+    monkeypatch.setattr(optimizer_first_step, "target_device", lambda name: asked.append(name) or f"device of {name}")
+
+    def first_step(model, variant, device=None):
+        compiled_for.append((model, variant, device))
+        return 0.1, 0.2, 0.3, (10, 100)
+
+    monkeypatch.setattr(optimizer_first_step, "first_step", first_step)
+    argv = ["optimizer-first-step", "--models", "mlp", "--rounds", "1", "--out", str(tmp_path / "out")]
+    assert main(argv + ([] if target is None else ["--target", target])) == 0
+    on_cpu = target in (None, "cpu")
+    device = None if on_cpu else "device of a100"
+    assert asked == ([] if on_cpu else ["a100"])
+    assert compiled_for == [("mlp", variant, device) for variant in ("plain", *optimizer_first_step.VARIANTS)]
+    header = (tmp_path / "out" / "first_step.md").read_text().splitlines()[0]
+    assert ("compiled for this CPU" if on_cpu else "compiled for NVIDIA A100") in header
+
+
+def test_the_first_step_measurement_refuses_a_target_it_does_not_know():
+    with pytest.raises(SystemExit):
+        main(["optimizer-first-step", "--target", "b300"])
+
+
 def test_the_first_step_compiled_for_a_gpu_is_the_gpus_program():
     """With a GPU target the step is compiled for that GPU on this machine: its kernels are CUDA
     kernels (XLA's GPU backend merges the optimizer's per-leaf outputs into fewer of them than the
