@@ -25,8 +25,8 @@ of those per leaf, most of the wrapper's compile time. One ``mix``, not
 two: every operation of the hash is repeated in each leaf's kernel (three
 times with bfloat16 params and state), and XLA's fusion pass takes time in
 proportion to them (with a second round, the small language model's train
-step with bfloat16 state took 1.12 times as long to lower and compile for
-an H200, 9.52 s against 8.48 s of CPU time). The index is the element's
+step with bfloat16 state took 1.12 to 1.25 times as long to lower and
+compile for an H200, in two comparisons). The index is the element's
 place in the whole array (``iota`` is global under SPMD), so an array split
 across devices draws what it draws on one. `streams` gives each stream's
 word as a value of its own, so that the arrays of one shape that draw from
