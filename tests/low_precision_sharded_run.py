@@ -228,7 +228,16 @@ def explicit_mesh_run(state_format):
         if isinstance(leaf, QuantizedArray)
     ]
     column_moment = column_state.inner_state[0].mu["kernel"]
+    two_axes = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    mixed = jax.make_mesh((2, 4), ("e", "a"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    placements = {  # name: (mesh, kernel shape, its placement, block size)
+        "one_block_by_rows": (mesh, (64, 256), PartitionSpec("data", None), None),
+        "two_axes_one_on_each_dimension": (two_axes, (64, 256), PartitionSpec("x", "y"), 256),
+        "explicit_and_auto_axes_by_columns": (mixed, (64, 256), PartitionSpec(None, "e"), 256),
+    }
     return {
+        **{name: two_steps_against_one_device(state_format, *placement) for name, placement in placements.items()},
+        "block_split_by_a_shard_refused": refusal(state_format, mesh, (8, 640)),
         "quantized_leaves": len(quantized),
         "codes_specs": sorted({str(q.codes.sharding.spec) for q in quantized}),
         "scales_specs": sorted({str(q.scales.sharding.spec) for q in quantized}),
@@ -238,6 +247,49 @@ def explicit_mesh_run(state_format):
         "column_sharded_blocks_whole": blocks_whole_on_each_device(column_moment),
         "too_few_rows_refused": refused,
     }
+
+
+def two_steps_against_one_device(state_format, mesh, shape, placement, block_size):
+    """Two Adam steps of one kernel with 8-bit moments in `block_size` blocks, placed on `mesh` (under
+    `jax.set_mesh`) against one device: where the codes and scales lie, and whether all matches."""
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), state_dtype=state_format, key=3, block_size=block_size)
+    params = {"kernel": (0.3 * jax.random.normal(jax.random.key(2), shape)).astype(jnp.bfloat16)}
+
+    def step(params, opt_state):
+        grads = jax.tree.map(lambda p: jnp.cos(p.astype(jnp.float32)).astype(p.dtype), params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def two_steps(params):
+        state = (params, jax.jit(tx.init)(params))
+        for _ in range(2):
+            state = jax.jit(step)(*state)
+        return state
+
+    one_device = two_steps(params)
+    with jax.set_mesh(mesh):
+        sharded = two_steps(jax.tree.map(lambda p: jax.device_put(p, NamedSharding(mesh, placement)), params))
+    moment = sharded[1].inner_state[0].mu["kernel"]
+    return {
+        "codes_spec": str(moment.codes.sharding.spec),
+        "scales_spec": str(moment.scales.sharding.spec),
+        "bit_identical": all(
+            np.asarray(a).tobytes() == np.asarray(b).tobytes()
+            for a, b in zip(jax.tree.leaves(one_device), jax.tree.leaves(sharded), strict=True)
+        ),
+    }
+
+
+def refusal(state_format, mesh, shape):
+    """The message `tx.init` raises for a kernel of `shape` placed by rows on `mesh`, or None."""
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), state_dtype=state_format, key=3)
+    with jax.set_mesh(mesh):
+        kernel = jax.device_put(jnp.zeros(shape, jnp.bfloat16), NamedSharding(mesh, PartitionSpec("data", None)))
+        try:
+            jax.jit(tx.init)({"kernel": kernel})
+        except ValueError as error:
+            return str(error)
+    return None
 
 
 if __name__ == "__main__":

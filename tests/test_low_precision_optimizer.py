@@ -475,3 +475,20 @@ def test_on_a_mesh_of_explicit_axes_8_bit_moments_lie_by_whole_blocks_and_the_st
     assert run["column_sharded_codes_spec"] == "P('data', None)" and run["column_sharded_blocks_whole"]
     assert "first dimension 4, 8 devices" in run["too_few_rows_refused"]
     assert "keep this leaf's state in bfloat16" in run["too_few_rows_refused"]
+
+
+@pytest.mark.parametrize("state_format", ["int8", "float8_e4m3fn"])
+def test_on_explicit_meshes_of_other_shapes_8_bit_moments_still_lie_by_whole_blocks(sharded_run, state_format):
+    """One block per leaf on row-sharded params (its scale on every device); a kernel split over two
+    explicit axes, one per dimension (both axes go to the first); a kernel sharded by columns over
+    the explicit axis of a mesh that also has an automatic one: two steps match one device bit for
+    bit. A kernel whose one row per device splits a block (640 elements, blocks of 256) is refused."""
+    run = sharded_run[f"{state_format}_explicit"]
+    assert run["one_block_by_rows"] == {"codes_spec": "P('data', None)", "scales_spec": "P(None,)", "bit_identical": True}
+    assert run["two_axes_one_on_each_dimension"] == {
+        "codes_spec": "P(('x', 'y'), None)", "scales_spec": "P(('x', 'y'),)", "bit_identical": True
+    }
+    assert run["explicit_and_auto_axes_by_columns"] == {
+        "codes_spec": "P('e', None)", "scales_spec": "P('e',)", "bit_identical": True
+    }
+    assert "first dimension 8, 8 devices" in run["block_split_by_a_shard_refused"]

@@ -313,18 +313,31 @@ def _store(leaf32: jax.Array, storage, stream: jax.Array | None, scales: tuple |
     return leaf32.astype(storage) if random_bits is None else round_with_draws(leaf32, storage, random_bits)
 
 
-def _load(stored, storage, reference, *, by_lookup: bool = False) -> jax.Array:
+def _load(stored, storage, reference, layout=None, *, by_lookup: bool = False) -> jax.Array:
     """A stored leaf read back in the dtype the inner optimizer made it in (an 8-bit leaf's codes decoded
-    by a table lookup when `by_lookup`: see `dequantize`)."""
+    by a table lookup when `by_lookup`: see `dequantize`), and in `layout` (a sharding) when given."""
     if not isinstance(storage, _Quantized):
         return stored.astype(reference.dtype)
     value = dequantize(stored, by_lookup=by_lookup)
     # Under a mesh of explicit axes, the codes lie by whole blocks (`quantize`); the inner optimizer
-    # meets the value with the gradients, laid out like the params, as the reference is.
-    layout = getattr(reference, "sharding", None)
-    if explicit_sharding(value) is not None and layout is not None and hasattr(layout, "spec"):
+    # meets the value with the gradients, laid out like the params, as its own state is.
+    if layout is not None and explicit_sharding(value) is not None:
         value = jax.sharding.reshard(value, layout.spec)
     return value.astype(reference.dtype)
+
+
+def _explicit_layouts(inner, params32, storages) -> list:
+    """Each leaf of `inner`'s state as `inner.init(params32)` lays it out, where that is on a mesh of
+    explicit axes and the leaf is 8-bit (`jax.eval_shape` drops the layout on a mesh that also has
+    automatic axes); None elsewhere. The traced initial state is unused otherwise (XLA removes it)."""
+    if not any(isinstance(storage, _Quantized) for storage in storages) or not any(
+        explicit_sharding(leaf) is not None for leaf in jax.tree.leaves(params32) if is_floating_array(leaf)
+    ):
+        return [None] * len(storages)
+    return [
+        explicit_sharding(leaf) if isinstance(storage, _Quantized) else None
+        for leaf, storage in zip(jax.tree.leaves(inner.init(params32)), storages, strict=True)
+    ]
 
 
 def _is_variable(node) -> bool:
@@ -626,12 +639,15 @@ def low_precision_optimizer(
         reference = jax.eval_shape(inner.init, params32)
         references, reference_tree = jax.tree.flatten(reference)
         storages = _storages(state_dtype, reference, block_size)
+        layouts = _explicit_layouts(inner, params32, storages)
 
         def inner_update(stored_state, by_lookup=False):
             """The inner optimizer's update and new state, in float32, from the stored state."""
             inner_state32 = reference_tree.unflatten([
-                _load(stored, storage, ref, by_lookup=by_lookup)
-                for stored, storage, ref in zip(_stored_leaves(reference, stored_state), storages, references)
+                _load(stored, storage, ref, layout, by_lookup=by_lookup)
+                for stored, storage, ref, layout in zip(
+                    _stored_leaves(reference, stored_state), storages, references, layouts
+                )
             ])  # fmt: skip
             return inner.update(grads32, inner_state32, params32, **extra_args)
 
