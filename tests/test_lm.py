@@ -40,6 +40,35 @@ def test_the_model_has_the_parameters_its_formula_counts_and_gpt2_size_is_124m()
     assert model_lib.num_params(model_lib.SIZES["gpt2"], 50304) == 124_475_904
 
 
+@pytest.mark.parametrize("precision", ["float32", "mixed_bfloat16"])
+def test_the_scanned_model_computes_the_loop_models_logits_from_its_params_stacked(precision):
+    """``scan_layers=True`` holds each block param once, stacked over the layers in layer order under
+    ``blocks`` (each layer initialized apart), and computes what the loop of ``block0`` ..
+    ``block{n-1}`` computes: the same logits (float32 to rounding, the same half-precision program
+    under a policy). Fails if the layers run in another order, a layer is skipped or repeated, or the
+    layers start from one init."""
+    size = model_lib.SIZES["tiny"]
+    loop = jaxamp.apply_policy(model_lib.GPT(vocab_size=256, size=size), precision)
+    scanned = jaxamp.apply_policy(model_lib.GPT(vocab_size=256, size=size, scan_layers=True), precision)
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
+    params = loop.init(jax.random.key(0), tokens)["params"]
+    layers = [params.pop(f"block{layer}") for layer in range(size.num_layers)]
+    stacked = {**params, "blocks": jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)}
+    scanned_init = scanned.init(jax.random.key(0), tokens)["params"]
+    assert jax.tree.map(jnp.shape, stacked) == jax.tree.map(jnp.shape, scanned_init)
+    first, second = np.asarray(scanned_init["blocks"]["mlp"]["up"]["kernel"][:2], np.float32)
+    assert not np.array_equal(first, second)  # each layer initialized from a key of its own
+
+    expected = loop.apply({"params": {**params, **{f"block{i}": layer for i, layer in enumerate(layers)}}}, tokens)
+    logits = scanned.apply({"params": stacked}, tokens)
+    assert logits.dtype == expected.dtype
+    tolerance = 1e-5 if precision == "float32" else 2e-2
+    np.testing.assert_allclose(np.float32(logits), np.float32(expected), rtol=tolerance, atol=tolerance)
+    reversed_layers = {**params, "blocks": jax.tree.map(lambda *leaves: jnp.stack(leaves[::-1]), *layers)}
+    assert not np.allclose(np.float32(scanned.apply({"params": reversed_layers}, tokens)), np.float32(expected),
+                           rtol=tolerance, atol=tolerance)  # fmt: skip
+
+
 def test_the_analytic_flops_per_token_count_every_weight_but_the_position_table_and_attention():
     """GPT-2 small at a context of 1024: 6 FLOPs per weight (forward and backward) of its
     124,439,808 parameters less the 1024 x 768 position table (a lookup, not a matmul), plus

@@ -178,6 +178,30 @@ def test_the_first_step_measurement_counts_the_compiled_programs_kernels_and_lin
     assert 20 <= step_kernels < step_lines
 
 
+@pytest.mark.parametrize(("loop", "scanned", "layers", "width"), [("lm", "lm-scan", 4, 128), ("gpt2", "gpt2-scan", 12, 768)])
+def test_the_first_steps_scanned_language_models_hold_each_block_param_once_over_their_layers(
+    loop, scanned, layers, width
+):
+    """``lm-scan`` and ``gpt2-scan`` are ``lm`` and ``gpt2`` with their blocks scanned: the same params,
+    each of a block's 12 stacked over the layers (16 leaves against 12 per layer and 4 more), under
+    every variant's policy and optimizer; ``--models`` leaves the GPT-2 pair out unless named."""
+    import jax
+
+    from experiments.measure import optimizer_first_step
+
+    assert {loop, scanned} <= set(optimizer_first_step.MODELS)
+    assert ("gpt2" in loop) != ({loop, scanned} <= set(optimizer_first_step.DEFAULT_MODELS))
+    for variant in optimizer_first_step.VARIANTS:
+        (loop_state, _), (scanned_state, _) = (
+            optimizer_first_step.STEPS[model](variant)[1] for model in (loop, scanned)
+        )
+        loop_leaves, scanned_leaves = jax.tree.leaves(loop_state.params), jax.tree.leaves(scanned_state.params)
+        assert (len(loop_leaves), len(scanned_leaves)) == (12 * layers + 4, 16)
+        assert sum(leaf.size for leaf in loop_leaves) == sum(leaf.size for leaf in scanned_leaves)
+        assert scanned_state.params["blocks"]["mlp"]["up"]["kernel"].shape == (layers, width, 4 * width)
+        assert {leaf.dtype for leaf in scanned_leaves} == {leaf.dtype for leaf in loop_leaves}
+
+
 @pytest.mark.parametrize("target", [None, "cpu", "a100"])
 def test_the_first_step_measurement_compiles_every_variant_for_the_target_it_names(tmp_path, monkeypatch, target):
     """``--target`` reaches every compile (the warm-up's too) and the table's header; without it, and

@@ -145,11 +145,17 @@ class GPT(nn.Module):
         vocab_size: number of token ids (256 for bytes).
         size: depth, width, heads and the longest context.
         attention: ``cudnn``, ``xla`` or ``einsum`` (see `choose_attention`).
+        scan_layers: run the blocks as one block scanned over the layers
+            (``flax.linen.scan``, as MaxText's ``scan_layers``): their params
+            stacked along a leading axis of ``num_layers`` under
+            ``params["blocks"]``, and one block's program compiled for all.
+            False: one module per layer, ``block0`` to ``block{n-1}``.
     """
 
     vocab_size: int
     size: GPTSize
     attention: str = "xla"
+    scan_layers: bool = False
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -164,8 +170,17 @@ class GPT(nn.Module):
         # GPT-2's scaling of the residual projections: the residual stream's
         # variance stays flat with depth.
         residual_scale = 1.0 / math.sqrt(2 * self.size.num_layers)
-        for layer in range(self.size.num_layers):
-            x = Block(self.size.num_heads, self.attention, residual_scale, name=f"block{layer}")(x)
+        if self.scan_layers:
+            scanned = nn.scan(
+                lambda block, x, _: (block(x), None),
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=self.size.num_layers,
+            )
+            x, _ = scanned(Block(self.size.num_heads, self.attention, residual_scale, name="blocks"), x, None)
+        else:
+            for layer in range(self.size.num_layers):
+                x = Block(self.size.num_heads, self.attention, residual_scale, name=f"block{layer}")(x)
         x = nn.LayerNorm(name="ln_final")(x)
         return embed.attend(x)
 

@@ -11,8 +11,12 @@ For each model, the train step through `jaxamp.TrainState` (linen) or
 
 The models: ``mlp``, a linen MLP (64 -> 512 -> 512 -> 512 -> 10, batch 32);
 ``lm``, the small language model of ``experiments.lm`` (``--model small``,
-context 128, batch 8); ``nnx``, ``experiments.models.nnx_cnn.NNXSmallCNN``
-(batch 32). Each round builds every variant's model, optimizer and step
+context 128, batch 8: 4 blocks, 52 param leaves); ``lm-scan``, the same
+model with its blocks scanned over (``scan_layers=True``: each block param
+stacked over the layers, 16 leaves, as models that scan their layers hold
+them); ``nnx``, ``experiments.models.nnx_cnn.NNXSmallCNN`` (batch 32); and,
+when named, ``gpt2`` and ``gpt2-scan``, GPT-2 small's 12 blocks (context 128,
+a vocabulary of 256) in either form. Each round builds every variant's model, optimizer and step
 anew (no cache of JAX's or jaxamp's reused; the state is abstract) and
 times ``jax.jit(step).lower(...)`` (tracing and the StableHLO program) and
 ``.compile()`` (XLA) for this machine's CPU or, with ``--target h200``
@@ -31,6 +35,7 @@ first_step.md.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import statistics
@@ -51,14 +56,16 @@ from experiments.measure.markdown import table
 from experiments.models.nnx_cnn import NNXSmallCNN
 
 VARIANTS = ("plain", "bfloat16", "int8", "e4m3")
-MODELS = ("mlp", "lm", "nnx")
+MODELS = ("mlp", "lm", "lm-scan", "nnx", "gpt2", "gpt2-scan")
+DEFAULT_MODELS = MODELS[:4]
 _STATE_DTYPES = {"bfloat16": jnp.bfloat16, "int8": "int8", "e4m3": jnp.float8_e4m3fn}
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds")
     parser.add_argument(
-        "--models", type=comma_list(list(MODELS), what="model"), default=list(MODELS), help="comma-separated"
+        "--models", type=comma_list(list(MODELS), what="model"), default=list(DEFAULT_MODELS),
+        help="comma-separated"
     )
     parser.add_argument(
         "--target",
@@ -103,12 +110,15 @@ def mlp_step(variant: str):
     return step, (state, x, y)
 
 
-def lm_step(variant: str):
-    """The small language model's step (as `experiments.lm` builds it) and its abstract arguments."""
+def lm_step(variant: str, scan_layers: bool = False, size_name: str = "small"):
+    """The language model's step (as `experiments.lm` builds it) and its abstract arguments: of size
+    `size_name` (a key of `experiments.lm.config.SIZES`), context 128, its blocks scanned over when
+    `scan_layers`."""
     policy_name, tx = optimizer(variant)
     policy = jaxamp.get_policy(policy_name)
-    size = lm_model.SIZES["small"]
-    model = jaxamp.apply_policy(lm_model.GPT(vocab_size=256, size=size, attention="xla"), policy)
+    size = dataclasses.replace(lm_model.SIZES[size_name], context=128)
+    gpt = lm_model.GPT(vocab_size=256, size=size, attention="xla", scan_layers=scan_layers)
+    model = jaxamp.apply_policy(gpt, policy)
     sample = jnp.zeros((1, size.context), jnp.int32)
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), sample)["params"])
     state = jax.eval_shape(lambda: jaxamp.TrainState.create(apply_fn=model.apply, params=params, tx=tx))
@@ -141,7 +151,14 @@ def nnx_step(variant: str):
     return step, (state, images, labels)
 
 
-STEPS = {"mlp": mlp_step, "lm": lm_step, "nnx": nnx_step}
+STEPS = {
+    "mlp": mlp_step,
+    "lm": lm_step,
+    "lm-scan": lambda variant: lm_step(variant, scan_layers=True),
+    "gpt2": lambda variant: lm_step(variant, size_name="gpt2"),
+    "gpt2-scan": lambda variant: lm_step(variant, scan_layers=True, size_name="gpt2"),
+    "nnx": nnx_step,
+}
 
 
 def program_size(compiled) -> tuple[int, int]:
