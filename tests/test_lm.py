@@ -59,7 +59,9 @@ def test_the_scanned_model_computes_the_loop_models_logits_from_its_params_stack
     first, second = np.asarray(scanned_init["blocks"]["mlp"]["up"]["kernel"][:2], np.float32)
     assert not np.array_equal(first, second)  # each layer initialized from a key of its own
 
-    expected = loop.apply({"params": {**params, **{f"block{i}": layer for i, layer in enumerate(layers)}}}, tokens)
+    expected = loop.apply(
+        {"params": {**params, **{f"block{i}": layer for i, layer in enumerate(layers)}}}, tokens
+    )
     logits = scanned.apply({"params": stacked}, tokens)
     assert logits.dtype == expected.dtype
     tolerance = 1e-5 if precision == "float32" else 2e-2

@@ -178,7 +178,9 @@ def test_the_first_step_measurement_counts_the_compiled_programs_kernels_and_lin
     assert 20 <= step_kernels < step_lines
 
 
-@pytest.mark.parametrize(("loop", "scanned", "layers", "width"), [("lm", "lm-scan", 4, 128), ("gpt2", "gpt2-scan", 12, 768)])
+@pytest.mark.parametrize(
+    ("loop", "scanned", "layers", "width"), [("lm", "lm-scan", 4, 128), ("gpt2", "gpt2-scan", 12, 768)]
+)
 def test_the_first_steps_scanned_language_models_hold_each_block_param_once_over_their_layers(
     loop, scanned, layers, width
 ):
@@ -195,7 +197,8 @@ def test_the_first_steps_scanned_language_models_hold_each_block_param_once_over
         (loop_state, _), (scanned_state, _) = (
             optimizer_first_step.STEPS[model](variant)[1] for model in (loop, scanned)
         )
-        loop_leaves, scanned_leaves = jax.tree.leaves(loop_state.params), jax.tree.leaves(scanned_state.params)
+        loop_leaves = jax.tree.leaves(loop_state.params)
+        scanned_leaves = jax.tree.leaves(scanned_state.params)
         assert (len(loop_leaves), len(scanned_leaves)) == (12 * layers + 4, 16)
         assert sum(leaf.size for leaf in loop_leaves) == sum(leaf.size for leaf in scanned_leaves)
         assert scanned_state.params["blocks"]["mlp"]["up"]["kernel"].shape == (layers, width, 4 * width)

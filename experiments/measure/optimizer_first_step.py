@@ -64,8 +64,10 @@ _STATE_DTYPES = {"bfloat16": jnp.bfloat16, "int8": "int8", "e4m3": jnp.float8_e4
 def add_arguments(parser) -> None:
     parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds")
     parser.add_argument(
-        "--models", type=comma_list(list(MODELS), what="model"), default=list(DEFAULT_MODELS),
-        help="comma-separated"
+        "--models",
+        type=comma_list(list(MODELS), what="model"),
+        default=list(DEFAULT_MODELS),
+        help="comma-separated",
     )
     parser.add_argument(
         "--target",
