@@ -12,6 +12,7 @@ import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import strategies as st
 
@@ -58,6 +59,9 @@ def test_the_scanned_model_computes_the_loop_models_logits_from_its_params_stack
     assert jax.tree.map(jnp.shape, stacked) == jax.tree.map(jnp.shape, scanned_init)
     first, second = np.asarray(scanned_init["blocks"]["mlp"]["up"]["kernel"][:2], np.float32)
     assert not np.array_equal(first, second)  # each layer initialized from a key of its own
+    for name in ("up", "down"):  # the residual projections' init scaled down, as in the loop model
+        init_std, loop_std = (np.std(tree["blocks"]["mlp"][name]["kernel"]) for tree in (scanned_init, stacked))
+        assert np.isclose(init_std, loop_std, rtol=0.1)
 
     expected = loop.apply(
         {"params": {**params, **{f"block{i}": layer for i, layer in enumerate(layers)}}}, tokens
@@ -69,6 +73,35 @@ def test_the_scanned_model_computes_the_loop_models_logits_from_its_params_stack
     reversed_layers = {**params, "blocks": jax.tree.map(lambda *leaves: jnp.stack(leaves[::-1]), *layers)}
     assert not np.allclose(np.float32(scanned.apply({"params": reversed_layers}, tokens)), np.float32(expected),
                            rtol=tolerance, atol=tolerance)  # fmt: skip
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_weight_decay_falls_on_the_weights_and_not_on_biases_or_norm_scales_in_either_form(scan_layers):
+    """AdamW decays kernels and the token and position embeddings, by name: not the attention's
+    (3, heads, head_dim) bias, and not the biases and LayerNorm scales a scanned model stacks into two
+    dimensions. Two steps with zero gradients from params of one (the second at the peak learning
+    rate): exactly the decayed params move, under ``--scan-layers`` as without it."""
+    args = lm_cli.build_parser().parse_args([*TINY_RUN, "--precisions", "fp32", "--warmup-steps", "1"]
+                                            + (["--scan-layers"] if scan_layers else []))  # fmt: skip
+    (config,) = lm_cli.configs_from_args(args)
+    assert config.scan_layers is scan_layers
+    model, _ = train.create_model(config, resolve_precision("fp32"), 256, "cpu")
+    assert getattr(model, "module", model).scan_layers is scan_layers
+    params = jax.tree.map(jnp.ones_like, model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["params"])
+    tx = train.create_optimizer(config)
+    opt_state = tx.init(params)
+    moved = params
+    for _ in range(2):
+        updates, opt_state = tx.update(jax.tree.map(jnp.zeros_like, moved), opt_state, moved)
+        moved = optax.apply_updates(moved, updates)
+    changed = {
+        jax.tree_util.keystr(path): bool(np.any(np.asarray(leaf) != 1.0))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(moved)[0]
+    }
+    decayed = {path for path, did in changed.items() if did}
+    assert decayed == {path for path in changed if path.endswith(("['kernel']", "['embedding']", "['positions']"))}
+    qkv_bias = "['blocks']['attn']['qkv']['bias']" if scan_layers else "['block0']['attn']['qkv']['bias']"
+    assert qkv_bias in changed and qkv_bias not in decayed
 
 
 def test_the_analytic_flops_per_token_count_every_weight_but_the_position_table_and_attention():

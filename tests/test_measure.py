@@ -186,17 +186,24 @@ def test_the_first_steps_scanned_language_models_hold_each_block_param_once_over
 ):
     """``lm-scan`` and ``gpt2-scan`` are ``lm`` and ``gpt2`` with their blocks scanned: the same params,
     each of a block's 12 stacked over the layers (16 leaves against 12 per layer and 4 more), under
-    every variant's policy and optimizer; ``--models`` leaves the GPT-2 pair out unless named."""
+    every variant's policy and optimizer, on windows of 128 tokens and the next; ``--models`` leaves
+    the GPT-2 pair out unless named."""
+    import argparse
+
     import jax
 
     from experiments.measure import optimizer_first_step
 
+    parser = argparse.ArgumentParser()
+    optimizer_first_step.add_arguments(parser)
+    assert parser.parse_args([]).models == list(optimizer_first_step.DEFAULT_MODELS)
     assert {loop, scanned} <= set(optimizer_first_step.MODELS)
     assert ("gpt2" in loop) != ({loop, scanned} <= set(optimizer_first_step.DEFAULT_MODELS))
     for variant in optimizer_first_step.VARIANTS:
-        (loop_state, _), (scanned_state, _) = (
+        (loop_state, loop_windows), (scanned_state, scanned_windows) = (
             optimizer_first_step.STEPS[model](variant)[1] for model in (loop, scanned)
         )
+        assert loop_windows.shape == scanned_windows.shape == (8, 129)
         loop_leaves = jax.tree.leaves(loop_state.params)
         scanned_leaves = jax.tree.leaves(scanned_state.params)
         assert (len(loop_leaves), len(scanned_leaves)) == (12 * layers + 4, 16)

@@ -209,6 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
         "once more: see docs/guides/why-was-my-step-skipped.md)",
     )
     parser.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="run the blocks as one block scanned over the layers, each block param stacked over them: "
+        "one block compiled for all, and fewer, larger leaves for the optimizer",
+    )
+    parser.add_argument(
         "--block-recipe",
         default=_DEFAULTS.block_recipe,
         choices=list(config_lib.BLOCK_RECIPES),
@@ -258,6 +264,7 @@ def configs_from_args(args: argparse.Namespace) -> list[config_lib.LMConfig]:
         reduce_dtype=args.reduce_dtype,
         progress=not args.no_progress,
         record_overflow=args.record_overflow,
+        scan_layers=args.scan_layers,
         block_recipe=args.block_recipe,
     )
     return [

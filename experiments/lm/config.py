@@ -83,6 +83,7 @@ class LMConfig:
     reduce_dtype: str | None = None
     progress: bool = True
     record_overflow: bool = False  # keep the last skipped step's OverflowRecord in the state
+    scan_layers: bool = False  # one block scanned over the layers, its params stacked (GPT.scan_layers)
     block_recipe: str = "full"  # mixed_nvfp4's recipe: a key of BLOCK_RECIPES
 
     @property

@@ -173,7 +173,7 @@ class GPT(nn.Module):
         if self.scan_layers:
             scanned = nn.scan(
                 lambda block, x, _: (block(x), None),
-                variable_axes={"params": 0},
+                variable_axes={True: 0},  # every collection (params, FP8 scaling state) per layer
                 split_rngs={"params": True},
                 length=self.size.num_layers,
             )
@@ -185,11 +185,11 @@ class GPT(nn.Module):
         return embed.attend(x)
 
 
-def create_model(size: str, vocab_size: int, attention: str = "xla") -> GPT:
-    """The model of a named size (a key of `SIZES`)."""
+def create_model(size: str, vocab_size: int, attention: str = "xla", scan_layers: bool = False) -> GPT:
+    """The model of a named size (a key of `SIZES`), its blocks scanned over when `scan_layers`."""
     if size not in SIZES:
         raise ValueError(f"--model {size!r} is invalid: expected one of {', '.join(SIZES)}.")
-    return GPT(vocab_size=vocab_size, size=SIZES[size], attention=attention)
+    return GPT(vocab_size=vocab_size, size=SIZES[size], attention=attention, scan_layers=scan_layers)
 
 
 def num_params(size: GPTSize, vocab_size: int) -> int:

@@ -57,7 +57,7 @@ def create_model(config: LMConfig, precision: Precision, vocab_size: int, platfo
     size = model_lib.SIZES[config.model]
     policy = precision.policy
     attention = model_lib.choose_attention(config.attention, platform, policy.compute_dtype, size.head_dim)
-    model = model_lib.create_model(config.model, vocab_size, attention)
+    model = model_lib.create_model(config.model, vocab_size, attention, scan_layers=config.scan_layers)
     if config.route == "apply_policy":
         model = jaxamp.apply_policy(model, precision.policy, overrides=high_precision_layers(precision.policy))
     return model, attention
@@ -71,9 +71,10 @@ def high_precision_layers(policy: jaxamp.Policy) -> dict:
 def create_optimizer(config: LMConfig) -> optax.GradientTransformation:
     """AdamW (beta2 0.95, as GPT-2 reproductions use), warm-up then cosine to a tenth, clipped.
 
-    Weight decay applies to matrices only (kernels, embeddings), not to
-    biases and LayerNorm scales. A precision that names an update rounding
-    (``bfloat16_kahan``) wraps it in `jaxamp.low_precision_optimizer`.
+    Weight decay applies to the weights (kernels, the token and position
+    embeddings: `decays_weight`), not to biases and LayerNorm scales. A
+    precision that names an update rounding (``bfloat16_kahan``) wraps it in
+    `jaxamp.low_precision_optimizer`.
     """
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
@@ -89,10 +90,18 @@ def create_optimizer(config: LMConfig) -> optax.GradientTransformation:
             b1=0.9,
             b2=0.95,
             weight_decay=config.weight_decay,
-            mask=lambda params: jax.tree.map(lambda param: param.ndim >= 2, params),
+            mask=lambda params: jax.tree_util.tree_map_with_path(lambda path, _: decays_weight(path), params),
         ),
     )
     return resolve_precision(config.precision).optimizer(adamw, key=config.seed)
+
+
+def decays_weight(path) -> bool:
+    """Whether AdamW decays the param at `path` (a key path of the params): all but biases and
+    LayerNorm scales, by name, so that a bias of more than one dimension (the attention's
+    ``(3, heads, head_dim)``) or one stacked over scanned layers is not decayed."""
+    name = getattr(path[-1], "key", getattr(path[-1], "name", None)) if path else None
+    return name not in ("bias", "scale")
 
 
 def model_for_init(model):
