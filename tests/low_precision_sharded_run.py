@@ -149,6 +149,7 @@ def main():
     results["loss_before"] = float(loss_fn(initial_params(), INPUTS, TARGETS))
     for state_format in ("int8", "float8_e4m3fn"):
         results[state_format] = quantized_state_run(mesh, state_format)
+        results[f"{state_format}_per_tensor"] = quantized_state_run(mesh, state_format, block_size=None)
         results[f"{state_format}_explicit"] = explicit_mesh_run(state_format)
     print(json.dumps(results))
 
@@ -178,9 +179,10 @@ def blocks_whole_on_each_device(quantized) -> bool:
     return True
 
 
-def quantized_state_run(mesh, state_format):
-    """Five Adam steps with the moments in `state_format`, one device against the state placed by fsdp_shardings."""
-    tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), state_dtype=state_format, key=3)
+def quantized_state_run(mesh, state_format, block_size=256):
+    """Five Adam steps with the moments in `state_format` (blocks of `block_size`, or one scale per leaf),
+    one device against the state placed by fsdp_shardings."""
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), state_dtype=state_format, key=3, block_size=block_size)
     state = jaxamp.TrainState.create(apply_fn=None, params=quantized_params(), tx=tx)
     shardings = jaxamp.fsdp.fsdp_shardings(state, mesh)
     one_device = train(state, elementwise_loss)

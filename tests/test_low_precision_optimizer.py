@@ -460,6 +460,22 @@ def test_on_eight_devices_8_bit_moments_split_by_whole_blocks_and_the_steps_matc
 
 
 @pytest.mark.parametrize("state_format", ["int8", "float8_e4m3fn"])
+def test_on_eight_devices_8_bit_moments_with_a_scale_per_leaf_split_their_codes_and_match_one_device(
+    sharded_run, state_format
+):
+    """The same five steps with one scale per leaf (``block_size=None``, the ``_per_tensor`` precisions):
+    fsdp_shardings splits each moment's codes by rows as it splits the params (8 and 32 rows a device),
+    its one scale on every device, where it kept the whole leaf on every device before; params and
+    state match one device bit for bit (the leaf's largest magnitude is a max over the devices)."""
+    run = sharded_run[f"{state_format}_per_tensor"]
+    assert run["quantized_leaves"] == 4
+    assert run["codes_specs"] == ["P('data',)"] and run["scales_specs"] == ["P(None,)"]
+    assert run["rows_per_device"] == [8, 32]
+    assert run["state_bit_identical"]
+    assert run["params_changed"] > 0.9
+
+
+@pytest.mark.parametrize("state_format", ["int8", "float8_e4m3fn"])
 def test_on_a_mesh_of_explicit_axes_8_bit_moments_lie_by_whole_blocks_and_the_steps_match_one_device(
     sharded_run, state_format
 ):

@@ -9,7 +9,7 @@ import pytest
 
 import jaxamp
 from jaxamp._optimizer.low_precision import LowPrecisionState
-from jaxamp._optimizer.quantized import QuantizedArray, dequantize, quantize, unsigned_code
+from jaxamp._optimizer.quantized import QuantizedArray, dequantize, quantize, splits_by_rows, unsigned_code
 from test_fp8 import equations  # (name scope, equation) of a jaxpr and every jaxpr it carries
 
 FORMATS = ("int8", "float8_e4m3fn")
@@ -69,6 +69,22 @@ def test_bfloat16_params_and_adamws_two_8_bit_moments_take_about_4_bytes_a_param
 
 
 # --- the codes ----------------------------------------------------------------------
+
+
+def test_a_leaf_splits_by_rows_where_each_part_holds_whole_blocks_or_it_is_one_block():
+    """(codes split, scales split) over 8 parts: 64 x 256 in 64 blocks of 256 (8 rows, 8 blocks a part);
+    24 x 640 in 60 blocks (3 rows, 7.5 blocks a part: a block would straddle two parts); 4 x 4096 (fewer
+    rows than parts); a leaf of one block splits its codes by rows whenever they divide, its scale whole;
+    1 part always splits."""
+    assert splits_by_rows((64, 256), 64, 8) == (True, True)
+    assert splits_by_rows((24, 640), 60, 8) == (False, False)
+    assert splits_by_rows((4, 4096), 64, 8) == (False, False)
+    assert splits_by_rows((64, 256), 1, 8) == (True, False)
+    assert splits_by_rows((4, 4096), 1, 8) == (False, False)
+    assert splits_by_rows((16, 3, 12, 64), 144, 8) == (True, True)
+    assert splits_by_rows((8, 640), 20, 8) == (False, False)  # rows divide, blocks do not
+    assert splits_by_rows((24, 640), 60, 1) == (True, True)
+    assert splits_by_rows((), 1, 8) == (False, False)
 
 
 def test_the_unsigned_dynamic_code_spans_seven_decades_and_the_signed_one_is_every_other_value():

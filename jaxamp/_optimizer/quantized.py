@@ -146,6 +146,22 @@ def quantized_shapes(shape: tuple[int, ...], block_size: int | None) -> tuple[in
     return size // block, block
 
 
+def splits_by_rows(shape: tuple[int, ...], num_blocks: int, parts: int) -> tuple[bool, bool]:
+    """Whether an 8-bit leaf of `shape` in `num_blocks` blocks splits along its first dimension into
+    `parts` equal parts without a block straddling two: ``(codes split, scales split)``.
+
+    Blocks are runs of the flattened leaf, so a part of its rows holds whole blocks when the rows and
+    the blocks both divide into `parts`; then each part holds its blocks' codes and scales. A leaf of
+    one block (a scale per leaf) splits its codes by rows whenever the rows divide, its one scale on
+    every part. Otherwise neither splits.
+    """
+    rows_divide = bool(shape) and shape[0] % parts == 0
+    if num_blocks == 1:
+        return rows_divide, False
+    whole_blocks = rows_divide and num_blocks % parts == 0
+    return whole_blocks, whole_blocks
+
+
 def _per_element(per_block: jax.Array, like: jax.Array) -> jax.Array:
     """A value per block, repeated over the block's elements, in the shape (and, under a mesh of explicit
     axes, the layout) of `like`."""
@@ -172,8 +188,8 @@ def _whole_blocks(values: jax.Array, block_size: int | None) -> jax.Array:
     elsewhere as it is (XLA places the blocks itself).
 
     Raises:
-        ValueError: under a mesh of explicit axes, no shard of the first dimension holds whole blocks
-            (the dimension does not divide among the devices, or a shard is smaller than a block).
+        ValueError: under a mesh of explicit axes, the first dimension does not split among the
+            devices into parts of whole blocks (`splits_by_rows`).
     """
     sharding = explicit_sharding(values)
     if sharding is None:
@@ -187,20 +203,19 @@ def _whole_blocks(values: jax.Array, block_size: int | None) -> jax.Array:
     spec = jax.sharding.PartitionSpec(
         None if not axes else axes[0] if len(axes) == 1 else axes, *([None] * (values.ndim - 1))
     )
-    try:
-        if tuple(sharding.spec) + (None,) * (values.ndim - len(sharding.spec)) != tuple(spec):
-            values = jax.sharding.reshard(values, spec)
-        _blocks(values, block_size)  # JAX refuses it where a shard would split a block
-    except Exception as error:  # JAX's sharding errors (one not public): the layout, said below
-        devices = math.prod(sharding.mesh.shape[axis] for axis in axes)
+    devices = math.prod(sharding.mesh.shape[axis] for axis in axes)
+    num_blocks, block = quantized_shapes(values.shape, block_size)
+    if not splits_by_rows(values.shape, num_blocks, devices)[0]:
         raise ValueError(
             "8-bit optimizer state on a mesh of explicit axes is laid out by whole blocks: the mesh axes "
             f"{axes} on the array's first dimension, each device's rows holding whole blocks of "
-            f"{quantized_shapes(values.shape, block_size)[1]} elements of the flattened array. The array "
+            f"{block} elements of the flattened array. The array "
             f"{jax.typeof(values).str_short()} (first dimension {values.shape[0]}, {devices} devices) does "
             "not split so: keep this leaf's state in bfloat16 (a per-leaf state_dtype), or choose a "
             "block size that divides each device's rows."
-        ) from error
+        )
+    if tuple(sharding.spec) + (None,) * (values.ndim - len(sharding.spec)) != tuple(spec):
+        values = jax.sharding.reshard(values, spec)
     return values
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxamp._policy import PolicySpec, get_policy, parse_dtype, parse_fields
-from jaxamp._optimizer.quantized import QuantizedArray
+from jaxamp._optimizer.quantized import QuantizedArray, splits_by_rows
 from jaxamp.fsdp._fp8_gather import FP8_GATHER_DTYPES, fp8_gather_eligible, gather_fp8
 
 _OWN_DTYPE = ("param", "params", "none")  # each parameter's own dtype
@@ -278,8 +278,9 @@ def fsdp_shardings(tree: Any, mesh: Mesh, *, axis: str = "data") -> Any:
     dimension are replicated. An 8-bit optimizer state leaf of
     `jaxamp.low_precision_optimizer` (codes shaped like the array, a scale
     per block of its flattened elements) is split along its first dimension,
-    each device holding whole blocks and their scales, or replicated where
-    its blocks would straddle devices.
+    each device holding whole blocks and their scales; a leaf of one block
+    (a scale per leaf) splits its codes so, its scale on every device; a
+    leaf whose blocks would straddle devices is replicated.
 
     Args:
         tree: a pytree of arrays (or ``ShapeDtypeStruct``s).
@@ -293,13 +294,11 @@ def fsdp_shardings(tree: Any, mesh: Mesh, *, axis: str = "data") -> Any:
 
     def sharding(leaf):
         if isinstance(leaf, QuantizedArray):
-            # Blocks are runs of the flattened array: a split of its first dimension into parts of whole
-            # blocks gives each device its blocks' codes and scales. Otherwise the leaf stays whole.
-            shape = np.shape(leaf.codes)
-            whole_blocks = bool(shape) and shape[0] % axis_size == 0 and np.shape(leaf.scales)[0] % axis_size == 0
-            blocks = axis if whole_blocks else None
+            codes_split, scales_split = splits_by_rows(np.shape(leaf.codes), np.shape(leaf.scales)[0], axis_size)
             return QuantizedArray(
-                NamedSharding(mesh, PartitionSpec(blocks)), NamedSharding(mesh, PartitionSpec(blocks)), leaf.format
+                NamedSharding(mesh, PartitionSpec(axis if codes_split else None)),
+                NamedSharding(mesh, PartitionSpec(axis if scales_split else None)),
+                leaf.format,
             )
         return NamedSharding(mesh, _param_spec(np.shape(leaf), axis, axis_size))
 
