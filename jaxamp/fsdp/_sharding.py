@@ -294,7 +294,9 @@ def fsdp_shardings(tree: Any, mesh: Mesh, *, axis: str = "data") -> Any:
 
     def sharding(leaf):
         if isinstance(leaf, QuantizedArray):
-            codes_split, scales_split = splits_by_rows(np.shape(leaf.codes), np.shape(leaf.scales)[0], axis_size)
+            codes_split, scales_split = splits_by_rows(
+                np.shape(leaf.codes), np.shape(leaf.scales)[0], axis_size
+            )
             return QuantizedArray(
                 NamedSharding(mesh, PartitionSpec(axis if codes_split else None)),
                 NamedSharding(mesh, PartitionSpec(axis if scales_split else None)),
