@@ -147,6 +147,7 @@ def main():
             / np.max(np.abs(flat(mlp_one.params)))
         )
     results["loss_before"] = float(loss_fn(initial_params(), INPUTS, TARGETS))
+    results["two_axis_mesh_quantized_specs"] = two_axis_mesh_quantized_specs()
     for state_format in ("int8", "float8_e4m3fn"):
         results[state_format] = quantized_state_run(mesh, state_format)
         results[f"{state_format}_per_tensor"] = quantized_state_run(mesh, state_format, block_size=None)
@@ -203,6 +204,17 @@ def quantized_state_run(mesh, state_format, block_size=256):
     }
 
 
+def two_axis_mesh_quantized_specs():
+    """fsdp_shardings of an 8-bit leaf of 4 x 1024 in 16 blocks over the 4-device ``data`` axis of a
+    (4, 2) mesh: whole blocks for the axis's 4 devices (not for all 8), so codes and scales split."""
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    leaf = QuantizedArray(
+        jax.ShapeDtypeStruct((4, 1024), jnp.int8), jax.ShapeDtypeStruct((16,), jnp.float32), "int8"
+    )
+    shardings = jaxamp.fsdp.fsdp_shardings(leaf, mesh, axis="data")
+    return [str(shardings.codes.spec), str(shardings.scales.spec)]
+
+
 def explicit_mesh_run(state_format):
     """The same five steps on a mesh of explicit axes, where each array's type carries its sharding and
     a reshape must say how it splits; then the state of a kernel sharded along its second dimension
@@ -236,6 +248,7 @@ def explicit_mesh_run(state_format):
         "one_block_by_rows": (mesh, (64, 256), PartitionSpec("data", None), None),
         "two_axes_one_on_each_dimension": (two_axes, (64, 256), PartitionSpec("x", "y"), 256),
         "explicit_and_auto_axes_by_columns": (mixed, (64, 256), PartitionSpec(None, "e"), 256),
+        "explicit_and_auto_axes_two_rows": (mixed, (2, 2048), PartitionSpec("e", None), 256),
     }
     return {
         **{name: two_steps_against_one_device(state_format, *placement) for name, placement in placements.items()},

@@ -457,6 +457,8 @@ def test_on_eight_devices_8_bit_moments_split_by_whole_blocks_and_the_steps_matc
     assert run["blocks_whole_on_each_device"]
     assert run["state_bit_identical"]
     assert run["params_changed"] > 0.9
+    # On a (4, 2) mesh a leaf splits over the named axis's 4 devices, not over all 8.
+    assert sharded_run["two_axis_mesh_quantized_specs"] == ["P('data',)", "P('data',)"]
 
 
 @pytest.mark.parametrize("state_format", ["int8", "float8_e4m3fn"])
@@ -505,6 +507,10 @@ def test_on_explicit_meshes_of_other_shapes_8_bit_moments_still_lie_by_whole_blo
         "codes_spec": "P(('x', 'y'), None)", "scales_spec": "P(('x', 'y'),)", "bit_identical": True
     }
     assert run["explicit_and_auto_axes_by_columns"] == {
+        "codes_spec": "P('e', None)", "scales_spec": "P('e',)", "bit_identical": True
+    }
+    # Two rows split over the explicit axis's 2 devices, though not over the mesh's 8.
+    assert run["explicit_and_auto_axes_two_rows"] == {
         "codes_spec": "P('e', None)", "scales_spec": "P('e',)", "bit_identical": True
     }
     assert "first dimension 8, 8 devices" in run["block_split_by_a_shard_refused"]
