@@ -253,6 +253,13 @@ def explicit_mesh_run(state_format):
     return {
         **{name: two_steps_against_one_device(state_format, *placement) for name, placement in placements.items()},
         "block_split_by_a_shard_refused": refusal(state_format, mesh, (8, 640)),
+        "compiled_without_set_mesh": {
+            name: compiled_without_set_mesh(state_format, mesh, placement, block_size)
+            for name, placement, block_size in [
+                ("by_columns", PartitionSpec(None, "data"), 256),
+                ("one_block_by_rows", PartitionSpec("data", None), None),
+            ]
+        },
         "quantized_leaves": len(quantized),
         "codes_specs": sorted({str(q.codes.sharding.spec) for q in quantized}),
         "scales_specs": sorted({str(q.scales.sharding.spec) for q in quantized}),
@@ -293,6 +300,24 @@ def two_steps_against_one_device(state_format, mesh, shape, placement, block_siz
             for a, b in zip(jax.tree.leaves(one_device), jax.tree.leaves(sharded), strict=True)
         ),
     }
+
+
+def compiled_without_set_mesh(state_format, mesh, placement, block_size):
+    """The codes' and scales' layouts of the update of a 64 x 256 kernel's 8-bit moments, lowered and
+    compiled ahead of time from abstract arrays on `mesh` (explicit axes, as `jax.make_mesh` makes by
+    default) outside `jax.set_mesh`, as a program is compiled to be read (its collectives, its memory)."""
+    tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), state_dtype=state_format, key=3, block_size=block_size)
+    params = {"kernel": jax.ShapeDtypeStruct((64, 256), jnp.bfloat16, sharding=NamedSharding(mesh, placement))}
+    with jax.set_mesh(mesh):
+        state = jax.eval_shape(tx.init, params)
+
+    def update(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    compiled = jax.jit(update).lower(params, state, params).compile()
+    moment = compiled.output_shardings[1].inner_state[0].mu["kernel"]
+    return [str(moment.codes.spec), str(moment.scales.spec)]
 
 
 def refusal(state_format, mesh, shape):

@@ -128,6 +128,28 @@ def test_a_state_array_is_split_along_its_largest_divisible_axis_or_replicated()
     assert leaf_spec((64, 256), 1) == PartitionSpec()
 
 
+def test_the_collectives_count_every_dtype_a_step_communicates_in():
+    """int8 codes of 8-bit optimizer state and FP8 gathers (float8_e4m3fn) are counted with their
+    bytes, beside float32 and bool; a fault reading only names of letters then digits would skip the
+    FP8 gather or fail on int8's ``s8``."""
+    from experiments.lm.figures import collectives
+
+    hlo = "\n".join([
+        "  %a = s8[64,256]{1,0} all-gather(s8[8,256]{1,0} %codes), dimensions={0}",
+        "  %b = f8e4m3fn[16,256]{1,0} all-gather-start(f8e4m3fn[2,256]{1,0} %w), dimensions={0}",
+        "  %c = f32[4]{0} all-reduce(f32[4]{0} %g), to_apply=%sum",
+        "  %d = pred[7]{0} all-reduce(pred[7]{0} %f), to_apply=%and",
+        "  %e = f32[8,2]{1,0} reduce-scatter(f32[64,2]{1,0} %h), dimensions={0}",
+    ])  # fmt: skip
+    assert collectives(hlo) == {
+        "all-gather int8": {"count": 1, "result_bytes": 64 * 256},
+        "all-gather float8_e4m3fn": {"count": 1, "result_bytes": 16 * 256},
+        "all-reduce float32": {"count": 1, "result_bytes": 16},
+        "all-reduce bool": {"count": 1, "result_bytes": 7},
+        "reduce-scatter float32": {"count": 1, "result_bytes": 64},
+    }
+
+
 def test_eight_sharded_devices_train_like_one_device(eight_device_runs):
     """Fails if a batch row is lost or doubled across devices, or if the state is not
     actually sharded (no all-gather or reduce-scatter in the compiled step)."""

@@ -509,6 +509,10 @@ def test_on_explicit_meshes_of_other_shapes_8_bit_moments_still_lie_by_whole_blo
     assert run["explicit_and_auto_axes_by_columns"] == {
         "codes_spec": "P('e', None)", "scales_spec": "P('e',)", "bit_identical": True
     }
+    # Compiled ahead of time outside jax.set_mesh (its layouts resharded by NamedSharding, not by spec).
+    assert run["compiled_without_set_mesh"] == {
+        "by_columns": ["P('data', None)", "P('data',)"], "one_block_by_rows": ["P('data', None)", "P(None,)"]
+    }
     # Two rows split over the explicit axis's 2 devices, though not over the mesh's 8.
     assert run["explicit_and_auto_axes_two_rows"] == {
         "codes_spec": "P('e', None)", "scales_spec": "P('e',)", "bit_identical": True

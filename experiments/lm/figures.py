@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from experiments.benchmark import roofline
@@ -25,7 +26,7 @@ from experiments.benchmark.workload import memory_of
 from jaxamp.diagnostics import hlo_precision_report
 
 _COLLECTIVE = re.compile(
-    r"= (?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\][^ ]* "
+    r"= (?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[0-9,]*)\][^ ]* "
     r"(?P<op>all-gather|reduce-scatter|all-reduce)(?:-start)?\("
 )
 MFU_NOT_APPLICABLE = "not applicable: no published peak FLOP/s for this device"
@@ -71,7 +72,7 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
         dtype = _HLO_DTYPES.get(match["dtype"], match["dtype"])
         entry = found[f"{match['op']} {dtype}"]
         entry["count"] += 1
-        entry["result_bytes"] += int(np.prod(dims, dtype=np.int64)) * np.dtype(dtype).itemsize
+        entry["result_bytes"] += int(np.prod(dims, dtype=np.int64)) * jnp.dtype(dtype).itemsize
     return dict(found)
 
 
@@ -79,8 +80,15 @@ _HLO_DTYPES = {
     "f32": "float32",
     "bf16": "bfloat16",
     "f16": "float16",
+    "f64": "float64",
+    "f8e4m3fn": "float8_e4m3fn",
+    "f8e5m2": "float8_e5m2",
+    "s8": "int8",
+    "u8": "uint8",
     "s32": "int32",
     "u32": "uint32",
+    "s64": "int64",
+    "u64": "uint64",
     "pred": "bool",
 }
 

@@ -322,7 +322,7 @@ def _load(stored, storage, reference, layout=None, *, by_lookup: bool = False) -
     # Under a mesh of explicit axes, the codes lie by whole blocks (`quantize`); the inner optimizer
     # meets the value with the gradients, laid out like the params, as its own state is.
     if layout is not None and explicit_sharding(value) is not None:
-        value = jax.sharding.reshard(value, layout.spec)
+        value = jax.sharding.reshard(value, layout)
     return value.astype(reference.dtype)
 
 

@@ -171,7 +171,7 @@ def _per_element(per_block: jax.Array, like: jax.Array) -> jax.Array:
     sharding = explicit_sharding(like)
     if sharding is None or explicit_sharding(repeated).spec == sharding.spec:
         return repeated
-    return jax.sharding.reshard(repeated, sharding.spec)  # one block: its scale, on every device
+    return jax.sharding.reshard(repeated, sharding)  # one block: its scale, on every device
 
 
 def explicit_sharding(array: jax.Array):
@@ -215,7 +215,7 @@ def _whole_blocks(values: jax.Array, block_size: int | None) -> jax.Array:
             "block size that divides each device's rows."
         )
     if tuple(sharding.spec) + (None,) * (values.ndim - len(sharding.spec)) != tuple(spec):
-        values = jax.sharding.reshard(values, spec)
+        values = jax.sharding.reshard(values, jax.sharding.NamedSharding(sharding.mesh, spec))
     return values
 
 
