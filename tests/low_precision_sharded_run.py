@@ -306,8 +306,11 @@ def compiled_without_set_mesh(state_format, mesh, placement, block_size):
     """The codes' and scales' layouts of the update of a 64 x 256 kernel's 8-bit moments, lowered and
     compiled ahead of time from abstract arrays on `mesh` (explicit axes, as `jax.make_mesh` makes by
     default) outside `jax.set_mesh`, as a program is compiled to be read (its collectives, its memory)."""
-    tx = jaxamp.low_precision_optimizer(optax.adam(1e-2), state_dtype=state_format, key=3, block_size=block_size)
-    params = {"kernel": jax.ShapeDtypeStruct((64, 256), jnp.bfloat16, sharding=NamedSharding(mesh, placement))}
+    tx = jaxamp.low_precision_optimizer(
+        optax.adam(1e-2), state_dtype=state_format, key=3, block_size=block_size
+    )
+    kernel = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16, sharding=NamedSharding(mesh, placement))
+    params = {"kernel": kernel}
     with jax.set_mesh(mesh):
         state = jax.eval_shape(tx.init, params)
 

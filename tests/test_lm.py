@@ -60,7 +60,9 @@ def test_the_scanned_model_computes_the_loop_models_logits_from_its_params_stack
     first, second = np.asarray(scanned_init["blocks"]["mlp"]["up"]["kernel"][:2], np.float32)
     assert not np.array_equal(first, second)  # each layer initialized from a key of its own
     for name in ("up", "down"):  # the residual projections' init scaled down, as in the loop model
-        init_std, loop_std = (np.std(tree["blocks"]["mlp"][name]["kernel"]) for tree in (scanned_init, stacked))
+        init_std, loop_std = (
+            np.std(tree["blocks"]["mlp"][name]["kernel"]) for tree in (scanned_init, stacked)
+        )
         assert np.isclose(init_std, loop_std, rtol=0.1)
 
     expected = loop.apply(
@@ -71,8 +73,8 @@ def test_the_scanned_model_computes_the_loop_models_logits_from_its_params_stack
     tolerance = 1e-5 if precision == "float32" else 2e-2
     np.testing.assert_allclose(np.float32(logits), np.float32(expected), rtol=tolerance, atol=tolerance)
     reversed_layers = {**params, "blocks": jax.tree.map(lambda *leaves: jnp.stack(leaves[::-1]), *layers)}
-    assert not np.allclose(np.float32(scanned.apply({"params": reversed_layers}, tokens)), np.float32(expected),
-                           rtol=tolerance, atol=tolerance)  # fmt: skip
+    reversed_logits = scanned.apply({"params": reversed_layers}, tokens)
+    assert not np.allclose(np.float32(reversed_logits), np.float32(expected), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
@@ -87,7 +89,8 @@ def test_weight_decay_falls_on_the_weights_and_not_on_biases_or_norm_scales_in_e
     assert config.scan_layers is scan_layers
     model, _ = train.create_model(config, resolve_precision("fp32"), 256, "cpu")
     assert getattr(model, "module", model).scan_layers is scan_layers
-    params = jax.tree.map(jnp.ones_like, model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["params"])
+    initial = model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["params"]
+    params = jax.tree.map(jnp.ones_like, initial)
     tx = train.create_optimizer(config)
     opt_state = tx.init(params)
     moved = params
@@ -99,7 +102,8 @@ def test_weight_decay_falls_on_the_weights_and_not_on_biases_or_norm_scales_in_e
         for path, leaf in jax.tree_util.tree_flatten_with_path(moved)[0]
     }
     decayed = {path for path, did in changed.items() if did}
-    assert decayed == {path for path in changed if path.endswith(("['kernel']", "['embedding']", "['positions']"))}
+    weights = ("['kernel']", "['embedding']", "['positions']")
+    assert decayed == {path for path in changed if path.endswith(weights)}
     qkv_bias = "['blocks']['attn']['qkv']['bias']" if scan_layers else "['block0']['attn']['qkv']['bias']"
     assert qkv_bias in changed and qkv_bias not in decayed
 

@@ -90,7 +90,9 @@ def create_optimizer(config: LMConfig) -> optax.GradientTransformation:
             b1=0.9,
             b2=0.95,
             weight_decay=config.weight_decay,
-            mask=lambda params: jax.tree_util.tree_map_with_path(lambda path, _: decays_weight(path), params),
+            mask=lambda params: jax.tree_util.tree_map_with_path(
+                lambda path, _: decays_weight(path), params
+            ),
         ),
     )
     return resolve_precision(config.precision).optimizer(adamw, key=config.seed)
