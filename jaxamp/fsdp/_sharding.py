@@ -250,21 +250,11 @@ def _check_axis(mesh: Any, axis: str) -> int:
 def shard_dimension(shape: tuple[int, ...], axis_size: int) -> int | None:
     """The dimension a leaf of `shape` is split along, or None to replicate it.
 
-    The first dimension when it divides by `axis_size` (each device holds
-    consecutive rows, as PyTorch's FSDP2 splits every parameter), else the
-    largest dimension that does (the first of equals); None for scalars and
-    for leaves none of whose dimensions divides. The rule depends on shapes
-    only, so a parameter and its optimizer moments split alike, and
-    `fsdp_loss` finds the same split from traced shapes. Rows first because
-    an 8-bit moment's blocks are runs of its flattened elements: split by
-    rows, each device holds whole blocks of the moments of the rows it holds
-    and the update needs no collective. With a kernel split by columns
-    beside its 8-bit moments split by rows, XLA moved the moments between the
-    two layouts at every step (22 bytes a parameter sent by each of 8 H200s,
-    for GPT-2's block shapes).
+    The largest dimension that divides by `axis_size` (the first of equals);
+    None for scalars and for leaves none of whose dimensions divides. The
+    rule depends on shapes only, so a parameter and its optimizer moments
+    split alike, and `fsdp_loss` finds the same split from traced shapes.
     """
-    if shape and shape[0] > 0 and shape[0] % axis_size == 0:
-        return 0
     candidates = [(size, -index) for index, size in enumerate(shape) if size % axis_size == 0 and size > 0]
     if not candidates:
         return None
